@@ -1,0 +1,192 @@
+"""Events in, decisions out: the vocabulary of the scheduling policy.
+
+The policy (:mod:`jupyter_gpushare.scheduler.policy`) is a pure state machine. It never reads a
+clock, a socket or NVML: the asyncio shell (:mod:`jupyter_gpushare.scheduler.server`), the tests and
+the benchmark simulator all feed it these events, each stamped with the time ``now`` in seconds
+(any monotonic origin), and carry out the decisions it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True)
+class Join:
+    """A client connected and said HELLO."""
+
+    now: float
+    client: str
+    device: str  # device UUID
+    user: str  # fair-share key: the verified user name (or uid as a string)
+    weight: float = 1.0
+    quota: int = 0  # bytes, 0 = none
+    context_bytes: int = 0
+    uid: int = -1
+    pid: int = 0
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Request:
+    """The client's GPU call is blocked: it wants the device. Carries its current memory use."""
+
+    now: float
+    client: str
+    used: int = 0
+    managed: int = 0
+    pinned: int = 0
+    evicted: int = 0
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The client's memory use changed."""
+
+    now: float
+    client: str
+    used: int
+    managed: int
+    pinned: int
+    evicted: int
+
+
+@dataclass(frozen=True)
+class Released:
+    """The client finished its outstanding work and no longer uses the device.
+
+    Either the answer to a Revoke decision, or unsolicited (``%gpushare release``).
+    """
+
+    now: float
+    client: str
+    evicted: bool = False
+    bytes_moved: int = 0
+    micros: int = 0
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Answer to an Evict decision: the client's managed memory is on the host now."""
+
+    now: float
+    client: str
+    bytes_moved: int = 0
+    micros: int = 0
+
+
+@dataclass(frozen=True)
+class Restored:
+    """After a Grant with restore: the client's memory is back on the device."""
+
+    now: float
+    client: str
+    bytes_moved: int = 0
+    micros: int = 0
+
+
+@dataclass(frozen=True)
+class Idle:
+    """The client is idle: the shim saw no GPU call for its window, or Jupyter's cell finished."""
+
+    now: float
+    client: str
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Jupyter says the kernel started executing a cell: it gets priority over idle holders."""
+
+    now: float
+    client: str
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The client's connection closed (clean exit, crash or kill -9)."""
+
+    now: float
+    client: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; sent by the shell at the deadline that :meth:`Policy.next_deadline` gave."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class AdminRelease:
+    """An operator (or the kernel's owner) asks that the client give the device back."""
+
+    now: float
+    client: str
+    evict: bool = False
+
+
+@dataclass(frozen=True)
+class SetQuota:
+    """An operator changes the client's memory quota (bytes, 0 = none)."""
+
+    now: float
+    client: str
+    quota: int
+
+
+Event = (
+    Join
+    | Request
+    | Memory
+    | Released
+    | Evicted
+    | Restored
+    | Idle
+    | Busy
+    | Leave
+    | Tick
+    | AdminRelease
+    | SetQuota
+)
+
+# --------------------------------------------------------------------------------------------
+# Decisions
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Tell the client it holds the device; ``restore``: prefetch its evicted memory first."""
+
+    client: str
+    restore: bool = False
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """Ask the client to finish its work and give the device back; ``evict``: to host memory."""
+
+    client: str
+    evict: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Ask a client that does not hold the device to move its managed memory to the host."""
+
+    client: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class QuotaChanged:
+    """Tell the client its effective quota changed."""
+
+    client: str
+    quota: int
+
+
+Decision = Grant | Revoke | Evict | QuotaChanged
