@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         output = HERE / "jupyter_gpushare" / "lib" / "libgpushare.so"
         _native_build().build_shim(output)
-        # The wheel now holds a native library: tag it for this platform, not py3-none-any.
+        # The wheel now holds a native library, but no Python extension: any Python 3 on this
+        # platform can load it, so tag it py3-none-<platform> rather than cpXY-cpXY-<platform>.
         build_data["pure_python"] = False
-        build_data["infer_tag"] = True
+        platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+        build_data["tag"] = f"py3-none-{platform}"
         build_data["artifacts"].append("jupyter_gpushare/lib/libgpushare.so")

@@ -1,1 +1,4 @@
-"""The node's GPU scheduler: a pure policy core (policy.py) wrapped by an asyncio shell (server.py)."""
+"""The node's GPU scheduler.
+
+A pure policy core (policy.py) wrapped by an asyncio shell (server.py).
+"""

@@ -1,0 +1,396 @@
+"""The ``gpushare`` command line: ``scheduler``, ``run`` and ``status``.
+
+    gpushare scheduler [--socket PATH] [--pool 24GiB] [--quantum 5] [--log-level DEBUG]
+    gpushare run [--socket PATH] [--memory-limit 8GiB] [--weight 2] -- python train.py
+    gpushare status [--socket PATH] [--json]
+
+Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
+the Jupyter config path (``jupyter --paths``), or ``--config FILE``; the command line wins, e.g.
+``c.GPUShareScheduler.pool_size = "24GiB"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+from copy import deepcopy
+from typing import Any
+
+from traitlets import Bool, Float, Unicode
+from traitlets.config import Application
+
+from ._version import __version__
+from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .scheduler.server import GPUShareScheduler, SchedulerStartError
+from .units import format_size, parse_size
+
+__all__ = ["GPUShareApp", "RunApp", "SchedulerApp", "StatusApp", "format_status", "main"]
+
+
+class GPUShareBaseApp(Application):
+    """Shared behaviour: version, log format, config files."""
+
+    version = __version__
+
+    config_file = Unicode(
+        "", help="A config file to load (after gpushare_config.py in the Jupyter config path)."
+    ).tag(config=True)
+
+    aliases: dict[Any, Any] = {
+        "log-level": "Application.log_level",
+        "config": "GPUShareBaseApp.config_file",
+    }
+
+    def _log_format_default(self) -> str:
+        return "[%(levelname)1.1s %(asctime)s.%(msecs)03d %(name)s] %(message)s"
+
+    def _log_datefmt_default(self) -> str:
+        return "%H:%M:%S"
+
+    def load_gpushare_config(self) -> None:
+        """Load config files; what the command line set keeps priority."""
+        cl_config = deepcopy(self.config)
+        try:
+            from jupyter_core.paths import jupyter_config_path
+
+            paths = jupyter_config_path()
+        except Exception:  # pragma: no cover - jupyter_core is a dependency
+            paths = []
+        for name in ("jupyter_config", "gpushare_config"):
+            try:
+                self.load_config_file(name, path=paths)
+            except Exception as exc:
+                self.log.warning("cannot load %s: %s", name, exc)
+        if self.config_file:
+            directory, filename = os.path.split(os.path.abspath(self.config_file))
+            if not os.path.isfile(self.config_file):
+                self.log.critical("config file not found: %s", self.config_file)
+                self.exit(2)
+            self.load_config_file(filename, path=directory)
+        self.update_config(cl_config)
+
+
+class SchedulerApp(GPUShareBaseApp):
+    name = "gpushare-scheduler"
+    description = """Run the node's GPU scheduler in the foreground (logs go to stderr).
+    SIGTERM or Ctrl-C stops it and removes its socket."""
+    examples = "gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG"
+
+    aliases: dict[Any, Any] = {
+        **GPUShareBaseApp.aliases,
+        "socket": "GPUShareScheduler.socket_path",
+        "pool": "GPUShareScheduler.pool_size",
+        "reserve": "GPUShareScheduler.pool_reserve",
+        "quantum": "GPUShareScheduler.base_quantum",
+        "max-quantum": "GPUShareScheduler.max_quantum",
+    }
+    flags: dict[Any, Any] = {
+        "no-nvml": (
+            {"GPUShareScheduler": {"use_nvml": False}},
+            "Do not ask NVML for devices; learn them from the shims.",
+        ),
+        "debug": ({"Application": {"log_level": "DEBUG"}}, "Log at DEBUG level."),
+    }
+
+    classes = [GPUShareScheduler]
+
+    def _log_level_default(self) -> int:
+        return logging.INFO  # grants, revokes, evictions and restores are logged at INFO
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        self.load_gpushare_config()
+
+    def start(self) -> None:
+        try:
+            scheduler = GPUShareScheduler(parent=self)
+        except Exception as exc:  # a bad config value
+            self.log.critical("invalid configuration: %s", exc)
+            self.exit(2)
+        try:
+            asyncio.run(self._serve(scheduler))
+        except SchedulerStartError as exc:
+            self.log.critical("%s", exc)
+            self.exit(1)
+        except OSError as exc:
+            self.log.critical("cannot start the scheduler: %s", exc)
+            self.exit(1)
+
+    async def _serve(self, scheduler: Any) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_signal, scheduler, sig)
+        await scheduler.run_forever()
+
+    def _on_signal(self, scheduler: Any, sig: signal.Signals) -> None:
+        self.log.info("%s: stopping", signal.Signals(sig).name)
+        scheduler.request_stop()
+
+
+class RunApp(GPUShareBaseApp):
+    name = "gpushare-run"
+    description = """Run a command under the shim: its GPU work is scheduled by the node's
+    scheduler. Put the command after `--`."""
+    examples = "gpushare run --memory-limit 8GiB -- python train.py --epochs 3"
+
+    socket = Unicode("", help="The scheduler's socket (default: as the shim computes it).").tag(
+        config=True
+    )
+    memory_limit = Unicode("", help="Memory quota, e.g. 8GiB ('' = none).").tag(config=True)
+    weight = Float(0.0, help="Fair-share weight (0 = the default, 1).").tag(config=True)
+    client_id = Unicode("", help="Client id (default: pid-<pid>).").tag(config=True)
+    label = Unicode("", help="What runs, as status shows it (default: the command line).").tag(
+        config=True
+    )
+
+    aliases: dict[Any, Any] = {
+        **GPUShareBaseApp.aliases,
+        "socket": "RunApp.socket",
+        "memory-limit": "RunApp.memory_limit",
+        "weight": "RunApp.weight",
+        "client-id": "RunApp.client_id",
+        "label": "RunApp.label",
+    }
+
+    command: list[str]
+
+    def initialize(self, argv: Any = None) -> None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        options, command = _split_command(argv, self.aliases)
+        self.command = command
+        super().initialize(options)
+        self.load_gpushare_config()
+
+    def start(self) -> None:
+        from .shim import ShimNotFound, shim_environment
+
+        if not self.command:
+            print(
+                "gpushare run: no command given; "
+                "usage: gpushare run [OPTIONS] -- COMMAND [ARGS...]",
+                file=sys.stderr,
+            )
+            self.exit(2)
+        try:
+            quota = parse_size(self.memory_limit) if self.memory_limit else None
+        except ValueError as exc:
+            print(f"gpushare run: --memory-limit: {exc}", file=sys.stderr)
+            self.exit(2)
+        if self.weight < 0:
+            print("gpushare run: --weight must be positive", file=sys.stderr)
+            self.exit(2)
+        try:
+            env = shim_environment(
+                os.environ,
+                socket=self.socket or None,
+                client_id=self.client_id or None,
+                quota=quota,
+                weight=self.weight or None,
+                label=self.label or shlex.join(self.command),
+            )
+        except ShimNotFound as exc:
+            print(f"gpushare run: {exc}", file=sys.stderr)
+            self.exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execvpe(self.command[0], self.command, env)
+        except FileNotFoundError:
+            print(f"gpushare run: command not found: {self.command[0]}", file=sys.stderr)
+            self.exit(127)
+        except PermissionError:
+            print(f"gpushare run: permission denied: {self.command[0]}", file=sys.stderr)
+            self.exit(126)
+        except OSError as exc:
+            print(f"gpushare run: cannot run {self.command[0]}: {exc}", file=sys.stderr)
+            self.exit(126)
+
+
+def _split_command(argv: list[str], aliases: dict[Any, Any]) -> tuple[list[str], list[str]]:
+    """Split ``gpushare run`` arguments into its own options and the command to run.
+
+    Everything after the first ``--`` is the command. Without ``--``, the command starts at the
+    first argument that is neither an option nor the value of an option that takes one.
+    """
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    takes_value = {f"--{name}" for name in aliases if isinstance(name, str)}
+    takes_value |= {f"-{name}" for name in aliases if isinstance(name, str) and len(name) == 1}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        if "=" not in arg and arg in takes_value:
+            i += 1
+        i += 1
+    return argv, []
+
+
+class StatusApp(GPUShareBaseApp):
+    name = "gpushare-status"
+    description = """Show what the node's GPU scheduler is doing: devices, pool, who holds the
+    device, who waits, and each client's memory and GPU time. Exit code 1 when no scheduler is
+    running."""
+    examples = "gpushare status --json"
+
+    socket = Unicode("", help="The scheduler's socket (default: as the shim computes it).").tag(
+        config=True
+    )
+    json = Bool(False, help="Print the status document as JSON.").tag(config=True)
+    device = Unicode("", help="Only this device (UUID).").tag(config=True)
+
+    aliases: dict[Any, Any] = {
+        **GPUShareBaseApp.aliases,
+        "socket": "StatusApp.socket",
+        "device": "StatusApp.device",
+    }
+    flags: dict[Any, Any] = {
+        "json": ({"StatusApp": {"json": True}}, "Print the status document as JSON."),
+    }
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        self.load_gpushare_config()
+
+    def start(self) -> None:
+        client = SchedulerClient(self.socket or None)
+        try:
+            doc = client.status_sync(self.device or None)
+        except SchedulerUnavailable as exc:
+            print(f"gpushare status: {exc}", file=sys.stderr)
+            self.exit(1)
+        except SchedulerError as exc:
+            print(f"gpushare status: the scheduler refused: {exc}", file=sys.stderr)
+            self.exit(1)
+        if self.json:
+            print(json.dumps(doc, indent=2))
+        else:
+            print(format_status(doc))
+
+
+def _size(value: Any) -> str:
+    try:
+        return format_size(int(value or 0))
+    except (TypeError, ValueError):
+        return "?"
+
+
+def _seconds(value: Any) -> str:
+    try:
+        return f"{float(value or 0):.1f}s"
+    except (TypeError, ValueError):
+        return "?"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    """The status document as a human-readable table."""
+    lines = [f"gpushare scheduler {doc.get('version', '?')} on {doc.get('socket', '?')}"]
+    nvml = doc.get("nvml", True)
+    if nvml is not True:
+        lines.append(f"NVML: {nvml}")
+    devices = doc.get("devices") or []
+    if not devices:
+        lines.append("No devices known yet (they appear when NVML finds them or a shim connects).")
+        return "\n".join(lines)
+    for dev in devices:
+        lines.append("")
+        lines.append(f"{dev.get('uuid', '?')}  {dev.get('name', '')}".rstrip())
+        quantum = dev.get("quantum_ms")
+        quantum_text = f"{quantum / 1000:.1f}s" if isinstance(quantum, (int, float)) else "?"
+        lines.append(
+            f"  pool {_size(dev.get('pool_bytes'))} of {_size(dev.get('total_bytes'))}"
+            f"  resident {_size(dev.get('resident_bytes'))}"
+            f"  mode {dev.get('mode', '?')}  quantum {quantum_text}"
+        )
+        holders = ", ".join(dev.get("holders") or []) or "-"
+        queue = ", ".join(dev.get("queue") or []) or "-"
+        lines.append(f"  holder: {holders}   queue: {queue}")
+        clients = dev.get("clients") or []
+        if dev.get("clients_truncated"):
+            lines.append(f"  ({dev['clients_truncated']} clients; too many to list)")
+        if not clients:
+            lines.append("  no clients")
+            continue
+        rows = [
+            [
+                "CLIENT",
+                "USER",
+                "PID",
+                "STATE",
+                "RESIDENT",
+                "EVICTED",
+                "QUOTA",
+                "GPU TIME",
+                "WAIT",
+                "LABEL",
+            ]
+        ]
+        for c in clients:
+            used = int(c.get("used_bytes") or 0)
+            evicted = int(c.get("evicted_bytes") or 0)
+            state = str(c.get("state", "?"))
+            if c.get("queue_position") is not None:
+                state += f" #{c['queue_position']}"
+            quota = int(c.get("quota_bytes") or 0)
+            rows.append(
+                [
+                    str(c.get("id", "?")),
+                    str(c.get("user", "")),
+                    str(c.get("pid", "")),
+                    state,
+                    format_size(max(used - evicted, 0)),
+                    format_size(evicted),
+                    format_size(quota) if quota else "none",
+                    _seconds(c.get("gpu_seconds")),
+                    _seconds(c.get("wait_seconds")),
+                    str(c.get("label", "")),
+                ]
+            )
+        lines.extend(_table(rows))
+    return "\n".join(lines)
+
+
+class GPUShareApp(GPUShareBaseApp):
+    name = "gpushare"
+    description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
+    turns when they don't."""
+    examples = """gpushare scheduler --pool 24GiB
+gpushare run -- python train.py
+gpushare status"""
+
+    subcommands: dict[str, Any] = {
+        "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
+        "run": (RunApp, RunApp.description.splitlines()[0]),
+        "status": (StatusApp, StatusApp.description.splitlines()[0]),
+    }
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        print("gpushare: a subcommand is needed: scheduler, run or status\n", file=sys.stderr)
+        self.print_subcommands()
+        self.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    GPUShareApp.launch_instance(argv=argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,86 @@
+"""Memory sizes as people write them: ``24GiB``, ``512M``, ``1.5G``, ``1073741824``.
+
+Every unit is a power of 1024, whatever its spelling (``G``, ``GB`` and ``GiB`` all mean 2**30),
+because GPU memory is sized in binary units and a ``24G`` pool that is 1.3 GiB smaller than the
+user meant is a surprise, not a feature.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1024**4,
+    "tib": 1024**4,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Return ``value`` in bytes.
+
+    Accepts a non-negative int, or a string of a number (decimals allowed) and an optional unit:
+    ``B``, ``K``/``KB``/``KiB``, ``M``/``MB``/``MiB``, ``G``/``GB``/``GiB``, ``T``/``TB``/``TiB``
+    (case-insensitive, all 1024-based). Fractions of a byte are rounded down.
+
+    Raises ValueError with a message that shows the offending value and the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}: expected bytes or a size such as '24GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"invalid size {value!r}: a size cannot be negative")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f"invalid size {value!r}: expected bytes or a size such as '24GiB' "
+            f"(got {type(value).__name__})"
+        )
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ValueError(
+            f"invalid size {value!r}: expected a number with an optional unit "
+            "(B, K, M, G, T, KiB, MiB, GiB, TiB), e.g. '24GiB', '512M' or '1073741824'"
+        )
+    number, unit = match.groups()
+    multiplier = _UNITS.get(unit.lower())
+    if multiplier is None:
+        raise ValueError(
+            f"invalid size {value!r}: unknown unit {unit!r} "
+            "(use B, K, M, G, T, KiB, MiB, GiB or TiB; all are 1024-based)"
+        )
+    if "." in number:
+        whole, _, frac = number.partition(".")
+        # Exact arithmetic: 1.5G is 1610612736 bytes, not a float approximation of it.
+        numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
+        return numerator * multiplier // 10 ** len(frac)
+    return int(number) * multiplier
+
+
+def format_size(size: int | float) -> str:
+    """Format bytes for humans: ``512 B``, ``1.50 KiB``, ``24.00 GiB``."""
+    value = float(size)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.2f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,205 @@
+"""Helpers and fixtures for the scheduler shell tests: a live scheduler on a short temporary
+socket path and fake shim clients that speak the protocol through jupyter_gpushare.protocol.
+
+A uniquely named module (not conftest) so that ``from sched_helpers import ...`` never picks up
+another directory's conftest; conftest.py re-exports the fixtures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from jupyter_gpushare.protocol import (  # noqa: E402
+    FrameDecoder,
+    Message,
+    MsgType,
+    encode,
+)
+from jupyter_gpushare.scheduler.server import GPUShareScheduler, PeerCred  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEVICE = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    # Unix socket paths are limited to 107 bytes: pytest's tmp_path can be longer.
+    path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def sock_path(sock_dir: str) -> str:
+    return os.path.join(sock_dir, "s.sock")
+
+
+class FakeCredScheduler(GPUShareScheduler):
+    """A scheduler whose peers' credentials can be faked: the n-th accepted connection gets
+    ``fake_creds[n]`` (a dict of ``uid``/``pid`` overrides) when set, so authorisation and
+    duplicate-id tests need no second user account or process."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fake_creds: list[dict[str, int] | None] = []
+        self._accepted = 0
+
+    def peer_credentials(self, sock: Any) -> PeerCred:
+        real = super().peer_credentials(sock)
+        n = self._accepted
+        self._accepted += 1
+        fake = self.fake_creds[n] if n < len(self.fake_creds) else None
+        if fake:
+            return PeerCred(fake.get("pid", real.pid), fake.get("uid", real.uid), real.gid)
+        return real
+
+
+@pytest.fixture
+async def make_scheduler(sock_path: str) -> AsyncIterator[Any]:
+    started: list[GPUShareScheduler] = []
+
+    async def make(**kwargs: Any) -> FakeCredScheduler:
+        kwargs.setdefault("socket_path", sock_path)
+        kwargs.setdefault("use_nvml", False)
+        kwargs.setdefault("pool_size", "1GiB")
+        kwargs.setdefault("base_quantum", 30.0)
+        server = FakeCredScheduler(**kwargs)
+        await server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        await server.stop()
+
+
+@pytest.fixture
+async def scheduler(make_scheduler: Any) -> FakeCredScheduler:
+    return await make_scheduler()
+
+
+class FakeShim:
+    """A shim (or control peer) written in Python with the protocol module."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FrameDecoder()
+        self.inbox: list[Message] = []
+        self.client_id = ""
+
+    @classmethod
+    async def connect(cls, path: str) -> FakeShim:
+        reader, writer = await asyncio.open_unix_connection(path)
+        return cls(reader, writer)
+
+    async def send(self, mtype: MsgType | int, **fields: Any) -> None:
+        self.writer.write(encode(Message(mtype, fields)))
+        await self.writer.drain()
+
+    async def send_raw(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def hello(
+        self,
+        client_id: str,
+        *,
+        device: str = DEVICE,
+        total: int = 80 * GiB,
+        quota: int = 0,
+        weight_milli: int = 1000,
+        **extra: Any,
+    ) -> Message:
+        self.client_id = client_id
+        await self.send(
+            MsgType.HELLO,
+            client_id=client_id,
+            pid=os.getpid(),
+            device_uuid=device,
+            device_name="Fake GPU",
+            device_total=total,
+            quota=quota,
+            weight_milli=weight_milli,
+            user="tester",
+            label=f"{client_id}.ipynb",
+            context_bytes=0,
+            version="test",
+            **extra,
+        )
+        return await self.expect(MsgType.WELCOME)
+
+    async def request(self, used: int, *, managed: int | None = None, evicted: int = 0) -> None:
+        await self.send(
+            MsgType.REQUEST,
+            used_bytes=used,
+            managed_bytes=used if managed is None else managed,
+            pinned_bytes=0 if managed is None else used - managed,
+            evicted_bytes=evicted,
+        )
+
+    async def recv(self, timeout: float = 3.0) -> Message | None:
+        """The next message, or None when the connection closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.inbox:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.client_id}: no message within {timeout}s")
+            data = await asyncio.wait_for(self.reader.read(65536), remaining)
+            if not data:
+                return None
+            self.inbox.extend(self.decoder.feed(data))
+        return self.inbox.pop(0)
+
+    async def expect(self, mtype: MsgType, timeout: float = 3.0) -> Message:
+        msg = await self.recv(timeout)
+        assert msg is not None, f"{self.client_id}: connection closed, expected {mtype.name}"
+        assert msg.type == mtype, f"{self.client_id}: expected {mtype.name}, got {msg}"
+        return msg
+
+    async def expect_nothing(self, timeout: float = 0.3) -> None:
+        try:
+            msg = await self.recv(timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return
+        raise AssertionError(f"{self.client_id}: expected nothing, got {msg}")
+
+    async def expect_closed(self, timeout: float = 3.0) -> None:
+        msg = await self.recv(timeout)
+        assert msg is None, f"{self.client_id}: expected the connection to close, got {msg}"
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.wait_closed()
+
+
+@pytest.fixture
+async def connect(sock_path: str) -> AsyncIterator[Any]:
+    shims: list[FakeShim] = []
+
+    async def _connect(path: str | None = None) -> FakeShim:
+        shim = await FakeShim.connect(path or sock_path)
+        shims.append(shim)
+        return shim
+
+    yield _connect
+    for shim in shims:
+        await shim.close()
