@@ -13,7 +13,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _native_build() -> Any:
-    spec = importlib.util.spec_from_file_location("gpushare_native_build", HERE / "native" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpushare_native_build", HERE / "native" / "build.py"
+    )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -19,7 +19,7 @@ SRC = NATIVE / "src"
 INCLUDE = NATIVE / "include"
 
 # C11, warnings as errors: a signature slip in a shim corrupts silently, so let the compiler
-# refuse anything suspicious. -fvisibility=hidden: only what we mean to interpose is exported.
+# refuse anything suspicious.
 CFLAGS = [
     "-std=c11",
     "-O2",
@@ -47,66 +47,42 @@ def _run(cmd: list[str]) -> None:
         ) from e
 
 
-def build_shim(output: Path) -> Path:
-    """Compile libgpushare.so from native/src/*.c into ``output``."""
+def _compile(
+    sources: list[Path], output: Path, kind: list[str], extra: list[str] | None = None
+) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
-    sources = sorted(str(p) for p in SRC.glob("*.c"))
     _run(
         [
             *compiler(),
             *CFLAGS,
-            "-fvisibility=hidden",
+            *kind,
             f"-I{INCLUDE}",
             f"-I{SRC}",
-            "-shared",
             "-o",
             str(output),
-            *sources,
+            *map(str, sources),
+            *(extra or []),
             "-ldl",
             "-lpthread",
         ]
     )
     return output
+
+
+def build_shim(output: Path) -> Path:
+    """Compile libgpushare.so from native/src/*.c into ``output``."""
+    # -fvisibility=hidden: only what the shim means to interpose or offer is exported.
+    return _compile(sorted(SRC.glob("*.c")), output, ["-fvisibility=hidden", "-shared"])
 
 
 def build_shared(sources: list[Path], output: Path, extra: list[str] | None = None) -> Path:
     """Compile a shared library (the tests' stand-in libcuda.so.1)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            *compiler(),
-            *CFLAGS,
-            f"-I{INCLUDE}",
-            f"-I{SRC}",
-            "-shared",
-            "-o",
-            str(output),
-            *map(str, sources),
-            *(extra or []),
-            "-ldl",
-        ]
-    )
-    return output
+    return _compile(sources, output, ["-shared"], extra)
 
 
 def build_program(sources: list[Path], output: Path, extra: list[str] | None = None) -> Path:
     """Compile a test or benchmark program."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            *compiler(),
-            *CFLAGS,
-            f"-I{INCLUDE}",
-            f"-I{SRC}",
-            "-o",
-            str(output),
-            *map(str, sources),
-            *(extra or []),
-            "-ldl",
-            "-lpthread",
-        ]
-    )
-    return output
+    return _compile(sources, output, [], extra)
 
 
 if __name__ == "__main__":

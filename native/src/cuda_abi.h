@@ -75,8 +75,28 @@ typedef struct CUmemLocation_st {
     int id;
 } CUmemLocation;
 
+/* cuLaunchKernelEx's configuration (cuda.h 12.x/13.x layout). The shim reads only hStream, to know
+ * which stream a launch went to; the stand-in driver and the test program fill the whole struct. */
+typedef struct CUlaunchAttribute_st {
+    int id;       /* CUlaunchAttributeID */
+    char pad[4];  /* 8 - sizeof(CUlaunchAttributeID) */
+    char value[64]; /* CUlaunchAttributeValue: a 64-byte union */
+} CUlaunchAttribute;
+
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX;
+    unsigned int gridDimY;
+    unsigned int gridDimZ;
+    unsigned int blockDimX;
+    unsigned int blockDimY;
+    unsigned int blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
 /* Only passed through by the shim: opaque to it. */
-typedef struct CUlaunchConfig_st CUlaunchConfig;
 typedef struct CUmemAllocationProp_st CUmemAllocationProp;
 typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;
 typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;

@@ -1,0 +1,179 @@
+/*
+ * Configuration from the environment, read once (lazily: the shim is preloaded into every process
+ * of a session, most of which never touch CUDA, so nothing is done before it is needed).
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "shim.h"
+
+static struct gs_config g_config;
+static pthread_once_t g_config_once = PTHREAD_ONCE_INIT;
+
+double gs_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int gs_parse_size(const char *text, uint64_t *out)
+{
+    /* Same grammar as jupyter_gpushare/units.py: a number (decimals allowed), an optional unit,
+     * every unit 1024-based whatever its spelling (G, GB and GiB all mean 2**30). */
+    static const struct {
+        const char *unit;
+        uint64_t mult;
+    } units[] = {
+        {"", 1},           {"b", 1},           {"k", 1ull << 10},  {"kb", 1ull << 10},
+        {"kib", 1ull << 10}, {"m", 1ull << 20}, {"mb", 1ull << 20}, {"mib", 1ull << 20},
+        {"g", 1ull << 30}, {"gb", 1ull << 30}, {"gib", 1ull << 30}, {"t", 1ull << 40},
+        {"tb", 1ull << 40}, {"tib", 1ull << 40},
+    };
+    const char *p = text;
+    while (isspace((unsigned char)*p))
+        p++;
+    uint64_t whole = 0, frac_num = 0, frac_den = 1;
+    int digits = 0;
+    while (isdigit((unsigned char)*p)) {
+        if (whole > (UINT64_MAX - 9) / 10)
+            return -1;
+        whole = whole * 10 + (uint64_t)(*p++ - '0');
+        digits++;
+    }
+    if (*p == '.') {
+        p++;
+        while (isdigit((unsigned char)*p)) {
+            if (frac_den < 1000000000000ull) { /* more precision than any size needs */
+                frac_num = frac_num * 10 + (uint64_t)(*p - '0');
+                frac_den *= 10;
+            }
+            p++;
+            digits++;
+        }
+    }
+    if (!digits)
+        return -1;
+    while (isspace((unsigned char)*p))
+        p++;
+    char unit[8] = {0};
+    size_t n = 0;
+    while (isalpha((unsigned char)*p) && n < sizeof unit - 1)
+        unit[n++] = (char)tolower((unsigned char)*p++);
+    while (isspace((unsigned char)*p))
+        p++;
+    if (*p)
+        return -1;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(unit, units[i].unit) == 0) {
+            uint64_t mult = units[i].mult;
+            if (whole && mult > UINT64_MAX / whole)
+                return -1;
+            /* frac_num < frac_den <= 1e12 and mult <= 2**40: the product fits in 128 bits only,
+             * so divide first where it is exact enough (sizes are not measured in picobytes). */
+            unsigned __int128 frac = (unsigned __int128)frac_num * mult / frac_den;
+            *out = whole * mult + (uint64_t)frac;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+const char *gs_format_size(uint64_t bytes, char *buf, size_t len)
+{
+    static const char *names[] = {"KiB", "MiB", "GiB", "TiB"};
+    if (bytes < 1024) {
+        snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+        return buf;
+    }
+    double v = (double)bytes;
+    int i = -1;
+    while (v >= 1024.0 && i < 3) {
+        v /= 1024.0;
+        i++;
+    }
+    snprintf(buf, len, "%.2f %s", v, names[i]);
+    return buf;
+}
+
+static const char *env(const char *name)
+{
+    const char *v = getenv(name);
+    return (v && *v) ? v : NULL;
+}
+
+/* Set while load_config() runs on this thread: its warnings must not re-enter pthread_once. */
+static __thread int tl_loading;
+
+int gs_log_level_now(void)
+{
+    return tl_loading ? g_config.log_level : gs_config()->log_level;
+}
+
+static void load_config(void)
+{
+    struct gs_config *c = &g_config;
+    tl_loading = 1;
+    c->log_level = GS_LOG_WARN;
+    c->managed = 1;
+    c->context_bytes = 536870912ull;
+    c->weight_milli = 1000;
+    c->idle_seconds = 2.0;
+    c->real_libcuda = "libcuda.so.1";
+
+    const char *v;
+    if ((v = env("GPUSHARE_LOG"))) {
+        if (!strcasecmp(v, "quiet") || !strcasecmp(v, "off") || !strcasecmp(v, "none"))
+            c->log_level = GS_LOG_QUIET;
+        else if (!strcasecmp(v, "warn") || !strcasecmp(v, "warning"))
+            c->log_level = GS_LOG_WARN;
+        else if (!strcasecmp(v, "info"))
+            c->log_level = GS_LOG_INFO;
+        else if (!strcasecmp(v, "debug"))
+            c->log_level = GS_LOG_DEBUG;
+    }
+    /* From here on gs_log() may be used: the level is known. */
+    if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
+        c->disabled = 1;
+    if ((v = env("GPUSHARE_MANAGED")))
+        c->managed = strcmp(v, "0") != 0;
+    if ((v = env("GPUSHARE_MEMORY_LIMIT")) && gs_parse_size(v, &c->quota) != 0) {
+        c->quota = 0;
+        GS_WARN("ignoring GPUSHARE_MEMORY_LIMIT=%s: expected bytes or a size such as 8GiB", v);
+    }
+    if ((v = env("GPUSHARE_CONTEXT_BYTES")) && gs_parse_size(v, &c->context_bytes) != 0) {
+        c->context_bytes = 536870912ull;
+        GS_WARN("ignoring GPUSHARE_CONTEXT_BYTES=%s: expected bytes or a size", v);
+    }
+    if ((v = env("GPUSHARE_WEIGHT"))) {
+        char *end;
+        double w = strtod(v, &end);
+        if (end != v && !*end && w > 0 && w < 1e6)
+            c->weight_milli = (uint64_t)llround(w * 1000.0);
+        else
+            GS_WARN("ignoring GPUSHARE_WEIGHT=%s: expected a positive number", v);
+    }
+    if ((v = env("GPUSHARE_IDLE_SECONDS"))) {
+        char *end;
+        double s = strtod(v, &end);
+        if (end != v && !*end && s >= 0)
+            c->idle_seconds = s;
+        else
+            GS_WARN("ignoring GPUSHARE_IDLE_SECONDS=%s: expected seconds (0 = off)", v);
+    }
+    if ((v = env("GPUSHARE_REAL_LIBCUDA")))
+        c->real_libcuda = v;
+    tl_loading = 0;
+}
+
+const struct gs_config *gs_config(void)
+{
+    pthread_once(&g_config_once, load_config);
+    return &g_config;
+}

@@ -1,0 +1,378 @@
+/*
+ * Interposition: the three doors through which a program reaches the driver.
+ *
+ *  1. Exported symbols: a program linked against libcuda calls the shim's exports (generated below
+ *     from hooks.def), because LD_PRELOAD puts the shim first in the lookup order.
+ *  2. dlsym: the shim defines dlsym, so a dlopen()+dlsym() of libcuda (the CUDA runtime, NVML users,
+ *     cuda-python) is answered here.
+ *  3. cuGetProcAddress and cuGetProcAddress_v2: the CUDA runtime (>= 11.3) asks these for every
+ *     entry point by base name, version and flags.
+ *
+ * At every door the real answer is fetched first, for exactly the request made, and the pointer it
+ * returns is compared with the table of real pointers for the hooked exported names. Equal means
+ * the caller asked for precisely that ABI variant, and it gets the wrapper with that signature.
+ * Suffixes are never guessed: a cuGetProcAddress v1 caller (4 arguments) can only ever be handed
+ * the 4-argument wrapper, because the driver handed it the 4-argument function.
+ */
+#include <dlfcn.h>
+#include <link.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+/* ---- the table ---- */
+
+struct gs_hook {
+    const char *name;
+    void *wrapper;
+    unsigned char lib;
+};
+
+/* Declare every export first (visibility default), then list them in the table. Function pointers
+ * stored as data pointers: POSIX dlsym makes the same assumption. */
+#define GS_GATED(name, params, args, stream, per_thread) GS_EXPORT CUresult name params;
+#define GS_CUSTOM(name, ret, params, args, handler, lib) GS_EXPORT ret name params;
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+
+static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
+#define GS_GATED(name, params, args, stream, per_thread) {#name, (void *)name, GS_LIB_CUDA},
+#define GS_CUSTOM(name, ret, params, args, handler, lib) {#name, (void *)name, lib},
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+};
+
+/* Real pointers, filled once per library when it is first needed. */
+_Atomic(void *) gs_real_ptrs[GS_N_HOOKS];
+
+/* ---- the real dlsym ---- */
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn real_dlsym_ptr;
+static pthread_once_t real_dlsym_once = PTHREAD_ONCE_INIT;
+
+static void find_real_dlsym(void)
+{
+    /* dlvsym(RTLD_NEXT) from inside the shim resolves past the shim, i.e. to libc/libdl. The
+     * version names cover glibc >= 2.34 (dlsym moved into libc) and the older base versions of
+     * x86-64, aarch64 and i386. */
+    static const char *versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    for (size_t i = 0; i < sizeof versions / sizeof versions[0] && !real_dlsym_ptr; i++)
+        real_dlsym_ptr = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+}
+
+static inline dlsym_fn real_dlsym(void)
+{
+    pthread_once(&real_dlsym_once, find_real_dlsym);
+    return real_dlsym_ptr;
+}
+
+/* ---- loading the real libraries, lazily ---- */
+
+static void *cuda_handle, *nvml_handle;
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT, nvml_once = PTHREAD_ONCE_INIT;
+static atomic_int cuda_ready; /* 1 once cuda_once has run (success or not) */
+/* Set while this thread loads a real library: its constructors may call dlsym, and mapping their
+ * answers would re-enter the pthread_once that is loading it. */
+static __thread int tl_loading;
+
+static void fill_table(void *handle, unsigned char lib)
+{
+    dlsym_fn rd = real_dlsym();
+    for (int i = 0; i < GS_N_HOOKS; i++) {
+        if (gs_hooks[i].lib != lib)
+            continue;
+        void *p = handle && rd ? rd(handle, gs_hooks[i].name) : NULL;
+        /* A library that resolves our name to our own wrapper (it re-exports what it found in the
+         * global scope) would send us into a loop: treat it as missing. */
+        if (p == gs_hooks[i].wrapper)
+            p = NULL;
+        atomic_store_explicit(&gs_real_ptrs[i], p, memory_order_release);
+    }
+}
+
+static void load_cuda(void)
+{
+    const char *path = gs_config()->real_libcuda;
+    /* RTLD_LOCAL: loading the driver for our own use must not add its symbols to the global scope
+     * (a later dlopen by the program still gets the same object, with the program's flags). */
+    tl_loading = 1;
+    cuda_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    tl_loading = 0;
+    if (!cuda_handle)
+        GS_WARN("cannot load the CUDA driver %s: %s", path, dlerror());
+    fill_table(cuda_handle, GS_LIB_CUDA);
+    atomic_store_explicit(&cuda_ready, 1, memory_order_release);
+}
+
+static void load_nvml(void)
+{
+    tl_loading = 1;
+    nvml_handle = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    tl_loading = 0;
+    fill_table(nvml_handle, GS_LIB_NVML);
+}
+
+void *gs_real_slow(enum gs_hook_index idx)
+{
+    pthread_once(gs_hooks[idx].lib == GS_LIB_NVML ? &nvml_once : &cuda_once,
+                 gs_hooks[idx].lib == GS_LIB_NVML ? load_nvml : load_cuda);
+    return atomic_load_explicit(&gs_real_ptrs[idx], memory_order_acquire);
+}
+
+void *gs_driver_sym(const char *name)
+{
+    pthread_once(&cuda_once, load_cuda);
+    dlsym_fn rd = real_dlsym();
+    return cuda_handle && rd ? rd(cuda_handle, name) : NULL;
+}
+
+void *gs_nvml_sym(const char *name)
+{
+    pthread_once(&nvml_once, load_nvml);
+    dlsym_fn rd = real_dlsym();
+    return nvml_handle && rd ? rd(nvml_handle, name) : NULL;
+}
+
+int gs_driver_loaded(void) { return atomic_load_explicit(&cuda_ready, memory_order_acquire); }
+
+/* ---- the exports ---- */
+
+#define GS_GATED(name, params, args, stream, per_thread)                                          \
+    CUresult name params                                                                         \
+    {                                                                                            \
+        CUresult gate = gs_gate_enter(stream, per_thread);                                       \
+        if (GS_UNLIKELY(gate != CUDA_SUCCESS))                                                   \
+            return gate;                                                                         \
+        gs_fn_##name real = GS_REAL(name);                                                       \
+        if (GS_UNLIKELY(!real))                                                                  \
+            return CUDA_ERROR_NOT_FOUND;                                                         \
+        return real args;                                                                        \
+    }
+#define GS_CUSTOM(name, ret, params, args, handler, lib)                                          \
+    ret name params                                                                              \
+    {                                                                                            \
+        gs_fn_##name real = GS_REAL(name);                                                       \
+        if (GS_UNLIKELY(!real))                                                                  \
+            return (lib) == GS_LIB_NVML ? GS_NVML_ERROR_FUNCTION_NOT_FOUND                       \
+                                        : CUDA_ERROR_NOT_FOUND;                                  \
+        return handler(real, GS_UNPAREN args);                                                   \
+    }
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+
+/* ---- mapping real pointers to wrappers ---- */
+
+static atomic_ulong unwrapped_count;
+
+/* Names returned unwrapped, each logged once (GPUSHARE_LOG=debug): the list to check coverage
+ * against on a real GPU. A fixed open-addressed set of name hashes; losing an entry to a full set
+ * only means a name may be logged twice. */
+#define UNWRAPPED_SLOTS 2048
+static _Atomic(uint64_t) unwrapped_seen[UNWRAPPED_SLOTS];
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h | 1; /* never 0, the empty slot */
+}
+
+static void note_unwrapped(const char *door, const char *name, int version, uint64_t flags)
+{
+    atomic_fetch_add_explicit(&unwrapped_count, 1, memory_order_relaxed);
+    if (!gs_log_enabled(GS_LOG_DEBUG) || !name)
+        return;
+    uint64_t h = name_hash(name);
+    for (unsigned i = 0; i < UNWRAPPED_SLOTS; i++) {
+        unsigned slot = (unsigned)(h + i) & (UNWRAPPED_SLOTS - 1);
+        uint64_t cur = atomic_load_explicit(&unwrapped_seen[slot], memory_order_relaxed);
+        if (cur == h)
+            return;
+        if (cur == 0) {
+            uint64_t expected = 0;
+            if (atomic_compare_exchange_strong(&unwrapped_seen[slot], &expected, h))
+                break;
+            if (expected == h)
+                return;
+        }
+    }
+    if (version >= 0)
+        GS_DEBUG("unwrapped: %s (%s, version %d, flags %llu)", name, door, version,
+                 (unsigned long long)flags);
+    else
+        GS_DEBUG("unwrapped: %s (%s)", name, door);
+}
+
+unsigned long gs_unwrapped_count(void) { return atomic_load(&unwrapped_count); }
+
+/* The wrapper for a real pointer, or NULL when it is none of ours. */
+static void *wrapper_for(void *real, unsigned char lib)
+{
+    for (int i = 0; i < GS_N_HOOKS; i++)
+        if (gs_hooks[i].lib == lib &&
+            atomic_load_explicit(&gs_real_ptrs[i], memory_order_acquire) == real)
+            return gs_hooks[i].wrapper;
+    return NULL;
+}
+
+static int is_our_wrapper(void *p, int *idx)
+{
+    for (int i = 0; i < GS_N_HOOKS; i++)
+        if (gs_hooks[i].wrapper == p) {
+            *idx = i;
+            return 1;
+        }
+    return 0;
+}
+
+/* ---- door 3: cuGetProcAddress ---- */
+
+static void map_proc(const char *symbol, void **pfn, int version, uint64_t flags, const char *door)
+{
+    if (!pfn || !*pfn || gs_config()->disabled)
+        return;
+    void *w = wrapper_for(*pfn, GS_LIB_CUDA);
+    if (w)
+        *pfn = w;
+    else if (symbol && symbol[0] == 'c' && symbol[1] == 'u')
+        note_unwrapped(door, symbol, version, flags);
+}
+
+CUresult gs_getproc_v1(gs_fn_cuGetProcAddress real, const char *symbol, void **pfn,
+                       int cudaVersion, cuuint64_t flags)
+{
+    CUresult r = real(symbol, pfn, cudaVersion, flags);
+    if (r == CUDA_SUCCESS)
+        map_proc(symbol, pfn, cudaVersion, flags, "cuGetProcAddress");
+    return r;
+}
+
+CUresult gs_getproc_v2(gs_fn_cuGetProcAddress_v2 real, const char *symbol, void **pfn,
+                       int cudaVersion, cuuint64_t flags,
+                       CUdriverProcAddressQueryResult *symbolStatus)
+{
+    CUresult r = real(symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (r == CUDA_SUCCESS)
+        map_proc(symbol, pfn, cudaVersion, flags, "cuGetProcAddress_v2");
+    return r;
+}
+
+/* ---- door 2: dlsym ---- */
+
+/*
+ * RTLD_NEXT asks for "the next definition after the caller's object". Forwarded as is, the real
+ * dlsym would search after the shim (it sees the shim as its caller), which for a library loaded
+ * after the shim means itself or an earlier object: an interposer calling dlsym(RTLD_NEXT,
+ * "malloc") would find its own malloc and recurse. So the search is done here: walk the link
+ * map chain from the caller's object onwards and take the first object that itself defines the
+ * name. (dlsym on an object's handle also searches its dependencies, so each hit is checked to
+ * lie in that very object.)
+ */
+static void *dlsym_next(const void *caller, const char *name)
+{
+    dlsym_fn rd = real_dlsym();
+    Dl_info info;
+    struct link_map *lm = NULL;
+    if (!rd || !dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm)
+        return rd ? rd(RTLD_NEXT, name) : NULL;
+    for (struct link_map *next = lm->l_next; next; next = next->l_next) {
+        if (!next->l_name || !next->l_name[0])
+            continue;
+        void *h = dlopen(next->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h)
+            continue;
+        void *p = rd(h, name);
+        dlclose(h);
+        if (!p)
+            continue;
+        Dl_info pinfo;
+        struct link_map *owner = NULL;
+        if (dladdr1(p, &pinfo, (void **)&owner, RTLD_DL_LINKMAP) && owner == next)
+            return p;
+        /* Data symbols and absolute symbols may not map back through dladdr: accept a hit whose
+         * owner cannot be determined rather than lose it. */
+        if (!owner)
+            return p;
+    }
+    return NULL;
+}
+
+static int starts_with(const char *s, const char *prefix)
+{
+    return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+/* Is the library `soname` in the process already? Asking does not load it. */
+static int already_loaded(const char *soname)
+{
+    void *h = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h)
+        return 0;
+    dlclose(h);
+    return 1;
+}
+
+static void *map_dlsym(const char *name, void *p)
+{
+    int idx;
+    if (is_our_wrapper(p, &idx)) {
+        /* The lookup found the shim's own export (RTLD_DEFAULT, or the shim's handle). A program
+         * probing for a driver feature must still see NULL when the driver lacks it. */
+        return gs_real((enum gs_hook_index)idx) ? p : NULL;
+    }
+    if (name[0] == 'c' && name[1] == 'u') {
+        /* Never load the driver for this: if it is not loaded, p cannot be one of its functions
+         * (libcublas, libcudart and friends have cu* names too). */
+        if (!gs_driver_loaded() && !already_loaded(gs_config()->real_libcuda))
+            return p;
+        pthread_once(&cuda_once, load_cuda);
+        void *w = wrapper_for(p, GS_LIB_CUDA);
+        if (w)
+            return w;
+        if (gs_log_enabled(GS_LOG_DEBUG) && cuda_handle) {
+            /* Only names that really come from the driver matter for coverage. */
+            Dl_info a, b;
+            void *probe = gs_driver_sym("cuInit");
+            if (probe && dladdr(p, &a) && dladdr(probe, &b) && a.dli_fbase == b.dli_fbase)
+                note_unwrapped("dlsym", name, -1, 0);
+        }
+        return p;
+    }
+    if (starts_with(name, "nvmlDeviceGetMemoryInfo")) {
+        if (!already_loaded("libnvidia-ml.so.1"))
+            return p;
+        pthread_once(&nvml_once, load_nvml);
+        void *w = wrapper_for(p, GS_LIB_NVML);
+        return w ? w : p;
+    }
+    return p;
+}
+
+/* Unversioned on purpose: an unversioned definition satisfies both dlsym@GLIBC_2.2.5 (old
+ * binaries) and dlsym@@GLIBC_2.34 references. Python calls dlsym for every extension module it
+ * imports, so the common path is the real lookup plus two character compares. */
+GS_EXPORT void *dlsym(void *handle, const char *name)
+{
+    const void *caller = __builtin_return_address(0);
+    void *p;
+    if (handle == RTLD_NEXT) {
+        p = dlsym_next(caller, name);
+    } else {
+        dlsym_fn rd = real_dlsym();
+        p = rd ? rd(handle, name) : NULL;
+    }
+    if (!p) /* name is declared nonnull by <dlfcn.h>, like the real dlsym's */
+        return p;
+    if ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v')) {
+        if (tl_loading || gs_config()->disabled)
+            return p;
+        return map_dlsym(name, p);
+    }
+    return p;
+}

@@ -1,0 +1,227 @@
+/*
+ * Declarations shared by the shim's files. Nothing here is exported: the exports are generated in
+ * hook.c from hooks.def, plus dlsym and the gpushare.h status API.
+ */
+#ifndef GPUSHARE_SHIM_H
+#define GPUSHARE_SHIM_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "cuda_abi.h"
+
+#define GS_EXPORT __attribute__((visibility("default")))
+#define GS_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GS_VERSION "0.1.0"
+
+/* ---- ABI bits the shim needs beyond cuda_abi.h (kept here so the shared header stays small) --- */
+
+typedef struct CUexecAffinityParam_st CUexecAffinityParam;
+
+/* Special stream handles (cuda.h CU_STREAM_LEGACY / CU_STREAM_PER_THREAD). */
+#define GS_STREAM_LEGACY ((CUstream)0x1)
+#define GS_STREAM_PER_THREAD ((CUstream)0x2)
+#define GS_STREAM_NON_BLOCKING 0x1u /* CU_STREAM_NON_BLOCKING, a cuStreamCreate flag */
+
+#define GS_NVML_ERROR_FUNCTION_NOT_FOUND 13
+
+#define GS_LAUNCH_CONFIG_STREAM(cfg) ((cfg) ? (cfg)->hStream : GS_NO_STREAM)
+
+/* A stream value that cannot be a real handle: "this call has no stream". */
+#define GS_NO_STREAM ((CUstream)(uintptr_t)-1)
+
+/* ---- the hook table ---- */
+
+enum gs_lib { GS_LIB_CUDA = 0, GS_LIB_NVML = 1 };
+
+/* One index per hooked name. */
+enum gs_hook_index {
+#define GS_GATED(name, params, args, stream, per_thread) GS_IDX_##name,
+#define GS_CUSTOM(name, ret, params, args, handler, lib) GS_IDX_##name,
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+    GS_N_HOOKS
+};
+
+/* The real function's type for every hooked name: gs_fn_<name>. */
+#define GS_GATED(name, params, args, stream, per_thread) typedef CUresult(*gs_fn_##name) params;
+#define GS_CUSTOM(name, ret, params, args, handler, lib) typedef ret(*gs_fn_##name) params;
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+
+/* The real function behind a hooked name (resolving the library on first use); NULL when the real
+ * library lacks the symbol or cannot be loaded. */
+extern _Atomic(void *) gs_real_ptrs[GS_N_HOOKS];
+void *gs_real_slow(enum gs_hook_index idx);
+static inline void *gs_real(enum gs_hook_index idx)
+{
+    void *p = atomic_load_explicit(&gs_real_ptrs[idx], memory_order_acquire);
+    return GS_LIKELY(p) ? p : gs_real_slow(idx);
+}
+#define GS_REAL(name) ((gs_fn_##name)gs_real(GS_IDX_##name))
+
+/* Real functions the shim calls but does not hook (cuCtxSynchronize, cuStreamQuery, ...). */
+void *gs_driver_sym(const char *name);
+void *gs_nvml_sym(const char *name);
+int gs_driver_loaded(void);
+
+/* ---- configuration (config.c) ---- */
+
+enum gs_log_level { GS_LOG_QUIET = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
+
+struct gs_config {
+    int disabled;           /* GPUSHARE_DISABLE=1: pure pass-through */
+    int log_level;          /* GPUSHARE_LOG */
+    int managed;            /* GPUSHARE_MANAGED (default 1) */
+    uint64_t quota;         /* GPUSHARE_MEMORY_LIMIT, 0 = none */
+    uint64_t context_bytes; /* GPUSHARE_CONTEXT_BYTES */
+    uint64_t weight_milli;  /* GPUSHARE_WEIGHT x 1000 */
+    double idle_seconds;    /* GPUSHARE_IDLE_SECONDS, 0 = off */
+    const char *real_libcuda;
+};
+
+const struct gs_config *gs_config(void);
+/* Parse "8GiB", "512M", "1.5G", "1073741824" (1024-based units). Returns 0 on success. */
+int gs_parse_size(const char *text, uint64_t *out);
+/* "2.00 GiB" etc. into buf. */
+const char *gs_format_size(uint64_t bytes, char *buf, size_t len);
+double gs_now(void); /* CLOCK_MONOTONIC seconds */
+
+/* ---- logging (log.c) ---- */
+
+/* The level, safe to ask while the configuration is being loaded (its warnings log). */
+int gs_log_level_now(void);
+void gs_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define GS_WARN(...) gs_log(GS_LOG_WARN, __VA_ARGS__)
+#define GS_INFO(...) gs_log(GS_LOG_INFO, __VA_ARGS__)
+#define GS_DEBUG(...) gs_log(GS_LOG_DEBUG, __VA_ARGS__)
+static inline int gs_log_enabled(int level) { return gs_config()->log_level >= level; }
+
+/* ---- the gate (gate.c) ---- */
+
+/* 1 = open (calls pass), 0 = closed (calls take the slow path). */
+extern atomic_int gs_gate_word;
+/* Set by a gated call when it is 0; cleared by the client thread when it samples activity. */
+extern atomic_int gs_activity;
+
+#define GS_STREAM_SLOTS 64
+extern _Atomic(uintptr_t) gs_stream_slots[GS_STREAM_SLOTS];
+
+static inline void gs_note_stream(CUstream s, int per_thread)
+{
+    /* The per-thread default stream cannot be queried from the shim's thread (it would name the
+     * shim thread's own stream): skip it. Stream 0 in a legacy variant is the legacy stream. */
+    if (s == GS_NO_STREAM || s == GS_STREAM_PER_THREAD || (per_thread && s == 0))
+        return;
+    uintptr_t v = s ? (uintptr_t)s : (uintptr_t)GS_STREAM_LEGACY;
+    unsigned slot = (unsigned)((v >> 4) ^ (v >> 12)) & (GS_STREAM_SLOTS - 1);
+    if (atomic_load_explicit(&gs_stream_slots[slot], memory_order_relaxed) != v)
+        atomic_store_explicit(&gs_stream_slots[slot], v, memory_order_relaxed);
+}
+
+CUresult gs_gate_slow(CUstream s, int per_thread);
+
+/* Gated calls are counted per thread (a shared counter would bounce its cache line between every
+ * submitting thread); status sums the threads' counters. The thread's first call registers its
+ * counter. initial-exec: a plain offset from the thread pointer, no __tls_get_addr call. */
+struct gs_thread_calls {
+    _Atomic(uint64_t) calls;
+    struct gs_thread_calls *next;
+};
+extern __thread struct gs_thread_calls gs_tl_calls __attribute__((tls_model("initial-exec")));
+void gs_register_thread_calls(void);
+uint64_t gs_total_gated_calls(void);
+
+static inline void gs_count_call(void)
+{
+    /* Only this thread writes its counter: load + store, no atomic read-modify-write. */
+    uint64_t n = atomic_load_explicit(&gs_tl_calls.calls, memory_order_relaxed);
+    atomic_store_explicit(&gs_tl_calls.calls, n + 1, memory_order_relaxed);
+    if (GS_UNLIKELY(n == 0))
+        gs_register_thread_calls();
+}
+
+/* Every gated call starts here. While the process holds the device this is the per-thread call
+ * count, one acquire load of the gate word, a relaxed load of the activity word and (for
+ * stream-ordered calls) of one stream slot: no locks, no shared writes after the first call. */
+static inline CUresult gs_gate_enter(CUstream s, int per_thread)
+{
+    gs_count_call();
+    if (GS_LIKELY(atomic_load_explicit(&gs_gate_word, memory_order_acquire))) {
+        if (!atomic_load_explicit(&gs_activity, memory_order_relaxed))
+            atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
+        gs_note_stream(s, per_thread);
+        return CUDA_SUCCESS;
+    }
+    return gs_gate_slow(s, per_thread);
+}
+
+void gs_gate_set_open(int open);
+/* Query the recorded streams (context must be current). Returns 1 when any has work pending. */
+int gs_streams_busy(void);
+void gs_stream_forget(CUstream s);
+void gs_streams_lock(void);
+void gs_streams_unlock(void);
+void gs_streams_after_fork_child(void);
+void gs_calls_after_fork_child(void);
+
+/* ---- memory (memory.c) ---- */
+
+struct gs_mem_totals {
+    uint64_t used;    /* everything, context estimate included */
+    uint64_t managed; /* evictable */
+    uint64_t pinned;  /* context + stream-ordered pools + cuMemCreate + device memory */
+    uint64_t evicted; /* managed bytes now on the host */
+    uint64_t quota;
+    uint64_t pool;
+};
+void gs_mem_totals(struct gs_mem_totals *out);
+void gs_mem_set_quota(uint64_t quota);
+void gs_mem_set_pool(uint64_t pool);
+void gs_mem_count_context(void);
+/* Generation counter bumped on every change, for the coalesced MEMORY report. */
+uint64_t gs_mem_generation(void);
+/* Move every managed allocation to the host / back to the device. The app's context must be
+ * current on the calling thread. */
+int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+void gs_mem_after_fork_child(void);
+void gs_mem_lock_for_fork(void);
+void gs_mem_unlock_after_fork(void);
+
+/* ---- the scheduler connection (client.c) ---- */
+
+void gs_client_on_context(CUcontext ctx, CUdevice dev);
+void gs_client_on_context_destroyed(CUcontext ctx);
+/* Wake the client thread (memory changed, a call wants the device). Async-signal-safe. */
+void gs_client_wake(void);
+int gs_client_device_matches_uuid(const char *nvml_uuid);
+int gs_client_has_context(void);
+/* The gate's slow path: block until the device is granted (client.c owns the state it waits on).
+ * CUDA_SUCCESS to go on, CUDA_ERROR_NOT_PERMITTED when SIGINT interrupted the wait. */
+CUresult gs_client_wait_for_device(void);
+
+/* SIGINT while waiting (gate.c): install/remove the chaining handler, read its counter. */
+void gs_sigint_begin(void);
+void gs_sigint_end(void);
+unsigned gs_sigint_count(void);
+
+/* Status snapshot (status.c reads it). */
+struct gpushare_status;
+void gs_client_status(struct gpushare_status *out);
+int gs_client_release(void);
+
+/* ---- hand-written handlers, declared from hooks.def so their signatures are checked ---- */
+#define GS_GATED(name, params, args, stream, per_thread)
+#define GS_CUSTOM(name, ret, params, args, handler, lib)                                          \
+    ret handler(gs_fn_##name real, GS_UNPAREN params);
+#define GS_UNPAREN(...) __VA_ARGS__
+#include "hooks.def"
+#undef GS_GATED
+#undef GS_CUSTOM
+
+#endif /* GPUSHARE_SHIM_H */
