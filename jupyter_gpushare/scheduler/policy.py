@@ -1,0 +1,670 @@
+"""The scheduling policy: a pure state machine, events in, decisions out.
+
+One :class:`Policy` serves every GPU of a node; each device is an independent queue and a client
+belongs to the device named in its :class:`~.events.Join`. The policy does no I/O, reads no clock
+and draws no random numbers: time comes only from the events' ``now``. That makes it the same
+object in the live daemon, in property-based tests and in a trace-replaying simulator.
+
+The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`):
+
+1. **Growth relief.** Clients that run side by side were admitted because their footprints fit
+   the pool. If one of them grows and the running set no longer fits, the longest-running holders
+   are revoked (with eviction) until it fits again or one is left: the newest holder has had the
+   least of its turn. If memory left resident by idle clients is what overflows, the least recently
+   used idle clients are evicted. Nothing else is ever evicted without a need for the room.
+2. **Admission.** Waiters are taken in priority order (:meth:`Policy._queue`). A waiter whose
+   footprint fits the free room is granted at once (side by side); ``restore`` is set when its
+   memory was evicted. One that would fit after evicting idle clients (least recently used first,
+   then lower-priority waiters' resident memory) gets those evictions and waits for the answers;
+   the room they free is reserved for it.
+3. **Turns.** The first waiter that cannot fit even then is *blocked* by running clients: the
+   device is in ``turns`` mode. Holders that are idle (their cell finished) are revoked at once;
+   holders whose current run has lasted a full quantum are revoked with eviction, oldest run
+   first, only as many as the blocked waiter needs. A client's quantum grows with its memory,
+   ``clamp(base, move_factor * (movable/evict_bw + movable/restore_bw), max)``, so that moving
+   memory out and back never takes more than ``1/move_factor`` of a turn.
+4. **No starvation.** Once the blocked waiter has waited one ``base_quantum`` it *reserves*: no
+   waiter behind it is admitted, so small late-comers cannot keep a large waiter out forever.
+   Waiters order by fair share (lowest decayed per-user GPU-seconds / weight first, waiters Jupyter
+   calls idle after busy ones, then first come first served) until they have waited
+   ``max_quantum``; from then on they are *overdue* and served first, in arrival order, ahead of
+   fair share. A waiter is thus granted within about (clients + 1) * max_quantum of contention.
+5. **Last resort.** A waiter that cannot fit even with every other client evicted (memory that
+   cannot be evicted, or a footprint above the pool) is granted alone once nobody holds the
+   device and no eviction is in flight: running it alone is better than never running it.
+
+Residency is tracked from the policy's own decisions and their answers (Grant → resident;
+Released(evicted) and Evicted → not resident, restore at the next grant), not from the coalesced
+``evicted`` counters, which are only displayed. A client's footprint on the GPU is ``used`` while
+resident and ``pinned`` (context, stream-ordered pools, ``cuMemCreate``) otherwise. A client that
+has never held the device is not resident either: managed memory that no kernel touched has no
+pages on the GPU (and needs no restore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .events import (
+    AdminRelease,
+    Busy,
+    Decision,
+    Event,
+    Evict,
+    Evicted,
+    Grant,
+    Idle,
+    Join,
+    Leave,
+    Memory,
+    QuotaChanged,
+    Released,
+    Request,
+    Restored,
+    Revoke,
+    SetQuota,
+    Tick,
+)
+
+__all__ = ["Policy", "PolicyConfig"]
+
+Holding = Literal["running", "revoking"]
+
+#: Weight of a new bandwidth sample in the moving average.
+EWMA_ALPHA = 0.3
+#: Moves smaller than this say more about latency than bandwidth; they do not update estimates.
+MIN_SAMPLE_BYTES = 1 << 20
+
+REASON_IDLE = "idle"
+REASON_QUANTUM = "quantum expired"
+REASON_GREW = "memory grew past the pool"
+REASON_PRESSURE = "memory pressure"
+REASON_ADMIN = "released by request"
+
+
+@dataclass
+class PolicyConfig:
+    base_quantum: float = 5.0  # seconds: the time slice when kernels must take turns
+    move_factor: float = 4.0  # quantum ≥ move_factor * (estimated evict+restore time of holder)
+    max_quantum: float = 60.0
+    evict_bandwidth: float = 10e9  # bytes/s, initial estimate (EWMA of Released/Evicted reports)
+    restore_bandwidth: float = 50e9  # bytes/s, initial estimate (EWMA of Restored reports)
+    usage_half_life: float = 600.0  # seconds: decay of per-user GPU-time usage for fair share
+
+
+@dataclass
+class _Usage:
+    """A user's GPU-seconds on one device, decaying with a half-life (for fair share)."""
+
+    value: float = 0.0
+    stamp: float = 0.0
+
+    def at(self, now: float, half_life: float) -> float:
+        if half_life <= 0:
+            return self.value
+        return self.value * 0.5 ** (max(0.0, now - self.stamp) / half_life)
+
+    def add(self, seconds: float, now: float, half_life: float) -> None:
+        self.value = self.at(now, half_life) + seconds
+        self.stamp = max(self.stamp, now)
+
+
+@dataclass
+class _Client:
+    id: str
+    device: str
+    user: str
+    seq: int  # join order: the last tie-breaker, so every ordering is deterministic
+    weight: float = 1.0
+    quota: int = 0
+    uid: int = -1
+    pid: int = 0
+    label: str = ""
+    # memory as last reported (bytes)
+    used: int = 0
+    managed: int = 0
+    pinned: int = 0
+    evicted: int = 0
+    # scheduling state
+    holding: Holding | None = None
+    waiting_since: float | None = None
+    evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
+    revoke_evict: bool = False  # the pending Revoke asked for eviction
+    resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
+    restore: bool = False  # its managed memory was evicted: the next grant restores it
+    idle: bool = False  # Idle seen since the last Busy/Request
+    run_start: float = 0.0
+    last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
+    # accounting
+    gpu_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    @property
+    def movable(self) -> int:
+        """Bytes an eviction moves to the host (and a restore moves back)."""
+        return max(0, self.used - self.pinned)
+
+    @property
+    def on_gpu(self) -> int:
+        """Bytes this client occupies on the GPU now (as the policy accounts them)."""
+        return self.used if self.resident else min(self.pinned, self.used)
+
+    @property
+    def state(self) -> str:
+        if self.holding is not None:
+            return self.holding
+        if self.waiting_since is not None:
+            return "waiting"
+        return "evicting" if self.evict_pending else "idle"
+
+    def set_memory(self, used: int, managed: int, pinned: int, evicted: int) -> None:
+        self.used = max(0, used)
+        self.managed = max(0, managed)
+        self.pinned = min(max(0, pinned), self.used)
+        self.evicted = max(0, evicted)
+
+
+@dataclass
+class _Device:
+    uuid: str
+    name: str
+    total_bytes: int
+    pool_bytes: int
+    evict_bw: float
+    restore_bw: float
+    clients: dict[str, _Client] = field(default_factory=dict)
+    usage: dict[str, _Usage] = field(default_factory=dict)
+    turns: bool = False  # the last pass found a waiter blocked by running clients
+
+
+class Policy:
+    """Decides who uses each GPU; see the module docstring for the rules."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self._devices: dict[str, _Device] = {}
+        self._clients: dict[str, _Client] = {}
+        self._now: float | None = None
+        self._seq = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Public API
+
+    def add_device(self, uuid: str, *, name: str = "", total_bytes: int, pool_bytes: int) -> None:
+        """Register a device, or update its name and sizes if it is known (idempotent)."""
+        dev = self._devices.get(uuid)
+        if dev is None:
+            self._devices[uuid] = _Device(
+                uuid,
+                name,
+                total_bytes,
+                pool_bytes,
+                self.config.evict_bandwidth,
+                self.config.restore_bandwidth,
+            )
+            return
+        dev.name = name or dev.name
+        dev.total_bytes = total_bytes
+        dev.pool_bytes = pool_bytes
+
+    def handle(self, event: Event) -> list[Decision]:
+        """Apply one event; return what the shell must tell the clients, in order."""
+        self._advance(event.now)
+        if isinstance(event, Tick):
+            return [d for dev in self._devices.values() for d in self._schedule(dev)]
+        if isinstance(event, Join):
+            return self._on_join(event)
+        client = self._clients.get(event.client)
+        if client is None:
+            return []  # the shell may race with a disconnect: an unknown client is no error
+        dev = self._devices[client.device]
+        if isinstance(event, Request):
+            self._on_request(client, event)
+        elif isinstance(event, Memory):
+            client.set_memory(event.used, event.managed, event.pinned, event.evicted)
+        elif isinstance(event, Released):
+            self._on_released(dev, client, event)
+        elif isinstance(event, Evicted):
+            self._on_evicted(dev, client, event)
+        elif isinstance(event, Restored):
+            self._measure(dev, "restore", event.bytes_moved, event.micros)
+            client.evicted = 0
+            return []
+        elif isinstance(event, Idle):
+            client.idle = True
+        elif isinstance(event, Busy):
+            client.idle = False
+        elif isinstance(event, Leave):
+            self._remove(client)
+        elif isinstance(event, AdminRelease):
+            return self._on_admin_release(dev, client, event)
+        elif isinstance(event, SetQuota):
+            client.quota = max(0, event.quota)
+            return [QuotaChanged(client.id, client.quota)]
+        return self._schedule(dev)
+
+    def next_deadline(self) -> float | None:
+        """The earliest future time at which a Tick may change a decision, or None.
+
+        Only devices with waiters need ticks: a holder's quantum expiry, and the moments a waiter
+        starts reserving or becomes overdue. Times already past are left out (a holder whose
+        quantum expired but who was not needed stays until an event changes the picture), so the
+        shell never spins.
+        """
+        if self._now is None:
+            return None
+        now = self._now
+        best: float | None = None
+        for dev in self._devices.values():
+            for t in self._deadlines(dev):
+                if t > now and (best is None or t < best):
+                    best = t
+        return best
+
+    def snapshot(self, now: float) -> list[dict[str, Any]]:
+        """One dict per device in the status document's shape (docs/protocol.md).
+
+        Times (``waiting_since``) are on the events' clock. ``queue_position`` counts from 1.
+        """
+        t = now if self._now is None else max(now, self._now)
+        dt = 0.0 if self._now is None else t - self._now
+        return [self._device_status(dev, t, dt) for dev in self._devices.values()]
+
+    def client_device(self, client: str) -> str | None:
+        c = self._clients.get(client)
+        return None if c is None else c.device
+
+    def has_client(self, client: str) -> bool:
+        return client in self._clients
+
+    # ----------------------------------------------------------------------------------------
+    # Events
+
+    @property
+    def _clock(self) -> float:
+        assert self._now is not None
+        return self._now
+
+    def _advance(self, now: float) -> None:
+        """Move the clock forward (never back) and account the elapsed time."""
+        if self._now is None:
+            self._now = now
+            return
+        if now <= self._now:
+            return
+        dt = now - self._now
+        half_life = self.config.usage_half_life
+        for dev in self._devices.values():
+            for c in dev.clients.values():
+                if c.holding is not None:
+                    c.gpu_seconds += dt
+                    dev.usage.setdefault(c.user, _Usage(stamp=self._now)).add(dt, now, half_life)
+                elif c.waiting_since is not None:
+                    c.wait_seconds += dt
+        self._now = now
+
+    def _on_join(self, evt: Join) -> list[Decision]:
+        dev = self._devices.get(evt.device)
+        if dev is None:
+            raise ValueError(f"unknown device {evt.device!r}: call add_device first")
+        out: list[Decision] = []
+        old = self._clients.get(evt.client)
+        if old is not None:  # a reconnect under the same id: the old connection is gone
+            self._remove(old)
+            out += self._schedule(self._devices[old.device])
+        self._seq += 1
+        c = _Client(
+            id=evt.client,
+            device=evt.device,
+            user=evt.user,
+            seq=self._seq,
+            weight=evt.weight if evt.weight > 0 else 1.0,
+            quota=max(0, evt.quota),
+            uid=evt.uid,
+            pid=evt.pid,
+            label=evt.label,
+            last_active=self._clock,
+        )
+        c.set_memory(evt.context_bytes, 0, evt.context_bytes, 0)
+        dev.clients[c.id] = c
+        self._clients[c.id] = c
+        return out
+
+    def _on_request(self, c: _Client, evt: Request) -> None:
+        """The client wants the device; a Request from a holder only updates its footprint."""
+        c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
+        if c.holding is not None:
+            return
+        c.idle = False
+        if c.waiting_since is None:
+            c.waiting_since = self._clock
+        if evt.evicted > 0 and not c.evict_pending:
+            self._set_evicted(c)  # some of its memory is on the host: the grant restores it
+
+    def _on_released(self, dev: _Device, c: _Client, evt: Released) -> None:
+        """The client stopped using the device (answer to Revoke, or unsolicited).
+
+        A Released from a client that does not hold the device (a late answer to a Revoke that
+        crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
+        """
+        if evt.evicted:
+            self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+        if c.holding is not None:
+            c.holding = None
+            c.revoke_evict = False
+            c.last_active = self._clock
+            c.resident = True
+        if evt.evicted:
+            self._set_evicted(c)
+
+    @staticmethod
+    def _set_evicted(c: _Client) -> None:
+        c.resident = False
+        c.restore = True
+        c.evicted = c.managed
+
+    def _on_evicted(self, dev: _Device, c: _Client, evt: Evicted) -> None:
+        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+        c.evict_pending = False
+        if c.holding is None:
+            self._set_evicted(c)
+
+    def _on_admin_release(self, dev: _Device, c: _Client, evt: AdminRelease) -> list[Decision]:
+        """An operator asks for the device back: revoke a holder, or evict a non-holder."""
+        out: list[Decision] = []
+        if c.holding == "running":
+            out.append(self._revoke(c, evt.evict, REASON_ADMIN))
+        elif c.holding is None and evt.evict and c.resident and not c.evict_pending:
+            out.append(self._evict(c, REASON_ADMIN))
+        return out + self._schedule(dev)
+
+    def _remove(self, c: _Client) -> None:
+        """Forget a client at once: its grant and its memory leave the accounting."""
+        del self._clients[c.id]
+        del self._devices[c.device].clients[c.id]
+
+    def _measure(self, dev: _Device, direction: str, moved: int, micros: int) -> None:
+        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
+        if moved < MIN_SAMPLE_BYTES or micros <= 0:
+            return
+        rate = moved * 1e6 / micros
+        if direction == "evict":
+            dev.evict_bw += EWMA_ALPHA * (rate - dev.evict_bw)
+        else:
+            dev.restore_bw += EWMA_ALPHA * (rate - dev.restore_bw)
+
+    # ----------------------------------------------------------------------------------------
+    # Decisions (each one updates the state it implies)
+
+    def _grant(self, c: _Client) -> Grant:
+        restore = c.restore
+        c.restore = False
+        c.holding = "running"
+        c.run_start = self._clock
+        c.waiting_since = None
+        c.resident = True
+        c.idle = False
+        return Grant(c.id, restore=restore)
+
+    def _revoke(self, c: _Client, evict: bool, reason: str) -> Revoke:
+        c.holding = "revoking"
+        c.revoke_evict = evict
+        return Revoke(c.id, evict=evict, reason=reason)
+
+    def _evict(self, c: _Client, reason: str) -> Evict:
+        c.evict_pending = True
+        return Evict(c.id, reason=reason)
+
+    # ----------------------------------------------------------------------------------------
+    # Accounting helpers
+
+    def _quantum(self, dev: _Device, c: _Client) -> float:
+        """The time slice of a holder: long enough that moving its memory is a small part."""
+        moved = c.movable
+        move_time = moved / dev.evict_bw + moved / dev.restore_bw
+        cfg = self.config
+        return min(max(cfg.base_quantum, cfg.move_factor * move_time), cfg.max_quantum)
+
+    # Deadlines are compared as ``now >= start + span``, the very sum next_deadline() returns:
+    # ``now - start >= span`` can be False at that instant by a rounding error, and stall.
+
+    def _expires_at(self, dev: _Device, c: _Client) -> float:
+        return c.run_start + self._quantum(dev, c)
+
+    def _expired(self, dev: _Device, c: _Client) -> bool:
+        return self._clock >= self._expires_at(dev, c)
+
+    def _reserves(self, c: _Client, now: float) -> bool:
+        assert c.waiting_since is not None
+        return now >= c.waiting_since + self.config.base_quantum
+
+    def _overdue(self, c: _Client, now: float) -> bool:
+        assert c.waiting_since is not None
+        return now >= c.waiting_since + self.config.max_quantum
+
+    @staticmethod
+    def _resident_bytes(dev: _Device) -> int:
+        return sum(c.on_gpu for c in dev.clients.values())
+
+    @staticmethod
+    def _incoming_bytes(dev: _Device) -> int:
+        """Room that evictions already asked for will free when their answers come."""
+        total = 0
+        for c in dev.clients.values():
+            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
+                total += c.movable if c.resident else 0
+        return total
+
+    def _share(self, dev: _Device, c: _Client, now: float) -> float:
+        usage = dev.usage.get(c.user)
+        used = 0.0 if usage is None else usage.at(now, self.config.usage_half_life)
+        return used / c.weight
+
+    def _queue(self, dev: _Device, now: float) -> list[_Client]:
+        """Waiters, highest priority first.
+
+        Overdue waiters (waited ≥ max_quantum) come first in arrival order: that bounds every
+        wait. The rest order by: not marked idle by Jupyter, then fair share (the user's decayed
+        GPU-seconds divided by the client's weight), then arrival.
+        """
+
+        def key(c: _Client) -> tuple[int, int, float, float, int]:
+            since = c.waiting_since
+            assert since is not None
+            if self._overdue(c, now):
+                return (0, 0, 0.0, since, c.seq)
+            return (1, int(c.idle), self._share(dev, c, now), since, c.seq)
+
+        return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
+
+    @staticmethod
+    def _eviction_candidates(dev: _Device, behind: Iterable[_Client]) -> list[_Client]:
+        """Clients whose memory may be evicted for a waiter, cheapest loss first.
+
+        Idle clients, least recently used first; then waiters behind the one being served,
+        lowest priority first (their memory would block it, and they cannot run before it).
+        """
+        idle = [
+            c
+            for c in dev.clients.values()
+            if c.holding is None and c.waiting_since is None and c.resident
+        ]
+        idle.sort(key=lambda c: (c.last_active, c.seq))
+        waiters = [c for c in reversed(list(behind)) if c.resident]
+        return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
+
+    def _deadlines(self, dev: _Device) -> Iterable[float]:
+        if not any(c.waiting_since is not None for c in dev.clients.values()):
+            return
+        for c in dev.clients.values():
+            if c.holding == "running" and not c.idle:
+                yield self._expires_at(dev, c)
+            elif c.waiting_since is not None:
+                yield c.waiting_since + self.config.base_quantum
+                yield c.waiting_since + self.config.max_quantum
+
+    # ----------------------------------------------------------------------------------------
+    # The scheduling pass
+
+    def _schedule(self, dev: _Device) -> list[Decision]:
+        return self._relieve(dev) + self._admit(dev)
+
+    def _relieve(self, dev: _Device) -> list[Decision]:
+        """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
+
+        Among holders that no longer fit together, the newest keeps the device (it has had the
+        least of its turn); the others are revoked with eviction, longest run first. Idle
+        resident memory that overflows the pool is evicted, least recently used first.
+        """
+        out: list[Decision] = []
+        running = sorted(
+            (c for c in dev.clients.values() if c.holding == "running"),
+            key=lambda c: (c.run_start, c.seq),
+        )
+        total = sum(c.used for c in running)
+        while len(running) > 1 and total > dev.pool_bytes:
+            c = running.pop(0)
+            out.append(self._revoke(c, True, REASON_GREW))
+            total -= c.used
+        excess = self._resident_bytes(dev) - self._incoming_bytes(dev) - dev.pool_bytes
+        if excess > 0:
+            for c in self._eviction_candidates(dev, self._queue(dev, self._clock)):
+                if excess <= 0:
+                    break
+                out.append(self._evict(c, REASON_PRESSURE))
+                excess -= c.movable
+        return out
+
+    def _admit(self, dev: _Device) -> list[Decision]:
+        """Rules 2-4: grant the waiters that fit; make room for the first one that does not."""
+        now = self._clock
+        out: list[Decision] = []
+        free = dev.pool_bytes - self._resident_bytes(dev)
+        incoming = self._incoming_bytes(dev)
+        queue = self._queue(dev, now)
+        dev.turns = False
+        for i, w in enumerate(queue):
+            if w.evict_pending:
+                continue  # its own eviction is in flight: grant it (with restore) after Evicted
+            need = w.used - w.on_gpu
+            if need <= free:
+                out.append(self._grant(w))
+                free -= need
+                continue
+            if dev.turns:
+                continue  # behind a blocked waiter that does not reserve yet: free room only
+            cands = self._eviction_candidates(dev, queue[i + 1 :])
+            short = need - free
+            if short <= incoming + sum(c.movable for c in cands):
+                # Fits once idle memory leaves: claim in-flight room first, then evict LRU.
+                use = min(short, incoming)
+                incoming -= use
+                short -= use
+                for c in cands:
+                    if short <= 0:
+                        break
+                    out.append(self._evict(c, f"room for {w.id}"))
+                    short -= c.movable
+                incoming += max(0, -short)
+                free = 0
+                continue
+            dev.turns = True
+            out += self._make_room(dev, w, short - incoming, cands)
+            if w.holding is not None:  # granted alone (rule 5)
+                dev.turns = False
+                free -= need
+                continue
+            if self._reserves(w, now):
+                break  # rule 4: it reserves; nobody behind it is admitted
+        return out
+
+    def _make_room(
+        self, dev: _Device, w: _Client, short: int, cands: list[_Client]
+    ) -> list[Decision]:
+        """Rule 3 (and 5) for the blocked waiter ``w``, ``short`` bytes beyond in-flight room.
+
+        Idle holders are revoked at once (evicting only while ``w`` still needs room); holders
+        past their quantum are revoked with eviction, oldest run first, while room is missing.
+        Idle clients are evicted in the same breath only when the plan is complete, so that a
+        handoff moves memory in parallel yet never moves what the revocations already free.
+        """
+        out: list[Decision] = []
+        deficit = short - sum(c.movable for c in cands)  # what only running holders can give
+        freed = 0
+        running = sorted(
+            (c for c in dev.clients.values() if c.holding == "running"),
+            key=lambda c: (c.run_start, c.seq),
+        )
+        for h in (c for c in running if c.idle):
+            evict = deficit > 0
+            out.append(self._revoke(h, evict, REASON_IDLE))
+            if evict:
+                deficit -= h.movable
+                freed += h.movable
+        for h in (c for c in running if not c.idle and self._expired(dev, c)):
+            if deficit <= 0:
+                break
+            out.append(self._revoke(h, True, REASON_QUANTUM))
+            deficit -= h.movable
+            freed += h.movable
+        if deficit <= 0:
+            rest = short - freed
+            for c in cands:
+                if rest <= 0:
+                    break
+                out.append(self._evict(c, f"room for {w.id}"))
+                rest -= c.movable
+            return out
+        if any(c.holding is not None for c in dev.clients.values()):
+            return out  # wait for the holders' quanta (a Tick) or their answers
+        # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
+        if cands:
+            out += [self._evict(c, f"room for {w.id}") for c in cands]
+        elif not any(c.evict_pending for c in dev.clients.values()):
+            out.append(self._grant(w))
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    # Status
+
+    def _device_status(self, dev: _Device, now: float, dt: float) -> dict[str, Any]:
+        queue = self._queue(dev, now)
+        position = {c.id: i + 1 for i, c in enumerate(queue)}
+        holders = [c for c in dev.clients.values() if c.holding is not None]
+        running = [c for c in holders if c.holding == "running"]
+        quantum = max((self._quantum(dev, c) for c in running), default=self.config.base_quantum)
+        return {
+            "uuid": dev.uuid,
+            "name": dev.name,
+            "total_bytes": dev.total_bytes,
+            "pool_bytes": dev.pool_bytes,
+            "resident_bytes": self._resident_bytes(dev),
+            "mode": "turns" if dev.turns else "shared",
+            "quantum_ms": round(quantum * 1000),
+            "holders": [c.id for c in holders],
+            "queue": [c.id for c in queue],
+            "clients": [self._client_status(c, dt, position) for c in dev.clients.values()],
+        }
+
+    @staticmethod
+    def _client_status(c: _Client, dt: float, position: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": c.id,
+            "pid": c.pid,
+            "uid": c.uid,
+            "user": c.user,
+            "label": c.label,
+            "state": c.state,
+            "used_bytes": c.used,
+            "managed_bytes": c.managed,
+            "pinned_bytes": c.pinned,
+            "evicted_bytes": c.evicted,
+            "quota_bytes": c.quota,
+            "weight": float(c.weight),
+            "gpu_seconds": c.gpu_seconds + (dt if c.holding is not None else 0.0),
+            "wait_seconds": c.wait_seconds + (dt if c.waiting_since is not None else 0.0),
+            "waiting_since": c.waiting_since,
+            "queue_position": position.get(c.id),
+        }
