@@ -1,0 +1,2034 @@
+/*
+ * A test-only stand-in for the CUDA driver (libcuda.so.1) and, built with -DGPUSHARE_FAKE_NVML,
+ * for NVML (libnvidia-ml.so.1). CI has no GPU: the tests run the real shim (libgpushare.so) in
+ * front of this library.
+ *
+ * What it models, so that the shim's mistakes show up as test failures:
+ *   - the real exported symbols and signatures (cuda.h of CUDA 12.x/13.x), including the _v2, _ptds
+ *     and _ptsz variants; cuGetProcAddress (v1, 4 arguments) and cuGetProcAddress_v2 (5 arguments)
+ *     map (base name, cudaVersion, flags) to the versioned export the real driver returns and hand
+ *     back that export's own address (a hidden alias, so an interposing shim cannot substitute its
+ *     own function), which is what the shim identifies variants by;
+ *   - device memory is host memory (mmap'd, so untouched pages cost nothing): copies and memsets
+ *     really move bytes, kernels really compute, so argument corruption gives wrong numbers;
+ *   - managed allocations remember where they live; cuMemPrefetchAsync (v1 and _v2) moves them and
+ *     counts bytes per direction; a kernel touching a managed allocation that lives on the host
+ *     counts as a page-fault migration (what an explicit restore is meant to avoid);
+ *   - streams have a "busy until" time: kernel "sleep" (one unsigned long long parameter:
+ *     microseconds) advances it, cuStreamQuery answers CUDA_ERROR_NOT_READY until then and the
+ *     synchronise calls wait;
+ *   - a context must be current for the calls that need one (CUDA_ERROR_INVALID_CONTEXT otherwise),
+ *     and cuInit must have run (CUDA_ERROR_NOT_INITIALIZED otherwise), as on the real driver.
+ *
+ * Kernels (cuModuleLoadData with any image, then cuModuleGetFunction by name):
+ *   "sleep"  (unsigned long long us)                                  the stream is busy for us
+ *   "saxpy"  (float a, CUdeviceptr x, CUdeviceptr y, int n)            y = a*x + y, computed at launch
+ *   "noop"   ()
+ *
+ * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB),
+ * GPUSHARE_FAKE_UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), GPUSHARE_FAKE_DRIVER_VERSION
+ * (default 13000), GPUSHARE_FAKE_PREFETCH_GBPS (model prefetch time on the stream; default 0 =
+ * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch), GPUSHARE_FAKE_STATS_FILE
+ * (the stats document is written there at exit).
+ *
+ * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed) and
+ * fakecuda_call_count(name).
+ */
+#include "cuda_abi.h"
+
+#include <ctype.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------------------------------ */
+/* Shared helpers (both libraries)                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+static unsigned long long fk_parse_bytes(const char *s, unsigned long long dflt) {
+    if (!s || !*s) return dflt;
+    char *end = NULL;
+    double v = strtod(s, &end);
+    if (end == s || v < 0) return dflt;
+    while (*end == ' ') end++;
+    unsigned long long mul = 1;
+    switch (toupper((unsigned char)*end)) {
+    case 'K': mul = 1ULL << 10; break;
+    case 'M': mul = 1ULL << 20; break;
+    case 'G': mul = 1ULL << 30; break;
+    case 'T': mul = 1ULL << 40; break;
+    default: break;
+    }
+    return (unsigned long long)(v * (double)mul);
+}
+
+static unsigned long long fk_device_total(void) {
+    static unsigned long long total;
+    if (!total) total = fk_parse_bytes(getenv("GPUSHARE_FAKE_DEVICE_TOTAL"), 16ULL << 30);
+    return total;
+}
+
+#ifndef GPUSHARE_FAKE_NVML
+
+/* ------------------------------------------------------------------------------------------ */
+/* Types the shim treats as opaque, with their real layouts (cuda.h)                           */
+/* ------------------------------------------------------------------------------------------ */
+
+enum {
+    FK_ERROR_INVALID_DEVICE = 101,
+    FK_ERROR_ILLEGAL_ADDRESS = 700,
+    FK_MEM_LOCATION_TYPE_HOST_NUMA = 3,
+    FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
+};
+
+typedef struct CUmod_st *CUmodule;
+typedef struct CUexecAffinityParam_st CUexecAffinityParam;
+
+typedef struct CUmemAccessDesc_st {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+/* ------------------------------------------------------------------------------------------ */
+/* State                                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_inited;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until_ns(uint64_t t) {
+    for (;;) {
+        uint64_t n = now_ns();
+        if (n >= t) return;
+        uint64_t d = t - n;
+        struct timespec ts = {(time_t)(d / 1000000000ULL), (long)(d % 1000000000ULL)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Per-function call counts, keyed by __func__ (= the exported symbol's name). */
+#define FK_MAX_FN 320
+static const char *g_fn_names[FK_MAX_FN];
+static unsigned long g_fn_counts[FK_MAX_FN];
+static int g_nfn;
+
+static int fn_index(const char *name) {
+    pthread_mutex_lock(&g_lock);
+    int i;
+    for (i = 0; i < g_nfn; i++)
+        if (strcmp(g_fn_names[i], name) == 0) break;
+    if (i == g_nfn && g_nfn < FK_MAX_FN) g_fn_names[g_nfn++] = name;
+    if (i >= FK_MAX_FN) i = FK_MAX_FN - 1;
+    pthread_mutex_unlock(&g_lock);
+    return i;
+}
+
+#define COUNT()                                                                                  \
+    do {                                                                                         \
+        static int idx_ = -1;                                                                    \
+        int i_ = __atomic_load_n(&idx_, __ATOMIC_ACQUIRE);                                       \
+        if (i_ < 0) {                                                                            \
+            i_ = fn_index(__func__);                                                             \
+            __atomic_store_n(&idx_, i_, __ATOMIC_RELEASE);                                       \
+        }                                                                                        \
+        __atomic_fetch_add(&g_fn_counts[i_], 1, __ATOMIC_RELAXED);                               \
+    } while (0)
+
+/* Contexts */
+#define CTX_MAGIC 0x43545821u
+struct CUctx_st {
+    uint32_t magic;
+    int primary;
+};
+static struct CUctx_st g_primary = {CTX_MAGIC, 1};
+static int g_primary_refs;
+static __thread CUcontext t_ctx_stack[32];
+static __thread int t_ctx_depth;
+
+static CUcontext cur_ctx(void) { return t_ctx_depth > 0 ? t_ctx_stack[t_ctx_depth - 1] : NULL; }
+
+static int ctx_ok(CUcontext c) { return c && c->magic == CTX_MAGIC; }
+
+/* Streams */
+#define STREAM_MAGIC 0x5354524du
+struct CUstream_st {
+    uint32_t magic;
+    uint64_t busy_until; /* CLOCK_MONOTONIC ns */
+};
+static struct CUstream_st g_legacy_stream = {STREAM_MAGIC, 0};
+static __thread struct CUstream_st t_ptds_stream = {STREAM_MAGIC, 0};
+static uint64_t g_device_busy_until;
+
+/* Events */
+#define EVENT_MAGIC 0x45564e54u
+struct CUevent_st {
+    uint32_t magic;
+    uint64_t at;
+};
+
+/* Kernels */
+enum { K_SLEEP, K_SAXPY, K_NOOP, K_COUNT };
+struct CUfunc_st {
+    int kind;
+    const char *name;
+};
+static struct CUfunc_st g_funcs[K_COUNT] = {{K_SLEEP, "sleep"}, {K_SAXPY, "saxpy"}, {K_NOOP, "noop"}};
+struct CUmod_st {
+    int dummy;
+};
+static struct CUmod_st g_module;
+static unsigned long g_kernel_counts[K_COUNT];
+static unsigned long g_launches, g_graph_launches;
+
+/* Allocations */
+enum { A_DEVICE, A_PITCH, A_MANAGED, A_ASYNC, A_POOL, A_RESERVED };
+static const char *const kind_names[] = {"device", "pitch", "managed", "async", "pool", "reserved"};
+struct fk_alloc {
+    uintptr_t base;
+    size_t size;
+    int kind;
+    int on_host; /* managed only: 1 when it lives in host memory */
+};
+static struct fk_alloc *g_allocs;
+static size_t g_nalloc, g_capalloc;
+
+struct fk_handle {
+    unsigned long long id;
+    int fd;
+    size_t size;
+    int released;
+    int maps;
+};
+static struct fk_handle *g_handles;
+static size_t g_nhandles, g_caphandles;
+static unsigned long long g_next_handle = 1;
+
+struct fk_mapping {
+    uintptr_t base;
+    size_t size;
+    unsigned long long handle;
+};
+static struct fk_mapping *g_maps;
+static size_t g_nmaps, g_capmaps;
+
+static unsigned long long g_live_device_bytes;  /* device, pitch, async, pool, cuMemCreate */
+static unsigned long long g_live_managed_bytes;
+static unsigned long long g_managed_on_host_bytes;
+static unsigned long long g_prefetch_to_host_bytes, g_prefetch_to_device_bytes;
+static unsigned long g_prefetch_to_host_calls, g_prefetch_to_device_calls;
+static unsigned long long g_fault_to_device_bytes;
+static unsigned long long g_peak_device_bytes;
+
+/* A CUmemoryPool handle; any non-NULL pool is accepted, this is the default one. */
+struct CUmemPoolHandle_st {
+    int dummy;
+};
+static struct CUmemPoolHandle_st g_default_pool;
+
+#define GROW(arr, n, cap)                                                                        \
+    do {                                                                                         \
+        if ((n) == (cap)) {                                                                      \
+            size_t nc_ = (cap) ? (cap) * 2 : 64;                                                 \
+            void *p_ = realloc((arr), nc_ * sizeof(*(arr)));                                     \
+            if (!p_) abort();                                                                    \
+            (arr) = p_;                                                                          \
+            (cap) = nc_;                                                                         \
+        }                                                                                        \
+    } while (0)
+
+static void note_peak(void) {
+    unsigned long long resident =
+        g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
+    if (resident > g_peak_device_bytes) g_peak_device_bytes = resident;
+}
+
+/* Caller holds g_lock. */
+static struct fk_alloc *find_alloc_locked(uintptr_t p, size_t n) {
+    for (size_t i = 0; i < g_nalloc; i++) {
+        struct fk_alloc *a = &g_allocs[i];
+        if (a->kind == A_RESERVED) continue;
+        if (p >= a->base && p < a->base + a->size && n <= a->base + a->size - p) return a;
+    }
+    return NULL;
+}
+
+static int mapped_locked(uintptr_t p, size_t n) {
+    for (size_t i = 0; i < g_nmaps; i++) {
+        struct fk_mapping *m = &g_maps[i];
+        if (p >= m->base && p < m->base + m->size && n <= m->base + m->size - p) return 1;
+    }
+    return 0;
+}
+
+/* Is [p, p+n) device memory this driver handed out (an allocation or a cuMemMap'd range)? */
+static int dev_range_ok(CUdeviceptr p, size_t n) {
+    if (!p) return 0;
+    pthread_mutex_lock(&g_lock);
+    int ok = find_alloc_locked((uintptr_t)p, n) != NULL || mapped_locked((uintptr_t)p, n);
+    pthread_mutex_unlock(&g_lock);
+    return ok;
+}
+
+static void *map_anon(size_t size) {
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static CUresult add_alloc(CUdeviceptr *dptr, size_t size, int kind) {
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    if (kind != A_MANAGED &&
+        g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
+            fk_device_total()) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    void *p = map_anon(size);
+    if (!p) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    GROW(g_allocs, g_nalloc, g_capalloc);
+    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, kind, 0};
+    if (kind == A_MANAGED)
+        g_live_managed_bytes += size;
+    else
+        g_live_device_bytes += size;
+    note_peak();
+    pthread_mutex_unlock(&g_lock);
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+/* Frees an allocation made by the cuMemAlloc family (not a reserved range). */
+static CUresult free_alloc(CUdeviceptr dptr) {
+    if (!dptr) return CUDA_SUCCESS; /* cuMemFree(0) is a no-op on the real driver */
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nalloc; i++) {
+        struct fk_alloc a = g_allocs[i];
+        if (a.base != (uintptr_t)dptr || a.kind == A_RESERVED) continue;
+        g_allocs[i] = g_allocs[--g_nalloc];
+        if (a.kind == A_MANAGED) {
+            g_live_managed_bytes -= a.size;
+            if (a.on_host) g_managed_on_host_bytes -= a.size;
+        } else {
+            g_live_device_bytes -= a.size;
+        }
+        pthread_mutex_unlock(&g_lock);
+        munmap((void *)a.base, a.size);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static FILE *trace_file(void) {
+    static FILE *f;
+    static int tried;
+    if (!tried) {
+        tried = 1;
+        const char *path = getenv("GPUSHARE_FAKE_TRACE");
+        if (path && *path) {
+            f = fopen(path, "a");
+            if (f) setvbuf(f, NULL, _IOLBF, 0);
+        }
+    }
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Checks                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+#define NEED_INIT()                                                                              \
+    do {                                                                                         \
+        if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;                                        \
+    } while (0)
+
+#define NEED_CTX()                                                                               \
+    do {                                                                                         \
+        NEED_INIT();                                                                             \
+        if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;                                       \
+    } while (0)
+
+/* The implicit streams need a current context; an explicit stream carries its own. */
+static CUresult get_stream(CUstream h, int per_thread, struct CUstream_st **out) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (h == NULL || h == (CUstream)(uintptr_t)1 || h == (CUstream)(uintptr_t)2) {
+        if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+        if (h == (CUstream)(uintptr_t)2 || (h == NULL && per_thread))
+            *out = &t_ptds_stream;
+        else
+            *out = &g_legacy_stream;
+        return CUDA_SUCCESS;
+    }
+    if (h->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    *out = h;
+    return CUDA_SUCCESS;
+}
+
+static void stream_add_busy(struct CUstream_st *s, uint64_t ns) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t n = now_ns();
+    uint64_t start = s->busy_until > n ? s->busy_until : n;
+    s->busy_until = start + ns;
+    if (s->busy_until > g_device_busy_until) g_device_busy_until = s->busy_until;
+    pthread_mutex_unlock(&g_lock);
+}
+
+static uint64_t stream_busy_until(struct CUstream_st *s) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t t = s->busy_until;
+    pthread_mutex_unlock(&g_lock);
+    return t;
+}
+
+static void wait_device(void) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t t = g_device_busy_until;
+    pthread_mutex_unlock(&g_lock);
+    sleep_until_ns(t);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Initialisation, device, context                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+CUresult cuInit(unsigned int flags) {
+    COUNT();
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    g_inited = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *driverVersion) {
+    COUNT();
+    if (!driverVersion) return CUDA_ERROR_INVALID_VALUE;
+    const char *v = getenv("GPUSHARE_FAKE_DRIVER_VERSION");
+    *driverVersion = v && *v ? atoi(v) : 13000;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    COUNT();
+    NEED_INIT();
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal != 0) return FK_ERROR_INVALID_DEVICE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *count) {
+    COUNT();
+    NEED_INIT();
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    *count = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", "gpushare stand-in GPU");
+    return CUDA_SUCCESS;
+}
+
+static CUresult fill_uuid(CUuuid *uuid, CUdevice dev) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!uuid) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    static const unsigned char dflt[16] = {0x6a, 0x75, 0x70, 0x79, 0x74, 0x65, 0x72, 0x2d,
+                                           0x67, 0x70, 0x75, 0x73, 0x68, 0x61, 0x72, 0x65};
+    memcpy(uuid->bytes, dflt, 16);
+    const char *s = getenv("GPUSHARE_FAKE_UUID");
+    if (s && *s) {
+        if (strncmp(s, "GPU-", 4) == 0) s += 4;
+        unsigned char out[16];
+        int k = 0;
+        for (const char *p = s; *p && k < 32; p++) {
+            if (*p == '-') continue;
+            if (!isxdigit((unsigned char)*p)) break;
+            int v = isdigit((unsigned char)*p) ? *p - '0' : (tolower((unsigned char)*p) - 'a' + 10);
+            if (k % 2 == 0)
+                out[k / 2] = (unsigned char)(v << 4);
+            else
+                out[k / 2] |= (unsigned char)v;
+            k++;
+        }
+        if (k == 32) memcpy(uuid->bytes, out, 16);
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+    COUNT();
+    return fill_uuid(uuid, dev);
+}
+
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
+    COUNT();
+    return fill_uuid(uuid, dev);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)fk_device_total();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (!pi) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+    case 16: *pi = 132; break;  /* MULTIPROCESSOR_COUNT */
+    case 75: *pi = 9; break;    /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: *pi = 0; break;    /* COMPUTE_CAPABILITY_MINOR */
+    case 83: *pi = 1; break;    /* MANAGED_MEMORY */
+    case 89: *pi = 1; break;    /* CONCURRENT_MANAGED_ACCESS */
+    case 115: *pi = 1; break;   /* MEMORY_POOLS_SUPPORTED */
+    case 102: *pi = 1; break;   /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    default: *pi = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    *pool_out = &g_default_pool;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    __atomic_fetch_add(&g_primary_refs, 1, __ATOMIC_RELAXED);
+    *pctx = &g_primary;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    COUNT();
+    NEED_INIT();
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (__atomic_load_n(&g_primary_refs, __ATOMIC_RELAXED) <= 0) return CUDA_ERROR_INVALID_CONTEXT;
+    __atomic_fetch_sub(&g_primary_refs, 1, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    COUNT();
+    NEED_INIT();
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (flags) *flags = 0;
+    if (active) *active = __atomic_load_n(&g_primary_refs, __ATOMIC_RELAXED) > 0;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (t_ctx_depth >= 32) return CUDA_ERROR_OUT_OF_MEMORY;
+    struct CUctx_st *c = calloc(1, sizeof(*c));
+    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
+    c->magic = CTX_MAGIC;
+    t_ctx_stack[t_ctx_depth++] = c;
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+/* v1 (cudaVersion < 3020): 32-bit ABI nobody uses any more; present so that a request for an
+ * old version resolves to a distinct function, as on the real driver. */
+CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    COUNT();
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    COUNT();
+    return ctx_create(pctx, dev);
+}
+
+CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                        unsigned int flags, CUdevice dev) {
+    COUNT();
+    return ctx_create(pctx, dev);
+}
+
+CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                        CUdevice dev) {
+    COUNT();
+    return ctx_create(pctx, dev);
+}
+
+CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    COUNT();
+    NEED_INIT();
+    if (!ctx_ok(ctx) || ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = t_ctx_depth - 1; i >= 0; i--) {
+        if (t_ctx_stack[i] == ctx) {
+            memmove(&t_ctx_stack[i], &t_ctx_stack[i + 1],
+                    (size_t)(t_ctx_depth - i - 1) * sizeof(CUcontext));
+            t_ctx_depth--;
+        }
+    }
+    ctx->magic = 0; /* leaked on purpose: a use after destroy is then detected */
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    COUNT();
+    NEED_INIT();
+    if (ctx == NULL) {
+        if (t_ctx_depth > 0) t_ctx_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!ctx_ok(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_ctx_depth == 0)
+        t_ctx_stack[t_ctx_depth++] = ctx;
+    else
+        t_ctx_stack[t_ctx_depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    COUNT();
+    NEED_INIT();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = cur_ctx();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    COUNT();
+    NEED_INIT();
+    if (!ctx_ok(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_ctx_depth >= 32) return CUDA_ERROR_OUT_OF_MEMORY;
+    t_ctx_stack[t_ctx_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    COUNT();
+    NEED_INIT();
+    if (t_ctx_depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    CUcontext c = t_ctx_stack[--t_ctx_depth];
+    if (pctx) *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *device) {
+    COUNT();
+    NEED_CTX();
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void) {
+    COUNT();
+    NEED_CTX();
+    wait_device();
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Streams and events                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+static CUresult stream_create(CUstream *ph) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!ph) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = calloc(1, sizeof(*s));
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    s->magic = STREAM_MAGIC;
+    *ph = s;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    COUNT();
+    return stream_create(phStream);
+}
+
+CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
+    COUNT();
+    return stream_create(phStream);
+}
+
+static CUresult stream_destroy(CUstream h) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!h || h == (CUstream)(uintptr_t)1 || h == (CUstream)(uintptr_t)2 || h->magic != STREAM_MAGIC)
+        return CUDA_ERROR_INVALID_HANDLE;
+    h->magic = 0; /* leaked on purpose: a use after destroy is then detected */
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy(CUstream hStream) {
+    COUNT();
+    return stream_destroy(hStream);
+}
+
+CUresult cuStreamDestroy_v2(CUstream hStream) {
+    COUNT();
+    return stream_destroy(hStream);
+}
+
+static CUresult stream_query(CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    return now_ns() < stream_busy_until(s) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(CUstream hStream) {
+    COUNT();
+    return stream_query(hStream, 0);
+}
+
+CUresult cuStreamQuery_ptsz(CUstream hStream) {
+    COUNT();
+    return stream_query(hStream, 1);
+}
+
+static CUresult stream_sync(CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (s == &g_legacy_stream)
+        wait_device(); /* the legacy stream synchronises with every blocking stream */
+    else
+        sleep_until_ns(stream_busy_until(s));
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream hStream) {
+    COUNT();
+    return stream_sync(hStream, 0);
+}
+
+CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
+    COUNT();
+    return stream_sync(hStream, 1);
+}
+
+CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+    COUNT();
+    NEED_CTX();
+    if (!phEvent) return CUDA_ERROR_INVALID_VALUE;
+    struct CUevent_st *e = calloc(1, sizeof(*e));
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = EVENT_MAGIC;
+    *phEvent = e;
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_record(CUevent e, CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    e->at = stream_busy_until(s);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
+    COUNT();
+    return event_record(hEvent, hStream, 0);
+}
+
+CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream) {
+    COUNT();
+    return event_record(hEvent, hStream, 1);
+}
+
+CUresult cuEventQuery(CUevent hEvent) {
+    COUNT();
+    NEED_INIT();
+    if (!hEvent || hEvent->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    return now_ns() < hEvent->at ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(CUevent hEvent) {
+    COUNT();
+    NEED_INIT();
+    if (!hEvent || hEvent->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    sleep_until_ns(hEvent->at);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent hEvent) {
+    COUNT();
+    NEED_INIT();
+    if (!hEvent || hEvent->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    hEvent->magic = 0;
+    return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory: allocation                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+/* v1 (cudaVersion < 3020), 32-bit device pointers: see cuCtxCreate. */
+CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize) {
+    COUNT();
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult cuMemGetInfo(unsigned int *free, unsigned int *total) {
+    COUNT();
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    COUNT();
+    NEED_CTX();
+    return add_alloc(dptr, bytesize, A_DEVICE);
+}
+
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                            unsigned int ElementSizeBytes) {
+    COUNT();
+    NEED_CTX();
+    if (!pPitch || WidthInBytes == 0 || Height == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t pitch = (WidthInBytes + 511) & ~(size_t)511;
+    CUresult r = add_alloc(dptr, pitch * Height, A_PITCH);
+    if (r == CUDA_SUCCESS) *pPitch = pitch;
+    return r;
+}
+
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    COUNT();
+    NEED_CTX();
+    if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST) return CUDA_ERROR_INVALID_VALUE;
+    return add_alloc(dptr, bytesize, A_MANAGED);
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream h, int per_thread, int kind) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    return add_alloc(dptr, bytesize, kind);
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    COUNT();
+    return alloc_async(dptr, bytesize, hStream, 0, A_ASYNC);
+}
+
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    COUNT();
+    return alloc_async(dptr, bytesize, hStream, 1, A_ASYNC);
+}
+
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                 CUstream hStream) {
+    COUNT();
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_async(dptr, bytesize, hStream, 0, A_POOL);
+}
+
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                      CUstream hStream) {
+    COUNT();
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_async(dptr, bytesize, hStream, 1, A_POOL);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    COUNT();
+    NEED_CTX();
+    wait_device(); /* cuMemFree synchronises */
+    return free_alloc(dptr);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    return free_alloc(dptr);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    COUNT();
+    return free_async(dptr, hStream, 0);
+}
+
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
+    COUNT();
+    return free_async(dptr, hStream, 1);
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+    COUNT();
+    NEED_CTX();
+    pthread_mutex_lock(&g_lock);
+    struct fk_alloc *a = find_alloc_locked((uintptr_t)dptr, 1);
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    if (a) {
+        if (pbase) *pbase = (CUdeviceptr)a->base;
+        if (psize) *psize = a->size;
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+/* CUpointer_attribute values answered here. */
+enum {
+    FK_PA_CONTEXT = 1,
+    FK_PA_MEMORY_TYPE = 2,
+    FK_PA_DEVICE_POINTER = 3,
+    FK_PA_IS_MANAGED = 8,
+    FK_PA_DEVICE_ORDINAL = 9,
+    FK_PA_RANGE_START_ADDR = 11,
+    FK_PA_RANGE_SIZE = 12,
+};
+
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    COUNT();
+    NEED_INIT();
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct fk_alloc *a = find_alloc_locked((uintptr_t)ptr, 1);
+    struct fk_alloc copy = a ? *a : (struct fk_alloc){0};
+    int mapped = !a && mapped_locked((uintptr_t)ptr, 1);
+    pthread_mutex_unlock(&g_lock);
+    if (!a && !mapped) return CUDA_ERROR_INVALID_VALUE;
+    switch (attribute) {
+    case FK_PA_CONTEXT: *(CUcontext *)data = &g_primary; break;
+    case FK_PA_MEMORY_TYPE: *(unsigned int *)data = 2; break; /* CU_MEMORYTYPE_DEVICE */
+    case FK_PA_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+    case FK_PA_IS_MANAGED: *(unsigned int *)data = a && copy.kind == A_MANAGED; break;
+    case FK_PA_DEVICE_ORDINAL: *(int *)data = 0; break;
+    case FK_PA_RANGE_START_ADDR: *(CUdeviceptr *)data = a ? (CUdeviceptr)copy.base : ptr; break;
+    case FK_PA_RANGE_SIZE: *(size_t *)data = a ? copy.size : 0; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
+    COUNT();
+    NEED_CTX();
+    if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    unsigned long long used =
+        g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
+    pthread_mutex_unlock(&g_lock);
+    unsigned long long t = fk_device_total();
+    *total = (size_t)t;
+    *free = (size_t)(used >= t ? 0 : t - used);
+    return CUDA_SUCCESS;
+}
+
+/* Virtual memory management: cuMemCreate handles are memfds, cuMemMap maps them into a range
+ * reserved with cuMemAddressReserve (PROT_NONE until mapped), so data written through a mapping
+ * is really there. */
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       int option) {
+    COUNT();
+    NEED_INIT();
+    if (!granularity || !prop) return CUDA_ERROR_INVALID_VALUE;
+    *granularity = 2u << 20;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                     const CUmemAllocationProp *prop, unsigned long long flags) {
+    COUNT();
+    NEED_CTX();
+    if (!handle || !prop || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (size % (2u << 20)) return CUDA_ERROR_INVALID_VALUE; /* must be granularity-aligned */
+    pthread_mutex_lock(&g_lock);
+    if (g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
+        fk_device_total()) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    int fd = memfd_create("fakecuda-handle", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    GROW(g_handles, g_nhandles, g_caphandles);
+    unsigned long long id = g_next_handle++;
+    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0};
+    g_live_device_bytes += size;
+    note_peak();
+    pthread_mutex_unlock(&g_lock);
+    *handle = id;
+    return CUDA_SUCCESS;
+}
+
+static struct fk_handle *find_handle_locked(unsigned long long id) {
+    for (size_t i = 0; i < g_nhandles; i++)
+        if (g_handles[i].id == id) return &g_handles[i];
+    return NULL;
+}
+
+/* Physical memory is given back when the handle is released and no longer mapped. */
+static void maybe_drop_handle_locked(struct fk_handle *h) {
+    if (!h->released || h->maps > 0) return;
+    close(h->fd);
+    g_live_device_bytes -= h->size;
+    *h = g_handles[--g_nhandles];
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    COUNT();
+    NEED_INIT();
+    pthread_mutex_lock(&g_lock);
+    struct fk_handle *h = find_handle_locked(handle);
+    if (!h || h->released) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    h->released = 1;
+    maybe_drop_handle_locked(h);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+    COUNT();
+    NEED_INIT();
+    if (!ptr || size == 0 || size % (2u << 20)) return CUDA_ERROR_INVALID_VALUE;
+    void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    GROW(g_allocs, g_nalloc, g_capalloc);
+    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, A_RESERVED, 0};
+    pthread_mutex_unlock(&g_lock);
+    *ptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    COUNT();
+    NEED_INIT();
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nalloc; i++) {
+        if (g_allocs[i].kind == A_RESERVED && g_allocs[i].base == (uintptr_t)ptr &&
+            g_allocs[i].size == size) {
+            g_allocs[i] = g_allocs[--g_nalloc];
+            pthread_mutex_unlock(&g_lock);
+            munmap((void *)(uintptr_t)ptr, size);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static int reserved_locked(uintptr_t p, size_t n) {
+    for (size_t i = 0; i < g_nalloc; i++) {
+        struct fk_alloc *a = &g_allocs[i];
+        if (a->kind == A_RESERVED && p >= a->base && p < a->base + a->size &&
+            n <= a->base + a->size - p)
+            return 1;
+    }
+    return 0;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+    COUNT();
+    NEED_INIT();
+    if (!ptr || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct fk_handle *h = find_handle_locked(handle);
+    if (!h || h->released || offset + size > h->size || !reserved_locked((uintptr_t)ptr, size) ||
+        mapped_locked((uintptr_t)ptr, 1)) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    void *p = mmap((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   h->fd, (off_t)offset);
+    if (p == MAP_FAILED) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    h->maps++;
+    GROW(g_maps, g_nmaps, g_capmaps);
+    g_maps[g_nmaps++] = (struct fk_mapping){(uintptr_t)ptr, size, handle};
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    COUNT();
+    NEED_INIT();
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nmaps; i++) {
+        if (g_maps[i].base != (uintptr_t)ptr || g_maps[i].size != size) continue;
+        unsigned long long hid = g_maps[i].handle;
+        g_maps[i] = g_maps[--g_nmaps];
+        mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED |
+             MAP_NORESERVE, -1, 0);
+        struct fk_handle *h = find_handle_locked(hid);
+        if (h) {
+            h->maps--;
+            maybe_drop_handle_locked(h);
+        }
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    COUNT();
+    NEED_INIT();
+    if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+    return dev_range_ok(ptr, size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory: prefetch and advice                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, CUstream h, int per_thread,
+                         const char *via) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (count == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct fk_alloc *a = find_alloc_locked((uintptr_t)p, count);
+    if (!a || a->kind != A_MANAGED) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE; /* only managed memory can be prefetched */
+    }
+    if (to_host) {
+        g_prefetch_to_host_bytes += count;
+        g_prefetch_to_host_calls++;
+        if (!a->on_host) g_managed_on_host_bytes += a->size;
+        a->on_host = 1;
+    } else {
+        g_prefetch_to_device_bytes += count;
+        g_prefetch_to_device_calls++;
+        if (a->on_host) g_managed_on_host_bytes -= a->size;
+        a->on_host = 0;
+        note_peak();
+    }
+    pthread_mutex_unlock(&g_lock);
+    const char *gbps = getenv("GPUSHARE_FAKE_PREFETCH_GBPS");
+    double rate = gbps ? atof(gbps) : 0.0;
+    if (rate > 0) stream_add_busy(s, (uint64_t)((double)count / rate));
+    FILE *f = trace_file();
+    if (f) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        fprintf(f, "{\"event\":\"prefetch\",\"via\":\"%s\",\"to\":\"%s\",\"bytes\":%zu,\"t_mono\":%.6f,\"pid\":%d}\n",
+                via, to_host ? "host" : "device", count,
+                (double)ts.tv_sec + (double)ts.tv_nsec / 1e9, (int)getpid());
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult prefetch_v1(CUdeviceptr p, size_t count, CUdevice dst, CUstream h, int pt,
+                            const char *via) {
+    if (dst != CU_DEVICE_CPU && dst != 0) return g_inited ? FK_ERROR_INVALID_DEVICE
+                                                          : CUDA_ERROR_NOT_INITIALIZED;
+    return prefetch(p, count, dst == CU_DEVICE_CPU, h, pt, via);
+}
+
+static CUresult prefetch_v2(CUdeviceptr p, size_t count, CUmemLocation loc, unsigned int flags,
+                            CUstream h, int pt, const char *via) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    int to_host, type = (int)loc.type;
+    if (type == CU_MEM_LOCATION_TYPE_HOST || type == FK_MEM_LOCATION_TYPE_HOST_NUMA ||
+        type == FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
+        to_host = 1;
+    else if (type == CU_MEM_LOCATION_TYPE_DEVICE && loc.id == 0)
+        to_host = 0;
+    else
+        return CUDA_ERROR_INVALID_VALUE;
+    return prefetch(p, count, to_host, h, pt, via);
+}
+
+CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
+    COUNT();
+    return prefetch_v1(devPtr, count, dstDevice, hStream, 0, __func__);
+}
+
+CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice,
+                                 CUstream hStream) {
+    COUNT();
+    return prefetch_v1(devPtr, count, dstDevice, hStream, 1, __func__);
+}
+
+CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                               unsigned int flags, CUstream hStream) {
+    COUNT();
+    return prefetch_v2(devPtr, count, location, flags, hStream, 0, __func__);
+}
+
+CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                    unsigned int flags, CUstream hStream) {
+    COUNT();
+    return prefetch_v2(devPtr, count, location, flags, hStream, 1, __func__);
+}
+
+CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, int advice, CUdevice device) {
+    COUNT();
+    NEED_INIT();
+    return dev_range_ok(devPtr, count) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, int advice, CUmemLocation location) {
+    COUNT();
+    NEED_INIT();
+    return dev_range_ok(devPtr, count) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Modules and launches                                                                         */
+/* ------------------------------------------------------------------------------------------ */
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    COUNT();
+    NEED_CTX();
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    *module = &g_module;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleUnload(CUmodule hmod) {
+    COUNT();
+    NEED_INIT();
+    return hmod == &g_module ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    COUNT();
+    NEED_CTX();
+    if (!hfunc || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (hmod != &g_module) return CUDA_ERROR_INVALID_HANDLE;
+    for (int i = 0; i < K_COUNT; i++) {
+        if (strcmp(g_funcs[i].name, name) == 0) {
+            *hfunc = &g_funcs[i];
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+/* A kernel that touches a managed allocation living on the host faults it in. */
+static void fault_in(CUdeviceptr p) {
+    pthread_mutex_lock(&g_lock);
+    struct fk_alloc *a = find_alloc_locked((uintptr_t)p, 1);
+    if (a && a->kind == A_MANAGED && a->on_host) {
+        a->on_host = 0;
+        g_managed_on_host_bytes -= a->size;
+        g_fault_to_device_bytes += a->size;
+        note_peak();
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                       unsigned int bx, unsigned int by, unsigned int bz, CUstream h, int per_thread,
+                       void **params, void **extra) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!f || f < &g_funcs[0] || f >= &g_funcs[K_COUNT]) return CUDA_ERROR_INVALID_HANDLE;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (extra && !params) return CUDA_ERROR_NOT_SUPPORTED;
+    switch (f->kind) {
+    case K_SLEEP: {
+        if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
+        unsigned long long us = *(const unsigned long long *)params[0];
+        if (us > 60ULL * 1000 * 1000) return CUDA_ERROR_INVALID_VALUE; /* a garbage argument */
+        stream_add_busy(s, us * 1000ULL);
+        break;
+    }
+    case K_SAXPY: {
+        if (!params || !params[0] || !params[1] || !params[2] || !params[3])
+            return CUDA_ERROR_INVALID_VALUE;
+        float a = *(const float *)params[0];
+        CUdeviceptr x = *(const CUdeviceptr *)params[1];
+        CUdeviceptr y = *(const CUdeviceptr *)params[2];
+        int n = *(const int *)params[3];
+        if (n < 0) return CUDA_ERROR_INVALID_VALUE;
+        if (n > 0 && (!dev_range_ok(x, (size_t)n * sizeof(float)) ||
+                      !dev_range_ok(y, (size_t)n * sizeof(float))))
+            return FK_ERROR_ILLEGAL_ADDRESS;
+        fault_in(x);
+        fault_in(y);
+        const float *xp = (const float *)(uintptr_t)x;
+        float *yp = (float *)(uintptr_t)y;
+        for (int i = 0; i < n; i++) yp[i] = a * xp[i] + yp[i];
+        stream_add_busy(s, 1000); /* a microsecond of "work" */
+        break;
+    }
+    default:
+        break;
+    }
+    pthread_mutex_lock(&g_lock);
+    g_kernel_counts[f->kind]++;
+    g_launches++;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                        void **kernelParams, void **extra) {
+    COUNT();
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, 0,
+                  kernelParams, extra);
+}
+
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                             unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                             unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                             void **kernelParams, void **extra) {
+    COUNT();
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, 1,
+                  kernelParams, extra);
+}
+
+static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra,
+                          int per_thread) {
+    if (!c) return CUDA_ERROR_INVALID_VALUE;
+    if (c->numAttrs > 0 && !c->attrs) return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,
+                  c->blockDimZ, c->hStream, per_thread, params, extra);
+}
+
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                          void **extra) {
+    COUNT();
+    return launch_ex(config, f, kernelParams, extra, 0);
+}
+
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                               void **extra) {
+    COUNT();
+    return launch_ex(config, f, kernelParams, extra, 1);
+}
+
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                   unsigned int gridDimZ, unsigned int blockDimX,
+                                   unsigned int blockDimY, unsigned int blockDimZ,
+                                   unsigned int sharedMemBytes, CUstream hStream,
+                                   void **kernelParams) {
+    COUNT();
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, 0,
+                  kernelParams, NULL);
+}
+
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                        unsigned int gridDimZ, unsigned int blockDimX,
+                                        unsigned int blockDimY, unsigned int blockDimZ,
+                                        unsigned int sharedMemBytes, CUstream hStream,
+                                        void **kernelParams) {
+    COUNT();
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, 1,
+                  kernelParams, NULL);
+}
+
+/* Any non-NULL executable graph is accepted; a launch is a microsecond of work. */
+static CUresult graph_launch(CUgraphExec g, CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!g) return CUDA_ERROR_INVALID_VALUE;
+    stream_add_busy(s, 1000);
+    pthread_mutex_lock(&g_lock);
+    g_graph_launches++;
+    g_launches++;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    COUNT();
+    return graph_launch(hGraphExec, hStream, 0);
+}
+
+CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    COUNT();
+    return graph_launch(hGraphExec, hStream, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Copies and sets                                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Synchronous copies wait for earlier work, as the legacy stream does. dst_dev/src_dev say which
+ * sides must be device memory handed out by this driver. */
+static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_dev, CUstream h,
+                     int per_thread, int is_async) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    struct CUstream_st *s = NULL;
+    if (is_async) {
+        CUresult r = get_stream(h, per_thread, &s);
+        if (r) return r;
+    }
+    if (n == 0) return CUDA_SUCCESS;
+    if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    if (dst_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (src_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (!is_async) wait_device();
+    memmove(dst, src, n);
+    return CUDA_SUCCESS;
+}
+
+#define D2P(d) ((void *)(uintptr_t)(d))
+
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dst), D2P(src), ByteCount, 0, 0, NULL, 0, 0);
+}
+CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dst), D2P(src), ByteCount, 0, 0, NULL, 1, 0);
+}
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) {
+    COUNT();
+    return copy(D2P(dst), D2P(src), ByteCount, 0, 0, hStream, 0, 1);
+}
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) {
+    COUNT();
+    return copy(D2P(dst), D2P(src), ByteCount, 0, 0, hStream, 1, 1);
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dstDevice), srcHost, ByteCount, 1, 0, NULL, 0, 0);
+}
+CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dstDevice), srcHost, ByteCount, 1, 0, NULL, 1, 0);
+}
+CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+    COUNT();
+    return copy(dstHost, D2P(srcDevice), ByteCount, 0, 1, NULL, 0, 0);
+}
+CUresult cuMemcpyDtoH_v2_ptds(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+    COUNT();
+    return copy(dstHost, D2P(srcDevice), ByteCount, 0, 1, NULL, 1, 0);
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, NULL, 0, 0);
+}
+CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
+    COUNT();
+    return copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, NULL, 1, 0);
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                              CUstream hStream) {
+    COUNT();
+    return copy(D2P(dstDevice), srcHost, ByteCount, 1, 0, hStream, 0, 1);
+}
+CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                   CUstream hStream) {
+    COUNT();
+    return copy(D2P(dstDevice), srcHost, ByteCount, 1, 0, hStream, 1, 1);
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                              CUstream hStream) {
+    COUNT();
+    return copy(dstHost, D2P(srcDevice), ByteCount, 0, 1, hStream, 0, 1);
+}
+CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                   CUstream hStream) {
+    COUNT();
+    return copy(dstHost, D2P(srcDevice), ByteCount, 0, 1, hStream, 1, 1);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                              CUstream hStream) {
+    COUNT();
+    return copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, hStream, 0, 1);
+}
+CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                   CUstream hStream) {
+    COUNT();
+    return copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, hStream, 1, 1);
+}
+
+static CUresult peer_ctx_ok(CUcontext a, CUcontext b) {
+    return ctx_ok(a) && ctx_ok(b) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                      CUcontext srcContext, size_t ByteCount) {
+    COUNT();
+    CUresult r = peer_ctx_ok(dstContext, srcContext);
+    return r ? r : copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, NULL, 0, 0);
+}
+CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                           CUcontext srcContext, size_t ByteCount) {
+    COUNT();
+    CUresult r = peer_ctx_ok(dstContext, srcContext);
+    return r ? r : copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, NULL, 1, 0);
+}
+CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                           CUcontext srcContext, size_t ByteCount, CUstream hStream) {
+    COUNT();
+    CUresult r = peer_ctx_ok(dstContext, srcContext);
+    return r ? r : copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, hStream, 0, 1);
+}
+CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                CUcontext srcContext, size_t ByteCount, CUstream hStream) {
+    COUNT();
+    CUresult r = peer_ctx_ok(dstContext, srcContext);
+    return r ? r : copy(D2P(dstDevice), D2P(srcDevice), ByteCount, 1, 1, hStream, 1, 1);
+}
+
+static CUresult set(CUdeviceptr dst, unsigned int value, unsigned int width, size_t n, CUstream h,
+                    int per_thread, int is_async) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!cur_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (is_async) {
+        struct CUstream_st *s;
+        CUresult r = get_stream(h, per_thread, &s);
+        if (r) return r;
+    }
+    if (n == 0) return CUDA_SUCCESS;
+    if (!dev_range_ok(dst, n * width) || dst % width) return CUDA_ERROR_INVALID_VALUE;
+    if (!is_async) wait_device();
+    unsigned char *p = D2P(dst);
+    if (width == 1) {
+        memset(p, (int)(value & 0xff), n);
+    } else if (width == 2) {
+        uint16_t v = (uint16_t)value;
+        for (size_t i = 0; i < n; i++) memcpy(p + 2 * i, &v, 2);
+    } else {
+        uint32_t v = value;
+        for (size_t i = 0; i < n; i++) memcpy(p + 4 * i, &v, 4);
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char uc, size_t N) {
+    COUNT();
+    return set(d, uc, 1, N, NULL, 0, 0);
+}
+CUresult cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char uc, size_t N) {
+    COUNT();
+    return set(d, uc, 1, N, NULL, 1, 0);
+}
+CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short us, size_t N) {
+    COUNT();
+    return set(d, us, 2, N, NULL, 0, 0);
+}
+CUresult cuMemsetD16_v2_ptds(CUdeviceptr d, unsigned short us, size_t N) {
+    COUNT();
+    return set(d, us, 2, N, NULL, 1, 0);
+}
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int ui, size_t N) {
+    COUNT();
+    return set(d, ui, 4, N, NULL, 0, 0);
+}
+CUresult cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int ui, size_t N) {
+    COUNT();
+    return set(d, ui, 4, N, NULL, 1, 0);
+}
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char uc, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, uc, 1, N, hStream, 0, 1);
+}
+CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char uc, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, uc, 1, N, hStream, 1, 1);
+}
+CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short us, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, us, 2, N, hStream, 0, 1);
+}
+CUresult cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short us, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, us, 2, N, hStream, 1, 1);
+}
+CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int ui, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, ui, 4, N, hStream, 0, 1);
+}
+CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int ui, size_t N, CUstream hStream) {
+    COUNT();
+    return set(d, ui, 4, N, hStream, 1, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Errors                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+static const char *err_name(CUresult e) {
+    switch (e) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_DEINITIALIZED: return "CUDA_ERROR_DEINITIALIZED";
+    case FK_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case FK_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case CUDA_ERROR_NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
+    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_UNKNOWN: return "CUDA_ERROR_UNKNOWN";
+    default: return NULL;
+    }
+}
+
+CUresult cuGetErrorName(CUresult error, const char **pStr) {
+    COUNT();
+    if (!pStr) return CUDA_ERROR_INVALID_VALUE;
+    *pStr = err_name(error);
+    return *pStr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuGetErrorString(CUresult error, const char **pStr) {
+    COUNT();
+    if (!pStr) return CUDA_ERROR_INVALID_VALUE;
+    *pStr = err_name(error);
+    return *pStr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* cuGetProcAddress                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *symbolStatus);
+
+/* Every export, for the name -> own-address table. */
+#define FK_EXPORTS(X)                                                                            \
+    X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName)        \
+    X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute)      \
+    X(cuDeviceGetDefaultMemPool) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2)     \
+    X(cuDevicePrimaryCtxGetState) X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3)             \
+    X(cuCtxCreate_v4) X(cuCtxDestroy_v2) X(cuCtxSetCurrent) X(cuCtxGetCurrent)                   \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuCtxGetDevice) X(cuCtxSynchronize)           \
+    X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2)     \
+    X(cuStreamQuery) X(cuStreamQuery_ptsz) X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz)    \
+    X(cuEventCreate) X(cuEventRecord) X(cuEventRecord_ptsz) X(cuEventQuery)                      \
+    X(cuEventSynchronize) X(cuEventDestroy_v2) X(cuMemAlloc) X(cuMemGetInfo) X(cuMemAlloc_v2)    \
+    X(cuMemAllocPitch_v2) X(cuMemAllocManaged) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)        \
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFree_v2)                   \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetAddressRange_v2) X(cuPointerGetAttribute) \
+    X(cuMemGetInfo_v2) X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease)           \
+    X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)       \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2)                    \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemAdvise) X(cuMemAdvise_v2) X(cuModuleLoadData)           \
+    X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuLaunchKernel_ptsz)            \
+    X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel)                    \
+    X(cuLaunchCooperativeKernel_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuMemcpy)         \
+    X(cuMemcpy_ptds) X(cuMemcpyAsync) X(cuMemcpyAsync_ptsz) X(cuMemcpyHtoD_v2)                   \
+    X(cuMemcpyHtoD_v2_ptds) X(cuMemcpyDtoH_v2) X(cuMemcpyDtoH_v2_ptds) X(cuMemcpyDtoD_v2)        \
+    X(cuMemcpyDtoD_v2_ptds) X(cuMemcpyHtoDAsync_v2) X(cuMemcpyHtoDAsync_v2_ptsz)                 \
+    X(cuMemcpyDtoHAsync_v2) X(cuMemcpyDtoHAsync_v2_ptsz) X(cuMemcpyDtoDAsync_v2)                 \
+    X(cuMemcpyDtoDAsync_v2_ptsz) X(cuMemcpyPeer) X(cuMemcpyPeer_ptds) X(cuMemcpyPeerAsync)       \
+    X(cuMemcpyPeerAsync_ptsz) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuMemsetD16_v2)           \
+    X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async)           \
+    X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async)     \
+    X(cuMemsetD32Async_ptsz) X(cuGetErrorName) X(cuGetErrorString) X(cuGetProcAddress)           \
+    X(cuGetProcAddress_v2)
+
+/* Hidden aliases bind inside this library: their addresses are this library's own definitions,
+ * whatever a preloaded library exports under the same names. */
+#define FK_SELF_ALIAS(name)                                                                      \
+    extern __typeof__(name) name##__self __attribute__((alias(#name), visibility("hidden")));
+FK_EXPORTS(FK_SELF_ALIAS)
+
+struct fk_symbol {
+    const char *name;
+    void *addr;
+};
+#define FK_SYMBOL(name) {#name, (void *)&name##__self},
+static const struct fk_symbol g_symbols[] = {FK_EXPORTS(FK_SYMBOL)};
+
+/* (base name, first cudaVersion, per-thread variant?) -> exported symbol, as cudaTypedefs.h's
+ * PFN_<base>_v<version>[_ptds|_ptsz] names them. */
+struct fk_proc {
+    const char *base;
+    int version;
+    int per_thread;
+    const char *symbol;
+};
+static const struct fk_proc g_procs[] = {
+    {"cuInit", 2000, 0, "cuInit"},
+    {"cuDriverGetVersion", 2020, 0, "cuDriverGetVersion"},
+    {"cuDeviceGet", 2000, 0, "cuDeviceGet"},
+    {"cuDeviceGetCount", 2000, 0, "cuDeviceGetCount"},
+    {"cuDeviceGetName", 2000, 0, "cuDeviceGetName"},
+    {"cuDeviceGetUuid", 9020, 0, "cuDeviceGetUuid"},
+    {"cuDeviceGetUuid", 11040, 0, "cuDeviceGetUuid_v2"},
+    {"cuDeviceTotalMem", 3020, 0, "cuDeviceTotalMem_v2"},
+    {"cuDeviceGetAttribute", 2000, 0, "cuDeviceGetAttribute"},
+    {"cuDeviceGetDefaultMemPool", 11020, 0, "cuDeviceGetDefaultMemPool"},
+    {"cuDevicePrimaryCtxRetain", 7000, 0, "cuDevicePrimaryCtxRetain"},
+    {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2"},
+    {"cuDevicePrimaryCtxGetState", 7000, 0, "cuDevicePrimaryCtxGetState"},
+    {"cuCtxCreate", 2000, 0, "cuCtxCreate"},
+    {"cuCtxCreate", 3020, 0, "cuCtxCreate_v2"},
+    {"cuCtxCreate", 11040, 0, "cuCtxCreate_v3"},
+    {"cuCtxCreate", 12050, 0, "cuCtxCreate_v4"},
+    {"cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2"},
+    {"cuCtxSetCurrent", 4000, 0, "cuCtxSetCurrent"},
+    {"cuCtxGetCurrent", 4000, 0, "cuCtxGetCurrent"},
+    {"cuCtxPushCurrent", 4000, 0, "cuCtxPushCurrent_v2"},
+    {"cuCtxPopCurrent", 4000, 0, "cuCtxPopCurrent_v2"},
+    {"cuCtxGetDevice", 2000, 0, "cuCtxGetDevice"},
+    {"cuCtxSynchronize", 2000, 0, "cuCtxSynchronize"},
+    {"cuStreamCreate", 2000, 0, "cuStreamCreate"},
+    {"cuStreamCreateWithPriority", 5050, 0, "cuStreamCreateWithPriority"},
+    {"cuStreamDestroy", 2000, 0, "cuStreamDestroy"},
+    {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2"},
+    {"cuStreamQuery", 2000, 0, "cuStreamQuery"},
+    {"cuStreamQuery", 7000, 1, "cuStreamQuery_ptsz"},
+    {"cuStreamSynchronize", 2000, 0, "cuStreamSynchronize"},
+    {"cuStreamSynchronize", 7000, 1, "cuStreamSynchronize_ptsz"},
+    {"cuEventCreate", 2000, 0, "cuEventCreate"},
+    {"cuEventRecord", 2000, 0, "cuEventRecord"},
+    {"cuEventRecord", 7000, 1, "cuEventRecord_ptsz"},
+    {"cuEventQuery", 2000, 0, "cuEventQuery"},
+    {"cuEventSynchronize", 2000, 0, "cuEventSynchronize"},
+    {"cuEventDestroy", 4000, 0, "cuEventDestroy_v2"},
+    {"cuMemGetInfo", 2000, 0, "cuMemGetInfo"},
+    {"cuMemGetInfo", 3020, 0, "cuMemGetInfo_v2"},
+    {"cuMemAlloc", 2000, 0, "cuMemAlloc"},
+    {"cuMemAlloc", 3020, 0, "cuMemAlloc_v2"},
+    {"cuMemAllocPitch", 3020, 0, "cuMemAllocPitch_v2"},
+    {"cuMemAllocManaged", 6000, 0, "cuMemAllocManaged"},
+    {"cuMemAllocAsync", 11020, 0, "cuMemAllocAsync"},
+    {"cuMemAllocAsync", 11020, 1, "cuMemAllocAsync_ptsz"},
+    {"cuMemAllocFromPoolAsync", 11020, 0, "cuMemAllocFromPoolAsync"},
+    {"cuMemAllocFromPoolAsync", 11020, 1, "cuMemAllocFromPoolAsync_ptsz"},
+    {"cuMemFree", 3020, 0, "cuMemFree_v2"},
+    {"cuMemFreeAsync", 11020, 0, "cuMemFreeAsync"},
+    {"cuMemFreeAsync", 11020, 1, "cuMemFreeAsync_ptsz"},
+    {"cuMemGetAddressRange", 3020, 0, "cuMemGetAddressRange_v2"},
+    {"cuPointerGetAttribute", 4000, 0, "cuPointerGetAttribute"},
+    {"cuMemGetAllocationGranularity", 10020, 0, "cuMemGetAllocationGranularity"},
+    {"cuMemCreate", 10020, 0, "cuMemCreate"},
+    {"cuMemRelease", 10020, 0, "cuMemRelease"},
+    {"cuMemAddressReserve", 10020, 0, "cuMemAddressReserve"},
+    {"cuMemAddressFree", 10020, 0, "cuMemAddressFree"},
+    {"cuMemMap", 10020, 0, "cuMemMap"},
+    {"cuMemUnmap", 10020, 0, "cuMemUnmap"},
+    {"cuMemSetAccess", 10020, 0, "cuMemSetAccess"},
+    {"cuMemPrefetchAsync", 8000, 0, "cuMemPrefetchAsync"},
+    {"cuMemPrefetchAsync", 8000, 1, "cuMemPrefetchAsync_ptsz"},
+    {"cuMemPrefetchAsync", 12020, 0, "cuMemPrefetchAsync_v2"},
+    {"cuMemPrefetchAsync", 12020, 1, "cuMemPrefetchAsync_v2_ptsz"},
+    {"cuMemAdvise", 8000, 0, "cuMemAdvise"},
+    {"cuMemAdvise", 12020, 0, "cuMemAdvise_v2"},
+    {"cuModuleLoadData", 2000, 0, "cuModuleLoadData"},
+    {"cuModuleUnload", 2000, 0, "cuModuleUnload"},
+    {"cuModuleGetFunction", 2000, 0, "cuModuleGetFunction"},
+    {"cuLaunchKernel", 4000, 0, "cuLaunchKernel"},
+    {"cuLaunchKernel", 7000, 1, "cuLaunchKernel_ptsz"},
+    {"cuLaunchKernelEx", 11060, 0, "cuLaunchKernelEx"},
+    {"cuLaunchKernelEx", 11060, 1, "cuLaunchKernelEx_ptsz"},
+    {"cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel"},
+    {"cuLaunchCooperativeKernel", 9000, 1, "cuLaunchCooperativeKernel_ptsz"},
+    {"cuGraphLaunch", 10000, 0, "cuGraphLaunch"},
+    {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz"},
+    {"cuMemcpy", 4000, 0, "cuMemcpy"},
+    {"cuMemcpy", 7000, 1, "cuMemcpy_ptds"},
+    {"cuMemcpyAsync", 4000, 0, "cuMemcpyAsync"},
+    {"cuMemcpyAsync", 7000, 1, "cuMemcpyAsync_ptsz"},
+    {"cuMemcpyHtoD", 3020, 0, "cuMemcpyHtoD_v2"},
+    {"cuMemcpyHtoD", 7000, 1, "cuMemcpyHtoD_v2_ptds"},
+    {"cuMemcpyDtoH", 3020, 0, "cuMemcpyDtoH_v2"},
+    {"cuMemcpyDtoH", 7000, 1, "cuMemcpyDtoH_v2_ptds"},
+    {"cuMemcpyDtoD", 3020, 0, "cuMemcpyDtoD_v2"},
+    {"cuMemcpyDtoD", 7000, 1, "cuMemcpyDtoD_v2_ptds"},
+    {"cuMemcpyHtoDAsync", 3020, 0, "cuMemcpyHtoDAsync_v2"},
+    {"cuMemcpyHtoDAsync", 7000, 1, "cuMemcpyHtoDAsync_v2_ptsz"},
+    {"cuMemcpyDtoHAsync", 3020, 0, "cuMemcpyDtoHAsync_v2"},
+    {"cuMemcpyDtoHAsync", 7000, 1, "cuMemcpyDtoHAsync_v2_ptsz"},
+    {"cuMemcpyDtoDAsync", 3020, 0, "cuMemcpyDtoDAsync_v2"},
+    {"cuMemcpyDtoDAsync", 7000, 1, "cuMemcpyDtoDAsync_v2_ptsz"},
+    {"cuMemcpyPeer", 4000, 0, "cuMemcpyPeer"},
+    {"cuMemcpyPeer", 7000, 1, "cuMemcpyPeer_ptds"},
+    {"cuMemcpyPeerAsync", 4000, 0, "cuMemcpyPeerAsync"},
+    {"cuMemcpyPeerAsync", 7000, 1, "cuMemcpyPeerAsync_ptsz"},
+    {"cuMemsetD8", 3020, 0, "cuMemsetD8_v2"},
+    {"cuMemsetD8", 7000, 1, "cuMemsetD8_v2_ptds"},
+    {"cuMemsetD16", 3020, 0, "cuMemsetD16_v2"},
+    {"cuMemsetD16", 7000, 1, "cuMemsetD16_v2_ptds"},
+    {"cuMemsetD32", 3020, 0, "cuMemsetD32_v2"},
+    {"cuMemsetD32", 7000, 1, "cuMemsetD32_v2_ptds"},
+    {"cuMemsetD8Async", 3020, 0, "cuMemsetD8Async"},
+    {"cuMemsetD8Async", 7000, 1, "cuMemsetD8Async_ptsz"},
+    {"cuMemsetD16Async", 3020, 0, "cuMemsetD16Async"},
+    {"cuMemsetD16Async", 7000, 1, "cuMemsetD16Async_ptsz"},
+    {"cuMemsetD32Async", 3020, 0, "cuMemsetD32Async"},
+    {"cuMemsetD32Async", 7000, 1, "cuMemsetD32Async_ptsz"},
+    {"cuGetErrorName", 6000, 0, "cuGetErrorName"},
+    {"cuGetErrorString", 6000, 0, "cuGetErrorString"},
+    {"cuGetProcAddress", 11030, 0, "cuGetProcAddress"},
+    {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},
+};
+
+static void *own_symbol(const char *name) {
+    for (size_t i = 0; i < sizeof(g_symbols) / sizeof(g_symbols[0]); i++)
+        if (strcmp(g_symbols[i].name, name) == 0) return g_symbols[i].addr;
+    return NULL;
+}
+
+/* The real rule: among the entries for the base name whose version is <= cudaVersion, take the
+ * newest; with the per-thread flag a per-thread entry wins over a default one of the same name. */
+static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                            CUdriverProcAddressQueryResult *status) {
+    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    int known = 0;
+    const struct fk_proc *best = NULL, *best_pt = NULL;
+    for (size_t i = 0; i < sizeof(g_procs) / sizeof(g_procs[0]); i++) {
+        const struct fk_proc *p = &g_procs[i];
+        if (strcmp(p->base, symbol) != 0) continue;
+        known = 1;
+        if (p->version > cudaVersion) continue;
+        if (p->per_thread) {
+            if (!best_pt || p->version >= best_pt->version) best_pt = p;
+        } else {
+            if (!best || p->version >= best->version) best = p;
+        }
+    }
+    const struct fk_proc *pick = best;
+    if ((flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && best_pt &&
+        (!best || best_pt->version >= best->version))
+        pick = best_pt;
+    if (!pick) {
+        if (status)
+            *status = known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+                            : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    void *addr = own_symbol(pick->symbol);
+    if (!addr) {
+        if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *pfn = addr;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    COUNT();
+    return proc_lookup(symbol, pfn, cudaVersion, flags, NULL);
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *symbolStatus) {
+    COUNT();
+    return proc_lookup(symbol, pfn, cudaVersion, flags, symbolStatus);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Test-only exports                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+unsigned long fakecuda_call_count(const char *name) {
+    unsigned long n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < g_nfn; i++)
+        if (strcmp(g_fn_names[i], name) == 0) n = __atomic_load_n(&g_fn_counts[i], __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+/* The resident bytes the device would report (used by the fake NVML through dlsym). */
+unsigned long long fakecuda_device_used_bytes(void) {
+    pthread_mutex_lock(&g_lock);
+    unsigned long long used = g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
+    pthread_mutex_unlock(&g_lock);
+    return used;
+}
+
+int fakecuda_stats_json(char *buf, size_t n) {
+    char tmp[16384];
+    size_t off = 0;
+#define APPEND(...)                                                                              \
+    do {                                                                                         \
+        int w_ = snprintf(tmp + off, off < sizeof(tmp) ? sizeof(tmp) - off : 0, __VA_ARGS__);    \
+        if (w_ > 0) off += (size_t)w_;                                                           \
+    } while (0)
+    pthread_mutex_lock(&g_lock);
+    APPEND("{\"calls\":{");
+    int first = 1;
+    for (int i = 0; i < g_nfn; i++) {
+        unsigned long c = __atomic_load_n(&g_fn_counts[i], __ATOMIC_RELAXED);
+        if (!c) continue;
+        APPEND("%s\"%s\":%lu", first ? "" : ",", g_fn_names[i], c);
+        first = 0;
+    }
+    unsigned long by_kind[6] = {0};
+    for (size_t i = 0; i < g_nalloc; i++) by_kind[g_allocs[i].kind]++;
+    APPEND("},\"launches\":%lu,\"graph_launches\":%lu,\"kernels\":{\"sleep\":%lu,\"saxpy\":%lu,"
+           "\"noop\":%lu},",
+           g_launches, g_graph_launches, g_kernel_counts[K_SLEEP], g_kernel_counts[K_SAXPY],
+           g_kernel_counts[K_NOOP]);
+    APPEND("\"prefetch_to_host_bytes\":%llu,\"prefetch_to_device_bytes\":%llu,"
+           "\"prefetch_to_host_calls\":%lu,\"prefetch_to_device_calls\":%lu,"
+           "\"fault_to_device_bytes\":%llu,",
+           g_prefetch_to_host_bytes, g_prefetch_to_device_bytes, g_prefetch_to_host_calls,
+           g_prefetch_to_device_calls, g_fault_to_device_bytes);
+    APPEND("\"live_device_bytes\":%llu,\"live_managed_bytes\":%llu,\"managed_on_host_bytes\":%llu,"
+           "\"peak_device_bytes\":%llu,\"device_total\":%llu,\"live_handles\":%zu,\"live_maps\":%zu,"
+           "\"live_allocations\":{",
+           g_live_device_bytes, g_live_managed_bytes, g_managed_on_host_bytes, g_peak_device_bytes,
+           fk_device_total(), g_nhandles, g_nmaps);
+    for (int k = 0; k < 6; k++) APPEND("%s\"%s\":%lu", k ? "," : "", kind_names[k], by_kind[k]);
+    APPEND("},\"primary_ctx_refs\":%d}", g_primary_refs);
+    pthread_mutex_unlock(&g_lock);
+#undef APPEND
+    if (off >= sizeof(tmp)) off = sizeof(tmp) - 1;
+    if (buf && n) {
+        size_t c = off < n - 1 ? off : n - 1;
+        memcpy(buf, tmp, c);
+        buf[c] = 0;
+    }
+    return (int)off;
+}
+
+__attribute__((destructor)) static void fk_write_stats_at_exit(void) {
+    const char *path = getenv("GPUSHARE_FAKE_STATS_FILE");
+    if (!path || !*path) return;
+    char buf[16384];
+    fakecuda_stats_json(buf, sizeof(buf));
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fprintf(f, "%s\n", buf);
+    fclose(f);
+}
+
+#else /* GPUSHARE_FAKE_NVML */
+
+/* ------------------------------------------------------------------------------------------ */
+/* The NVML stand-in: one device, the fake driver's total, its resident bytes as used.          */
+/* ------------------------------------------------------------------------------------------ */
+
+struct nvmlDevice_st {
+    int index;
+};
+static struct nvmlDevice_st g_nvml_dev = {0};
+static int g_nvml_inited;
+
+enum { FK_NVML_ERROR_UNINITIALIZED = 1, FK_NVML_ERROR_INVALID_ARGUMENT = 2 };
+
+static unsigned long long nvml_used(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    unsigned long long (*used)(void) =
+        lib ? (unsigned long long (*)(void))dlsym(lib, "fakecuda_device_used_bytes") : NULL;
+    unsigned long long n = used ? used() : 0;
+    if (lib) dlclose(lib);
+    return n;
+}
+
+nvmlReturn_t nvmlInit_v2(void) {
+    g_nvml_inited = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInit(void) {
+    g_nvml_inited = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    g_nvml_inited = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlShutdown(void) {
+    g_nvml_inited = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!count) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    *count = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!device || index != 0) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    *device = &g_nvml_dev;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (device != &g_nvml_dev || !name || !length) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(name, length, "%s", "gpushare stand-in GPU");
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (device != &g_nvml_dev || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long total = fk_device_total(), used = nvml_used();
+    if (used > total) used = total;
+    memory->total = total;
+    memory->used = used;
+    memory->free = total - used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (device != &g_nvml_dev || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long total = fk_device_total(), used = nvml_used();
+    if (used > total) used = total;
+    memory->total = total;
+    memory->reserved = 0;
+    memory->used = used;
+    memory->free = total - used;
+    return NVML_SUCCESS;
+}
+
+#endif /* GPUSHARE_FAKE_NVML */

@@ -1,0 +1,156 @@
+"""Memory under the shim: every allocation path is intercepted and counted, quotas hold on every
+path with one clear line on stderr, and the process's memory view (cuMemGetInfo, NVML) is its
+own."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+MiB = 1 << 20
+GiB = 1 << 30
+CONTEXT = 64 * MiB
+
+PATHS = ["alloc", "pitch", "managed", "async", "pool", "create"]
+# What the driver must see for each path, and whether the memory counts as managed (evictable).
+DRIVER_CALL = {
+    "alloc": ("cuMemAllocManaged", True),
+    "pitch": ("cuMemAllocManaged", True),
+    "managed": ("cuMemAllocManaged", True),
+    "async": ("cuMemAllocAsync", False),
+    "pool": ("cuMemAllocFromPoolAsync", False),
+    "create": ("cuMemCreate", False),
+}
+
+
+def oom_lines(run) -> list[str]:
+    return [line for line in run.shim_lines if "out of memory" in line]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_allocation_path_is_intercepted_and_counted(harness, path):
+    size = 64 * MiB
+    run = harness.run("alloc", path, size, context_bytes=CONTEXT).ok()
+    alloc = run.event("alloc")
+    assert alloc["rc"] == 0
+    st = alloc["status"]
+    assert st["used_bytes"] == CONTEXT + size, st
+    call, managed = DRIVER_CALL[path]
+    if managed:
+        assert st["managed_bytes"] == size, st
+        assert st["pinned_bytes"] == CONTEXT, st
+    else:
+        assert st["managed_bytes"] == 0, st
+        assert st["pinned_bytes"] == CONTEXT + size, st
+    assert run.calls(call) == 1, run.stats["calls"]
+    if path in ("alloc", "pitch"):
+        # Turned into managed memory: the driver never saw the device-memory call.
+        assert run.calls("cuMemAlloc_v2") == 0 and run.calls("cuMemAllocPitch_v2") == 0
+    assert run.event("data")["ok"], "data did not round-trip through the allocation"
+    freed = run.event("free")
+    assert freed["rc"] == 0
+    assert freed["status"]["used_bytes"] == CONTEXT, freed
+    stats = run.stats
+    assert stats["live_device_bytes"] == 0 and stats["live_managed_bytes"] == 0
+    assert not oom_lines(run)
+
+
+def test_managed_off_leaves_device_memory(harness):
+    run = harness.run("alloc", "alloc", 32 * MiB, context_bytes=CONTEXT, managed="0").ok()
+    assert run.calls("cuMemAlloc_v2") == 1 and run.calls("cuMemAllocManaged") == 0
+    st = run.event("alloc")["status"]
+    assert st["used_bytes"] == CONTEXT + 32 * MiB
+    assert st["managed_bytes"] == 0 and st["pinned_bytes"] == CONTEXT + 32 * MiB
+
+
+@pytest.mark.parametrize("limit", ["300MiB", str(300 * MiB)], ids=["unit", "bytes"])
+@pytest.mark.parametrize("path", PATHS)
+def test_quota_holds_on_every_path_with_one_clear_line(harness, path, limit):
+    chunk = 32 * MiB
+    run = harness.run(
+        "quota", chunk, path, 64, context_bytes=CONTEXT, memory_limit=limit, log="warn"
+    ).ok()
+    q = run.event("quota")
+    # 300 MiB quota, 64 MiB context: seven 32 MiB allocations fit (288 MiB), the eighth does not.
+    assert q["count"] == 7, q
+    assert q["rc"] == 2, "the refusal must be CUDA_ERROR_OUT_OF_MEMORY"
+    assert q["status"]["quota_bytes"] == 300 * MiB
+    assert q["status"]["used_bytes"] == CONTEXT + 7 * chunk
+    lines = oom_lines(run)
+    assert len(lines) == 1, run.stderr
+    line = lines[0]
+    assert "quota" in line, line
+    assert re.search(r"\b300(\.0+)?\s?Mi?B\b", line), f"the quota is not named: {line}"
+    assert re.search(r"\b288(\.0+)?\s?Mi?B\b", line), f"the use is not named: {line}"
+    # The refused allocation never reached the driver.
+    call, _ = DRIVER_CALL[path]
+    assert run.calls(call) == 7 + 1  # seven, then one more after everything was freed
+    freed = run.event("quota_freed")
+    assert freed["free_errors"] == 0 and freed["realloc_rc"] == 0
+    assert freed["status"]["used_bytes"] == CONTEXT
+
+
+def test_memory_view_is_the_quota(harness):
+    quota, size = 1 * GiB, 256 * MiB
+    run = harness.run("meminfo", size, context_bytes=CONTEXT, memory_limit=quota).ok()
+    before, after = run.all("meminfo")
+    assert before["rc"] == 0 and after["rc"] == 0
+    assert before["total"] == quota and after["total"] == quota
+    assert before["free"] == quota - CONTEXT
+    assert after["free"] == quota - CONTEXT - size
+    for nvml in run.all("nvml"):
+        assert nvml["available"], "the stand-in NVML was not found"
+        meminfo = before if nvml["when"] == "before" else after
+        for v in ("v1", "v2"):
+            m = nvml[v]
+            assert m["rc"] == 0
+            assert m["total"] == quota, f"NVML {v} is not rewritten in-process: {m}"
+            assert m["free"] == meminfo["free"], m
+            assert m["used"] + m["free"] == m["total"], m
+
+
+def test_memory_view_without_quota_is_the_device(harness):
+    total = 8 * GiB
+    run = harness.run(
+        "meminfo",
+        128 * MiB,
+        context_bytes=CONTEXT,
+        extra={"GPUSHARE_FAKE_DEVICE_TOTAL": str(total)},
+    ).ok()
+    before, after = run.all("meminfo")
+    assert before["total"] == total == after["total"]
+    assert before["free"] == total - CONTEXT
+    assert after["free"] == total - CONTEXT - 128 * MiB
+
+
+def test_free_memory_is_never_negative(harness):
+    # The context estimate alone is over the quota.
+    run = harness.run("meminfo", context_bytes=512 * MiB, memory_limit=128 * MiB).ok()
+    m = run.event("meminfo")
+    assert m["total"] == 128 * MiB
+    assert m["free"] == 0, m
+    for nvml in run.all("nvml"):
+        for v in ("v1", "v2"):
+            assert nvml[v]["free"] == 0 and nvml[v]["total"] == 128 * MiB, nvml
+
+
+@pytest.mark.parametrize("path", ["alloc", "async", "pool", "create"])
+def test_a_refusal_by_the_driver_is_not_counted(harness, path):
+    """No quota; the (stand-in) device itself runs out. The shim must not count the refused
+    allocation, nor blame a quota for it."""
+    run = harness.run(
+        "quota",
+        64 * MiB,
+        path,
+        64,
+        context_bytes=0,
+        managed="0",
+        extra={"GPUSHARE_FAKE_DEVICE_TOTAL": str(256 * MiB)},
+    ).ok()
+    q = run.event("quota")
+    assert q["count"] == 4 and q["rc"] == 2, q
+    assert q["status"]["used_bytes"] == 256 * MiB, q["status"]
+    assert not oom_lines(run), run.stderr
+    freed = run.event("quota_freed")
+    assert freed["realloc_rc"] == 0 and freed["status"]["used_bytes"] == 0
