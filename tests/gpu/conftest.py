@@ -1,0 +1,149 @@
+"""Fixtures of the GPU suite (pytest -m gpu): real PyTorch, CuPy and JAX under the real shim.
+
+Run on a machine with an NVIDIA GPU. The scheduler runs as a subprocess, exactly as an operator
+would start it, with a memory pool far below the card: memory pressure comes from the pool, never
+from exhausting the card (oversubscribing managed memory can hang a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKLOADS = Path(__file__).parent / "workloads"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.gpu)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def record(self) -> dict:
+        """The workload's JSON line (the last line of stdout that parses as JSON)."""
+        for line in reversed(self.stdout.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"no JSON record in stdout:\n{self.stdout}\nstderr:\n{self.stderr}")
+
+
+@dataclass
+class Scheduler:
+    socket: Path
+    log: Path
+    process: subprocess.Popen
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def status(self) -> dict:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare",
+                "status",
+                "--socket",
+                str(self.socket),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return json.loads(out.stdout)
+
+
+def workload_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(WORKLOADS), env.get("PYTHONPATH", "")] if p)
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def shimmed_env(socket: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    from jupyter_gpushare.shim import shim_environment
+
+    env = workload_env(extra)
+    return shim_environment(env, socket=str(socket) if socket else "/nonexistent/gpushare.sock")
+
+
+def run_workload(script: str, *args: str, env: dict[str, str], timeout: float = 600) -> Result:
+    proc = subprocess.run(
+        [sys.executable, str(WORKLOADS / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKLOADS / script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
+    """A node scheduler with a 24 GiB pool and a 2 s base quantum."""
+    sock = tmp_path / "gpushare.sock"
+    log = tmp_path / "scheduler.log"
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_gpushare",
+                "scheduler",
+                "--socket",
+                str(sock),
+                "--pool",
+                "24GiB",
+                "--quantum",
+                "2",
+                "--log-level",
+                "INFO",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"scheduler did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    sched = Scheduler(sock, log, proc)
+    yield sched
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    print("---- scheduler log ----")
+    print(sched.log_text())
