@@ -71,7 +71,10 @@ def main() -> None:
             "WARN",
             *(["--no-nvml"] if args.driver_dir else []),
         ],
-        env={**base, "PYTHONPATH": str(ROOT)},
+        env={
+            **base,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
+        },
     )
     try:
         deadline = time.monotonic() + 30
