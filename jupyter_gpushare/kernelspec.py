@@ -1,0 +1,439 @@
+"""``jupyter gpushare``: kernelspecs whose kernels run under the GPU-sharing shim.
+
+    jupyter gpushare install-kernelspec [--user | --sys-prefix | --prefix P] [--name NAME ...]
+                                        [--memory-limit 8GiB] [--weight 2]
+    jupyter gpushare list-kernelspecs [--json]
+    jupyter gpushare remove-kernelspec [--name NAME ...]
+
+``install-kernelspec`` writes a "(GPU shared)" variant ``<name>-gpushare`` of each installed
+kernelspec (or of those named with ``--name``): the same ``argv``, ``env``, language and logos, plus
+
+    "metadata": {"kernel_provisioner": {"provisioner_name": "gpushare-provisioner",
+                                        "config": {"memory_limit": "8GiB", "weight": 2.0}}}
+
+Running it again rewrites the variants (idempotent: the same options give the same files; new
+options update them). Variants are never made of variants, nor of kernelspecs that already name
+another provisioner.
+
+Site-wide, without variants
+---------------------------
+To run *every* kernel of a Jupyter server under the shim, make the provisioner the default instead
+of installing variants (kernelspecs that name a provisioner of their own keep it)::
+
+    # jupyter_server_config.py (or jupyterhub's singleuser config)
+    c.KernelProvisionerFactory.default_provisioner_name = "gpushare-provisioner"
+    c.GPUShareProvisioner.memory_limit = "16GiB"   # optional: a default quota per kernel
+    c.GPUShareProvisioner.weight = 1.0
+
+The ``jupyter-gpushare`` script makes this ``jupyter gpushare`` (Jupyter finds ``jupyter-<name>``
+commands on ``PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_core.application import JupyterApp, base_aliases, base_flags
+from traitlets import Bool, Float, Instance, List, Unicode, validate
+
+from ._version import __version__
+from .provisioner import PROVISIONER_NAME
+from .units import parse_size
+
+__all__ = [
+    "GPUShareKernelspecApp",
+    "InstallKernelspecApp",
+    "ListKernelspecsApp",
+    "RemoveKernelspecApp",
+    "is_gpushare_spec",
+    "main",
+    "make_variant",
+]
+
+DEFAULT_SUFFIX = "-gpushare"
+DISPLAY_SUFFIX = " (GPU shared)"
+#: Resource files of a kernelspec that are not copied into its variant.
+_SKIP_FILES = {"kernel.json", "__pycache__"}
+
+
+class KernelspecError(Exception):
+    """A problem the user must fix; its text is printed as is."""
+
+
+def _provisioner(spec: dict[str, Any]) -> dict[str, Any] | None:
+    metadata = spec.get("metadata") or {}
+    prov = metadata.get("kernel_provisioner")
+    return prov if isinstance(prov, dict) else None
+
+
+def is_gpushare_spec(spec: dict[str, Any]) -> bool:
+    """Whether a kernel.json document launches its kernels through the gpushare provisioner."""
+    prov = _provisioner(spec)
+    return bool(prov and prov.get("provisioner_name") == PROVISIONER_NAME)
+
+
+def make_variant(
+    spec: dict[str, Any], config: dict[str, Any], display_suffix: str = DISPLAY_SUFFIX
+) -> dict[str, Any]:
+    """The kernel.json document of ``spec``'s GPU-shared variant."""
+    out = json.loads(json.dumps(spec))  # a deep copy that stays JSON
+    display = str(out.get("display_name") or "")
+    if not display.endswith(display_suffix):
+        out["display_name"] = display + display_suffix
+    metadata = dict(out.get("metadata") or {})
+    metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": config}
+    out["metadata"] = metadata
+    return out
+
+
+class _KernelspecBase(JupyterApp):
+    version = __version__
+
+    kernel_spec_manager = Instance(KernelSpecManager)
+
+    def _kernel_spec_manager_default(self) -> KernelSpecManager:
+        # Its own log lines ("Installed kernelspec ...") would repeat what the app prints.
+        quiet = logging.getLogger("jupyter_gpushare.kernelspec.manager")
+        quiet.setLevel(logging.WARNING)
+        return KernelSpecManager(parent=self, data_dir=self.data_dir, log=quiet)
+
+    def fail(self, message: str, code: int = 1) -> None:
+        print(f"jupyter {self.name.replace('-', ' ', 1)}: {message}", file=sys.stderr)
+        self.exit(code)
+
+    def all_specs(self) -> dict[str, dict[str, Any]]:
+        return dict(self.kernel_spec_manager.get_all_specs())
+
+
+_location_aliases = {
+    "prefix": "InstallKernelspecApp.prefix",
+    "name": "InstallKernelspecApp.kernel_names",
+    "memory-limit": "InstallKernelspecApp.memory_limit",
+    "weight": "InstallKernelspecApp.weight",
+    "suffix": "InstallKernelspecApp.suffix",
+}
+
+
+class InstallKernelspecApp(_KernelspecBase):
+    name = "gpushare-install-kernelspec"
+    description = """Install "(GPU shared)" variants of kernelspecs: the same kernels, launched
+    through the gpushare provisioner (under libgpushare.so, scheduled by the node's gpushare
+    scheduler). Default: a variant of every installed kernelspec, in the system-wide Jupyter
+    path; --user, --sys-prefix or --prefix pick another place. Running it again updates the
+    variants."""
+    examples = """
+    jupyter gpushare install-kernelspec --user
+    jupyter gpushare install-kernelspec --sys-prefix --name python3 --memory-limit 8GiB
+    jupyter gpushare install-kernelspec --prefix /opt/conda --weight 2
+    """
+
+    kernel_names = List(
+        Unicode(), help="Kernelspecs to make variants of (repeatable). Default: all installed."
+    ).tag(config=True)
+    user = Bool(False, help="Install for the current user (~/.local/share/jupyter).").tag(
+        config=True
+    )
+    prefix = Unicode("", help="Install under PREFIX/share/jupyter/kernels.").tag(config=True)
+    memory_limit = Unicode(
+        "", help="Memory quota of each kernel, e.g. 8GiB ('' = none, or the server's default)."
+    ).tag(config=True)
+    weight = Float(0.0, help="Fair-share weight of each kernel (0 = the server's default).").tag(
+        config=True
+    )
+    suffix = Unicode(DEFAULT_SUFFIX, help="Appended to a kernelspec's name for its variant.").tag(
+        config=True
+    )
+
+    aliases = {**base_aliases, **_location_aliases}
+    flags = {
+        **base_flags,
+        "user": ({"InstallKernelspecApp": {"user": True}}, "Install for the current user."),
+        "sys-prefix": (
+            {"InstallKernelspecApp": {"prefix": sys.prefix}},
+            f"Install into this Python environment ({sys.prefix}).",
+        ),
+    }
+
+    @validate("memory_limit")
+    def _check_memory(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if value:
+            try:
+                parse_size(value)
+            except ValueError as exc:
+                raise KernelspecError(f"--memory-limit: {exc}") from None
+        return value
+
+    @validate("weight")
+    def _check_weight(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if value < 0:
+            raise KernelspecError(f"--weight must be positive, got {value:g}")
+        return value
+
+    @validate("suffix")
+    def _check_suffix(self, proposal: Any) -> str:
+        value = str(proposal["value"]).lower()
+        if not value:
+            raise KernelspecError("--suffix cannot be empty: a variant needs a name of its own")
+        return value
+
+    def initialize(self, argv: Any = None) -> None:
+        try:
+            super().initialize(argv)
+        except KernelspecError as exc:
+            self.fail(str(exc), 2)
+
+    def provisioner_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {}
+        if self.memory_limit:
+            config["memory_limit"] = self.memory_limit
+        if self.weight:
+            config["weight"] = self.weight
+        return config
+
+    def sources(self, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The kernelspecs to make variants of."""
+        originals = {n: s for n, s in specs.items() if not is_gpushare_spec(s["spec"])}
+        if self.kernel_names:
+            chosen: dict[str, dict[str, Any]] = {}
+            for name in self.kernel_names:
+                key = name.lower()
+                if key in originals:
+                    chosen[key] = originals[key]
+                elif key in specs:
+                    raise KernelspecError(
+                        f"{name!r} is already a GPU-shared kernelspec; name the kernelspec it "
+                        "was made from"
+                    )
+                else:
+                    known = ", ".join(sorted(originals)) or "none"
+                    raise KernelspecError(
+                        f"no kernelspec named {name!r} (installed: {known}; see "
+                        "`jupyter kernelspec list`)"
+                    )
+            return chosen
+        return originals
+
+    def start(self) -> None:
+        if self.user and self.prefix:
+            self.fail("choose one of --user, --sys-prefix and --prefix", 2)
+        try:
+            self._install()
+        except KernelspecError as exc:
+            self.fail(str(exc))
+
+    def _install(self) -> None:
+        specs = self.all_specs()
+        sources = self.sources(specs)
+        if not sources:
+            raise KernelspecError(
+                "no kernelspecs to make variants of (`jupyter kernelspec list` shows none)"
+            )
+        config = self.provisioner_config()
+        ksm = self.kernel_spec_manager
+        done = 0
+        for name, entry in sorted(sources.items()):
+            spec = entry["spec"]
+            prov = _provisioner(spec)
+            if prov and prov.get("provisioner_name") not in (None, "local-provisioner"):
+                self.log.warning(
+                    "skipping %s: it is launched by the %r provisioner; gpushare cannot wrap it",
+                    name,
+                    prov.get("provisioner_name"),
+                )
+                continue
+            variant_name = f"{name}{self.suffix}"
+            variant = make_variant(spec, config)
+            destination = ksm._get_destination_dir(
+                variant_name, user=self.user, prefix=self.prefix or None
+            )
+            if _same_spec(Path(destination) / "kernel.json", variant):
+                print(f"unchanged: {variant_name} ({variant['display_name']}) in {destination}")
+                done += 1
+                continue
+            with tempfile.TemporaryDirectory(prefix="gpushare-kernelspec-") as tmp:
+                staging = Path(tmp) / variant_name
+                _copy_resources(Path(entry["resource_dir"]), staging)
+                (staging / "kernel.json").write_text(json.dumps(variant, indent=1) + "\n")
+                try:
+                    path = ksm.install_kernel_spec(
+                        str(staging),
+                        variant_name,
+                        user=self.user,
+                        prefix=self.prefix or None,
+                    )
+                except PermissionError as exc:
+                    raise KernelspecError(
+                        f"cannot write {destination}: permission denied ({exc.strerror}). Use "
+                        "--user (your kernels only), --sys-prefix (this Python environment) or "
+                        "--prefix PATH, or run as an administrator for a system-wide install"
+                    ) from None
+                except OSError as exc:
+                    raise KernelspecError(f"cannot install {variant_name}: {exc}") from None
+            print(f"installed: {variant_name} ({variant['display_name']}) in {path}")
+            done += 1
+        if not done:
+            raise KernelspecError("no kernelspec could be given a GPU-shared variant")
+
+
+def _same_spec(kernel_json: Path, variant: dict[str, Any]) -> bool:
+    try:
+        return bool(json.loads(kernel_json.read_text()) == variant)
+    except (OSError, ValueError):
+        return False
+
+
+def _copy_resources(source: Path, destination: Path) -> None:
+    """Copy a kernelspec's resource files (logos, scripts), not its kernel.json."""
+    destination.mkdir(parents=True)
+    if not source.is_dir():
+        return
+    for item in source.iterdir():
+        if item.name in _SKIP_FILES:
+            continue
+        target = destination / item.name
+        if item.is_dir():
+            shutil.copytree(item, target)
+        else:
+            shutil.copy2(item, target)
+
+
+class ListKernelspecsApp(_KernelspecBase):
+    name = "gpushare-list-kernelspecs"
+    description = """List kernelspecs and whether their kernels run under gpushare (with the
+    provisioner configuration of those that do)."""
+
+    json_output = Bool(False, help="Print JSON.").tag(config=True)
+    aliases = base_aliases
+    flags = {
+        **base_flags,
+        "json": ({"ListKernelspecsApp": {"json_output": True}}, "Print JSON."),
+    }
+
+    def start(self) -> None:
+        specs = self.all_specs()
+        rows = []
+        for name, entry in sorted(specs.items()):
+            spec = entry["spec"]
+            prov = _provisioner(spec) or {}
+            rows.append(
+                {
+                    "name": name,
+                    "display_name": spec.get("display_name", ""),
+                    "gpushare": is_gpushare_spec(spec),
+                    "config": prov.get("config", {}) if is_gpushare_spec(spec) else None,
+                    "resource_dir": entry["resource_dir"],
+                }
+            )
+        if self.json_output:
+            print(json.dumps({"kernelspecs": rows}, indent=1))
+            return
+        if not rows:
+            print("No kernelspecs installed.")
+            return
+        width = max(len(r["name"]) for r in rows)
+        for r in rows:
+            mark = "gpushare" if r["gpushare"] else "        "
+            extra = ""
+            if r["gpushare"] and r["config"]:
+                extra = " " + ", ".join(f"{k}={v}" for k, v in sorted(r["config"].items()))
+            print(f"  {r['name'].ljust(width)}  {mark}  {r['display_name']}{extra}")
+            print(f"  {' ' * width}            {r['resource_dir']}")
+
+
+class RemoveKernelspecApp(_KernelspecBase):
+    name = "gpushare-remove-kernelspec"
+    description = """Remove GPU-shared kernelspec variants (all of them, or those named with
+    --name: the variant's name or the name of the kernelspec it was made from). Other
+    kernelspecs are never touched."""
+
+    kernel_names = List(Unicode(), help="Variants to remove (repeatable). Default: all.").tag(
+        config=True
+    )
+    aliases = {**base_aliases, "name": "RemoveKernelspecApp.kernel_names"}
+    flags = base_flags
+
+    def start(self) -> None:
+        specs = self.all_specs()
+        variants = {n for n, s in specs.items() if is_gpushare_spec(s["spec"])}
+        if self.kernel_names:
+            chosen = set()
+            for name in self.kernel_names:
+                key = name.lower()
+                if key in variants:
+                    chosen.add(key)
+                elif f"{key}{DEFAULT_SUFFIX}" in variants:
+                    chosen.add(f"{key}{DEFAULT_SUFFIX}")
+                elif key in specs:
+                    self.fail(f"{name!r} is not a GPU-shared kernelspec: not removing it")
+                else:
+                    self.fail(f"no GPU-shared kernelspec named {name!r}")
+        else:
+            chosen = variants
+        if not chosen:
+            print("No GPU-shared kernelspecs installed.")
+            return
+        for name in sorted(chosen):
+            try:
+                path = self.kernel_spec_manager.remove_kernel_spec(name)
+            except (OSError, KeyError, NoSuchKernel) as exc:
+                self.fail(f"cannot remove {name}: {exc}")
+            print(f"removed: {name} ({path})")
+
+
+class GPUShareKernelspecApp(JupyterApp):
+    """``jupyter gpushare``: the Jupyter side of gpushare's command line."""
+
+    name = "jupyter-gpushare"
+    version = __version__
+    description = """Share one GPU among many Jupyter kernels. Manage the kernelspecs whose
+    kernels run under gpushare. (The scheduler and its status are the `gpushare` command.)
+
+    For every kernel of a server instead, without kernelspec variants, set
+    c.KernelProvisionerFactory.default_provisioner_name = "gpushare-provisioner"
+    in jupyter_server_config.py."""
+    examples = """
+    jupyter gpushare install-kernelspec --user --memory-limit 8GiB
+    jupyter gpushare list-kernelspecs
+    jupyter gpushare remove-kernelspec --name python3
+    """
+
+    subcommands = {
+        "install-kernelspec": (
+            InstallKernelspecApp,
+            'Install "(GPU shared)" variants of kernelspecs (all, or --name NAME).',
+        ),
+        "list-kernelspecs": (
+            ListKernelspecsApp,
+            "List kernelspecs; mark those whose kernels run under gpushare.",
+        ),
+        "remove-kernelspec": (
+            RemoveKernelspecApp,
+            "Remove GPU-shared kernelspec variants.",
+        ),
+    }
+
+    def start(self) -> None:
+        if self.subapp is None:
+            print("No subcommand given: one of", ", ".join(self.subcommands), file=sys.stderr)
+            print("Run `jupyter gpushare --help` for more.", file=sys.stderr)
+            self.exit(2)
+        else:
+            self.subapp.start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``jupyter-gpushare`` script."""
+    GPUShareKernelspecApp.launch_instance(argv)
+
+
+if __name__ == "__main__":
+    main()

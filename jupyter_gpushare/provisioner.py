@@ -1,0 +1,357 @@
+"""A kernel provisioner that starts every kernel under the GPU-sharing shim.
+
+:class:`GPUShareProvisioner` is jupyter_client's :class:`LocalProvisioner` plus the environment
+that puts ``libgpushare.so`` in front of the CUDA driver. A kernelspec opts in through its
+``kernel.json`` (``jupyter gpushare install-kernelspec`` writes such variants)::
+
+    "metadata": {
+        "kernel_provisioner": {
+            "provisioner_name": "gpushare-provisioner",
+            "config": {"memory_limit": "8GiB", "weight": 2}
+        }
+    }
+
+or every kernel of a server uses it, whatever its kernelspec says nothing about provisioners::
+
+    # jupyter_server_config.py
+    c.KernelProvisionerFactory.default_provisioner_name = "gpushare-provisioner"
+    c.GPUShareProvisioner.memory_limit = "8GiB"   # server-wide default quota per kernel
+
+Values in ``kernel.json``'s ``config`` win over the server's configuration.
+
+What a kernel gets (environment of the kernel process):
+
+* ``LD_PRELOAD``: the shim, *appended* to what is already preloaded (never overwritten);
+* ``GPUSHARE_SOCKET``: the scheduler's socket (:attr:`GPUShareProvisioner.socket`; the server
+  extension sets ``$GPUSHARE_SOCKET`` in the server process when it embeds the scheduler);
+* ``GPUSHARE_CLIENT_ID``: the kernel id, so the scheduler, the server extension and the
+  ``%gpushare`` magic all name the kernel the same way;
+* ``GPUSHARE_LABEL``: the notebook path (``JPY_SESSION_NAME``) when known, else the kernel's
+  working directory;
+* ``GPUSHARE_USER``, ``GPUSHARE_MEMORY_LIMIT`` and ``GPUSHARE_WEIGHT`` from the traits below.
+
+IPython kernels also load the ``%gpushare`` magic by themselves: the provisioner adds
+``--InteractiveShellApp.extra_extensions=jupyter_gpushare.magic`` to an ipykernel's command line.
+``extra_extensions`` (IPython ≥ 7.10, what ``--ext`` sets) is loaded *in addition to* the user's
+own ``c.InteractiveShellApp.extensions``, so no configuration of theirs is overridden, and nothing
+has to be installed in the user's IPython profile. A kernel whose Python cannot import
+``jupyter_gpushare`` only logs a warning; its cells run as usual.
+
+Shutdown and restart
+--------------------
+jupyter_client stops a kernel with an interrupt, a ``shutdown_request``, then SIGTERM after half
+of the shutdown wait time and SIGKILL after the other half. The shim synchronises outstanding GPU
+work and says GOODBYE both at a normal exit and on SIGTERM (it waits at most 5 s for the
+synchronisation), so the provisioner makes sure each of the two phases lasts long enough for that:
+:attr:`GPUShareProvisioner.shutdown_wait_time` is a lower bound on the manager's wait time. An
+immediate kill (``shutdown_kernel(now=True)``) is preceded by a SIGTERM and a short grace period
+(:attr:`GPUShareProvisioner.kill_grace_seconds`).
+
+A restarted kernel keeps its kernel id. The scheduler gives a second live connection announcing
+an id already in use the name ``<id>#<pid>``, which would leave the server extension's
+``kernel_state`` reports pointing at nothing. Before launching, the provisioner therefore waits
+(asynchronously, up to :attr:`GPUShareProvisioner.stale_client_timeout`) until the scheduler no
+longer lists a client of that id, so the new process registers under the plain kernel id as a
+new client, with zero usage. The old process has exited by then, so this normally takes one
+status round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from jupyter_client.provisioning import LocalProvisioner
+from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, validate
+
+from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .paths import default_socket_path
+from .shim import ShimNotFound, library_path, shim_environment
+from .units import parse_size
+
+__all__ = ["MAGIC_EXTENSION", "PROVISIONER_NAME", "GPUShareProvisioner", "is_ipykernel_argv"]
+
+#: The name under which the provisioner is registered (entry point group
+#: ``jupyter_client.kernel_provisioners``), as kernel.json files refer to it.
+PROVISIONER_NAME = "gpushare-provisioner"
+
+#: The IPython extension that defines ``%gpushare``.
+MAGIC_EXTENSION = "jupyter_gpushare.magic"
+
+_EXTENSION_OPTIONS = (
+    "--ext",
+    "--InteractiveShellApp.extra_extensions",
+    "--IPKernelApp.extra_extensions",
+)
+
+
+def is_ipykernel_argv(argv: list[str]) -> bool:
+    """Whether a kernel command line starts ipykernel (``-m ipykernel_launcher``, ``-m
+    ipykernel``, or an ``ipykernel``/``ipykernel_launcher`` script)."""
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv):
+            module = argv[i + 1]
+            return module in ("ipykernel", "ipykernel_launcher") or module.startswith("ipykernel.")
+        if arg.startswith("-m") and len(arg) > 2:
+            module = arg[2:]
+            return module in ("ipykernel", "ipykernel_launcher") or module.startswith("ipykernel.")
+    if argv:
+        base = os.path.basename(argv[0])
+        return base in ("ipykernel", "ipykernel_launcher")
+    return False
+
+
+def _has_extension(argv: list[str], extension: str) -> bool:
+    for i, arg in enumerate(argv):
+        for option in _EXTENSION_OPTIONS:
+            if arg == option and i + 1 < len(argv) and extension in argv[i + 1]:
+                return True
+            if arg.startswith(option + "=") and extension in arg:
+                return True
+    return False
+
+
+def _default_user() -> str:
+    hub_user = os.environ.get("JUPYTERHUB_USER")
+    if hub_user:
+        return hub_user
+    try:
+        return getpass.getuser()
+    except Exception:  # no name for this uid (containers)
+        return str(os.getuid())
+
+
+class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
+    """Launches a local kernel under the GPU-sharing shim (``libgpushare.so``).
+
+    Configurable from the server (``c.GPUShareProvisioner.<trait>``) and per kernelspec
+    (``metadata.kernel_provisioner.config`` in kernel.json; those values win).
+    """
+
+    socket = Unicode(
+        help="""The scheduler's socket. Default: $GPUSHARE_SOCKET of the server process (the
+        server extension sets it when it embeds the scheduler), else the node's default
+        (jupyter_gpushare.paths.default_socket_path()).""",
+    ).tag(config=True)
+
+    memory_limit = Union(
+        [Int(), Unicode()],
+        default_value="",
+        help="""The kernel's memory quota: bytes, or a size such as "8GiB" or "512M" (all units
+        are 1024-based). "" or 0: no quota (the kernel may use the whole pool).""",
+    ).tag(config=True)
+
+    weight = Float(
+        1.0, help="The kernel's fair-share weight (2 = twice the GPU time of a weight-1 kernel)."
+    ).tag(config=True)
+
+    user = Unicode(
+        help="""The user label shown in status. Default: $JUPYTERHUB_USER, else the server's
+        login name. Informational: the scheduler authorises by the verified uid.""",
+    ).tag(config=True)
+
+    label = Unicode(
+        "",
+        help="""What the scheduler shows for the kernel. Default (""): the notebook path when the
+        server knows it, else the kernel's working directory.""",
+    ).tag(config=True)
+
+    load_magic = Bool(
+        True,
+        help="""Load the %gpushare magic into IPython kernels (adds
+        --InteractiveShellApp.extra_extensions=jupyter_gpushare.magic to ipykernel's command
+        line).""",
+    ).tag(config=True)
+
+    shutdown_wait_time = Float(
+        12.0,
+        help="""Lower bound, in seconds, of the time the kernel manager waits for a kernel to
+        stop (half for the shutdown request, half after SIGTERM) before it kills it. The shim
+        needs up to 5 s to synchronise outstanding GPU work and say goodbye to the scheduler.""",
+    ).tag(config=True)
+
+    kill_grace_seconds = Float(
+        2.0,
+        help="""When a kernel is killed outright (no shutdown request, no SIGTERM before), it
+        first gets SIGTERM and this many seconds to let the shim synchronise and say goodbye.
+        0: SIGKILL at once.""",
+    ).tag(config=True)
+
+    stale_client_timeout = Float(
+        5.0,
+        help="""Before a (re)start, wait at most this long for the scheduler to forget a previous
+        client of the same kernel id, so the new process registers under the kernel id itself
+        and starts with zero usage.""",
+    ).tag(config=True)
+
+    @default("socket")
+    def _socket_default(self) -> str:
+        return default_socket_path()
+
+    @default("user")
+    def _user_default(self) -> str:
+        return _default_user()
+
+    @validate("memory_limit")
+    def _validate_memory_limit(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if value in ("", 0):
+            return value
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise TraitError(f"GPUShareProvisioner.memory_limit: {exc}") from None
+        return value
+
+    @validate("weight")
+    def _validate_weight(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not value > 0:
+            raise TraitError(f"GPUShareProvisioner.weight must be positive, got {value!r}")
+        return value
+
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def quota_bytes(self) -> int:
+        """The memory limit in bytes (0 = none)."""
+        return 0 if self.memory_limit in ("", 0) else parse_size(self.memory_limit)
+
+    def _label_for(self, env: dict[str, str], cwd: Any) -> str:
+        if self.label:
+            return self.label
+        session = env.get("JPY_SESSION_NAME", "")
+        if session:
+            root = self._server_root_dir()
+            if root and os.path.isabs(session):
+                try:
+                    rel = os.path.relpath(session, root)
+                except ValueError:
+                    rel = session
+                if not rel.startswith(".."):
+                    return rel
+            return session
+        return str(cwd) if cwd else os.getcwd()
+
+    def _server_root_dir(self) -> str | None:
+        # KernelManager -> MappingKernelManager (jupyter_server) has root_dir.
+        km = self.parent
+        mkm = getattr(km, "parent", None)
+        root = getattr(mkm, "root_dir", None)
+        return root if isinstance(root, str) and root else None
+
+    def _kernel_command(self, cmd: list[str]) -> list[str]:
+        if not self.load_magic or not is_ipykernel_argv(cmd):
+            return cmd
+        if _has_extension(cmd, MAGIC_EXTENSION):
+            return cmd
+        return [*cmd, f"--InteractiveShellApp.extra_extensions={MAGIC_EXTENSION}"]
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """LocalProvisioner's preparation (connection file, command, kernelspec env), then the
+        shim's environment on top of the result and the magic on ipykernel's command line."""
+        try:
+            library = library_path()
+        except ShimNotFound as exc:
+            raise RuntimeError(f"cannot start a GPU-shared kernel: {exc}") from exc
+
+        kwargs = await super().pre_launch(**kwargs)
+        env: dict[str, str] = kwargs["env"]
+        label = self._label_for(env, kwargs.get("cwd"))
+        kwargs["env"] = shim_environment(
+            env,
+            socket=self.socket,
+            client_id=self.kernel_id,
+            # No quota configured: an inherited GPUSHARE_MEMORY_LIMIT (the operator's) stays.
+            quota=self.quota_bytes or None,
+            weight=self.weight,
+            user=self.user,
+            label=label,
+            library=library,
+        )
+        kwargs["cmd"] = self._kernel_command(list(kwargs["cmd"]))
+        await self._wait_for_stale_client()
+        self._term_sent = False
+        self.log.debug(
+            "gpushare: kernel %s under the shim (socket %s, quota %s, weight %s, label %r)",
+            self.kernel_id,
+            self.socket,
+            self.memory_limit or "none",
+            self.weight,
+            label,
+        )
+        return kwargs
+
+    async def _wait_for_stale_client(self) -> None:
+        """Wait until the scheduler lists no client named after this kernel (see module doc)."""
+        if not self.kernel_id or self.stale_client_timeout <= 0:
+            return
+        client = SchedulerClient(self.socket, timeout=2.0)
+        deadline = time.monotonic() + self.stale_client_timeout
+        stale: dict[str, Any] | None = None
+        while True:
+            try:
+                doc = await client.status()
+            except (SchedulerUnavailable, SchedulerError) as exc:
+                self.log.debug("gpushare: no stale-client check: %s", exc)
+                return
+            stale = _find_client(doc, self.kernel_id)
+            if stale is None:
+                return
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        self.log.warning(
+            "gpushare: the scheduler still lists a client %s (pid %s) after %.1f s; the restarted "
+            "kernel will be registered as %s#<pid> until it leaves",
+            self.kernel_id,
+            stale.get("pid"),
+            self.stale_client_timeout,
+            self.kernel_id,
+        )
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    _term_sent = False
+
+    def get_shutdown_wait_time(self, recommended: float = 5.0) -> float:
+        return max(recommended, self.shutdown_wait_time)
+
+    async def terminate(self, restart: bool = False) -> None:
+        self._term_sent = True
+        await super().terminate(restart=restart)
+
+    async def kill(self, restart: bool = False) -> None:
+        """SIGKILL, but give the shim a chance first when nobody sent SIGTERM before."""
+        if (
+            self.process is not None
+            and not self._term_sent
+            and self.kill_grace_seconds > 0
+            and self.process.poll() is None
+            and sys.platform != "win32"
+        ):
+            self._term_sent = True
+            try:
+                await self.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+            else:
+                deadline = time.monotonic() + self.kill_grace_seconds
+                while time.monotonic() < deadline:
+                    if self.process is None or self.process.poll() is not None:
+                        break
+                    await asyncio.sleep(0.05)
+        await super().kill(restart=restart)
+
+
+def _find_client(doc: dict[str, Any], client_id: str) -> dict[str, Any] | None:
+    for device in doc.get("devices", []) or []:
+        for client in device.get("clients", []) or []:
+            if client.get("id") == client_id:
+                return dict(client)
+    return None
