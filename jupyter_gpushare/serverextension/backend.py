@@ -1,0 +1,227 @@
+"""The server extension's handle on the scheduler: embedded in the server's loop, or node-wide.
+
+* **embedded**: a :class:`~jupyter_gpushare.scheduler.server.GPUShareScheduler` runs in the Jupyter
+  server's own event loop, listening on a socket in the server's runtime directory. Status is read
+  from it directly (no socket round trip, no frame size limit) and it tells the extension when its
+  state changes, so pushes need no polling.
+* **node**: a scheduler that someone else runs (``gpushare scheduler`` as a system service, shared
+  by every user's server); the extension is one of its control peers and polls its status only
+  while a sidebar listens.
+
+Control actions (``kernel_state``, ``release``, ``evict``, ``set_quota``) always go through the
+socket, so the scheduler authorises them from the kernel-verified uid of the server process in
+both modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from ..protocol import ErrorCode
+from ..scheduler.server import GPUShareScheduler
+
+__all__ = [
+    "NotifyingScheduler",
+    "SchedulerBackend",
+    "SchedulerError",
+    "SchedulerUnavailable",
+    "probe_socket",
+]
+
+
+class NotifyingScheduler(GPUShareScheduler):
+    """The embedded scheduler: a :class:`GPUShareScheduler` that calls ``on_change`` whenever an
+    event reaches its policy (join, leave, request, release, memory, tick, control)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.on_change: Callable[[], None] | None = None
+
+    def _policy_handle(self, event: Any) -> Any:
+        out = super()._policy_handle(event)
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # a listener must never break the scheduler
+                self.log.exception("gpushare: status change listener failed")
+        return out
+
+
+def probe_socket(path: str, timeout: float = 1.0) -> bool:
+    """Does a scheduler accept connections on ``path``? (Blocking: run it in an executor.)"""
+    if not path or len(os.fsencode(path)) > 107:
+        return False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+class SchedulerBackend:
+    """Where the scheduler is and how to talk to it; starts and stops an embedded one."""
+
+    def __init__(
+        self,
+        mode: str,
+        socket_path: str,
+        *,
+        make_scheduler: Callable[[str], NotifyingScheduler] | None = None,
+        fallback_socket: Callable[[], str] | None = None,
+        log: Any = None,
+        timeout: float = 10.0,
+    ) -> None:
+        #: "embedded", "node" or "auto" as configured; ``mode`` is what it resolved to.
+        self.requested = mode
+        self.mode = mode
+        self.socket_path = socket_path
+        self._make_scheduler = make_scheduler
+        self._fallback_socket = fallback_socket
+        self.log = log
+        self.timeout = timeout
+        self.scheduler: NotifyingScheduler | None = None
+        #: Why the scheduler is not usable (start failure), or None.
+        self.error: str | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._start_task: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def embedded(self) -> bool:
+        return self.mode == "embedded"
+
+    @property
+    def client(self) -> SchedulerClient:
+        return SchedulerClient(self.socket_path, timeout=self.timeout)
+
+    async def ensure_started(self) -> None:
+        """Start (once; concurrent callers wait for the same start). Never raises: a failure is
+        kept in :attr:`error` and reported by every request."""
+        if self._started:
+            return
+        if self._start_task is None:
+            self._start_task = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._start_task)
+
+    async def _start(self) -> None:
+        try:
+            if self.mode == "auto":
+                loop = asyncio.get_running_loop()
+                node = self.socket_path
+                if await loop.run_in_executor(None, probe_socket, node):
+                    self.mode = "node"
+                else:
+                    self.mode = "embedded"
+                    if self._fallback_socket is not None:
+                        self.socket_path = self._fallback_socket()
+                    self._log("info", "gpushare: no node scheduler answers on %s", node)
+            if self.mode == "embedded":
+                await self._start_embedded()
+            else:
+                self._log("info", "gpushare: using the node scheduler at %s", self.socket_path)
+            if not self.error:
+                os.environ["GPUSHARE_SOCKET"] = self.socket_path
+        except Exception as exc:  # never let the server fail because of the GPU scheduler
+            self.error = f"{exc.__class__.__name__}: {exc}"
+            self._log("error", "gpushare: the scheduler did not start: %s", self.error)
+        finally:
+            self._started = True
+
+    async def _start_embedded(self) -> None:
+        assert self._make_scheduler is not None
+        scheduler = self._make_scheduler(self.socket_path)
+        scheduler.on_change = self._changed
+        try:
+            await scheduler.start()
+        except Exception as exc:
+            self.error = f"the embedded scheduler did not start on {self.socket_path}: {exc}"
+            self._log("error", "gpushare: %s", self.error)
+            return
+        self.scheduler = scheduler
+        self._log(
+            "info",
+            "gpushare: embedded scheduler on %s (NVML: %s)",
+            self.socket_path,
+            "yes" if scheduler.discovery.error is None else scheduler.discovery.error,
+        )
+
+    async def stop(self) -> None:
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._start_task
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            scheduler.on_change = None
+            await scheduler.stop()
+            if os.environ.get("GPUSHARE_SOCKET") == self.socket_path:
+                del os.environ["GPUSHARE_SOCKET"]
+        self._listeners.clear()
+
+    # -- change notification ------------------------------------------------------------------
+
+    @property
+    def notifies(self) -> bool:
+        """True when status changes are announced (embedded), False when they must be polled."""
+        return self.scheduler is not None
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.error:
+            raise SchedulerUnavailable(self.socket_path, self.error)
+        if self.embedded and self.scheduler is None:
+            raise SchedulerUnavailable(self.socket_path, "the embedded scheduler is not running")
+
+    async def status(self) -> dict[str, Any]:
+        """The scheduler's status document (docs/protocol.md), unchanged."""
+        await self.ensure_started()
+        self._check()
+        if self.scheduler is not None:
+            return self.scheduler.status_document()
+        return await self.client.status()
+
+    async def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
+        await self.ensure_started()
+        self._check()
+        return await self.client.control(action, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """What the status document's ``scheduler`` field says about the connection."""
+        return {
+            "mode": self.mode,
+            "requested": self.requested,
+            "socket": self.socket_path,
+            "error": self.error,
+        }
+
+    def _log(self, level: str, msg: str, *args: Any) -> None:
+        if self.log is not None:
+            getattr(self.log, level)(msg, *args)
+
+
+def is_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, SchedulerError) and exc.code == int(ErrorCode.NOT_FOUND)
