@@ -136,6 +136,7 @@ class _Client:
     restore: bool = False  # its managed memory was evicted: the next grant restores it
     idle: bool = False  # Idle seen since the last Busy/Request
     run_start: float = 0.0
+    grew_at: float = float("-inf")  # when its footprint last increased (growth relief's key)
     last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
     # accounting
     gpu_seconds: float = 0.0
@@ -220,6 +221,8 @@ class Policy:
         if client is None:
             return []  # the shell may race with a disconnect: an unknown client is no error
         dev = self._devices[client.device]
+        if isinstance(event, Request | Memory) and event.used > client.used:
+            client.grew_at = self._clock
         if isinstance(event, Request):
             self._on_request(client, event)
         elif isinstance(event, Memory):
@@ -514,14 +517,18 @@ class Policy:
     def _relieve(self, dev: _Device) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
 
-        Among holders that no longer fit together, the newest keeps the device (it has had the
-        least of its turn); the others are revoked with eviction, longest run first. Idle
-        resident memory that overflows the pool is evicted, least recently used first.
+        Holders that fitted side by side can stop fitting when one allocates more (a holder's
+        allocations and launches do not ask the scheduler first). They are revoked, with
+        eviction, in this order until the rest fit: holders marked idle (their cell has
+        finished: revoking them interrupts no one), then the one that grew most recently (its
+        new allocation is what no longer fits, so it waits rather than pre-empting a neighbour in
+        the middle of its work), then the longest run. Idle resident memory that overflows the
+        pool is evicted, least recently used first.
         """
         out: list[Decision] = []
         running = sorted(
             (c for c in dev.clients.values() if c.holding == "running"),
-            key=lambda c: (c.run_start, c.seq),
+            key=lambda c: (not c.idle, -c.grew_at, c.run_start, c.seq),
         )
         total = sum(c.used for c in running)
         while len(running) > 1 and total > dev.pool_bytes:

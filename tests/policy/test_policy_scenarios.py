@@ -271,8 +271,22 @@ def test_holders_that_grow_past_the_pool_are_separated():
     request(p, "b", 40, now=1)
     used = 70 * GB
     out = p.handle(Memory(2, "b", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0))
-    # a has run longer: b (the newest holder) keeps the device
-    assert out == [Revoke("a", evict=True, reason="memory grew past the pool")]
+    # b's new allocation is what no longer fits: b waits, a (busy with its own work) keeps going
+    assert out == [Revoke("b", evict=True, reason="memory grew past the pool")]
+
+
+def test_an_idle_holder_gives_way_before_a_busy_grower():
+    """Two notebooks ran small cells side by side and both still hold the device; b's cell
+    finished (idle). When a's next cell allocates past the pool, b is the one revoked."""
+    p = make_policy()
+    join(p, "a")
+    join(p, "b")
+    request(p, "a", 10)
+    request(p, "b", 40, now=1)
+    p.handle(Idle(2, "b"))
+    used = 70 * GB
+    out = p.handle(Memory(3, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0))
+    assert out == [Revoke("b", evict=True, reason="memory grew past the pool")]
 
 
 def test_a_client_alone_may_exceed_the_pool():
