@@ -1,0 +1,277 @@
+"""Two notebooks on one GPU, as a user sees it: a real jupyter-server with the gpushare extension
+(embedded scheduler, 24 GiB pool), two sessions on the shipped "Python 3 (GPU shared)" kernel,
+PyTorch cells that cannot both be resident. The quantum is 60 s, so the only thing that can hand
+the GPU from A to B within the test is the server seeing A's cell end.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "gpushare-gpu-test"
+GIB = 1 << 30
+
+CELL_A = """
+import json, time, torch
+x = torch.zeros((14 << 30) // 4, dtype=torch.float32, device="cuda")
+torch.cuda.synchronize()
+start = time.time(); k = 0
+while time.time() - start < 8:
+    for _ in range(5):
+        x.add_(1.0); k += 1
+    torch.cuda.synchronize()
+lo, hi = float(x.min()), float(x.max())
+print(json.dumps({"start": start, "end": time.time(), "correct": lo == hi == float(k), "k": k}))
+"""
+
+CELL_B = """
+import json, time, torch
+t0 = time.time()
+y = torch.zeros((14 << 30) // 4, dtype=torch.float32, device="cuda")  # waits for the GPU
+torch.cuda.synchronize()
+first = time.time(); k = 0
+while time.time() - first < 2:
+    y.add_(2.0); k += 1
+    torch.cuda.synchronize()
+lo, hi = float(y.min()), float(y.max())
+print(json.dumps({"t0": t0, "first": first, "correct": lo == hi == 2.0 * k, "k": k}))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, tmp: Path) -> None:
+        pytest.importorskip("jupyter_server")
+        pytest.importorskip("torch")
+        self.port = _free_port()
+        self.runtime = tmp / "runtime"
+        data = tmp / "data" / "kernels" / "python3-gpushare"
+        data.mkdir(parents=True)
+        spec = json.loads(
+            (ROOT / "jupyter-data" / "kernels" / "python3-gpushare" / "kernel.json").read_text()
+        )
+        spec["env"] = {"GPUSHARE_IDLE_SECONDS": "0", "GPUSHARE_LOG": "info"}
+        (data / "kernel.json").write_text(json.dumps(spec))
+        config = tmp / "jupyter_server_config.py"
+        config.write_text(
+            "c.ServerApp.jpserver_extensions = {'jupyter_gpushare': True}\n"
+            "c.GPUShareScheduler.pool_size = '24GiB'\n"
+            "c.GPUShareScheduler.base_quantum = 60.0\n"
+            "c.GPUShareScheduler.max_quantum = 120.0\n"
+        )
+        env = {
+            **__import__("os").environ,
+            "JUPYTER_PATH": str(tmp / "data"),
+            "JUPYTER_RUNTIME_DIR": str(self.runtime),
+            "JUPYTER_CONFIG_DIR": str(tmp / "config"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.log = tmp / "server.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jupyter_server",
+                    f"--port={self.port}",
+                    "--no-browser",
+                    "--allow-root",
+                    f"--ServerApp.token={TOKEN}",
+                    f"--ServerApp.root_dir={tmp}",
+                    f"--config={config}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp,
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.get("api/status")
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"server did not start:\n{self.log.read_text()}") from None
+                time.sleep(0.3)
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        return json.loads(text) if text else None
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def status(self) -> dict:
+        return self.get("gpushare/api/status")
+
+    def clients(self) -> dict[str, dict]:
+        return {c["id"]: c for d in self.status()["devices"] for c in d["clients"]}
+
+    def session(self, notebook: str) -> tuple[str, str]:
+        s = self.request(
+            "POST",
+            "api/sessions",
+            {
+                "path": notebook,
+                "name": notebook,
+                "type": "notebook",
+                "kernel": {"name": "python3-gpushare"},
+            },
+        )
+        return s["id"], s["kernel"]["id"]
+
+    def client(self, kernel_id: str) -> Any:
+        from jupyter_client import BlockingKernelClient
+
+        kc = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernel_id}.json"))
+        kc.load_connection_file()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        return kc
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def scheduler_events(log: str) -> list[tuple[float, str]]:
+    """(time, line) of the scheduler's grant/revoke/evict/restore lines in the server's log."""
+    out = []
+    for line in log.splitlines():
+        if not any(
+            w in line
+            for w in (
+                "grant client",
+                "revoke client",
+                "evicted client",
+                "restored client",
+                "release client",
+            )
+        ):
+            continue
+        stamp = " ".join(line[3:].split()[:2])  # "[I 2026-11-22 11:49:22.554 Name] ..."
+        out.append((datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp(), line))
+    return out
+
+
+def run_cell(kc: Any, code: str, out: dict[str, Any]) -> None:
+    chunks: list[str] = []
+
+    def hook(msg: dict) -> None:
+        if msg["msg_type"] == "stream":
+            chunks.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            chunks.append("\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=300, output_hook=hook)
+    out["status"] = reply["content"]["status"]
+    out["text"] = "".join(chunks)
+    lines = [ln for ln in out["text"].splitlines() if ln.startswith("{")]
+    out["record"] = json.loads(lines[-1]) if lines else None
+
+
+def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    try:
+        sa, ka = server.session("a.ipynb")
+        sb, kb = server.session("b.ipynb")
+        kca, kcb = server.client(ka), server.client(kb)
+        for kc in (kca, kcb):  # each kernel gets its CUDA context first
+            warm: dict[str, Any] = {}
+            run_cell(kc, "import torch; torch.ones(1, device='cuda').sum().item()", warm)
+            assert warm["status"] == "ok", warm["text"]
+
+        a: dict[str, Any] = {}
+        ta = threading.Thread(target=run_cell, args=(kca, CELL_A, a))
+        ta.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            c = server.clients().get(ka)
+            if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"A never held its 14 GiB: {server.status()}")
+
+        b: dict[str, Any] = {}
+        tb = threading.Thread(target=run_cell, args=(kcb, CELL_B, b))
+        tb.start()
+        seen_waiting = None
+        while ta.is_alive():
+            doc = server.status()
+            clients = {c["id"]: c for d in doc["devices"] for c in d["clients"]}
+            if clients.get(kb, {}).get("state") == "waiting":
+                seen_waiting = doc
+                break
+            time.sleep(0.2)
+        ta.join(timeout=300)
+        tb.join(timeout=300)
+        assert a["status"] == "ok" and b["status"] == "ok", (a["text"], b["text"])
+        ra, rb = a["record"], b["record"]
+        assert ra["correct"] and rb["correct"], (ra, rb)
+
+        # While A's cell ran, the status showed A holding the GPU and B waiting, by notebook.
+        assert seen_waiting is not None, "B was never seen waiting"
+        device = seen_waiting["devices"][0]
+        assert device["holders"] == [ka] and device["queue"] == [kb], device
+        paths = {c["id"]: c["jupyter"]["paths"] for c in device["clients"]}
+        assert paths[ka] == ["a.ipynb"] and paths[kb] == ["b.ipynb"], paths
+
+        # The scheduler's log times the handoff. A was revoked because its cell ended (iopub
+        # idle), not because a quantum ran out (60 s), and B was granted once A's 14 GiB had been
+        # evicted. (B's first allocation and fill may run in the moment before the scheduler
+        # learns its new size; from then on B waits.)
+        events = scheduler_events(server.log.read_text())
+        idle_revoke = next(t for t, line in events if f"revoke client={ka}" in line)
+        assert "reason='idle'" in dict((t, ln) for t, ln in events)[idle_revoke]
+        grant_b = next(t for t, line in events if f"grant client={kb}" in line and t >= idle_revoke)
+        notice = idle_revoke - ra["end"]
+        handoff = grant_b - idle_revoke
+        assert -0.05 < notice < 1.0, f"A was revoked {notice:.3f}s after its cell ended"
+        assert handoff < 30, f"B was granted {handoff:.1f}s after A's revoke"
+        print(
+            f"A's cell ended; the scheduler revoked A {notice * 1000:.0f} ms later (idle) and "
+            f"granted B {handoff:.2f}s after that, evicting A's 14 GiB in between; "
+            "both results correct"
+        )
+        for _, line in events:
+            print(line)
+
+        for kc in (kca, kcb):
+            kc.stop_channels()
+        for s in (sa, sb):
+            server.request("DELETE", f"api/sessions/{s}")
+        deadline = time.monotonic() + 30
+        while server.clients() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert server.clients() == {}, "a kernel stayed registered after shutdown"
+    finally:
+        server.stop()
