@@ -164,6 +164,12 @@ async def test_idle_kernel_hands_the_gpu_over(jp_fetch: Any, jp_serverapp: Any) 
         doc = await status()
         dev = device_of(doc)
         assert dev["holders"] == [b] and dev["queue"] == [], dev
+
+        # The %gpushare magic tells each notebook the same story from inside its kernel.
+        in_b = (await execute(kcb, "%gpushare status")).ok()
+        assert "running (holds the GPU)" in in_b.text, in_b.describe()
+        in_a = (await execute(kca, "%gpushare status")).ok()
+        assert "idle, memory evicted to the host" in in_a.text, in_a.describe()
     finally:
         kca.stop_channels()
         kcb.stop_channels()
