@@ -228,15 +228,22 @@ static void unreserve(uint64_t size)
     pthread_mutex_unlock(&mem_mu);
 }
 
-/* Turn a reservation into a counted allocation. */
-static void commit(uint64_t reserved, uint64_t key, uint8_t ns, uint64_t size, uint8_t kind)
+/* Settle a reservation once the driver has answered: a success becomes a counted allocation
+ * under *key, a failure gives the reserved bytes back. Returns the driver's answer. */
+static CUresult settle(CUresult r, uint64_t reserved, const unsigned long long *key, uint8_t ns,
+                       uint64_t size, uint8_t kind)
 {
+    if (r != CUDA_SUCCESS) {
+        unreserve(reserved);
+        return r;
+    }
     pthread_mutex_lock(&mem_mu);
     reserved_bytes -= reserved;
-    insert(key, ns, size, kind);
+    insert(*key, ns, size, kind);
     changed_locked();
     pthread_mutex_unlock(&mem_mu);
     gs_client_wake();
+    return r;
 }
 
 static void uncount(uint64_t key, uint8_t ns)
@@ -280,11 +287,7 @@ CUresult gs_mem_alloc(gs_fn_cuMemAlloc_v2 real, CUdeviceptr *dptr, size_t bytesi
         r = real(dptr, bytesize);
         kind = KIND_DEVICE;
     }
-    if (r == CUDA_SUCCESS)
-        commit(bytesize, *dptr, NS_PTR, bytesize, kind);
-    else
-        unreserve(bytesize);
-    return r;
+    return settle(r, bytesize, dptr, NS_PTR, bytesize, kind);
 }
 
 CUresult gs_mem_alloc_pitch(gs_fn_cuMemAllocPitch_v2 real, CUdeviceptr *dptr, size_t *pPitch,
@@ -307,22 +310,14 @@ CUresult gs_mem_alloc_pitch(gs_fn_cuMemAllocPitch_v2 real, CUdeviceptr *dptr, si
     gs_fn_cuMemAllocManaged managed = cfg->managed ? GS_REAL(cuMemAllocManaged) : NULL;
     if (managed) {
         r = managed(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
-        if (r == CUDA_SUCCESS) {
+        if (r == CUDA_SUCCESS)
             *pPitch = pitch;
-            commit(bytes, *dptr, NS_PTR, bytes, KIND_MANAGED);
-            return r;
-        }
-        if (r != CUDA_ERROR_NOT_SUPPORTED) {
-            unreserve(bytes);
-            return r;
-        }
+        if (r != CUDA_ERROR_NOT_SUPPORTED)
+            return settle(r, bytes, dptr, NS_PTR, bytes, KIND_MANAGED);
     }
     r = real(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (r == CUDA_SUCCESS)
-        commit(bytes, *dptr, NS_PTR, (uint64_t)*pPitch * Height, KIND_DEVICE);
-    else
-        unreserve(bytes);
-    return r;
+    return settle(r, bytes, dptr, NS_PTR, r == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0,
+                  KIND_DEVICE);
 }
 
 CUresult gs_mem_alloc_managed(gs_fn_cuMemAllocManaged real, CUdeviceptr *dptr, size_t bytesize,
@@ -333,12 +328,7 @@ CUresult gs_mem_alloc_managed(gs_fn_cuMemAllocManaged real, CUdeviceptr *dptr, s
     CUresult r = reserve(bytesize);
     if (r != CUDA_SUCCESS)
         return r;
-    r = real(dptr, bytesize, flags);
-    if (r == CUDA_SUCCESS)
-        commit(bytesize, *dptr, NS_PTR, bytesize, KIND_MANAGED);
-    else
-        unreserve(bytesize);
-    return r;
+    return settle(real(dptr, bytesize, flags), bytesize, dptr, NS_PTR, bytesize, KIND_MANAGED);
 }
 
 /* Stream-ordered pools cannot hand out managed memory: pass through, count as pinned. */
@@ -350,12 +340,7 @@ CUresult gs_mem_alloc_async(gs_fn_cuMemAllocAsync real, CUdeviceptr *dptr, size_
     CUresult r = reserve(bytesize);
     if (r != CUDA_SUCCESS)
         return r;
-    r = real(dptr, bytesize, hStream);
-    if (r == CUDA_SUCCESS)
-        commit(bytesize, *dptr, NS_PTR, bytesize, KIND_POOL);
-    else
-        unreserve(bytesize);
-    return r;
+    return settle(real(dptr, bytesize, hStream), bytesize, dptr, NS_PTR, bytesize, KIND_POOL);
 }
 
 CUresult gs_mem_alloc_from_pool(gs_fn_cuMemAllocFromPoolAsync real, CUdeviceptr *dptr,
@@ -366,12 +351,8 @@ CUresult gs_mem_alloc_from_pool(gs_fn_cuMemAllocFromPoolAsync real, CUdeviceptr 
     CUresult r = reserve(bytesize);
     if (r != CUDA_SUCCESS)
         return r;
-    r = real(dptr, bytesize, pool, hStream);
-    if (r == CUDA_SUCCESS)
-        commit(bytesize, *dptr, NS_PTR, bytesize, KIND_POOL);
-    else
-        unreserve(bytesize);
-    return r;
+    return settle(real(dptr, bytesize, pool, hStream), bytesize, dptr, NS_PTR, bytesize,
+                  KIND_POOL);
 }
 
 /* Physical memory of the virtual memory management API (PyTorch expandable segments, NCCL):
@@ -384,12 +365,7 @@ CUresult gs_mem_create(gs_fn_cuMemCreate real, CUmemGenericAllocationHandle *han
     CUresult r = reserve(size);
     if (r != CUDA_SUCCESS)
         return r;
-    r = real(handle, size, prop, flags);
-    if (r == CUDA_SUCCESS)
-        commit(size, *handle, NS_HANDLE, size, KIND_HANDLE);
-    else
-        unreserve(size);
-    return r;
+    return settle(real(handle, size, prop, flags), size, handle, NS_HANDLE, size, KIND_HANDLE);
 }
 
 CUresult gs_mem_release(gs_fn_cuMemRelease real, CUmemGenericAllocationHandle handle)
