@@ -1,0 +1,387 @@
+import {
+  basename,
+  buildViewModel,
+  formatBytes,
+  formatDuration,
+  formatPercent,
+  IClientStatus,
+  IDeviceStatus,
+  IStatus
+} from '../model';
+
+const MiB = 1 << 20;
+const GiB = 1 << 30;
+const NOW = 1_700_000_000;
+
+function client(id: string, extra: Partial<IClientStatus> = {}): IClientStatus {
+  return {
+    id,
+    pid: 100,
+    uid: 1000,
+    user: 'alice',
+    label: `${id}.ipynb`,
+    state: 'idle',
+    used_bytes: 0,
+    managed_bytes: 0,
+    pinned_bytes: 0,
+    evicted_bytes: 0,
+    quota_bytes: 0,
+    weight: 1,
+    gpu_seconds: 0,
+    wait_seconds: 0,
+    waiting_since: null,
+    queue_position: null,
+    redacted: false,
+    jupyter: { local: false, kernel_id: null },
+    ...extra
+  };
+}
+
+function mine(id: string, path: string, extra: Partial<IClientStatus> = {}): IClientStatus {
+  return client(id, {
+    label: path,
+    jupyter: {
+      local: true,
+      kernel_id: id.split('#')[0],
+      kernel_name: 'python3-gpushare',
+      execution_state: 'busy',
+      paths: [path],
+      sessions: [{ id: 's', path, name: path, type: 'notebook' }],
+      user: 'alice'
+    },
+    ...extra
+  });
+}
+
+function device(clients: IClientStatus[], extra: Partial<IDeviceStatus> = {}): IDeviceStatus {
+  return {
+    uuid: 'GPU-1',
+    name: 'NVIDIA H100 80GB HBM3',
+    total_bytes: 80 * GiB,
+    pool_bytes: GiB,
+    resident_bytes: 0,
+    mode: 'turns',
+    quantum_ms: 5000,
+    holders: [],
+    queue: [],
+    clients,
+    ...extra
+  };
+}
+
+function status(devices: IDeviceStatus[], extra: Partial<IStatus> = {}): IStatus {
+  return {
+    version: '0.1.0',
+    socket: '/tmp/s.sock',
+    nvml: true,
+    devices,
+    viewer: { name: 'alice', admin: false },
+    scheduler: { mode: 'embedded', requested: 'auto', socket: '/tmp/s.sock', error: null },
+    ...extra
+  };
+}
+
+function vm(s: IStatus) {
+  return buildViewModel({ kind: 'status', status: s }, NOW);
+}
+
+/** The scenario of the end-to-end test: A holds, B waits, C idles (someone else's). */
+function turns(): IStatus {
+  return status([
+    device(
+      [
+        mine('ka', 'work/a.ipynb', {
+          state: 'running',
+          used_bytes: 700 * MiB,
+          gpu_seconds: 30
+        }),
+        mine('kb', 'b.ipynb', {
+          state: 'waiting',
+          used_bytes: 700 * MiB,
+          evicted_bytes: 684 * MiB,
+          waiting_since: NOW - 65,
+          queue_position: 1,
+          gpu_seconds: 10
+        }),
+        client('kc', {
+          user: 'bob',
+          uid: 1001,
+          label: '',
+          redacted: true,
+          used_bytes: 100 * MiB,
+          gpu_seconds: 60
+        })
+      ],
+      { holders: ['ka'], queue: ['kb'], resident_bytes: 816 * MiB }
+    )
+  ]);
+}
+
+describe('formatting', () => {
+  it('formats bytes with 1024-based units', () => {
+    expect(formatBytes(0)).toBe('0 B');
+    expect(formatBytes(512)).toBe('512 B');
+    expect(formatBytes(1024)).toBe('1 KiB');
+    expect(formatBytes(1.5 * GiB)).toBe('1.5 GiB');
+    expect(formatBytes(700 * MiB)).toBe('700 MiB');
+    expect(formatBytes(80 * GiB)).toBe('80 GiB');
+    expect(formatBytes(85520809984)).toBe('79.6 GiB');
+    expect(formatBytes(undefined)).toBe('?');
+    expect(formatBytes(-5)).toBe('0 B');
+  });
+
+  it('formats waits', () => {
+    expect(formatDuration(0)).toBe('0s');
+    expect(formatDuration(4.9)).toBe('4s');
+    expect(formatDuration(65)).toBe('1m 05s');
+    expect(formatDuration(3 * 3600 + 3 * 60)).toBe('3h 03m');
+    expect(formatDuration(null)).toBe('?');
+  });
+
+  it('formats percentages and paths', () => {
+    expect(formatPercent(0.904)).toBe('90%');
+    expect(formatPercent(null)).toBe('?');
+    expect(basename('work/deep/a.ipynb')).toBe('a.ipynb');
+    expect(basename('a.ipynb')).toBe('a.ipynb');
+  });
+});
+
+describe('holders, waiters and idle kernels', () => {
+  it('sorts clients into who holds, who waits (in queue order, for how long), who idles', () => {
+    const m = vm(turns());
+    expect(m.state).toBe('ok');
+    expect(m.message).toBeNull();
+    const [d] = m.devices;
+    expect(d.holders.map(r => r.name)).toEqual(['a.ipynb']);
+    expect(d.waiters.map(r => r.name)).toEqual(['b.ipynb']);
+    expect(d.waiters[0].queuePosition).toBe(1);
+    expect(d.waiters[0].waitingFor).toBe(65);
+    expect(d.idle.map(r => r.id)).toEqual(['kc']);
+    expect(d.modeLabel).toBe('turns');
+    expect(d.summary).toBe('a.ipynb holds the GPU; 1 waiting.');
+    expect(d.quantumSeconds).toBe(5);
+  });
+
+  it('orders waiters by queue position', () => {
+    const s = status([
+      device(
+        [
+          client('x', { state: 'waiting', queue_position: 2 }),
+          client('y', { state: 'waiting', queue_position: 1 }),
+          client('h', { state: 'running' })
+        ],
+        { holders: ['h'], queue: ['y', 'x'] }
+      )
+    ]);
+    expect(vm(s).devices[0].waiters.map(r => r.id)).toEqual(['y', 'x']);
+  });
+
+  it('falls back to the queue list and wait_seconds', () => {
+    const s = status([
+      device([client('w', { state: 'waiting', queue_position: null, wait_seconds: 3 })], {
+        queue: ['w']
+      })
+    ]);
+    const [w] = vm(s).devices[0].waiters;
+    expect(w.queuePosition).toBe(1);
+    expect(w.waitingFor).toBe(3);
+    expect(vm(s).devices[0].summary).toBe('1 waiting for the GPU.');
+  });
+
+  it('says when nobody uses the GPU', () => {
+    const d = vm(status([device([], { mode: 'shared' })])).devices[0];
+    expect(d.summary).toBe('No kernel uses this GPU.');
+    expect(d.modeLabel).toBe('shared');
+    expect(d.segments).toEqual([
+      expect.objectContaining({ kind: 'free', bytes: GiB, fraction: 1 })
+    ]);
+    const idle = vm(status([device([client('i')], { mode: 'shared' })])).devices[0];
+    expect(idle.summary).toBe('The GPU is free: every kernel is idle.');
+  });
+});
+
+describe('my kernels and redaction', () => {
+  it('highlights this server kernels by jupyter.local and names them by notebook', () => {
+    const d = vm(turns()).devices[0];
+    expect(d.mine.map(r => r.id)).toEqual(['ka', 'kb']);
+    const a = d.holders[0];
+    expect(a.mine).toBe(true);
+    expect(a.kernelId).toBe('ka');
+    expect(a.title).toContain('work/a.ipynb');
+    expect(a.canRelease).toBe(true);
+    expect(a.canEvict).toBe(false);
+    // Waiting kernels hold nothing to release.
+    expect(d.waiters[0].canRelease).toBe(false);
+  });
+
+  it("shows other users' kernels by user only", () => {
+    const c = vm(turns()).devices[0].idle[0];
+    expect(c.redacted).toBe(true);
+    expect(c.mine).toBe(false);
+    expect(c.name).toBe("bob's kernel");
+    expect(c.title).not.toContain('ipynb');
+    expect(c.kernelId).toBeNull();
+    expect(c.canRelease).toBe(false);
+    expect(c.canEvict).toBe(false);
+  });
+
+  it('names subprocess clients and unredacted foreign clients by label', () => {
+    const s = status(
+      [
+        device([
+          mine('ka#42', 'a.ipynb', { state: 'running' }),
+          client('kz', { label: 'other/z.ipynb', user: 'bob', state: 'idle', used_bytes: MiB })
+        ])
+      ],
+      { viewer: { name: 'root', admin: true } }
+    );
+    const d = vm(s).devices[0];
+    expect(d.holders[0].name).toBe('a.ipynb (subprocess 42)');
+    expect(d.holders[0].kernelId).toBe('ka');
+    const z = d.idle[0];
+    expect(z.name).toBe('z.ipynb');
+    expect(z.kernelId).toBe('kz');
+    expect(z.canEvict).toBe(true);
+  });
+
+  it('lets admins evict and release any holder', () => {
+    const s = turns();
+    s.viewer = { name: 'admin', admin: true };
+    const d = vm(s).devices[0];
+    expect(d.holders[0].canEvict).toBe(true);
+    expect(d.idle[0].canEvict).toBe(true);
+    expect(vm(s).viewer.admin).toBe(true);
+  });
+
+  it('computes my share of GPU time', () => {
+    const d = vm(turns()).devices[0];
+    expect(d.myShare).toBeCloseTo(40 / 100);
+    expect(d.holders[0].gpuShare).toBeCloseTo(0.3);
+  });
+});
+
+describe('memory', () => {
+  it('stacks resident memory per kernel, free, and evicted memory', () => {
+    const d = vm(turns()).devices[0];
+    const kinds = d.segments.map(s => `${s.kind}:${s.id ?? ''}`);
+    expect(kinds).toEqual(['resident:ka', 'resident:kb', 'resident:kc', 'free:', 'evicted:kb']);
+    const byId = Object.fromEntries(d.segments.map(s => [`${s.kind}:${s.id}`, s]));
+    expect(byId['resident:kb'].bytes).toBe(16 * MiB);
+    expect(byId['evicted:kb'].bytes).toBe(684 * MiB);
+    expect(d.freeBytes).toBe(GiB - 816 * MiB);
+    const total = d.segments.reduce((s, x) => s + x.fraction, 0);
+    expect(total).toBeCloseTo(1);
+    expect(byId['resident:ka'].mine).toBe(true);
+    expect(byId['resident:kc'].mine).toBe(false);
+  });
+
+  it("counts a waiter that was never granted by its pinned memory, as the scheduler does", () => {
+    const s = status([
+      device(
+        [
+          mine('ka', 'a.ipynb', { state: 'running', used_bytes: 716 * MiB, pinned_bytes: 16 * MiB }),
+          mine('kb', 'b.ipynb', {
+            state: 'waiting',
+            used_bytes: 716 * MiB,
+            pinned_bytes: 16 * MiB,
+            queue_position: 1
+          })
+        ],
+        { holders: ['ka'], queue: ['kb'], resident_bytes: 732 * MiB }
+      )
+    ]);
+    const d = vm(s).devices[0];
+    expect(d.waiters[0].residentBytes).toBe(16 * MiB);
+    expect(d.waiters[0].evictedBytes).toBe(700 * MiB);
+    expect(d.freeBytes).toBe(GiB - 732 * MiB);
+    expect(d.segments.map(x => `${x.kind}:${x.id ?? ''}`)).toEqual([
+      'resident:ka',
+      'resident:kb',
+      'free:',
+      'evicted:kb'
+    ]);
+  });
+
+  it('warns near the quota (>= 90%) for my kernels only', () => {
+    const s = status([
+      device([
+        mine('k1', 'near.ipynb', { used_bytes: 950 * MiB, quota_bytes: GiB }),
+        mine('k2', 'far.ipynb', { used_bytes: 100 * MiB, quota_bytes: GiB }),
+        mine('k3', 'exact.ipynb', { used_bytes: 0.9 * GiB, quota_bytes: GiB }),
+        mine('k4', 'none.ipynb', { used_bytes: GiB, quota_bytes: 0 }),
+        client('k5', { used_bytes: GiB, quota_bytes: GiB, redacted: true, user: 'bob' })
+      ])
+    ]);
+    const m = vm(s);
+    const rows = Object.fromEntries(m.devices[0].idle.map(r => [r.id, r]));
+    expect(rows.k1.nearQuota).toBe(true);
+    expect(rows.k1.quotaFraction).toBeCloseTo(0.928, 2);
+    expect(rows.k2.nearQuota).toBe(false);
+    expect(rows.k3.nearQuota).toBe(true);
+    expect(rows.k4.quotaFraction).toBeNull();
+    expect(rows.k4.nearQuota).toBe(false);
+    expect(m.warnings.map(w => w.clientId)).toEqual(['k1', 'k3']);
+    expect(m.warnings[0].text).toContain('near.ipynb uses 950 MiB of its 1 GiB quota (93%)');
+  });
+
+  it('reports utilisation when the scheduler sends it', () => {
+    expect(vm(turns()).devices[0].utilization).toBeNull();
+    const s = status([device([], { utilization: 37 })]);
+    expect(vm(s).devices[0].utilization).toBe(37);
+  });
+});
+
+describe('no GPU, no scheduler', () => {
+  it('says when there is no GPU (NVML error, no devices)', () => {
+    const m = vm(status([], { nvml: 'NVML Shared Library Not Found' }));
+    expect(m.state).toBe('no-gpu');
+    expect(m.message).toContain('No GPU found');
+    expect(m.message).toContain('NVML Shared Library Not Found');
+    const none = vm(status([]));
+    expect(none.state).toBe('no-gpu');
+    expect(none.message).toContain('No GPU known yet');
+  });
+
+  it('keeps devices learnt from kernels when NVML failed, with a notice', () => {
+    const m = vm(status([device([])], { nvml: 'no driver' }));
+    expect(m.state).toBe('ok');
+    expect(m.notice).toContain('NVML unavailable (no driver)');
+  });
+
+  it('says when there is no scheduler (503 or scheduler.error)', () => {
+    const m = buildViewModel({
+      kind: 'error',
+      statusCode: 503,
+      message: 'cannot connect to /run/gpushare/scheduler.sock'
+    });
+    expect(m.state).toBe('no-scheduler');
+    expect(m.message).toBe('No GPU scheduler: cannot connect to /run/gpushare/scheduler.sock');
+    const e = vm(
+      status([], {
+        scheduler: { mode: 'node', requested: 'node', socket: '/x', error: 'it did not start' }
+      })
+    );
+    expect(e.state).toBe('no-scheduler');
+    expect(e.message).toBe('No GPU scheduler: it did not start');
+  });
+
+  it('explains other errors and the loading state', () => {
+    expect(buildViewModel({ kind: 'loading' }).state).toBe('loading');
+    expect(buildViewModel({ kind: 'error', statusCode: 404, message: '' }).message).toContain(
+      'not enabled'
+    );
+    expect(buildViewModel({ kind: 'error', statusCode: 403, message: '' }).message).toContain(
+      'not allowed'
+    );
+    const other = buildViewModel({ kind: 'error', statusCode: null, message: 'boom' });
+    expect(other.state).toBe('error');
+    expect(other.message).toBe('boom');
+  });
+
+  it('notes a truncated document', () => {
+    const m = vm(status([device([], { clients_truncated: 300 })], { truncated: true }));
+    expect(m.notice).toContain('Too many kernels');
+    expect(m.devices[0].summary).toBe('300 kernels (too many to list)');
+    expect(m.devices[0].truncated).toBe(300);
+  });
+});

@@ -1,0 +1,530 @@
+/**
+ * The sidebar's view model: the server extension's status document (docs/protocol.md,
+ * docs/rest-api.yaml) turned into what the panel shows. Pure: no DOM, no network; the panel
+ * (panel.ts) renders it and the unit tests (__tests__/model.spec.ts) check it.
+ */
+
+/** Jupyter's view of a scheduler client (added by the server extension). */
+export interface IJupyterView {
+  local: boolean;
+  kernel_id?: string | null;
+  kernel_name?: string | null;
+  execution_state?: string | null;
+  user?: string | null;
+  paths?: string[];
+  sessions?: { id?: string; path?: string; name?: string; type?: string }[];
+}
+
+export interface IClientStatus {
+  id: string;
+  pid?: number;
+  uid?: number;
+  user?: string;
+  label?: string;
+  state: string;
+  used_bytes?: number;
+  managed_bytes?: number;
+  pinned_bytes?: number;
+  evicted_bytes?: number;
+  quota_bytes?: number;
+  weight?: number;
+  gpu_seconds?: number;
+  wait_seconds?: number;
+  waiting_since?: number | null;
+  queue_position?: number | null;
+  redacted?: boolean;
+  jupyter?: IJupyterView;
+}
+
+export interface IDeviceStatus {
+  uuid: string;
+  name?: string;
+  total_bytes?: number;
+  pool_bytes: number;
+  resident_bytes?: number;
+  mode: string;
+  quantum_ms?: number;
+  holders: string[];
+  queue: string[];
+  clients: IClientStatus[];
+  clients_truncated?: number;
+  /** Optional (not sent by every scheduler): GPU utilisation in percent. */
+  utilization?: number | null;
+  utilization_percent?: number | null;
+}
+
+export interface IStatus {
+  version?: string;
+  socket?: string;
+  nvml?: true | string;
+  truncated?: boolean;
+  devices?: IDeviceStatus[];
+  viewer?: { name: string | null; admin: boolean };
+  scheduler?: {
+    mode: string;
+    requested?: string;
+    socket?: string;
+    error?: string | null;
+  };
+}
+
+/** What the panel knows: a document, or why it has none. */
+export type Fetched =
+  | { kind: 'loading' }
+  | { kind: 'status'; status: IStatus }
+  | { kind: 'error'; statusCode: number | null; message: string };
+
+export type Role = 'holder' | 'waiter' | 'idle';
+
+export interface IKernelRow {
+  /** The scheduler's client id. */
+  id: string;
+  /** The Jupyter kernel id to act on (for this server's kernels), else null. */
+  kernelId: string | null;
+  /** What to call it: the notebook's file name, or "alice's kernel" when redacted. */
+  name: string;
+  /** Longer description for tooltips (full path, kernel id, user). */
+  title: string;
+  user: string;
+  mine: boolean;
+  redacted: boolean;
+  role: Role;
+  state: string;
+  queuePosition: number | null;
+  /** Seconds this client has been waiting now (waiters only). */
+  waitingFor: number | null;
+  usedBytes: number;
+  residentBytes: number;
+  evictedBytes: number;
+  quotaBytes: number;
+  /** used / quota, when there is a quota. */
+  quotaFraction: number | null;
+  nearQuota: boolean;
+  gpuSeconds: number;
+  /** This client's share of the GPU time used on the device so far (0..1). */
+  gpuShare: number | null;
+  canRelease: boolean;
+  canEvict: boolean;
+  /** Index into the panel's palette, stable per client within a device. */
+  color: number;
+}
+
+export interface ISegment {
+  kind: 'resident' | 'free' | 'evicted';
+  id: string | null;
+  label: string;
+  bytes: number;
+  /** Fraction of the bar (0..1). */
+  fraction: number;
+  mine: boolean;
+  color: number;
+}
+
+export interface IWarning {
+  deviceUuid: string;
+  clientId: string;
+  text: string;
+}
+
+export interface IDeviceView {
+  uuid: string;
+  name: string;
+  totalBytes: number;
+  poolBytes: number;
+  residentBytes: number;
+  freeBytes: number;
+  evictedBytes: number;
+  mode: string;
+  modeLabel: string;
+  modeDescription: string;
+  quantumSeconds: number | null;
+  utilization: number | null;
+  segments: ISegment[];
+  holders: IKernelRow[];
+  waiters: IKernelRow[];
+  idle: IKernelRow[];
+  mine: IKernelRow[];
+  /** The viewer's kernels' share of the GPU time used on this device (0..1), if any. */
+  myShare: number | null;
+  truncated: number;
+  summary: string;
+}
+
+export type ViewState = 'loading' | 'ok' | 'no-gpu' | 'no-scheduler' | 'error';
+
+export interface IViewModel {
+  state: ViewState;
+  /** The headline when there is nothing (or not everything) to show. */
+  message: string | null;
+  /** A secondary remark (e.g. NVML unavailable but devices learnt from kernels). */
+  notice: string | null;
+  devices: IDeviceView[];
+  warnings: IWarning[];
+  viewer: { name: string | null; admin: boolean };
+}
+
+/** Memory use at or above this fraction of the quota is flagged. */
+export const QUOTA_WARNING = 0.9;
+
+const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+
+/** Bytes as a short 1024-based size: "0 B", "512 B", "1.5 GiB", "700 MiB". */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
+    return '?';
+  }
+  let value = Math.max(0, bytes);
+  let unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) {
+    value /= 1024;
+    unit++;
+  }
+  if (unit === 0) {
+    return `${Math.round(value)} B`;
+  }
+  const digits = value >= 100 || Number.isInteger(value) ? 0 : 1;
+  const text = value.toFixed(digits).replace(/\.0$/, '');
+  return `${text} ${UNITS[unit]}`;
+}
+
+/** A duration in seconds as "0s", "4s", "2m 05s", "1h 03m". */
+export function formatDuration(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return '?';
+  }
+  const s = Math.max(0, Math.floor(seconds));
+  if (s < 60) {
+    return `${s}s`;
+  }
+  const m = Math.floor(s / 60);
+  if (m < 60) {
+    return `${m}m ${String(s % 60).padStart(2, '0')}s`;
+  }
+  const h = Math.floor(m / 60);
+  return `${h}h ${String(m % 60).padStart(2, '0')}m`;
+}
+
+/** A fraction (0..1) as a whole percentage: "42%". */
+export function formatPercent(fraction: number | null | undefined): string {
+  if (fraction === null || fraction === undefined || !Number.isFinite(fraction)) {
+    return '?';
+  }
+  return `${Math.round(fraction * 100)}%`;
+}
+
+/** The last component of a path. */
+export function basename(path: string): string {
+  const parts = path.split('/').filter(p => p.length > 0);
+  return parts.length ? parts[parts.length - 1] : path;
+}
+
+function num(value: unknown): number {
+  return typeof value === 'number' && Number.isFinite(value) ? value : 0;
+}
+
+function kernelIdOf(clientId: string): string {
+  return clientId.split('#', 1)[0];
+}
+
+function clientUser(c: IClientStatus): string {
+  return c.jupyter?.user || c.user || (c.uid !== undefined ? `uid ${c.uid}` : 'someone');
+}
+
+function nameOf(c: IClientStatus): { name: string; title: string } {
+  const user = clientUser(c);
+  const paths = c.jupyter?.paths ?? [];
+  const sub = c.id.includes('#') ? ` (subprocess ${c.id.split('#')[1]})` : '';
+  if (c.redacted) {
+    return { name: `${user}'s kernel`, title: `A kernel of ${user}` };
+  }
+  if (paths.length) {
+    return {
+      name: paths.map(basename).join(', ') + sub,
+      title: `${paths.join(', ')}${sub} (kernel ${kernelIdOf(c.id)})`
+    };
+  }
+  if (c.label) {
+    return { name: basename(c.label) + sub, title: `${c.label}${sub} (${c.id})` };
+  }
+  return { name: c.id, title: c.id };
+}
+
+function roleOf(c: IClientStatus, dev: IDeviceStatus): Role {
+  if ((dev.holders ?? []).includes(c.id)) {
+    return 'holder';
+  }
+  if ((dev.queue ?? []).includes(c.id) || c.state === 'waiting') {
+    return 'waiter';
+  }
+  if (c.state === 'running' || c.state === 'revoking' || c.state === 'evicting') {
+    return 'holder';
+  }
+  return 'idle';
+}
+
+const MODES: Record<string, [string, string]> = {
+  shared: ['shared', 'Kernels fit the memory pool together and run side by side.'],
+  turns: [
+    'turns',
+    "Kernels do not fit the memory pool together: they take turns, each one's memory moved to " +
+      'the host while others run.'
+  ]
+};
+
+function deviceView(
+  dev: IDeviceStatus,
+  viewer: { name: string | null; admin: boolean },
+  now: number,
+  warnings: IWarning[]
+): IDeviceView {
+  const clients = dev.clients ?? [];
+  const totalGpu = clients.reduce((sum, c) => sum + num(c.gpu_seconds), 0);
+  const rows: IKernelRow[] = clients.map((c, i) => {
+    const mine = !!c.jupyter?.local;
+    const role = roleOf(c, dev);
+    const used = num(c.used_bytes);
+    const evicted = Math.min(num(c.evicted_bytes), used);
+    const quota = num(c.quota_bytes);
+    const quotaFraction = quota > 0 ? used / quota : null;
+    const { name, title } = nameOf(c);
+    const queueIndex = (dev.queue ?? []).indexOf(c.id);
+    const queuePosition =
+      typeof c.queue_position === 'number'
+        ? c.queue_position
+        : queueIndex >= 0
+          ? queueIndex + 1
+          : null;
+    let waitingFor: number | null = null;
+    if (role === 'waiter') {
+      waitingFor =
+        typeof c.waiting_since === 'number'
+          ? Math.max(0, now - c.waiting_since)
+          : num(c.wait_seconds);
+    }
+    const kernelId = c.jupyter?.kernel_id ?? null;
+    const row: IKernelRow = {
+      id: c.id,
+      kernelId: mine ? kernelId || kernelIdOf(c.id) : viewer.admin ? kernelIdOf(c.id) : null,
+      name,
+      title,
+      user: clientUser(c),
+      mine,
+      redacted: !!c.redacted,
+      role,
+      state: c.state,
+      queuePosition,
+      waitingFor,
+      usedBytes: used,
+      residentBytes: Math.max(0, used - evicted),
+      evictedBytes: evicted,
+      quotaBytes: quota,
+      quotaFraction,
+      nearQuota: quotaFraction !== null && quotaFraction >= QUOTA_WARNING,
+      gpuSeconds: num(c.gpu_seconds),
+      gpuShare: totalGpu > 0 ? num(c.gpu_seconds) / totalGpu : null,
+      canRelease: (mine || viewer.admin) && role === 'holder',
+      canEvict: viewer.admin && (used > 0 || role === 'holder'),
+      color: i
+    };
+    if (row.nearQuota && mine) {
+      warnings.push({
+        deviceUuid: dev.uuid,
+        clientId: c.id,
+        text:
+          `${row.name} uses ${formatBytes(used)} of its ${formatBytes(quota)} quota ` +
+          `(${formatPercent(quotaFraction)}): allocations past the quota fail with out of memory.`
+      });
+    }
+    return row;
+  });
+
+  // The scheduler counts a client that is not resident (a waiter not yet granted, or evicted)
+  // by its pinned memory only: when its accounting says less is on the GPU than the clients'
+  // own numbers, the waiters' managed memory is off the GPU.
+  const claimed = rows.reduce((s, r) => s + r.residentBytes, 0);
+  if (typeof dev.resident_bytes === 'number' && claimed > dev.resident_bytes) {
+    clients.forEach((c, i) => {
+      const r = rows[i];
+      if (r.role === 'waiter') {
+        const onGpu = Math.min(num(c.pinned_bytes), r.usedBytes);
+        r.evictedBytes = r.usedBytes - onGpu;
+        r.residentBytes = onGpu;
+      }
+    });
+  }
+
+  const holders = rows.filter(r => r.role === 'holder');
+  const waiters = rows
+    .filter(r => r.role === 'waiter')
+    .sort((a, b) => (a.queuePosition ?? 1e9) - (b.queuePosition ?? 1e9));
+  const idle = rows.filter(r => r.role === 'idle');
+  const mineRows = rows.filter(r => r.mine);
+
+  const pool = num(dev.pool_bytes);
+  const resident = rows.reduce((s, r) => s + r.residentBytes, 0);
+  const evicted = rows.reduce((s, r) => s + r.evictedBytes, 0);
+  const residentBytes = typeof dev.resident_bytes === 'number' ? dev.resident_bytes : resident;
+  const free = Math.max(0, pool - Math.max(resident, residentBytes));
+  const denominator = Math.max(pool, resident) + evicted;
+  const frac = (b: number) => (denominator > 0 ? b / denominator : 0);
+  const segments: ISegment[] = [];
+  for (const r of rows) {
+    if (r.residentBytes > 0) {
+      segments.push({
+        kind: 'resident',
+        id: r.id,
+        label: `${r.name}: ${formatBytes(r.residentBytes)} on the GPU`,
+        bytes: r.residentBytes,
+        fraction: frac(r.residentBytes),
+        mine: r.mine,
+        color: r.color
+      });
+    }
+  }
+  if (free > 0) {
+    segments.push({
+      kind: 'free',
+      id: null,
+      label: `free: ${formatBytes(free)}`,
+      bytes: free,
+      fraction: frac(free),
+      mine: false,
+      color: -1
+    });
+  }
+  for (const r of rows) {
+    if (r.evictedBytes > 0) {
+      segments.push({
+        kind: 'evicted',
+        id: r.id,
+        label: `${r.name}: ${formatBytes(r.evictedBytes)} off the GPU (host memory)`,
+        bytes: r.evictedBytes,
+        fraction: frac(r.evictedBytes),
+        mine: r.mine,
+        color: r.color
+      });
+    }
+  }
+
+  const myGpu = mineRows.reduce((s, r) => s + r.gpuSeconds, 0);
+  const [modeLabel, modeDescription] = MODES[dev.mode] ?? [dev.mode || '?', ''];
+  const util =
+    typeof dev.utilization === 'number'
+      ? dev.utilization
+      : typeof dev.utilization_percent === 'number'
+        ? dev.utilization_percent
+        : null;
+
+  let summary: string;
+  if (!rows.length) {
+    summary = dev.clients_truncated
+      ? `${dev.clients_truncated} kernels (too many to list)`
+      : 'No kernel uses this GPU.';
+  } else if (holders.length) {
+    const who = holders.map(h => h.name).join(', ');
+    summary = `${who} ${holders.length > 1 ? 'hold' : 'holds'} the GPU`;
+    if (waiters.length) {
+      summary += `; ${waiters.length} waiting`;
+    }
+    summary += '.';
+  } else if (waiters.length) {
+    summary = `${waiters.length} waiting for the GPU.`;
+  } else {
+    summary = 'The GPU is free: every kernel is idle.';
+  }
+
+  return {
+    uuid: dev.uuid,
+    name: dev.name || dev.uuid,
+    totalBytes: num(dev.total_bytes),
+    poolBytes: pool,
+    residentBytes,
+    freeBytes: free,
+    evictedBytes: evicted,
+    mode: dev.mode,
+    modeLabel,
+    modeDescription,
+    quantumSeconds: typeof dev.quantum_ms === 'number' ? dev.quantum_ms / 1000 : null,
+    utilization: util,
+    segments,
+    holders,
+    waiters,
+    idle,
+    mine: mineRows,
+    myShare: mineRows.length && totalGpu > 0 ? myGpu / totalGpu : null,
+    truncated: num(dev.clients_truncated),
+    summary
+  };
+}
+
+/**
+ * The view model of what the panel has fetched. ``now`` is the Unix time in seconds (for how
+ * long waiters have waited).
+ */
+export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000): IViewModel {
+  const empty = {
+    devices: [] as IDeviceView[],
+    warnings: [] as IWarning[],
+    viewer: { name: null, admin: false },
+    notice: null
+  };
+  if (fetched.kind === 'loading') {
+    return { ...empty, state: 'loading', message: 'Connecting to the GPU scheduler…' };
+  }
+  if (fetched.kind === 'error') {
+    if (fetched.statusCode === 503) {
+      return {
+        ...empty,
+        state: 'no-scheduler',
+        message: `No GPU scheduler: ${fetched.message || 'the scheduler cannot be reached.'}`
+      };
+    }
+    if (fetched.statusCode === 404) {
+      return {
+        ...empty,
+        state: 'error',
+        message: 'The gpushare server extension is not enabled on this server.'
+      };
+    }
+    if (fetched.statusCode === 403) {
+      return {
+        ...empty,
+        state: 'error',
+        message: 'You are not allowed to see the GPU status on this server.'
+      };
+    }
+    return { ...empty, state: 'error', message: fetched.message || 'Unknown error.' };
+  }
+  const status = fetched.status;
+  const viewer = {
+    name: status.viewer?.name ?? null,
+    admin: !!status.viewer?.admin
+  };
+  const warnings: IWarning[] = [];
+  const devices = (status.devices ?? []).map(d => deviceView(d, viewer, now, warnings));
+  const schedError = status.scheduler?.error ?? null;
+  const nvml = status.nvml;
+  const nvmlProblem = nvml !== undefined && nvml !== true ? String(nvml) : null;
+  let state: ViewState = 'ok';
+  let message: string | null = null;
+  let notice: string | null = null;
+  if (schedError && !devices.length) {
+    state = 'no-scheduler';
+    message = `No GPU scheduler: ${schedError}`;
+  } else if (!devices.length) {
+    state = 'no-gpu';
+    message = nvmlProblem
+      ? `No GPU found (${nvmlProblem}). GPUs also appear here when a kernel uses one.`
+      : 'No GPU known yet. GPUs appear here when the scheduler finds them or a kernel uses one.';
+  } else {
+    if (schedError) {
+      notice = `Scheduler: ${schedError}`;
+    } else if (nvmlProblem) {
+      notice = `NVML unavailable (${nvmlProblem}): GPUs are learnt from the kernels using them.`;
+    }
+  }
+  if (status.truncated) {
+    notice = (notice ? notice + ' ' : '') + 'Too many kernels to list them all.';
+  }
+  return { state, message, notice, devices, warnings, viewer };
+}

@@ -1,0 +1,642 @@
+/**
+ * The sidebar widget: fetches the status document, follows the events websocket while shown,
+ * and renders the view model (model.ts) with plain DOM.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+import { Message } from '@lumino/messaging';
+import { Widget } from '@lumino/widgets';
+
+import {
+  buildViewModel,
+  Fetched,
+  formatBytes,
+  formatDuration,
+  formatPercent,
+  IDeviceView,
+  IKernelRow,
+  IStatus,
+  IViewModel
+} from './model';
+
+/** Reconnect delays of the events websocket: doubling from the first to the last. */
+const BACKOFF_FIRST_MS = 500;
+const BACKOFF_MAX_MS = 30000;
+
+type Connection = 'offline' | 'connecting' | 'live';
+
+export interface IPanelOptions {
+  serverSettings?: ServerConnection.ISettings;
+}
+
+function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  attrs: Record<string, string | number | boolean | null | undefined> = {},
+  ...children: (Node | string | null | undefined | false)[]
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) {
+      continue;
+    }
+    if (key === 'className') {
+      node.className = String(value);
+    } else if (key === 'text') {
+      node.textContent = String(value);
+    } else {
+      node.setAttribute(key, value === true ? '' : String(value));
+    }
+  }
+  for (const child of children) {
+    if (child === null || child === undefined || child === false) {
+      continue;
+    }
+    node.append(child);
+  }
+  return node;
+}
+
+export class GPUSharePanel extends Widget {
+  constructor(options: IPanelOptions = {}) {
+    super();
+    this.addClass('jp-gpushare-panel');
+    this.node.setAttribute('role', 'region');
+    this.node.setAttribute('aria-label', 'Shared GPU');
+    this._settings = options.serverSettings ?? ServerConnection.makeSettings();
+    this._onVisibility = () => {
+      if (document.hidden) {
+        this._stop();
+      } else if (this.isVisible) {
+        this._start();
+      }
+    };
+    document.addEventListener('visibilitychange', this._onVisibility);
+    this._render();
+  }
+
+  /** The latest view model (for tests and other plugins). */
+  get model(): IViewModel {
+    return buildViewModel(this._fetched);
+  }
+
+  get connection(): Connection {
+    return this._connection;
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    document.removeEventListener('visibilitychange', this._onVisibility);
+    this._stop();
+    super.dispose();
+  }
+
+  /** Fetch the status document now (REST), whatever the websocket does. */
+  async refresh(): Promise<void> {
+    const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/status');
+    const generation = this._generation;
+    let fetched: Fetched;
+    try {
+      const response = await ServerConnection.makeRequest(url, {}, this._settings);
+      if (response.ok) {
+        fetched = { kind: 'status', status: (await response.json()) as IStatus };
+      } else {
+        fetched = {
+          kind: 'error',
+          statusCode: response.status,
+          message: await errorMessage(response)
+        };
+      }
+    } catch (err) {
+      fetched = { kind: 'error', statusCode: null, message: `Cannot reach the server: ${err}` };
+    }
+    // A websocket message that came meanwhile is newer than this answer.
+    if (generation === this._generation) {
+      this._setFetched(fetched);
+    }
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._start();
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._stop();
+  }
+
+  protected onAfterAttach(msg: Message): void {
+    super.onAfterAttach(msg);
+    if (this.isVisible) {
+      this._start();
+    }
+  }
+
+  protected onBeforeDetach(msg: Message): void {
+    this._stop();
+    super.onBeforeDetach(msg);
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Live updates
+
+  private _start(): void {
+    if (this._active) {
+      return;
+    }
+    this._active = true;
+    void this.refresh();
+    this._connect();
+    // Waits grow by themselves: re-render every second while shown.
+    this._ticker = window.setInterval(() => this._render(), 1000);
+  }
+
+  private _stop(): void {
+    this._active = false;
+    if (this._ticker !== null) {
+      window.clearInterval(this._ticker);
+      this._ticker = null;
+    }
+    if (this._retry !== null) {
+      window.clearTimeout(this._retry);
+      this._retry = null;
+    }
+    const ws = this._ws;
+    this._ws = null;
+    if (ws) {
+      ws.onclose = null;
+      ws.onmessage = null;
+      ws.onerror = null;
+      ws.close();
+    }
+    this._setConnection('offline');
+  }
+
+  private _connect(): void {
+    if (!this._active || this._ws) {
+      return;
+    }
+    let url = URLExt.join(this._settings.wsUrl, 'gpushare/api/events');
+    const token = this._settings.token;
+    if (token && (this._settings as { appendToken?: boolean }).appendToken !== false) {
+      url += `?token=${encodeURIComponent(token)}`;
+    }
+    this._setConnection('connecting');
+    let ws: WebSocket;
+    try {
+      ws = new this._settings.WebSocket(url);
+    } catch (err) {
+      this._scheduleReconnect();
+      return;
+    }
+    this._ws = ws;
+    ws.onopen = () => {
+      this._backoff = BACKOFF_FIRST_MS;
+      this._setConnection('live');
+    };
+    ws.onmessage = (event: MessageEvent) => {
+      let msg: { type?: string; status?: IStatus; status_code?: number; message?: string };
+      try {
+        msg = JSON.parse(String(event.data));
+      } catch {
+        return;
+      }
+      this._generation++;
+      if (msg.type === 'status' && msg.status) {
+        this._setFetched({ kind: 'status', status: msg.status });
+      } else if (msg.type === 'error') {
+        this._setFetched({
+          kind: 'error',
+          statusCode: msg.status_code ?? 503,
+          message: msg.message ?? ''
+        });
+      }
+    };
+    ws.onerror = () => {
+      /* onclose follows */
+    };
+    ws.onclose = () => {
+      if (this._ws === ws) {
+        this._ws = null;
+      }
+      this._scheduleReconnect();
+    };
+  }
+
+  private _scheduleReconnect(): void {
+    if (!this._active || this._retry !== null) {
+      return;
+    }
+    this._setConnection('connecting');
+    const delay = this._backoff;
+    this._backoff = Math.min(this._backoff * 2, BACKOFF_MAX_MS);
+    this._retry = window.setTimeout(() => {
+      this._retry = null;
+      // The REST answer says why (e.g. 503) while the socket is down.
+      void this.refresh();
+      this._connect();
+    }, delay);
+  }
+
+  private _setConnection(state: Connection): void {
+    if (this._connection !== state) {
+      this._connection = state;
+      this._render();
+    }
+  }
+
+  private _setFetched(fetched: Fetched): void {
+    this._fetched = fetched;
+    this._render();
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Actions
+
+  private async _act(row: IKernelRow, action: 'release' | 'evict'): Promise<void> {
+    if (!row.kernelId) {
+      return;
+    }
+    const url = URLExt.join(
+      this._settings.baseUrl,
+      'gpushare/api/kernels',
+      encodeURIComponent(row.kernelId),
+      action
+    );
+    this._busy.add(`${action}:${row.id}`);
+    this._render();
+    try {
+      const response = await ServerConnection.makeRequest(
+        url,
+        { method: 'POST', body: '{}' },
+        this._settings
+      );
+      this._feedback = response.ok
+        ? `${action === 'release' ? 'Released' : 'Evicted'} ${row.name}.`
+        : `Could not ${action} ${row.name}: ${await errorMessage(response)}`;
+    } catch (err) {
+      this._feedback = `Could not ${action} ${row.name}: ${err}`;
+    } finally {
+      this._busy.delete(`${action}:${row.id}`);
+    }
+    if (!this._ws) {
+      await this.refresh();
+    }
+    this._render();
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Rendering
+
+  private _render(): void {
+    const model = buildViewModel(this._fetched);
+    const focused = document.activeElement as HTMLElement | null;
+    const focusKey =
+      focused && this.node.contains(focused) ? focused.getAttribute('data-focus-key') : null;
+
+    const header = el(
+      'div',
+      { className: 'jp-gpushare-header' },
+      el('h2', { className: 'jp-gpushare-title', text: 'Shared GPU' }),
+      el('span', {
+        className: 'jp-gpushare-connection',
+        'data-state': this._connection,
+        role: 'status',
+        'aria-label': `Live updates: ${this._connection}`,
+        title:
+          this._connection === 'live'
+            ? 'Live: updates as they happen'
+            : this._connection === 'connecting'
+              ? 'Reconnecting to live updates…'
+              : 'Not following updates (panel hidden)',
+        text: this._connection === 'live' ? 'live' : this._connection
+      }),
+      el('button', {
+        className: 'jp-gpushare-button jp-gpushare-refresh',
+        type: 'button',
+        title: 'Refresh the GPU status now',
+        'aria-label': 'Refresh the GPU status now',
+        'data-focus-key': 'refresh',
+        text: '⟳'
+      })
+    );
+    header.querySelector('.jp-gpushare-refresh')!.addEventListener('click', () => {
+      void this.refresh();
+    });
+
+    const body = el('div', { className: 'jp-gpushare-body' });
+    if (model.message) {
+      body.append(
+        el('div', {
+          className: 'jp-gpushare-message',
+          'data-state': model.state,
+          role: 'status',
+          text: model.message
+        })
+      );
+    }
+    if (model.notice) {
+      body.append(el('div', { className: 'jp-gpushare-notice', text: model.notice }));
+    }
+    if (model.warnings.length) {
+      const list = el('ul', { className: 'jp-gpushare-warnings', role: 'alert' });
+      for (const w of model.warnings) {
+        list.append(el('li', { className: 'jp-gpushare-warning', text: `⚠ ${w.text}` }));
+      }
+      body.append(list);
+    }
+    if (this._feedback) {
+      body.append(
+        el('div', { className: 'jp-gpushare-feedback', role: 'status', text: this._feedback })
+      );
+    }
+    for (const dev of model.devices) {
+      body.append(this._renderDevice(dev));
+    }
+
+    this.node.replaceChildren(header, body);
+    if (focusKey) {
+      const again = this.node.querySelector<HTMLElement>(`[data-focus-key="${focusKey}"]`);
+      again?.focus();
+    }
+  }
+
+  private _renderDevice(dev: IDeviceView): HTMLElement {
+    const used = dev.residentBytes;
+    const section = el(
+      'section',
+      {
+        className: 'jp-gpushare-device',
+        'aria-label': `GPU ${dev.name}`,
+        'data-uuid': dev.uuid
+      },
+      el(
+        'div',
+        { className: 'jp-gpushare-device-head' },
+        el('span', { className: 'jp-gpushare-device-name', title: dev.uuid, text: dev.name }),
+        el('span', {
+          className: 'jp-gpushare-mode',
+          'data-mode': dev.mode,
+          title: dev.modeDescription,
+          'aria-label': `Sharing mode: ${dev.modeLabel}. ${dev.modeDescription}`,
+          text: dev.modeLabel
+        })
+      ),
+      el('div', { className: 'jp-gpushare-summary', text: dev.summary })
+    );
+
+    // The memory pool as a stacked bar.
+    const bar = el('div', {
+      className: 'jp-gpushare-membar',
+      role: 'progressbar',
+      'aria-label': `Memory pool of ${dev.name}`,
+      'aria-valuemin': 0,
+      'aria-valuemax': dev.poolBytes,
+      'aria-valuenow': Math.min(used, dev.poolBytes),
+      'aria-valuetext':
+        `${formatBytes(used)} of ${formatBytes(dev.poolBytes)} in use, ` +
+        `${formatBytes(dev.evictedBytes)} evicted to host memory`
+    });
+    for (const seg of dev.segments) {
+      const node = el('div', {
+        className: `jp-gpushare-seg jp-gpushare-seg-${seg.kind}`,
+        'data-mine': seg.mine,
+        'data-color': seg.color >= 0 ? seg.color % 8 : null,
+        title: seg.label
+      });
+      node.style.width = `${(seg.fraction * 100).toFixed(3)}%`;
+      bar.append(node);
+    }
+    section.append(bar);
+    section.append(
+      el('div', {
+        className: 'jp-gpushare-legend',
+        text:
+          `${formatBytes(used)} on the GPU · ${formatBytes(dev.freeBytes)} free` +
+          (dev.evictedBytes ? ` · ${formatBytes(dev.evictedBytes)} on host` : '') +
+          ` · pool ${formatBytes(dev.poolBytes)}` +
+          (dev.totalBytes ? ` of ${formatBytes(dev.totalBytes)}` : '')
+      })
+    );
+    if (dev.utilization !== null) {
+      const u = Math.max(0, Math.min(100, dev.utilization));
+      const ubar = el('div', {
+        className: 'jp-gpushare-utilbar',
+        role: 'progressbar',
+        'aria-label': `Utilisation of ${dev.name}`,
+        'aria-valuemin': 0,
+        'aria-valuemax': 100,
+        'aria-valuenow': Math.round(u),
+        title: `Utilisation: ${Math.round(u)}%`
+      });
+      const fill = el('div', { className: 'jp-gpushare-utilfill' });
+      fill.style.width = `${u}%`;
+      ubar.append(fill);
+      section.append(
+        el('div', { className: 'jp-gpushare-label', text: `Utilisation ${Math.round(u)}%` }),
+        ubar
+      );
+    }
+
+    section.append(
+      this._renderGroup('holders', 'Holding the GPU', dev.holders),
+      this._renderGroup('waiters', 'Waiting', dev.waiters),
+      this._renderGroup('idle', 'Idle', dev.idle)
+    );
+
+    if (dev.mine.length) {
+      const mine = el(
+        'div',
+        { className: 'jp-gpushare-mine', 'aria-label': 'My kernels on this GPU' },
+        el('h3', { className: 'jp-gpushare-group-title', text: 'My kernels' })
+      );
+      for (const row of dev.mine) {
+        mine.append(this._renderQuota(row));
+      }
+      if (dev.myShare !== null) {
+        mine.append(
+          el('div', {
+            className: 'jp-gpushare-share',
+            text: `My share of GPU time: ${formatPercent(dev.myShare)}`
+          })
+        );
+      }
+      section.append(mine);
+    }
+    return section;
+  }
+
+  private _renderGroup(kind: string, title: string, rows: IKernelRow[]): HTMLElement {
+    const group = el(
+      'div',
+      { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
+      el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${rows.length})` })
+    );
+    if (!rows.length) {
+      group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
+      return group;
+    }
+    const list = el('ul', { className: 'jp-gpushare-kernels' });
+    for (const row of rows) {
+      list.append(this._renderKernel(row));
+    }
+    group.append(list);
+    return group;
+  }
+
+  private _renderKernel(row: IKernelRow): HTMLElement {
+    const roleText =
+      row.role === 'holder'
+        ? 'holds the GPU'
+        : row.role === 'waiter'
+          ? `waits${row.queuePosition !== null ? ` (#${row.queuePosition} in the queue)` : ''}`
+          : 'idle';
+    const details: string[] = [];
+    if (!row.mine) {
+      details.push(row.user);
+    }
+    if (row.role === 'waiter') {
+      if (row.queuePosition !== null) {
+        details.push(`#${row.queuePosition} in queue`);
+      }
+      details.push(`waiting ${formatDuration(row.waitingFor)}`);
+    } else if (row.state !== 'running' && row.state !== 'idle') {
+      details.push(row.state);
+    }
+    details.push(formatBytes(row.usedBytes));
+    if (row.evictedBytes) {
+      details.push(`${formatBytes(row.evictedBytes)} on host`);
+    }
+    const item = el(
+      'li',
+      {
+        className: 'jp-gpushare-kernel',
+        'data-mine': row.mine,
+        'data-role': row.role,
+        'data-client-id': row.id,
+        'data-near-quota': row.nearQuota,
+        title: row.title,
+        'aria-label': `${row.name}${row.mine ? ' (mine)' : ''}: ${roleText}`
+      },
+      el('span', {
+        className: 'jp-gpushare-swatch',
+        'data-color': row.color % 8,
+        'aria-hidden': 'true'
+      }),
+      el(
+        'span',
+        { className: 'jp-gpushare-kernel-text' },
+        el('span', { className: 'jp-gpushare-kernel-name', text: row.name }),
+        row.mine ? el('span', { className: 'jp-gpushare-badge', text: 'mine' }) : null,
+        el('span', { className: 'jp-gpushare-kernel-meta', text: details.join(' · ') })
+      )
+    );
+    const actions = el('span', { className: 'jp-gpushare-actions' });
+    if (row.canRelease) {
+      actions.append(this._button(row, 'release'));
+    }
+    if (row.canEvict) {
+      actions.append(this._button(row, 'evict'));
+    }
+    if (actions.childElementCount) {
+      item.append(actions);
+    }
+    return item;
+  }
+
+  private _button(row: IKernelRow, action: 'release' | 'evict'): HTMLButtonElement {
+    const busy = this._busy.has(`${action}:${row.id}`);
+    const title =
+      action === 'release'
+        ? `Release the GPU held by ${row.name}: its running work finishes, then others may run`
+        : `Evict ${row.name}: release its GPU and move its memory to host memory (admin)`;
+    const button = el('button', {
+      className: `jp-gpushare-button jp-gpushare-${action}`,
+      type: 'button',
+      title,
+      'aria-label': title,
+      'data-focus-key': `${action}:${row.id}`,
+      disabled: busy,
+      text: action === 'release' ? 'Release' : 'Evict'
+    });
+    button.addEventListener('click', () => {
+      void this._act(row, action);
+    });
+    return button;
+  }
+
+  private _renderQuota(row: IKernelRow): HTMLElement {
+    const item = el(
+      'div',
+      { className: 'jp-gpushare-quota', 'data-near-quota': row.nearQuota },
+      el('span', { className: 'jp-gpushare-kernel-name', text: row.name })
+    );
+    if (row.quotaBytes > 0) {
+      const fraction = row.quotaFraction ?? 0;
+      const bar = el('div', {
+        className: 'jp-gpushare-quotabar',
+        role: 'progressbar',
+        'aria-label': `Memory of ${row.name} against its quota`,
+        'aria-valuemin': 0,
+        'aria-valuemax': row.quotaBytes,
+        'aria-valuenow': Math.min(row.usedBytes, row.quotaBytes),
+        'aria-valuetext': `${formatBytes(row.usedBytes)} of ${formatBytes(row.quotaBytes)}`
+      });
+      const fill = el('div', { className: 'jp-gpushare-quotafill' });
+      fill.style.width = `${Math.min(100, fraction * 100).toFixed(2)}%`;
+      bar.append(fill);
+      item.append(
+        el('span', {
+          className: 'jp-gpushare-kernel-meta',
+          text:
+            `${formatBytes(row.usedBytes)} of ${formatBytes(row.quotaBytes)} quota ` +
+            `(${formatPercent(fraction)})${row.nearQuota ? ' ⚠' : ''}`
+        }),
+        bar
+      );
+    } else {
+      item.append(
+        el('span', {
+          className: 'jp-gpushare-kernel-meta',
+          text: `${formatBytes(row.usedBytes)}, no quota`
+        })
+      );
+    }
+    if (row.gpuShare !== null) {
+      item.append(
+        el('span', {
+          className: 'jp-gpushare-kernel-meta',
+          text: `GPU time ${formatDuration(row.gpuSeconds)} (${formatPercent(row.gpuShare)})`
+        })
+      );
+    }
+    return item;
+  }
+
+  private _settings: ServerConnection.ISettings;
+  private _fetched: Fetched = { kind: 'loading' };
+  private _connection: Connection = 'offline';
+  private _ws: WebSocket | null = null;
+  private _retry: number | null = null;
+  private _ticker: number | null = null;
+  private _backoff = BACKOFF_FIRST_MS;
+  private _active = false;
+  private _generation = 0;
+  private _busy = new Set<string>();
+  private _feedback: string | null = null;
+  private _onVisibility: () => void;
+}
+
+async function errorMessage(response: Response): Promise<string> {
+  try {
+    const body = await response.json();
+    if (body && typeof body.message === 'string' && body.message) {
+      return body.message;
+    }
+  } catch {
+    /* not JSON */
+  }
+  return `${response.status} ${response.statusText}`;
+}
