@@ -14,7 +14,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceInfo", "Discovery", "discover_devices", "discover_devices_async"]
+__all__ = [
+    "DeviceInfo",
+    "Discovery",
+    "UtilizationSampler",
+    "discover_devices",
+    "discover_devices_async",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +80,50 @@ async def discover_devices_async() -> Discovery:
     """:func:`discover_devices` in the default executor, so the event loop never blocks on NVML."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, discover_devices)
+
+
+class UtilizationSampler:
+    """Reads each GPU's utilisation (percent of time a kernel ran, over NVML's last sample).
+
+    Device-wide utilisation says how busy the card is, for people to read; the scheduler never
+    decides anything from it (it knows exactly who holds the device). NVML stays initialised
+    between samples so a sample costs one query per device. Every method blocks: call them in an
+    executor. ``sample`` never raises; a device NVML cannot read is left out.
+    """
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: dict[str, Any] = {}
+
+    def open(self) -> str | None:
+        """Initialise NVML; returns why it cannot be used, or None."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:
+            return f"NVML unavailable ({exc})"
+        self._nvml = pynvml
+        return None
+
+    def sample(self, uuids: list[str]) -> dict[str, int]:
+        if self._nvml is None:
+            return {}
+        out: dict[str, int] = {}
+        for uuid in uuids:
+            try:
+                handle = self._handles.get(uuid)
+                if handle is None:
+                    handle = self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+                    self._handles[uuid] = handle
+                out[uuid] = int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception as exc:  # a device NVML does not know (e.g. learnt from a shim)
+                log.debug("no utilisation for %s: %s", uuid, exc)
+        return out
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+        self._nvml = None
+        self._handles.clear()

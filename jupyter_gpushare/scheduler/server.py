@@ -71,7 +71,7 @@ from ..protocol import (
 )
 from ..units import format_size, parse_size
 from . import events as ev
-from .devices import Discovery, discover_devices_async
+from .devices import Discovery, UtilizationSampler, discover_devices_async
 from .policy import Policy, PolicyConfig
 
 __all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
@@ -205,6 +205,12 @@ class GPUShareScheduler(LoggingConfigurable):
         are learnt from the shims' HELLO messages.""",
     ).tag(config=True)
 
+    utilization_interval = Float(
+        1.0,
+        help="""Seconds between two readings of each GPU's utilisation through NVML (shown in the
+        status for people to read; scheduling never depends on it). 0 turns the readings off.""",
+    ).tag(config=True)
+
     @validate("pool_size", "pool_reserve")
     def _validate_size(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -234,6 +240,8 @@ class GPUShareScheduler(LoggingConfigurable):
         self._stop_requested: asyncio.Event | None = None
         self._user_names: dict[int, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._utilization: dict[str, int] = {}  # device uuid -> percent, from the sampler task
+        self._sampler: asyncio.Future[None] | None = None
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -288,6 +296,25 @@ class GPUShareScheduler(LoggingConfigurable):
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         await self._listen()
+        if self.discovery.devices and self.utilization_interval > 0:
+            self._sampler = asyncio.ensure_future(self._sample_utilization())
+
+    async def _sample_utilization(self) -> None:
+        """Keep ``self._utilization`` fresh, reading NVML in an executor, until the scheduler
+        stops."""
+        loop = asyncio.get_running_loop()
+        sampler = UtilizationSampler()
+        error = await loop.run_in_executor(None, sampler.open)
+        if error is not None:
+            self.log.warning("gpushare: no GPU utilisation readings: %s", error)
+            return
+        uuids = [dev.uuid for dev in self.discovery.devices]
+        try:
+            while not self._stopping:
+                self._utilization = await loop.run_in_executor(None, sampler.sample, uuids)
+                await asyncio.sleep(self.utilization_interval)
+        finally:
+            await loop.run_in_executor(None, sampler.close)
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
@@ -406,6 +433,11 @@ class GPUShareScheduler(LoggingConfigurable):
         server, self._server = self._server, None
         server.close()
         self._cancel_timer()
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
         for conn in list(self._connections.values()):
             if conn.writer is not None:
                 conn.writer.close()
@@ -903,6 +935,7 @@ class GPUShareScheduler(LoggingConfigurable):
         if device:
             devices = [d for d in devices if str(d.get("uuid", "")).lower() == device.lower()]
         for dev in devices:
+            dev["utilization_percent"] = self._utilization.get(str(dev.get("uuid")))
             for client in dev.get("clients", []):
                 # The policy's clock is monotonic; readers want a wall-clock (Unix) time.
                 since = client.get("waiting_since")
