@@ -257,3 +257,21 @@ def test_cuda12_runtime_under_the_shim(scheduler: Scheduler, tmp_path: Path) -> 
         f"CUDA runtime {b['runtime']} on driver {b['driver']}: {b['elements']} elements "
         f"correct, {b['gated_calls']} gated calls, {b['managed_bytes']} managed bytes"
     )
+
+
+def test_status_shows_gpu_utilization(scheduler: Scheduler) -> None:
+    """While a process computes, the scheduler's status carries NVML's utilisation reading."""
+    hog = start_workload("memory_hog.py", "2", "8", "U", env=shimmed_env(scheduler.socket))
+    seen: list[int] = []
+    deadline = time.monotonic() + 60
+    while hog.poll() is None and time.monotonic() < deadline:
+        for dev in scheduler.status()["devices"]:
+            if isinstance(dev.get("utilization_percent"), int):
+                seen.append(dev["utilization_percent"])
+        if any(p > 0 for p in seen):
+            break
+        time.sleep(0.25)
+    hog.communicate(timeout=120)
+    assert seen, "the status never carried a utilisation figure"
+    assert max(seen) > 0, f"utilisation stayed at 0 while a kernel computed: {seen}"
+    print(f"utilisation readings while computing: max {max(seen)}%")
