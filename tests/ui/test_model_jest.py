@@ -22,7 +22,13 @@ def jlpm() -> list[str]:
     found = shutil.which("jlpm")
     if found:
         return [found]
-    return [sys.executable, "-c", "from jupyterlab.jlpmapp import main; main()"]
+    # Where the jlpm entry point lives: jupyter_builder (current) or jupyterlab (before it).
+    code = (
+        "try:\n    from jupyter_builder.jlpm import main\n"
+        "except ImportError:\n    from jupyterlab.jlpmapp import main\n"
+        "main()"
+    )
+    return [sys.executable, "-c", code]
 
 
 @pytest.mark.timeout(300)

@@ -2,322 +2,53 @@
 extension (embedded scheduler) and two real ipykernel kernels under the shim in front of the
 stand-in CUDA driver (as tests/jupyter/test_server_e2e.py). Their footprints do not fit the 1 GiB
 pool together and the quantum is long, so they take turns: A's cell holds the GPU until the test
-lets it end, B's cell waits, and then the GPU passes to B.
+lets it end, B's cell waits, and then the GPU passes to B. Last, the theme changes to JupyterLab
+Dark, and the panel's text must stay readable (light on dark).
 
 Chromium is Debian's (`apt-get install chromium`; .ci/run installs it), driven by Playwright's
-Python API; Playwright's own browser downloads are not used. A screenshot of the panel goes to
-the test's tmp dir, and to $GPUSHARE_SCREENSHOT_DIR when set (docs/images/sidebar.png is made so:
+Python API; Playwright's own browser downloads are not used (ui_helpers.py has what this test
+shares with test_sidebar_notebook7.py). Screenshots of the panel (sidebar.png, and
+sidebar-dark.png in the dark theme) go to the test's tmp dir, and to $GPUSHARE_SCREENSHOT_DIR
+when set (docs/images/sidebar.png is made so:
 ``GPUSHARE_SCREENSHOT_DIR=docs/images pytest tests/ui/test_sidebar_browser.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ui_helpers import (
+    CHROMIUM_ARGS,
+    CONTEXT,
+    GPU_PRELUDE,
+    TOKEN,
+    Lab,
+    MiB,
+    cell_thread,
+    change_theme,
+    clients_of,
+    require_built_sidebar,
+    require_chromium,
+    run_cell,
+    save_screenshot,
+    text_colors,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "jupyter"))
-from provisioner_helpers import CONTEXT, GPU_PRELUDE  # noqa: E402
-
-MiB = 1 << 20
-TOKEN = "gpushare-ui-test"
-BASE_URL = "/user/test/"
-KERNEL = "gpushare-ui"
 FOOTPRINT = 700 * MiB
-BUILT = ROOT / "jupyter_gpushare" / "labextension"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-
-
-def find_chromium() -> str | None:
-    for name in ("chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
-        if os.access(path, os.X_OK):
-            return path
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def notebook() -> str:
-    return json.dumps(
-        {
-            "cells": [],
-            "metadata": {"kernelspec": {"name": KERNEL, "display_name": "gpushare (test)"}},
-            "nbformat": 4,
-            "nbformat_minor": 5,
-        }
-    )
-
-
-class Lab:
-    """`python -m jupyterlab` in a subprocess, its state in a tmp dir; stopped by :meth:`stop`."""
-
-    def __init__(self, tmp: Path, fake_dir: Path, shim: Path) -> None:
-        self.tmp = tmp
-        self.port = free_port()
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="gsui-", dir="/tmp"))
-        self.runtime = tmp / "runtime"
-        self.root = tmp / "root"
-        self.root.mkdir()
-        for name in ("a.ipynb", "b.ipynb"):
-            (self.root / name).write_text(notebook())
-        data = tmp / "data"
-        # This checkout's build of the sidebar comes first on JUPYTER_PATH.
-        (data / "labextensions").mkdir(parents=True)
-        (data / "labextensions" / "jupyter-gpushare").symlink_to(BUILT)
-        spec = {
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "gpushare (test)",
-            "language": "python",
-            "env": {
-                "LD_LIBRARY_PATH": os.pathsep.join(
-                    filter(None, [str(fake_dir), os.environ.get("LD_LIBRARY_PATH")])
-                ),
-                "GPUSHARE_FAKE_DEVICE_TOTAL": "4GiB",
-                "GPUSHARE_CONTEXT_BYTES": str(CONTEXT),
-                "GPUSHARE_IDLE_SECONDS": "0",
-                "GPUSHARE_LOG": "warn",
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
-                ),
-            },
-            "metadata": {
-                "kernel_provisioner": {"provisioner_name": "gpushare-provisioner", "config": {}}
-            },
-        }
-        (data / "kernels" / KERNEL).mkdir(parents=True)
-        (data / "kernels" / KERNEL / "kernel.json").write_text(json.dumps(spec, indent=1))
-        config = tmp / "jupyter_server_config.py"
-        config.write_text(
-            "c.ServerApp.jpserver_extensions = {'jupyter_gpushare': True}\n"
-            "c.GPUShareExtension.scheduler = 'embedded'\n"
-            f"c.GPUShareExtension.socket = {str(self.sock_dir / 'sched.sock')!r}\n"
-            "c.GPUShareExtension.status_interval = 0.1\n"
-            "c.GPUShareScheduler.use_nvml = False\n"
-            "c.GPUShareScheduler.pool_size = '1GiB'\n"
-            "c.GPUShareScheduler.base_quantum = 60.0\n"
-            "c.GPUShareScheduler.max_quantum = 60.0\n"
-            "c.LabApp.news_url = None\n"
-            "c.LabApp.check_for_updates_class = 'jupyterlab.NeverCheckForUpdate'\n"
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-        env.pop("LD_PRELOAD", None)
-        env.pop("PYTEST_CURRENT_TEST", None)
-        env.update(
-            {
-                "GPUSHARE_LIBRARY": str(shim),
-                "JUPYTER_PATH": str(data),
-                "JUPYTER_RUNTIME_DIR": str(self.runtime),
-                "JUPYTER_CONFIG_DIR": str(tmp / "config"),
-                "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"),
-                "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "lab-workspaces"),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        self.log = tmp / "lab.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "jupyterlab",
-                    "--no-browser",
-                    "--allow-root",
-                    f"--port={self.port}",
-                    "--ip=127.0.0.1",
-                    f"--ServerApp.token={TOKEN}",
-                    f"--ServerApp.base_url={BASE_URL}",
-                    f"--ServerApp.root_dir={self.root}",
-                    f"--config={config}",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.root,
-                start_new_session=True,
-            )
-        self.sessions: list[str] = []
-        self.clients: list[Any] = []
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.get("api/status")
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"JupyterLab did not start:\n{self.log.read_text()}"
-                    ) from None
-                time.sleep(0.2)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}{BASE_URL}"
-
-    def request(self, method: str, path: str, body: Any = None) -> Any:
-        req = urllib.request.Request(
-            self.url + path,
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as r:
-            text = r.read().decode()
-        return json.loads(text) if text else None
-
-    def get(self, path: str) -> Any:
-        return self.request("GET", path)
-
-    def status(self) -> dict[str, Any]:
-        return self.get("gpushare/api/status")
-
-    def wait_status(self, what: str, predicate: Any, timeout: float = 30) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            doc = self.status()
-            if predicate(doc):
-                return doc
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}: {json.dumps(doc, indent=1)}")
-            time.sleep(0.1)
-
-    def session(self, path: str) -> str:
-        s = self.request(
-            "POST",
-            "api/sessions",
-            {"path": path, "name": path, "type": "notebook", "kernel": {"name": KERNEL}},
-        )
-        self.sessions.append(s["id"])
-        return str(s["kernel"]["id"])
-
-    def client(self, kernel_id: str) -> Any:
-        from jupyter_client import BlockingKernelClient
-
-        kc = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernel_id}.json"))
-        kc.load_connection_file()
-        kc.start_channels()
-        self.clients.append(kc)
-        kc.wait_for_ready(timeout=60)
-        return kc
-
-    def stop(self) -> None:
-        for kc in self.clients:
-            with contextlib.suppress(Exception):
-                kc.stop_channels()
-        for sid in self.sessions:
-            with contextlib.suppress(Exception):
-                self.request("DELETE", f"api/sessions/{sid}")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
-
-
-def run_cell(kc: Any, code: str, out: dict[str, Any], timeout: float = 120) -> None:
-    chunks: list[str] = []
-
-    def hook(msg: dict[str, Any]) -> None:
-        if msg["msg_type"] == "stream":
-            chunks.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            chunks.append("\n".join(msg["content"]["traceback"]))
-
-    try:
-        reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-        out["status"] = reply["content"]["status"]
-    except Exception as exc:  # a timeout: reported by the test
-        out["status"] = f"exception: {exc!r}"
-    out["text"] = "".join(chunks)
-
-
-def cell_thread(kc: Any, code: str) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=run_cell, args=(kc, code, out), daemon=True)
-    t.start()
-    return t, out
-
-
-def clients_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["id"]: c for d in doc.get("devices", []) for c in d.get("clients", [])}
-
-
-def save_screenshot(page: Any, tmp: Path, name: str) -> None:
-    target = tmp / name
-    page.screenshot(path=str(target), clip=clip_of_sidebar(page))
-    extra = os.environ.get("GPUSHARE_SCREENSHOT_DIR")
-    if extra:
-        Path(extra).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(target, Path(extra) / name)
-
-
-def clip_of_sidebar(page: Any) -> dict[str, float]:
-    """The top left of the window: the side bar's tabs and the GPU panel's content."""
-    box = page.locator("#jupyter-gpushare-sidebar").bounding_box()
-    body = page.locator("#jupyter-gpushare-sidebar .jp-gpushare-body").bounding_box()
-    viewport = page.viewport_size
-    width = min(viewport["width"], box["x"] + box["width"] + 12)
-    height = min(viewport["height"], body["y"] + body["height"] + 12)
-    return {"x": 0, "y": 0, "width": width, "height": height}
 
 
 @pytest.fixture
 def chromium() -> str:
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    path = find_chromium()
-    if path is None:
-        pytest.skip(
-            "no chromium found (install Debian's: apt-get install chromium); "
-            "Playwright's browser downloads are not used"
-        )
-    return path
+    return require_chromium()
 
 
 @pytest.fixture
 def lab(tmp_path: Path, native_build: Any) -> Iterator[Lab]:
-    if not (BUILT / "package.json").exists():
-        if shutil.which("node") is None:
-            pytest.skip("the sidebar is not built and Node.js is not installed to build it")
-        pytest.fail(
-            f"the sidebar is not built ({BUILT}): pip install -e . (or jlpm build in "
-            "labextension/) builds it",
-            pytrace=False,
-        )
+    require_built_sidebar()
     shim = native_build.require_shim()
     server = Lab(tmp_path, native_build.fake_dir, shim)
     try:
@@ -446,5 +177,35 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             expect(panel).to_be_visible()
             expect(connection).to_have_text("live", timeout=15_000)
             expect(holders.first).to_contain_text("b.ipynb")
+
+            # JupyterLab Dark: the panel follows the theme (its colours are the theme's
+            # variables), and its text stays readable, light on dark.
+            title = panel.locator(".jp-gpushare-title")
+            holder = holders.first.locator(".jp-gpushare-kernel-name").first
+            warning = panel.locator(".jp-gpushare-warning").first
+            light = {
+                "title": text_colors(title),
+                "holder": text_colors(holder),
+                "warning": text_colors(warning),
+            }
+            change_theme(page, "JupyterLab Dark")
+            expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
+            expect(holders.first).to_contain_text("b.ipynb")
+            # The theme's stylesheet is in, but colours may still be on their way (transitions).
+            dark = {
+                "title": text_colors(title, until=lambda c: c["backgroundLuminance"] < 0.2),
+                "holder": text_colors(holder, until=lambda c: c["backgroundLuminance"] < 0.2),
+                "warning": text_colors(warning, until=lambda c: c["backgroundLuminance"] < 0.2),
+            }
+            print(f"light: {light}\ndark: {dark}")
+            for part in ("title", "holder", "warning"):
+                assert dark[part]["color"] != light[part]["color"], (part, light, dark)
+                assert dark[part]["background"] != light[part]["background"], (part, light, dark)
+                # Light text on a dark background, at least WCAG AA's 4.5:1.
+                assert dark[part]["colorLuminance"] > dark[part]["backgroundLuminance"], dark
+                assert dark[part]["backgroundLuminance"] < 0.2, dark
+                assert dark[part]["contrast"] >= 4.5, dark
+                assert light[part]["contrast"] >= 4.5, light
+            save_screenshot(page, tmp_path, "sidebar-dark.png")
         finally:
             browser.close()
