@@ -48,8 +48,7 @@ export interface IDeviceStatus {
   queue: string[];
   clients: IClientStatus[];
   clients_truncated?: number;
-  /** Optional (not sent by every scheduler): GPU utilisation in percent. */
-  utilization?: number | null;
+  /** The device's utilisation as NVML last reported it (percent); null without NVML. */
   utilization_percent?: number | null;
 }
 
@@ -409,11 +408,7 @@ function deviceView(
   const myGpu = mineRows.reduce((s, r) => s + r.gpuSeconds, 0);
   const [modeLabel, modeDescription] = MODES[dev.mode] ?? [dev.mode || '?', ''];
   const util =
-    typeof dev.utilization === 'number'
-      ? dev.utilization
-      : typeof dev.utilization_percent === 'number'
-        ? dev.utilization_percent
-        : null;
+    typeof dev.utilization_percent === 'number' ? dev.utilization_percent : null;
 
   let summary: string;
   if (!rows.length) {

@@ -326,7 +326,7 @@ describe('memory', () => {
 
   it('reports utilisation when the scheduler sends it', () => {
     expect(vm(turns()).devices[0].utilization).toBeNull();
-    const s = status([device([], { utilization: 37 })]);
+    const s = status([device([], { utilization_percent: 37 })]);
     expect(vm(s).devices[0].utilization).toBe(37);
   });
 });
