@@ -145,6 +145,8 @@ export interface IDeviceView {
   mine: IKernelRow[];
   /** The viewer's kernels' share of the GPU time used on this device (0..1), if any. */
   myShare: number | null;
+  /** What the weights entitle the viewer's kernels to: their weights over all weights (0..1). */
+  myWeightShare: number | null;
   truncated: number;
   summary: string;
 }
@@ -278,6 +280,10 @@ function deviceView(
 ): IDeviceView {
   const clients = dev.clients ?? [];
   const totalGpu = clients.reduce((sum, c) => sum + num(c.gpu_seconds), 0);
+  // Fair share is weighted: a kernel without a weight counts as 1, as the scheduler does.
+  const weightOf = (c: IClientStatus) => (typeof c.weight === 'number' ? c.weight : 1);
+  const totalWeight = clients.reduce((sum, c) => sum + weightOf(c), 0);
+  const myWeight = clients.filter(c => c.jupyter?.local).reduce((s, c) => s + weightOf(c), 0);
   const rows: IKernelRow[] = clients.map((c, i) => {
     const mine = !!c.jupyter?.local;
     const role = roleOf(c, dev);
@@ -447,6 +453,7 @@ function deviceView(
     idle,
     mine: mineRows,
     myShare: mineRows.length && totalGpu > 0 ? myGpu / totalGpu : null,
+    myWeightShare: mineRows.length && totalWeight > 0 ? myWeight / totalWeight : null,
     truncated: num(dev.clients_truncated),
     summary
   };

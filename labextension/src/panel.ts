@@ -459,7 +459,11 @@ export class GPUSharePanel extends Widget {
         mine.append(
           el('div', {
             className: 'jp-gpushare-share',
-            text: `My share of GPU time: ${formatPercent(dev.myShare)}`
+            text:
+              `My share of GPU time: ${formatPercent(dev.myShare)}` +
+              (dev.myWeightShare !== null
+                ? ` (by weight: ${formatPercent(dev.myWeightShare)})`
+                : '')
           })
         );
       }

@@ -258,6 +258,18 @@ describe('my kernels and redaction', () => {
     expect(d.myShare).toBeCloseTo(40 / 100);
     expect(d.holders[0].gpuShare).toBeCloseTo(0.3);
   });
+
+  it('computes what the weights entitle me to', () => {
+    const s = turns();
+    const clients = s.devices![0].clients;
+    const total = clients.length;
+    const mine = clients.filter(c => c.jupyter?.local).length;
+    expect(vm(s).devices[0].myWeightShare).toBeCloseTo(mine / total);
+    // A weight-3 kernel of mine counts three times.
+    const first = clients.find(c => c.jupyter?.local)!;
+    first.weight = 3;
+    expect(vm(s).devices[0].myWeightShare).toBeCloseTo((mine + 2) / (total + 2));
+  });
 });
 
 describe('memory', () => {
