@@ -79,6 +79,9 @@ __all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
 #: A peer that leaves this much unread data in its socket is not reading: it is dropped.
 MAX_WRITE_BUFFER = 1 << 20
 _PEERCRED = struct.Struct("3i")
+#: The longest device UUID and name a HELLO may carry ("GPU-" or "MIG-" UUIDs have 40 characters).
+MAX_DEVICE_UUID = 64
+MAX_DEVICE_NAME = 256
 
 
 class SchedulerStartError(RuntimeError):
@@ -684,6 +687,17 @@ class GPUShareScheduler(LoggingConfigurable):
 
     async def _on_hello(self, conn: Connection, msg: Message) -> None:
         assert self.policy is not None
+        uuid, name = str(msg.get("device_uuid") or ""), str(msg.get("device_name") or "")
+        if len(uuid) > MAX_DEVICE_UUID or len(name) > MAX_DEVICE_NAME:
+            # Devices learnt from HELLOs are never forgotten, so a peer must not be able to grow
+            # that table without bound (real UUIDs are 40 characters, names a few dozen).
+            self._error(
+                conn,
+                ErrorCode.BAD_REQUEST,
+                f"HELLO: device_uuid may have at most {MAX_DEVICE_UUID} characters and "
+                f"device_name at most {MAX_DEVICE_NAME}",
+            )
+            return
         requested = str(msg.get("client_id") or "") or f"pid-{msg.get('pid') or conn.peer.pid}"
         user = await self._user_name(conn.peer.uid)
         if conn.closed or self._stopping:
@@ -969,7 +983,15 @@ class GPUShareScheduler(LoggingConfigurable):
                 dev["clients_truncated"] = len(dev.get("clients", []))
                 dev["clients"] = []
             doc["truncated"] = True
-            frame = encode(Message(MsgType.STATUS, {"body": doc}))
+            try:
+                frame = encode(Message(MsgType.STATUS, {"body": doc}))
+            except ValueError:
+                # Still over: devices are learnt from HELLOs, whose uuid/name may each be ~64 KiB
+                # (found by tests/scheduler/test_protocol_fuzz.py); without this the encode
+                # raised, and STATUS failed with a traceback for every peer from then on.
+                doc["devices_truncated"] = len(doc["devices"])
+                doc["devices"] = []
+                frame = encode(Message(MsgType.STATUS, {"body": doc}))
         self._write_frame(conn, frame)
 
     def _on_control(self, conn: Connection, msg: Message) -> None:
@@ -999,6 +1021,11 @@ class GPUShareScheduler(LoggingConfigurable):
                 if raw is None or isinstance(raw, (bool, float)):
                     raise ValueError(f"invalid size {raw!r}")
                 quota = parse_size(raw)
+                if quota >= 1 << 64:
+                    # The quota goes out as a u64 (SET_QUOTA): a larger one made encode() raise
+                    # inside _execute and killed the control connection with a traceback, after
+                    # the policy had already taken it (found by test_protocol_fuzz.py).
+                    raise ValueError(f"invalid size {raw!r}: over the u64 limit")
             except ValueError as exc:
                 self._error(conn, ErrorCode.BAD_REQUEST, f"set_quota: 'quota': {exc}")
                 return
