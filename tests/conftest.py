@@ -511,10 +511,19 @@ class Harness:
 
 
 @pytest.fixture
-def harness(native_build: NativeBuild, tmp_path: Path) -> Iterator[Harness]:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
-    sock_dir = Path(tempfile.mkdtemp(prefix="gsn-", dir="/tmp"))
-    h = Harness(native_build, tmp_path, sock_dir)
+def sock_dir() -> Iterator[str]:
+    """A short directory under /tmp for Unix sockets: their paths are limited to 107 bytes, and
+    pytest's tmp_path can be longer."""
+    path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def harness(native_build: NativeBuild, tmp_path: Path, sock_dir: str) -> Iterator[Harness]:
+    h = Harness(native_build, tmp_path, Path(sock_dir))
     try:
         yield h
     finally:
@@ -524,7 +533,6 @@ def harness(native_build: NativeBuild, tmp_path: Path) -> Iterator[Harness]:
             if log:
                 # Kept next to the test's other files for a failing run's report.
                 (tmp_path / "scheduler-final.log").write_text(log)
-        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

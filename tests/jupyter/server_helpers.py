@@ -14,10 +14,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -52,16 +50,6 @@ def jp_server_config(gpushare_config: dict[str, Any]) -> dict[str, Any]:  # type
     for section, values in gpushare_config.items():
         config.setdefault(section, {}).update(values)
     return config
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[str]:
-    """A short directory for Unix sockets (paths are limited to 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="gsx-", dir="/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

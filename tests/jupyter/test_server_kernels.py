@@ -122,10 +122,8 @@ async def test_existing_kernels_are_watched(jp_fetch: Any, jp_serverapp: Any) ->
 
 
 @pytest.fixture
-async def node_scheduler(short_tmp: str) -> Any:
-    sched = GPUShareScheduler(
-        socket_path=f"{short_tmp}/node.sock", use_nvml=False, pool_size="2GiB"
-    )
+async def node_scheduler(sock_dir: str) -> Any:
+    sched = GPUShareScheduler(socket_path=f"{sock_dir}/node.sock", use_nvml=False, pool_size="2GiB")
     await sched.start()
     try:
         yield sched
@@ -189,20 +187,20 @@ class TestNodeMode:
 
 class TestAutoMode:
     @pytest.fixture
-    def gpushare_config(self, short_tmp: str) -> dict[str, Any]:
+    def gpushare_config(self, sock_dir: str) -> dict[str, Any]:
         return {
-            "GPUShareExtension": {"scheduler": "auto", "socket": f"{short_tmp}/absent.sock"},
+            "GPUShareExtension": {"scheduler": "auto", "socket": f"{sock_dir}/absent.sock"},
             "GPUShareScheduler": {"use_nvml": False},
         }
 
     async def test_auto_falls_back_to_embedded(
-        self, jp_fetch: Any, jp_serverapp: Any, short_tmp: str
+        self, jp_fetch: Any, jp_serverapp: Any, sock_dir: str
     ) -> None:
         import os
 
         ext = await started(jp_serverapp)
         assert ext.backend.mode == "embedded"
-        assert ext.backend.socket_path != f"{short_tmp}/absent.sock"
+        assert ext.backend.socket_path != f"{sock_dir}/absent.sock"
         assert os.environ["GPUSHARE_SOCKET"] == ext.backend.socket_path
         doc = await fetch_json(jp_fetch, "gpushare", "api", "status")
         assert doc["scheduler"] == {

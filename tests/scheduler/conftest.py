@@ -4,6 +4,5 @@ from sched_helpers import (  # noqa: F401
     connect,
     make_scheduler,
     scheduler,
-    sock_dir,
     sock_path,
 )

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +34,7 @@ DEVICE = "GPU-00000000-1111-2222-3333-444444444444"
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[str]:
-    # Unix socket paths are limited to 107 bytes: pytest's tmp_path can be longer.
-    path = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def sock_path(sock_dir: str) -> str:
+def sock_path(sock_dir: str) -> str:  # sock_dir: tests/conftest.py
     return os.path.join(sock_dir, "s.sock")
 
 
