@@ -29,8 +29,10 @@ from hypothesis import strategies as st
 from sched_helpers import DEVICE, FakeShim, MiB
 
 from jupyter_gpushare.protocol import (
+    CONTROL_MESSAGES,
     FIELDS,
     MAX_PAYLOAD,
+    SHIM_MESSAGES,
     ErrorCode,
     FieldType,
     FrameDecoder,
@@ -44,18 +46,9 @@ from jupyter_gpushare.protocol import (
 GOOD_ID = "well-behaved-shim-c0ffee"
 GOOD_FAKE_PID = 4_242_424  # not this process's pid: a fuzzed HELLO naming GOOD_ID is no reconnect
 U64_TAGS = [tag for tag, (_n, t) in FIELDS.items() if t is FieldType.U64]
-CLIENT_TYPES = [
-    MsgType.HELLO,
-    MsgType.REQUEST,
-    MsgType.RELEASED,
-    MsgType.MEMORY,
-    MsgType.IDLE,
-    MsgType.EVICTED,
-    MsgType.RESTORED,
-    MsgType.GOODBYE,
-    MsgType.STATUS_REQUEST,
-    MsgType.CONTROL,
-]
+# What peers may send, as protocol.py defines it (sorted: hypothesis wants a stable order).
+CLIENT_TYPES = sorted(SHIM_MESSAGES | CONTROL_MESSAGES)
+SHIM_AFTER_HELLO = sorted(SHIM_MESSAGES - {MsgType.HELLO})
 SCHEDULER_TYPES = [t for t in MsgType if t not in CLIENT_TYPES]
 _sentinels = itertools.count()
 
@@ -197,7 +190,7 @@ def wrong_order(draw: st.DrawFn) -> bytes:
     """Well-formed frames in an order the state machine must refuse (without closing)."""
     hello = Message(MsgType.HELLO, {"client_id": draw(fuzz_ids), "device_uuid": DEVICE})
     shim = Message(
-        draw(st.sampled_from(CLIENT_TYPES[1:8])), draw(random_fields(["used_bytes", "flag"]))
+        draw(st.sampled_from(SHIM_AFTER_HELLO)), draw(random_fields(["used_bytes", "flag"]))
     )
     sched = Message(draw(st.sampled_from(SCHEDULER_TYPES)), draw(random_fields(["flag"])))
     unknown = Message(draw(st.integers(0x09, 0x1F)), {})
