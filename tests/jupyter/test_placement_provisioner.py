@@ -85,7 +85,7 @@ async def test_pins_from_config_and_kernel_json(node: Any) -> None:
     prov = _prov(node, "k2", _spec({"gpushare": {"device": G0}}), device="1")
     await prov._place(env)
     assert env["CUDA_VISIBLE_DEVICES"] == G0 and prov.placement["source"] == "pinned"
-    with pytest.raises(RuntimeError, match="cannot start the kernel on GPU '5'.*index 5"):
+    with pytest.raises(RuntimeError, match=r"cannot start the kernel on GPU '5'.*index 5"):
         await _prov(node, "k3", device="5")._place({})
 
 
