@@ -75,6 +75,9 @@ class Server:
             "c.GPUShareScheduler.pool_size = '24GiB'\n"
             "c.GPUShareScheduler.base_quantum = 60.0\n"
             "c.GPUShareScheduler.max_quantum = 120.0\n"
+            # Both notebooks on one GPU, also on a machine with several (where the provisioner
+            # would otherwise place them on different GPUs and they would never take turns).
+            "c.GPUShareProvisioner.device = '0'\n"
         )
         env = {
             **__import__("os").environ,
