@@ -4,8 +4,8 @@ and the status lists each GPU with its kernel. A third kernel pinned by index (k
 metadata) lands on that GPU.
 
 Needs a machine with at least two NVIDIA GPUs (skips otherwise), PyTorch, jupyter_client and
-ipykernel. The scheduler runs as an operator starts it (NVML discovery) with a 16 GiB pool per GPU,
-far below the cards; the two kernels have 12 GiB quotas, so they fit one GPU each but not one GPU
+ipykernel. The scheduler runs as an operator starts it (NVML discovery) with a 24 GiB pool per GPU,
+far below the cards; the two kernels have 16 GiB quotas, so they fit one GPU each but not one GPU
 together. Without placement both would run on GPU 0 and take turns. Writes multi_gpu.json (and
 the status as text) to $OUT when set. Takes about a minute.
 """
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import running_scheduler
+from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 8 s, checked
 
 GIB = 1 << 30
 
@@ -32,19 +31,6 @@ import json, os, torch
 p = torch.cuda.get_device_properties(0)
 print(json.dumps({"count": torch.cuda.device_count(), "uuid": str(p.uuid), "name": p.name,
                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
-"""
-
-COMPUTE = """
-import json, time, torch
-x = torch.zeros((10 << 30) // 4, dtype=torch.float32, device="cuda")
-torch.cuda.synchronize()
-start = time.time(); k = 0
-while time.time() - start < 8:
-    for _ in range(5):
-        x.add_(1.0); k += 1
-    torch.cuda.synchronize()
-lo, hi = float(x.min()), float(x.max())
-print(json.dumps({"start": start, "end": time.time(), "correct": lo == hi == float(k), "k": k}))
 """
 
 
@@ -61,43 +47,6 @@ def _gpus() -> list[Any]:
     if found.error is not None:
         pytest.skip(f"no NVML: {found.error}")
     return found.devices
-
-
-def _status(sock: Path, *extra: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "jupyter_gpushare", "status", "--socket", str(sock), *extra],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-
-
-@pytest.fixture
-def scheduler(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A node scheduler over every GPU (NVML), a 16 GiB pool per GPU."""
-    sock = tmp_path / "gpushare.sock"
-    log = tmp_path / "scheduler.log"
-    with log.open("w") as out:
-        args = ["scheduler", "--socket", str(sock), "--pool", "16GiB", "--quantum", "2"]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_gpushare", *args, "--log-level", "INFO"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"scheduler did not start:\n{log.read_text()}")
-        time.sleep(0.05)
-    yield sock, log
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    print("---- scheduler log ----")
-    print(log.read_text(errors="replace"))
 
 
 class Kernel:
@@ -161,9 +110,7 @@ class Kernel:
         self.km.shutdown_kernel(now=False)
 
 
-def test_kernels_are_placed_on_two_gpus(
-    scheduler: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kernels_are_placed_on_two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("jupyter_client")
     pytest.importorskip("ipykernel")
@@ -172,15 +119,19 @@ def test_kernels_are_placed_on_two_gpus(
         pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         pytest.skip("CUDA_VISIBLE_DEVICES is set: the provisioner would keep it, not place")
-    sock, log = scheduler
-    monkeypatch.setenv("GPUSHARE_SOCKET", str(sock))  # what the provisioner connects to
+    with running_scheduler(tmp_path, pool="24GiB") as sched:
+        monkeypatch.setenv("GPUSHARE_SOCKET", str(sched.socket))  # the provisioner's scheduler
+        _run(sched, gpus, tmp_path)
+
+
+def _run(sched: Any, gpus: list[Any], tmp_path: Path) -> None:
     started = time.monotonic()
     kernels: list[Kernel] = []
     try:
-        # Two kernels with 12 GiB quotas: one 16 GiB pool cannot hold both.
-        a = Kernel(tmp_path / "kernels", "a", {"memory_limit": "12GiB"})
+        # Two kernels with 16 GiB quotas: one 24 GiB pool cannot hold both.
+        a = Kernel(tmp_path / "kernels", "a", {"memory_limit": "16GiB"})
         kernels.append(a)
-        b = Kernel(tmp_path / "kernels", "b", {"memory_limit": "12GiB"})
+        b = Kernel(tmp_path / "kernels", "b", {"memory_limit": "16GiB"})
         kernels.append(b)
         placed = {k.id: k.placement for k in (a, b)}
         assert {p["device"] for p in placed.values()} == {gpus[0].uuid, gpus[1].uuid}, placed
@@ -205,18 +156,18 @@ def test_kernels_are_placed_on_two_gpus(
         both_running = None
         deadline = time.monotonic() + 60
         while both_running is None and time.monotonic() < deadline:
-            doc = json.loads(_status(sock, "--json"))
+            doc = sched.status()
             running = {
                 c["id"]: d["uuid"]
                 for d in doc["devices"]
                 for c in d["clients"]
-                if c["state"] == "running" and c["used_bytes"] >= 10 * GIB
+                if c["state"] == "running" and c["used_bytes"] >= 14 * GIB
             }
             if running.get(a.id) and running.get(b.id):
                 both_running = doc
             else:
                 time.sleep(0.3)
-        text_status = _status(sock)
+        text_status = sched.status_text()
         for t in threads:
             t.join(timeout=180)
         ra, rb = results[a.id].get("record"), results[b.id].get("record")
@@ -254,7 +205,7 @@ def test_kernels_are_placed_on_two_gpus(
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / "multi_gpu.json").write_text(json.dumps(summary, indent=1))
             (Path(out) / "multi_gpu_status.txt").write_text(text_status)
-            (Path(out) / "multi_gpu_scheduler.log").write_text(log.read_text(errors="replace"))
+            (Path(out) / "multi_gpu_scheduler.log").write_text(sched.log_text())
     finally:
         for k in kernels:
             try:
