@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from conftest import running_scheduler
 from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 8 s, checked
+from test_jupyter_gpu import run_cell
 
 GIB = 1 << 30
 
@@ -89,19 +90,7 @@ class Kernel:
 
     def run(self, code: str, out: dict | None = None) -> dict:
         out = {} if out is None else out
-        chunks: list[str] = []
-
-        def hook(msg: dict) -> None:
-            if msg["msg_type"] == "stream":
-                chunks.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                chunks.append("\n".join(msg["content"]["traceback"]))
-
-        reply = self.kc.execute_interactive(code, timeout=180, output_hook=hook)
-        out["status"] = reply["content"]["status"]
-        out["text"] = "".join(chunks)
-        lines = [ln for ln in out["text"].splitlines() if ln.startswith("{")]
-        out["record"] = json.loads(lines[-1]) if lines else None
+        run_cell(self.kc, code, out)
         assert out["status"] == "ok", out["text"]
         return out["record"]
 
