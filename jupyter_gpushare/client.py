@@ -137,14 +137,21 @@ class SchedulerClient:
         return await self.control("kernel_state", client=client, state=state)
 
     async def place(
-        self, client: str, need: int | None = None, device: str | int | None = None
+        self,
+        client: str,
+        need: int | None = None,
+        device: str | int | None = None,
+        reachable: list[str] | None = None,
     ) -> dict[str, Any]:
-        """Ask which GPU a kernel about to start goes to (and reserve room there)."""
+        """Ask which GPU a kernel about to start goes to (and reserve room there); only the
+        GPUs of UUIDs in ``reachable`` are candidates when it is given."""
         fields: dict[str, Any] = {"client": client}
         if need:
             fields["need"] = need
         if device is not None and device != "":
             fields["device"] = device
+        if reachable is not None:
+            fields["reachable"] = reachable
         return await self.control("place", **fields)
 
     # -- sync -------------------------------------------------------------------------------

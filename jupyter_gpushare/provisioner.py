@@ -87,6 +87,7 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, val
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .paths import default_socket_path
 from .protocol import ErrorCode
+from .scheduler.devices import discover_devices_async
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
 
@@ -371,8 +372,11 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             return
         pin = self._pinned_device()
         client = SchedulerClient(self.socket, timeout=5.0)
+        reachable = await _reachable_gpus()
         try:
-            answer = await client.place(self.kernel_id or "", self.quota_bytes or None, pin or None)
+            answer = await client.place(
+                self.kernel_id or "", self.quota_bytes or None, pin or None, reachable
+            )
         except SchedulerError as exc:
             if pin and exc.code == ErrorCode.BAD_REQUEST:
                 why = exc.message
@@ -457,6 +461,23 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
                         break
                     await asyncio.sleep(0.05)
         await super().kill(restart=restart)
+
+
+#: The GPUs this process can reach (see _reachable_gpus): unknown until first asked.
+_UNKNOWN: Any = object()
+_reachable: Any = _UNKNOWN
+
+
+async def _reachable_gpus() -> list[str] | None:
+    """The UUIDs of the GPUs this server (and so its kernels) can use, as NVML in this process
+    sees them; None when NVML cannot tell. A node-wide scheduler sees every GPU of the node, a
+    server in a container only those given to it: placement must choose among the latter.
+    Asked once per process (in an executor: NVML blocks); the GPUs do not change meanwhile."""
+    global _reachable
+    if _reachable is _UNKNOWN:
+        found = await discover_devices_async()
+        _reachable = [d.uuid for d in found.devices] if found.ok and found.devices else None
+    return _reachable  # type: ignore[no-any-return]
 
 
 def _find_client(doc: dict[str, Any], client_id: str) -> dict[str, Any] | None:

@@ -13,6 +13,8 @@ A kernel placed but not yet connected (it has not used CUDA yet) commits the nee
 with, for as long as its reservation lasts. A device's *free room* is its pool minus what is
 committed there.
 
+0. Only the devices the kernel can reach are candidates, when the caller says which (a Jupyter
+   server in a container sees only the GPUs given to it, while a node-wide scheduler sees all).
 1. A pinned kernel (by index or UUID) goes to that device, whether it fits or not.
 2. Otherwise, of the devices where the kernel's need fits the free room, the one with the most
    free room; ties go to the device with fewer kernels, then to the lower index.
@@ -25,7 +27,7 @@ time, while kernels on one GPU share its compute even when their memory fits sid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,11 +141,25 @@ def resolve_device(devices: Sequence[DeviceLoad], pin: str | int) -> DeviceLoad:
 
 
 def choose_device(
-    devices: Sequence[DeviceLoad], need: int, pin: str | int | None = None
+    devices: Sequence[DeviceLoad],
+    need: int,
+    pin: str | int | None = None,
+    reachable: Collection[str] | None = None,
 ) -> Placement:
-    """Where a kernel needing ``need`` bytes goes (see the module docstring for the rule)."""
+    """Where a kernel needing ``need`` bytes goes (see the module docstring for the rule).
+
+    ``reachable``: the UUIDs of the GPUs the kernel can use (None: all of them).
+    """
     if not devices:
         raise PlacementError("no GPU is known to the scheduler")
+    if reachable is not None:
+        wanted = {u.lower() for u in reachable}
+        devices = [d for d in devices if d.uuid.lower() in wanted]
+        if not devices:
+            raise PlacementError(
+                f"none of the GPUs the kernel can reach ({', '.join(sorted(wanted)) or 'none'}) "
+                "is known to the scheduler"
+            )
     if pin is not None and str(pin).strip() != "":
         dev = resolve_device(devices, pin)
         fits = need <= dev.free_bytes

@@ -1101,7 +1101,11 @@ class GPUShareScheduler(LoggingConfigurable):
         return None
 
     def place(
-        self, client: str, need: int | None = None, device: str | int | None = None
+        self,
+        client: str,
+        need: int | None = None,
+        device: str | int | None = None,
+        reachable: list[str] | None = None,
     ) -> dict[str, Any]:
         """Choose the GPU of a kernel about to start and reserve room there until it connects.
 
@@ -1119,7 +1123,7 @@ class GPUShareScheduler(LoggingConfigurable):
         }
         devices = self.status_document()["devices"]
         loads = device_loads(devices, [(p[0], p[1]) for p in self._placements.values()], estimate)
-        choice = choose_device(loads, need, device)
+        choice = choose_device(loads, need, device, reachable)
         while len(self._placements) >= self.MAX_PLACEMENTS:
             del self._placements[next(iter(self._placements))]
         self._placements[client] = (choice.uuid, need, now + self.placement_timeout)
@@ -1134,11 +1138,20 @@ class GPUShareScheduler(LoggingConfigurable):
         }
 
     def _on_place(self, conn: Connection, body: dict[str, Any]) -> None:
-        """CONTROL ``place``: ``{"client": id, "need": bytes (optional), "device": pin
-        (optional: index or UUID)}`` -> the chosen device's uuid and index."""
+        """CONTROL ``place``: ``{"client": id, "need": bytes, "device": pin (index or UUID),
+        "reachable": [UUIDs the kernel can use]}`` (all but client optional) -> the chosen
+        device's uuid and index."""
         client = body.get("client")
         need = body.get("need")
         device = body.get("device")
+        reachable = body.get("reachable")
+        if reachable is not None and (
+            not isinstance(reachable, list)
+            or len(reachable) > 64
+            or not all(isinstance(u, str) and len(u) <= MAX_DEVICE_UUID for u in reachable)
+        ):
+            self._error(conn, ErrorCode.BAD_REQUEST, "place: 'reachable' must list GPU UUIDs")
+            return
         if not isinstance(client, str) or not client or len(client) > 256:
             self._error(conn, ErrorCode.BAD_REQUEST, "place: 'client' (a client id) is needed")
             return
@@ -1149,7 +1162,7 @@ class GPUShareScheduler(LoggingConfigurable):
             self._error(conn, ErrorCode.BAD_REQUEST, "place: 'device' must be an index or a UUID")
             return
         try:
-            answer = self.place(client, need, device)
+            answer = self.place(client, need, device, reachable)
         except PlacementError as exc:
             # No device at all (no NVML, nothing connected yet): not_found, the caller goes on
             # without placement. A pin naming no device: bad_request, the caller's mistake.

@@ -12,6 +12,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpec
 from provisioner_helpers import GPU_PRELUDE, MiB, async_wait_for, execute
 
+from jupyter_gpushare import provisioner as provisioner_module
 from jupyter_gpushare.provisioner import PROVISIONER_NAME, GPUShareProvisioner
 from jupyter_gpushare.scheduler import server as server_module
 from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
@@ -33,6 +34,12 @@ def _spec(metadata: dict[str, Any] | None = None) -> KernelSpec:
         metadata={"kernel_provisioner": {"provisioner_name": PROVISIONER_NAME, "config": {}}}
         | (metadata or {}),
     )
+
+
+@pytest.fixture(autouse=True)
+def reachable_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML in this (server) process cannot tell which GPUs it can reach, unless a test says."""
+    monkeypatch.setattr(provisioner_module, "_reachable", None)
 
 
 @pytest.fixture
@@ -74,6 +81,21 @@ async def test_kernels_are_placed_apart_and_the_placement_is_kept(node: Any) -> 
     restored = _prov(node, "kb")
     await restored.load_provisioner_info(info)
     assert restored.placement == b.placement
+
+
+async def test_only_gpus_this_server_reaches(node: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose NVML sees GPU 1 only (a container given one GPU of the node): its kernels
+    are placed there, whatever the node-wide scheduler sees."""
+    monkeypatch.setattr(provisioner_module, "_reachable", provisioner_module._UNKNOWN)
+
+    async def discover() -> Discovery:
+        return Discovery([DeviceInfo(0, G1, "Test GPU", 80 * GiB)])
+
+    monkeypatch.setattr(provisioner_module, "discover_devices_async", discover)
+    for kernel in ("k1", "k2"):
+        env: dict[str, str] = {}
+        await _prov(node, kernel)._place(env)
+        assert env == {"CUDA_VISIBLE_DEVICES": G1}
 
 
 async def test_pins_from_config_and_kernel_json(node: Any) -> None:

@@ -95,6 +95,17 @@ def test_pins_by_index_uuid_and_prefix() -> None:
     assert choose_device(devices, 0, pin="").uuid == U0  # an empty pin is no pin
 
 
+def test_only_reachable_devices_are_candidates() -> None:
+    devices = [load(U0, 0, 10 * GiB, 0), load(U1, 1, 10 * GiB, 9 * GiB)]
+    placed = choose_device(devices, GiB, reachable=[U1.upper()])  # a server given only GPU 1
+    assert placed.uuid == U1 and placed.fits
+    with pytest.raises(PlacementError, match="no device with index 0"):
+        choose_device(devices, GiB, pin=0, reachable=[U1])  # a pin outside them names nothing
+    with pytest.raises(PlacementError, match="none of the GPUs the kernel can reach"):
+        choose_device(devices, GiB, reachable=["GPU-elsewhere"])
+    assert choose_device(devices, GiB, reachable=None).uuid == U0
+
+
 def test_no_device_is_an_error() -> None:
     with pytest.raises(PlacementError, match="no GPU"):
         choose_device([], GiB)

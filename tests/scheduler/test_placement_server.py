@@ -122,6 +122,24 @@ async def test_pins_and_errors(make_scheduler: Any, two_gpus: Any, sock_path: st
         assert err.value.code == ErrorCode.BAD_REQUEST
 
 
+async def test_only_the_gpus_the_kernel_can_reach(
+    make_scheduler: Any, two_gpus: Any, sock_path: str
+) -> None:
+    """A Jupyter server in a container given GPU 1 only: its kernels go there, even when GPU 0
+    has more room."""
+    await _sched(make_scheduler)
+    client = SchedulerClient(sock_path)
+    await client.place("elsewhere", 8 * GiB, device=1)
+    placed = await client.place("k", GiB, reachable=[G1.lower()])
+    assert placed["device"] == G1 and placed["free_bytes"] == 2 * GiB
+    with pytest.raises(SchedulerError, match="none of the GPUs the kernel can reach") as err:
+        await client.place("k", reachable=["GPU-not-here"])
+    assert err.value.code == ErrorCode.BAD_REQUEST
+    for bad in ("GPU-1", [1], ["x" * 65], ["GPU-1"] * 65):
+        with pytest.raises(SchedulerError, match="'reachable'"):
+            await client.control("place", client="k", reachable=bad)
+
+
 async def test_without_any_known_gpu_place_says_not_found(
     make_scheduler: Any, sock_path: str
 ) -> None:
