@@ -309,7 +309,9 @@ def format_status(doc: dict[str, Any]) -> str:
         return "\n".join(lines)
     for dev in devices:
         lines.append("")
-        lines.append(f"{dev.get('uuid', '?')}  {dev.get('name', '')}".rstrip())
+        index = dev.get("index")
+        gpu = f"GPU {index}: " if isinstance(index, int) else ""  # nvidia-smi's numbering
+        lines.append(f"{gpu}{dev.get('uuid', '?')}  {dev.get('name', '')}".rstrip())
         quantum = dev.get("quantum_ms")
         quantum_text = f"{quantum / 1000:.1f}s" if isinstance(quantum, (int, float)) else "?"
         lines.append(

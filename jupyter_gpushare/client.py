@@ -120,7 +120,8 @@ class SchedulerClient:
         return await self.request(_status_message(device), MsgType.STATUS)
 
     async def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
-        """Send a control action (``release``, ``evict``, ``set_quota``, ``kernel_state``)."""
+        """Send a control action (``release``, ``evict``, ``set_quota``, ``kernel_state``,
+        ``place``)."""
         return await self.request(_control_message(action, kwargs), MsgType.CONTROL_REPLY)
 
     async def release(self, client: str) -> dict[str, Any]:
@@ -134,6 +135,24 @@ class SchedulerClient:
 
     async def kernel_state(self, client: str, state: str) -> dict[str, Any]:
         return await self.control("kernel_state", client=client, state=state)
+
+    async def place(
+        self,
+        client: str,
+        need: int | None = None,
+        device: str | int | None = None,
+        reachable: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Ask which GPU a kernel about to start goes to (and reserve room there); only the
+        GPUs of UUIDs in ``reachable`` are candidates when it is given."""
+        fields: dict[str, Any] = {"client": client}
+        if need:
+            fields["need"] = need
+        if device is not None and device != "":
+            fields["device"] = device
+        if reachable is not None:
+            fields["reachable"] = reachable
+        return await self.control("place", **fields)
 
     # -- sync -------------------------------------------------------------------------------
 

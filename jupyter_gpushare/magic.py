@@ -151,8 +151,10 @@ class GPUShareReport:
             return self.scheduler_note or "the scheduler did not answer"
         clients = d.get("clients", []) or []
         queue = d.get("queue", []) or []
+        index = d.get("index")  # on a node with several GPUs: which one (nvidia-smi's number)
+        gpu = f"GPU {index}: " if isinstance(index, int) else ""
         parts = [
-            f"{d.get('name', '?')} ({d.get('uuid', '?')})",
+            f"{gpu}{d.get('name', '?')} ({d.get('uuid', '?')})",
             f"{d.get('mode', '?')} mode",
             f"{len(clients)} kernel{'s' if len(clients) != 1 else ''}",
             f"{len(queue)} waiting",

@@ -37,6 +37,21 @@ own ``c.InteractiveShellApp.extensions``, so no configuration of theirs is overr
 has to be installed in the user's IPython profile. A kernel whose Python cannot import
 ``jupyter_gpushare`` only logs a warning; its cells run as usual.
 
+Several GPUs
+------------
+On a node with several GPUs every kernel runs on one of them. Before launching, the provisioner
+asks the scheduler where the kernel goes (the ``place`` control action: the GPU with the most
+free memory after what its kernels are expected to use, see
+:mod:`jupyter_gpushare.scheduler.placement`) and starts the kernel with
+``CUDA_VISIBLE_DEVICES=<that GPU's UUID>``: the kernel sees one GPU, as ``cuda:0``, and UUIDs do
+not change when devices are renumbered. A kernel can be pinned to a GPU by index (nvidia-smi's)
+or UUID with :attr:`GPUShareProvisioner.device` (server config, or ``"device"`` in kernel.json's
+provisioner ``config``) or with ``"metadata": {"gpushare": {"device": ...}}`` in kernel.json.
+A ``CUDA_VISIBLE_DEVICES`` already in the kernel's environment (the server's, or the
+kernelspec's ``env``) is left alone. Without a scheduler, or with one that knows no GPU (no
+NVML), the kernel starts without ``CUDA_VISIBLE_DEVICES`` (a pin is then set as given); with a
+single GPU nothing is set. The chosen GPU is kept in the provisioner info (``gpushare_device``).
+
 Shutdown and restart
 --------------------
 jupyter_client stops a kernel with an interrupt, a ``shutdown_request``, then SIGTERM after half
@@ -71,6 +86,8 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, val
 
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .paths import default_socket_path
+from .protocol import ErrorCode
+from .scheduler.devices import discover_devices_async
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
 
@@ -189,6 +206,21 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         and starts with zero usage.""",
     ).tag(config=True)
 
+    device = Unicode(
+        "",
+        help="""Pin kernels to one GPU: its index (as nvidia-smi numbers them) or its UUID
+        ("GPU-..."). "": the scheduler places each kernel where it fits best.""",
+    ).tag(config=True)
+
+    place_kernels = Bool(
+        True,
+        help="""Ask the scheduler which GPU each kernel goes to and set CUDA_VISIBLE_DEVICES
+        accordingly (on a node with several GPUs). False: kernels see every GPU.""",
+    ).tag(config=True)
+
+    #: Where the kernel was placed: {"device": uuid or pin, "index": ..., "source": ...}, or None.
+    placement: dict[str, Any] | None = None
+
     @default("socket")
     def _socket_default(self) -> str:
         return default_socket_path()
@@ -276,6 +308,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         kwargs["cmd"] = self._kernel_command(list(kwargs["cmd"]))
         await self._wait_for_stale_client()
+        await self._place(kwargs["env"])
         self._term_sent = False
         self.log.debug(
             "gpushare: kernel %s under the shim (socket %s, quota %s, weight %s, label %r)",
@@ -315,6 +348,87 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             self.kernel_id,
         )
 
+    def _pinned_device(self) -> str:
+        """The pin from kernel.json's ``metadata.gpushare.device``, else :attr:`device`."""
+        spec = getattr(self, "kernel_spec", None)
+        metadata = getattr(spec, "metadata", None) or {}
+        section = metadata.get("gpushare") if isinstance(metadata, dict) else None
+        if isinstance(section, dict) and section.get("device") not in (None, ""):
+            return str(section["device"]).strip()
+        return self.device.strip()
+
+    async def _place(self, env: dict[str, str]) -> None:
+        """Choose the kernel's GPU and set CUDA_VISIBLE_DEVICES (see "Several GPUs" above)."""
+        self.placement = None
+        if not self.place_kernels:
+            return
+        if "CUDA_VISIBLE_DEVICES" in env:
+            self.log.info(
+                "gpushare: kernel %s keeps CUDA_VISIBLE_DEVICES=%r from its environment",
+                self.kernel_id,
+                env["CUDA_VISIBLE_DEVICES"],
+            )
+            self.placement = {"device": env["CUDA_VISIBLE_DEVICES"], "source": "environment"}
+            return
+        pin = self._pinned_device()
+        client = SchedulerClient(self.socket, timeout=5.0)
+        reachable = await _reachable_gpus()
+        try:
+            answer = await client.place(
+                self.kernel_id or "", self.quota_bytes or None, pin or None, reachable
+            )
+        except SchedulerError as exc:
+            if pin and exc.code == ErrorCode.BAD_REQUEST:
+                why = exc.message
+                raise RuntimeError(f"cannot start the kernel on GPU {pin!r}: {why}") from exc
+            self._unplaced(env, pin, str(exc))
+            return
+        except SchedulerUnavailable as exc:
+            self._unplaced(env, pin, str(exc))
+            return
+        if not pin and int(answer.get("devices") or 0) <= 1:
+            self.log.debug("gpushare: one GPU: kernel %s sees it as is", self.kernel_id)
+            return
+        env["CUDA_VISIBLE_DEVICES"] = str(answer["device"])
+        self.placement = {
+            "device": answer["device"],
+            "index": answer.get("index"),
+            "source": "pinned" if pin else "scheduler",
+            "fits": answer.get("fits"),
+        }
+        self.log.info(
+            "gpushare: kernel %s on GPU %s (%s, index %s)",
+            self.kernel_id,
+            answer["device"],
+            answer.get("reason"),
+            answer.get("index"),
+        )
+
+    def _unplaced(self, env: dict[str, str], pin: str, why: str) -> None:
+        """No placement from the scheduler: a pin is applied as given, else nothing is set."""
+        if not pin:
+            self.log.info("gpushare: kernel %s not placed on a GPU: %s", self.kernel_id, why)
+            return
+        env["CUDA_VISIBLE_DEVICES"] = pin
+        if pin.isdigit():
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's indexes = nvidia-smi's
+        self.placement = {"device": pin, "source": "pinned"}
+        self.log.warning(
+            "gpushare: kernel %s pinned to GPU %s without the scheduler's placement: %s",
+            self.kernel_id,
+            pin,
+            why,
+        )
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = await super().get_provisioner_info()
+        info["gpushare_device"] = self.placement
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self.placement = provisioner_info.get("gpushare_device")
+
     # -- shutdown ------------------------------------------------------------------------------
 
     _term_sent = False
@@ -347,6 +461,23 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
                         break
                     await asyncio.sleep(0.05)
         await super().kill(restart=restart)
+
+
+#: The GPUs this process can reach (see _reachable_gpus): unknown until first asked.
+_UNKNOWN: Any = object()
+_reachable: Any = _UNKNOWN
+
+
+async def _reachable_gpus() -> list[str] | None:
+    """The UUIDs of the GPUs this server (and so its kernels) can use, as NVML in this process
+    sees them; None when NVML cannot tell. A node-wide scheduler sees every GPU of the node, a
+    server in a container only those given to it: placement must choose among the latter.
+    Asked once per process (in an executor: NVML blocks); the GPUs do not change meanwhile."""
+    global _reachable
+    if _reachable is _UNKNOWN:
+        found = await discover_devices_async()
+        _reachable = [d.uuid for d in found.devices] if found.ok and found.devices else None
+    return _reachable  # type: ignore[no-any-return]
 
 
 def _find_client(doc: dict[str, Any], client_id: str) -> dict[str, Any] | None:

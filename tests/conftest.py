@@ -313,11 +313,21 @@ class Proc:
 class SchedulerProc:
     """``python -m jupyter_gpushare scheduler`` in a subprocess, its log in a file."""
 
-    def __init__(self, socket_path: Path, log_path: Path, pool: str, quantum: float) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        log_path: Path,
+        pool: str,
+        quantum: float,
+        env: dict[str, str] | None = None,
+        nvml: bool = False,
+    ) -> None:
         self.socket_path = socket_path
         self.log_path = log_path
         self.pool = pool
         self.quantum = quantum
+        self.extra_env = env or {}  # e.g. the stand-in NVML on LD_LIBRARY_PATH, with nvml=True
+        self.nvml = nvml
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -335,13 +345,14 @@ class SchedulerProc:
             str(self.quantum),
             "--log-level",
             "DEBUG",
-            "--no-nvml",
+            *([] if self.nvml else ["--no-nvml"]),
         ]
 
     def start(self, timeout: float = 30.0) -> SchedulerProc:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         env.pop("LD_PRELOAD", None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.update(self.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {time.time():.3f}: {' '.join(self.args)}\n".encode())
             log.flush()
@@ -496,10 +507,21 @@ class Harness:
         self.procs.append(proc)
         return proc
 
-    def scheduler(self, pool: str = "1GiB", quantum: float = 2.0) -> SchedulerProc:
-        """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at)."""
+    def scheduler(
+        self, pool: str = "1GiB", quantum: float = 2.0, fake_devices: int = 0
+    ) -> SchedulerProc:
+        """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at).
+
+        ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
+        NVML; devices are learnt from the shims)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        sched = SchedulerProc(self.socket_path, log, pool, quantum)
+        env = {}
+        if fake_devices:
+            env = {
+                "LD_LIBRARY_PATH": str(self.build.fake_dir),
+                "GPUSHARE_FAKE_DEVICES": str(fake_devices),
+            }
+        sched = SchedulerProc(self.socket_path, log, pool, quantum, env, nvml=bool(fake_devices))
         self.schedulers.append(sched)
         return sched.start()
 

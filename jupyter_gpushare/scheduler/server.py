@@ -72,6 +72,7 @@ from ..protocol import (
 from ..units import format_size, parse_size
 from . import events as ev
 from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .placement import PlacementError, choose_device, device_loads
 from .policy import Policy, PolicyConfig
 
 __all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
@@ -214,7 +215,22 @@ class GPUShareScheduler(LoggingConfigurable):
         status for people to read; scheduling never depends on it). 0 turns the readings off.""",
     ).tag(config=True)
 
-    @validate("pool_size", "pool_reserve")
+    placement_estimate = Union(
+        [Int(), Unicode()],
+        default_value="1GiB",
+        help="""Memory a kernel without a quota is expected to use, when the scheduler places a
+        new kernel on a GPU (the ``place`` control action; a kernel with a quota is expected to
+        use its quota). Bytes or a size such as '4GiB'.""",
+    ).tag(config=True)
+
+    placement_timeout = Float(
+        120.0,
+        help="""Seconds a placement reserves room on its GPU while the kernel has not connected
+        (a kernel connects when it first uses CUDA). Reservations make kernels started at the
+        same moment spread over the GPUs instead of all choosing the emptiest one.""",
+    ).tag(config=True)
+
+    @validate("pool_size", "pool_reserve", "placement_estimate")
     def _validate_size(self, proposal: Any) -> Any:
         value = proposal["value"]
         if value != "":
@@ -245,6 +261,8 @@ class GPUShareScheduler(LoggingConfigurable):
         self._tasks: set[asyncio.Task[None]] = set()
         self._utilization: dict[str, int] = {}  # device uuid -> percent, from the sampler task
         self._sampler: asyncio.Future[None] | None = None
+        # client id -> (device uuid, need in bytes, monotonic expiry): see _on_place
+        self._placements: dict[str, tuple[str, int, float]] = {}
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -949,6 +967,7 @@ class GPUShareScheduler(LoggingConfigurable):
         if device:
             devices = [d for d in devices if str(d.get("uuid", "")).lower() == device.lower()]
         for dev in devices:
+            dev["index"] = self._device_index(str(dev.get("uuid")))
             dev["utilization_percent"] = self._utilization.get(str(dev.get("uuid")))
             for client in dev.get("clients", []):
                 # The policy's clock is monotonic; readers want a wall-clock (Unix) time.
@@ -1001,6 +1020,9 @@ class GPUShareScheduler(LoggingConfigurable):
             return
         action = body.get("action")
         client = body.get("client")
+        if action == "place":
+            self._on_place(conn, body)
+            return
         actions = ("release", "evict", "set_quota", "kernel_state")
         if action not in actions:
             self._error(
@@ -1063,6 +1085,96 @@ class GPUShareScheduler(LoggingConfigurable):
         log = self.log.debug if action == "kernel_state" else self.log.info
         log("control %s client=%s by uid %d %s", action, client, conn.peer.uid, body)
         self._handle(event)
+        self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
+
+    # ----------------------------------------------------------------------------------------
+    # Placement (several GPUs): see placement.py for the rule
+
+    #: At most this many kernels may be placed and not connected yet (oldest dropped first).
+    MAX_PLACEMENTS = 4096
+
+    def _device_index(self, uuid: str) -> int | None:
+        """NVML's index of a device (what nvidia-smi shows), None for one learnt from a shim."""
+        for dev in self.discovery.devices:
+            if dev.uuid.lower() == uuid.lower():
+                return dev.index
+        return None
+
+    def place(
+        self,
+        client: str,
+        need: int | None = None,
+        device: str | int | None = None,
+        reachable: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Choose the GPU of a kernel about to start and reserve room there until it connects.
+
+        Raises PlacementError (no device known, or a pin naming none).
+        """
+        assert self.policy is not None
+        now = time.monotonic()
+        estimate = parse_size(self.placement_estimate)
+        need = estimate if need is None or need <= 0 else need
+        # A reservation ends when its kernel connects (the policy counts it then) or expires.
+        self._placements = {
+            cid: p
+            for cid, p in self._placements.items()
+            if p[2] > now and cid != client and not self.policy.has_client(cid)
+        }
+        devices = self.status_document()["devices"]
+        loads = device_loads(devices, [(p[0], p[1]) for p in self._placements.values()], estimate)
+        choice = choose_device(loads, need, device, reachable)
+        while len(self._placements) >= self.MAX_PLACEMENTS:
+            del self._placements[next(iter(self._placements))]
+        self._placements[client] = (choice.uuid, need, now + self.placement_timeout)
+        return {
+            "device": choice.uuid,
+            "index": choice.index,
+            "fits": choice.fits,
+            "free_bytes": choice.free_bytes,
+            "need": need,
+            "reason": choice.reason,
+            "devices": len(loads),
+        }
+
+    def _on_place(self, conn: Connection, body: dict[str, Any]) -> None:
+        """CONTROL ``place``: ``{"client": id, "need": bytes, "device": pin (index or UUID),
+        "reachable": [UUIDs the kernel can use]}`` (all but client optional) -> the chosen
+        device's uuid and index."""
+        client = body.get("client")
+        need = body.get("need")
+        device = body.get("device")
+        reachable = body.get("reachable")
+        if reachable is not None and (
+            not isinstance(reachable, list)
+            or len(reachable) > 64
+            or not all(isinstance(u, str) and len(u) <= MAX_DEVICE_UUID for u in reachable)
+        ):
+            self._error(conn, ErrorCode.BAD_REQUEST, "place: 'reachable' must list GPU UUIDs")
+            return
+        if not isinstance(client, str) or not client or len(client) > 256:
+            self._error(conn, ErrorCode.BAD_REQUEST, "place: 'client' (a client id) is needed")
+            return
+        if need is not None and (not isinstance(need, int) or isinstance(need, bool) or need < 0):
+            self._error(conn, ErrorCode.BAD_REQUEST, "place: 'need' must be a byte count")
+            return
+        if device is not None and (not isinstance(device, (str, int)) or isinstance(device, bool)):
+            self._error(conn, ErrorCode.BAD_REQUEST, "place: 'device' must be an index or a UUID")
+            return
+        try:
+            answer = self.place(client, need, device, reachable)
+        except PlacementError as exc:
+            # No device at all (no NVML, nothing connected yet): not_found, the caller goes on
+            # without placement. A pin naming no device: bad_request, the caller's mistake.
+            code = ErrorCode.BAD_REQUEST if self._devices else ErrorCode.NOT_FOUND
+            self._error(conn, code, f"place: {exc}")
+            return
+        self.log.info(
+            "place client=%s device=%s index=%s need=%s fits=%s reason=%r by uid %d",
+            client, answer["device"], answer["index"], format_size(answer["need"]),
+            answer["fits"], answer["reason"], conn.peer.uid,
+        )  # fmt: skip
+        reply = {"ok": True, "action": "place", "client": client, **answer}
         self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
 
 

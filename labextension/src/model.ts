@@ -38,6 +38,8 @@ export interface IClientStatus {
 
 export interface IDeviceStatus {
   uuid: string;
+  /** NVML's index (as nvidia-smi numbers GPUs); null for a device learnt from a kernel. */
+  index?: number | null;
   name?: string;
   total_bytes?: number;
   pool_bytes: number;
@@ -127,6 +129,9 @@ export interface IWarning {
 
 export interface IDeviceView {
   uuid: string;
+  /** NVML's index, or null. */
+  index: number | null;
+  /** The device's name; on a node with several GPUs prefixed "GPU <index>: " to tell them apart. */
   name: string;
   totalBytes: number;
   poolBytes: number;
@@ -276,7 +281,8 @@ function deviceView(
   dev: IDeviceStatus,
   viewer: { name: string | null; admin: boolean },
   now: number,
-  warnings: IWarning[]
+  warnings: IWarning[],
+  several = false
 ): IDeviceView {
   const clients = dev.clients ?? [];
   const totalGpu = clients.reduce((sum, c) => sum + num(c.gpu_seconds), 0);
@@ -434,9 +440,12 @@ function deviceView(
     summary = 'The GPU is free: every kernel is idle.';
   }
 
+  const index = typeof dev.index === 'number' ? dev.index : null;
+  const name = dev.name || dev.uuid;
   return {
     uuid: dev.uuid,
-    name: dev.name || dev.uuid,
+    index,
+    name: several && index !== null ? `GPU ${index}: ${name}` : name,
     totalBytes: num(dev.total_bytes),
     poolBytes: pool,
     residentBytes,
@@ -503,7 +512,10 @@ export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000
     admin: !!status.viewer?.admin
   };
   const warnings: IWarning[] = [];
-  const devices = (status.devices ?? []).map(d => deviceView(d, viewer, now, warnings));
+  const several = (status.devices ?? []).length > 1;
+  const devices = (status.devices ?? []).map(d =>
+    deviceView(d, viewer, now, warnings, several)
+  );
   const schedError = status.scheduler?.error ?? null;
   const nvml = status.nvml;
   const nvmlProblem = nvml !== undefined && nvml !== true ? String(nvml) : null;

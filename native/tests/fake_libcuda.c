@@ -25,8 +25,17 @@
  *   "saxpy"  (float a, CUdeviceptr x, CUdeviceptr y, int n)            y = a*x + y, computed at launch
  *   "noop"   ()
  *
- * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB),
- * GPUSHARE_FAKE_UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), GPUSHARE_FAKE_DRIVER_VERSION
+ * Devices: GPUSHARE_FAKE_DEVICES (default 1, at most 8) physical devices. The driver honours
+ * CUDA_VISIBLE_DEVICES as the real one does: a comma-separated list of indexes or UUIDs ("GPU-..."
+ * in full, or a prefix that names one device); the list ends at the first entry that names no
+ * device (or one already listed); an empty value hides every device (cuInit: CUDA_ERROR_NO_DEVICE).
+ * NVML ignores it, as the real NVML does. Each process's allocations are counted on the device of
+ * its current context (in practice the one device a shimmed process uses).
+ *
+ * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB; a comma-separated
+ * list gives each device its own, the last one repeating), GPUSHARE_FAKE_UUID
+ * (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx; comma-separated per device; a device without one gets
+ * the default UUID with its last byte plus the device's index), GPUSHARE_FAKE_DRIVER_VERSION
  * (default 13000), GPUSHARE_FAKE_PREFETCH_GBPS (model prefetch time on the stream; default 0 =
  * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch), GPUSHARE_FAKE_STATS_FILE
  * (the stats document is written there at exit).
@@ -45,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -70,10 +80,70 @@ static unsigned long long fk_parse_bytes(const char *s, unsigned long long dflt)
     return (unsigned long long)(v * (double)mul);
 }
 
-static unsigned long long fk_device_total(void) {
-    static unsigned long long total;
-    if (!total) total = fk_parse_bytes(getenv("GPUSHARE_FAKE_DEVICE_TOTAL"), 16ULL << 30);
-    return total;
+#define FK_MAX_DEV 8
+
+static int fk_ndev(void) {
+    const char *s = getenv("GPUSHARE_FAKE_DEVICES");
+    int n = s && *s ? atoi(s) : 1;
+    return n < 1 ? 1 : n > FK_MAX_DEV ? FK_MAX_DEV : n;
+}
+
+/* Item i of a comma-separated list (copied into out), or NULL when the list has fewer. */
+static const char *fk_item(const char *list, int i, char *out, size_t n) {
+    if (!list || !*list) return NULL;
+    for (int k = 0; k < i; k++) {
+        list = strchr(list, ',');
+        if (!list) return NULL;
+        list++;
+    }
+    size_t len = strcspn(list, ",");
+    if (len >= n) len = n - 1;
+    memcpy(out, list, len);
+    out[len] = 0;
+    return out;
+}
+
+/* Total memory of physical device `phys` (the list's last entry repeats). */
+static unsigned long long fk_phys_total(int phys) {
+    const char *list = getenv("GPUSHARE_FAKE_DEVICE_TOTAL");
+    char item[64];
+    const char *s = NULL;
+    for (int i = phys; i >= 0 && !s; i--) s = fk_item(list, i, item, sizeof item);
+    return fk_parse_bytes(s, 16ULL << 30);
+}
+
+/* UUID bytes of physical device `phys`. */
+static void fk_phys_uuid(int phys, unsigned char bytes[16]) {
+    static const unsigned char dflt[16] = {0x6a, 0x75, 0x70, 0x79, 0x74, 0x65, 0x72, 0x2d,
+                                           0x67, 0x70, 0x75, 0x73, 0x68, 0x61, 0x72, 0x65};
+    memcpy(bytes, dflt, 16);
+    bytes[15] = (unsigned char)(bytes[15] + phys);
+    char item[128];
+    const char *s = fk_item(getenv("GPUSHARE_FAKE_UUID"), phys, item, sizeof item);
+    if (!s || !*s) return;
+    if (strncmp(s, "GPU-", 4) == 0) s += 4;
+    unsigned char out[16];
+    int k = 0;
+    for (const char *p = s; *p && k < 32; p++) {
+        if (*p == '-') continue;
+        if (!isxdigit((unsigned char)*p)) break;
+        int v = isdigit((unsigned char)*p) ? *p - '0' : (tolower((unsigned char)*p) - 'a' + 10);
+        if (k % 2 == 0)
+            out[k / 2] = (unsigned char)(v << 4);
+        else
+            out[k / 2] |= (unsigned char)v;
+        k++;
+    }
+    if (k == 32) memcpy(bytes, out, 16);
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (lower case, as nvidia-smi prints it). */
+static void fk_phys_uuid_string(int phys, char *out, size_t n) {
+    unsigned char b[16];
+    fk_phys_uuid(phys, b);
+    snprintf(out, n, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
 }
 
 #ifndef GPUSHARE_FAKE_NVML
@@ -103,6 +173,7 @@ typedef struct CUmemAccessDesc_st {
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_inited;
+static unsigned long long fk_device_total(void); /* the current context's device */
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -153,9 +224,12 @@ static int fn_index(const char *name) {
 struct CUctx_st {
     uint32_t magic;
     int primary;
+    CUdevice dev; /* ordinal */
 };
-static struct CUctx_st g_primary = {CTX_MAGIC, 1};
-static int g_primary_refs;
+static struct CUctx_st g_primary[FK_MAX_DEV] = {
+    {CTX_MAGIC, 1, 0}, {CTX_MAGIC, 1, 1}, {CTX_MAGIC, 1, 2}, {CTX_MAGIC, 1, 3},
+    {CTX_MAGIC, 1, 4}, {CTX_MAGIC, 1, 5}, {CTX_MAGIC, 1, 6}, {CTX_MAGIC, 1, 7}};
+static int g_primary_refs[FK_MAX_DEV];
 static __thread CUcontext t_ctx_stack[32];
 static __thread int t_ctx_depth;
 
@@ -409,9 +483,81 @@ static void wait_device(void) {
 /* Initialisation, device, context                                                              */
 /* ------------------------------------------------------------------------------------------ */
 
+/* CUDA_VISIBLE_DEVICES: ordinal -> physical device. */
+static int g_vis[FK_MAX_DEV], g_nvis = -1;
+static pthread_once_t g_vis_once = PTHREAD_ONCE_INIT;
+
+static int fk_match_token(const char *tok, int ndev) {
+    size_t len = strlen(tok);
+    int digits = len > 0;
+    for (size_t i = 0; i < len; i++) digits &= isdigit((unsigned char)tok[i]) != 0;
+    if (digits) {
+        int idx = atoi(tok);
+        return idx < ndev ? idx : -1;
+    }
+    char want[96];
+    snprintf(want, sizeof want, "%s%s", strncasecmp(tok, "GPU-", 4) == 0 ? "" : "GPU-", tok);
+    int found = -1;
+    for (int d = 0; d < ndev; d++) {
+        char u[64];
+        fk_phys_uuid_string(d, u, sizeof u);
+        if (strncasecmp(u, want, strlen(want)) == 0) {
+            if (found >= 0) return -1; /* ambiguous prefix */
+            found = d;
+        }
+    }
+    return found;
+}
+
+static void fk_vis_init(void) {
+    int ndev = fk_ndev(), n = 0;
+    const char *env = getenv("CUDA_VISIBLE_DEVICES");
+    if (!env) {
+        for (int d = 0; d < ndev; d++) g_vis[n++] = d;
+        g_nvis = n;
+        return;
+    }
+    char item[128];
+    for (int i = 0; n < FK_MAX_DEV && fk_item(env, i, item, sizeof item); i++) {
+        char *t = item;
+        while (*t == ' ') t++;
+        size_t len = strlen(t);
+        while (len > 0 && t[len - 1] == ' ') t[--len] = 0;
+        int d = fk_match_token(t, ndev);
+        int dup = 0;
+        for (int k = 0; k < n; k++) dup |= g_vis[k] == d;
+        if (d < 0 || dup) break;
+        g_vis[n++] = d;
+    }
+    g_nvis = n;
+}
+
+static int fk_nvis(void) {
+    pthread_once(&g_vis_once, fk_vis_init);
+    return g_nvis;
+}
+
+/* The physical device of ordinal `dev`, or -1 when no visible device has that ordinal. */
+static int fk_phys(CUdevice dev) {
+    int n = fk_nvis();
+    return dev >= 0 && dev < n ? g_vis[dev] : -1;
+}
+
+/* Test-only export: the physical device this process's allocations are counted on. */
+int fakecuda_physical_device(void) {
+    CUcontext c = cur_ctx();
+    int phys = fk_phys(c ? c->dev : 0);
+    return phys < 0 ? 0 : phys;
+}
+
+static unsigned long long fk_device_total(void) {
+    return fk_phys_total(fakecuda_physical_device());
+}
+
 CUresult cuInit(unsigned int flags) {
     COUNT();
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (fk_nvis() == 0) return 100; /* CUDA_ERROR_NO_DEVICE: CUDA_VISIBLE_DEVICES hides them all */
     g_inited = 1;
     return CUDA_SUCCESS;
 }
@@ -428,8 +574,8 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     COUNT();
     NEED_INIT();
     if (!device) return CUDA_ERROR_INVALID_VALUE;
-    if (ordinal != 0) return FK_ERROR_INVALID_DEVICE;
-    *device = 0;
+    if (fk_phys(ordinal) < 0) return FK_ERROR_INVALID_DEVICE;
+    *device = ordinal;
     return CUDA_SUCCESS;
 }
 
@@ -437,7 +583,7 @@ CUresult cuDeviceGetCount(int *count) {
     COUNT();
     NEED_INIT();
     if (!count) return CUDA_ERROR_INVALID_VALUE;
-    *count = 1;
+    *count = fk_nvis();
     return CUDA_SUCCESS;
 }
 
@@ -445,7 +591,7 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     COUNT();
     NEED_INIT();
     if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     snprintf(name, (size_t)len, "%s", "gpushare stand-in GPU");
     return CUDA_SUCCESS;
 }
@@ -453,27 +599,9 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
 static CUresult fill_uuid(CUuuid *uuid, CUdevice dev) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (!uuid) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
-    static const unsigned char dflt[16] = {0x6a, 0x75, 0x70, 0x79, 0x74, 0x65, 0x72, 0x2d,
-                                           0x67, 0x70, 0x75, 0x73, 0x68, 0x61, 0x72, 0x65};
-    memcpy(uuid->bytes, dflt, 16);
-    const char *s = getenv("GPUSHARE_FAKE_UUID");
-    if (s && *s) {
-        if (strncmp(s, "GPU-", 4) == 0) s += 4;
-        unsigned char out[16];
-        int k = 0;
-        for (const char *p = s; *p && k < 32; p++) {
-            if (*p == '-') continue;
-            if (!isxdigit((unsigned char)*p)) break;
-            int v = isdigit((unsigned char)*p) ? *p - '0' : (tolower((unsigned char)*p) - 'a' + 10);
-            if (k % 2 == 0)
-                out[k / 2] = (unsigned char)(v << 4);
-            else
-                out[k / 2] |= (unsigned char)v;
-            k++;
-        }
-        if (k == 32) memcpy(uuid->bytes, out, 16);
-    }
+    int phys = fk_phys(dev);
+    if (phys < 0) return FK_ERROR_INVALID_DEVICE;
+    fk_phys_uuid(phys, (unsigned char *)uuid->bytes);
     return CUDA_SUCCESS;
 }
 
@@ -491,8 +619,8 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     COUNT();
     NEED_INIT();
     if (!bytes) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
-    *bytes = (size_t)fk_device_total();
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)fk_phys_total(fk_phys(dev));
     return CUDA_SUCCESS;
 }
 
@@ -500,7 +628,7 @@ CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     COUNT();
     NEED_INIT();
     if (!pi) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     switch (attrib) {
     case 16: *pi = 132; break;  /* MULTIPROCESSOR_COUNT */
     case 75: *pi = 9; break;    /* COMPUTE_CAPABILITY_MAJOR */
@@ -518,7 +646,7 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
     COUNT();
     NEED_INIT();
     if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     *pool_out = &g_default_pool;
     return CUDA_SUCCESS;
 }
@@ -527,38 +655,40 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     COUNT();
     NEED_INIT();
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
-    __atomic_fetch_add(&g_primary_refs, 1, __ATOMIC_RELAXED);
-    *pctx = &g_primary;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
+    __atomic_fetch_add(&g_primary_refs[dev], 1, __ATOMIC_RELAXED);
+    *pctx = &g_primary[dev];
     return CUDA_SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     COUNT();
     NEED_INIT();
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
-    if (__atomic_load_n(&g_primary_refs, __ATOMIC_RELAXED) <= 0) return CUDA_ERROR_INVALID_CONTEXT;
-    __atomic_fetch_sub(&g_primary_refs, 1, __ATOMIC_RELAXED);
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
+    if (__atomic_load_n(&g_primary_refs[dev], __ATOMIC_RELAXED) <= 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    __atomic_fetch_sub(&g_primary_refs[dev], 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
     COUNT();
     NEED_INIT();
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     if (flags) *flags = 0;
-    if (active) *active = __atomic_load_n(&g_primary_refs, __ATOMIC_RELAXED) > 0;
+    if (active) *active = __atomic_load_n(&g_primary_refs[dev], __ATOMIC_RELAXED) > 0;
     return CUDA_SUCCESS;
 }
 
 static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (dev != 0) return FK_ERROR_INVALID_DEVICE;
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     if (t_ctx_depth >= 32) return CUDA_ERROR_OUT_OF_MEMORY;
     struct CUctx_st *c = calloc(1, sizeof(*c));
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
     c->magic = CTX_MAGIC;
+    c->dev = dev;
     t_ctx_stack[t_ctx_depth++] = c;
     *pctx = c;
     return CUDA_SUCCESS;
@@ -648,7 +778,7 @@ CUresult cuCtxGetDevice(CUdevice *device) {
     COUNT();
     NEED_CTX();
     if (!device) return CUDA_ERROR_INVALID_VALUE;
-    *device = 0;
+    *device = cur_ctx()->dev;
     return CUDA_SUCCESS;
 }
 
@@ -927,7 +1057,7 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     pthread_mutex_unlock(&g_lock);
     if (!a && !mapped) return CUDA_ERROR_INVALID_VALUE;
     switch (attribute) {
-    case FK_PA_CONTEXT: *(CUcontext *)data = &g_primary; break;
+    case FK_PA_CONTEXT: *(CUcontext *)data = &g_primary[0]; break;
     case FK_PA_MEMORY_TYPE: *(unsigned int *)data = 2; break; /* CU_MEMORYTYPE_DEVICE */
     case FK_PA_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
     case FK_PA_IS_MANAGED: *(unsigned int *)data = a && copy.kind == A_MANAGED; break;
@@ -1921,7 +2051,9 @@ int fakecuda_stats_json(char *buf, size_t n) {
            g_live_device_bytes, g_live_managed_bytes, g_managed_on_host_bytes, g_peak_device_bytes,
            fk_device_total(), g_nhandles, g_nmaps);
     for (int k = 0; k < 6; k++) APPEND("%s\"%s\":%lu", k ? "," : "", kind_names[k], by_kind[k]);
-    APPEND("},\"primary_ctx_refs\":%d}", g_primary_refs);
+    int refs = 0;
+    for (int d = 0; d < FK_MAX_DEV; d++) refs += g_primary_refs[d];
+    APPEND("},\"primary_ctx_refs\":%d}", refs);
     pthread_mutex_unlock(&g_lock);
 #undef APPEND
     if (off >= sizeof(tmp)) off = sizeof(tmp) - 1;
@@ -1947,24 +2079,45 @@ __attribute__((destructor)) static void fk_write_stats_at_exit(void) {
 #else /* GPUSHARE_FAKE_NVML */
 
 /* ------------------------------------------------------------------------------------------ */
-/* The NVML stand-in: one device, the fake driver's total, its resident bytes as used.          */
+/* The NVML stand-in: every physical device (NVML ignores CUDA_VISIBLE_DEVICES), the fake      */
+/* driver's resident bytes as used on the device this process's context is on.                */
 /* ------------------------------------------------------------------------------------------ */
 
 struct nvmlDevice_st {
     int index;
 };
-static struct nvmlDevice_st g_nvml_dev = {0};
+static struct nvmlDevice_st g_nvml_devs[FK_MAX_DEV] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
 static int g_nvml_inited;
 
-enum { FK_NVML_ERROR_UNINITIALIZED = 1, FK_NVML_ERROR_INVALID_ARGUMENT = 2 };
+enum {
+    FK_NVML_ERROR_UNINITIALIZED = 1,
+    FK_NVML_ERROR_INVALID_ARGUMENT = 2,
+    FK_NVML_ERROR_NOT_FOUND = 6,
+    FK_NVML_ERROR_INSUFFICIENT_SIZE = 7,
+};
 
-static unsigned long long nvml_used(void) {
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} fk_nvmlUtilization_t;
+
+static void *fk_driver_sym(const char *name) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    void *sym = lib ? dlsym(lib, name) : NULL;
+    if (lib) dlclose(lib); /* NOLOAD: only drops the reference just taken; the symbol stays */
+    return sym;
+}
+
+static unsigned long long nvml_used(int index) {
     unsigned long long (*used)(void) =
-        lib ? (unsigned long long (*)(void))dlsym(lib, "fakecuda_device_used_bytes") : NULL;
-    unsigned long long n = used ? used() : 0;
-    if (lib) dlclose(lib);
-    return n;
+        (unsigned long long (*)(void))fk_driver_sym("fakecuda_device_used_bytes");
+    int (*phys)(void) = (int (*)(void))fk_driver_sym("fakecuda_physical_device");
+    if (!used || (phys ? phys() : 0) != index) return 0;
+    return used();
+}
+
+static int nvml_dev_ok(nvmlDevice_t device) {
+    return device && device >= &g_nvml_devs[0] && device < &g_nvml_devs[fk_ndev()];
 }
 
 nvmlReturn_t nvmlInit_v2(void) {
@@ -1990,28 +2143,67 @@ nvmlReturn_t nvmlShutdown(void) {
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
     if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
     if (!count) return FK_NVML_ERROR_INVALID_ARGUMENT;
-    *count = 1;
+    *count = (unsigned int)fk_ndev();
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
-    if (!device || index != 0) return FK_NVML_ERROR_INVALID_ARGUMENT;
-    *device = &g_nvml_dev;
+    if (!device || index >= (unsigned int)fk_ndev()) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    *device = &g_nvml_devs[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!uuid || !device) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    for (int d = 0; d < fk_ndev(); d++) {
+        char u[64];
+        fk_phys_uuid_string(d, u, sizeof u);
+        if (strcasecmp(u, uuid) == 0) {
+            *device = &g_nvml_devs[d];
+            return NVML_SUCCESS;
+        }
+    }
+    return FK_NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!nvml_dev_ok(device) || !index) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    *index = (unsigned int)device->index;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!nvml_dev_ok(device) || !uuid) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    char u[64];
+    fk_phys_uuid_string(device->index, u, sizeof u);
+    if (length <= strlen(u)) return FK_NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(uuid, u, strlen(u) + 1);
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
     if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
-    if (device != &g_nvml_dev || !name || !length) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    if (!nvml_dev_ok(device) || !name || !length) return FK_NVML_ERROR_INVALID_ARGUMENT;
     snprintf(name, length, "%s", "gpushare stand-in GPU");
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, fk_nvmlUtilization_t *util) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!nvml_dev_ok(device) || !util) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    util->gpu = 0;
+    util->memory = 0;
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
-    if (device != &g_nvml_dev || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
-    unsigned long long total = fk_device_total(), used = nvml_used();
+    if (!nvml_dev_ok(device) || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long total = fk_phys_total(device->index), used = nvml_used(device->index);
     if (used > total) used = total;
     memory->total = total;
     memory->used = used;
@@ -2021,8 +2213,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
     if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
-    if (device != &g_nvml_dev || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
-    unsigned long long total = fk_device_total(), used = nvml_used();
+    if (!nvml_dev_ok(device) || !memory) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long total = fk_phys_total(device->index), used = nvml_used(device->index);
     if (used > total) used = total;
     memory->total = total;
     memory->reserved = 0;

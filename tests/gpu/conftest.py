@@ -7,6 +7,7 @@ from exhausting the card (oversubscribing managed memory can hang a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,6 +55,10 @@ class Scheduler:
         return self.log.read_text(errors="replace")
 
     def status(self) -> dict:
+        return json.loads(self.status_text("--json"))
+
+    def status_text(self, *options: str) -> str:
+        """``gpushare status`` as it prints (a table; the document with ``--json``)."""
         out = subprocess.run(
             [
                 sys.executable,
@@ -62,14 +67,14 @@ class Scheduler:
                 "status",
                 "--socket",
                 str(self.socket),
-                "--json",
+                *options,
             ],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
         )
-        return json.loads(out.stdout)
+        return out.stdout
 
 
 def workload_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -109,9 +114,11 @@ def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.P
     )
 
 
-@pytest.fixture
-def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
-    """A node scheduler with a 24 GiB pool and a 2 s base quantum."""
+@contextlib.contextmanager
+def running_scheduler(
+    tmp_path: Path, pool: str = "24GiB", quantum: float = 2.0
+) -> Iterator[Scheduler]:
+    """A node scheduler (NVML discovery: every GPU of the machine), stopped on exit."""
     sock = tmp_path / "gpushare.sock"
     log = tmp_path / "scheduler.log"
     with log.open("w") as log_file:
@@ -124,9 +131,9 @@ def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
                 "--socket",
                 str(sock),
                 "--pool",
-                "24GiB",
+                pool,
                 "--quantum",
-                "2",
+                str(quantum),
                 "--log-level",
                 "INFO",
             ],
@@ -139,11 +146,20 @@ def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
             raise AssertionError(f"scheduler did not start:\n{log.read_text()}")
         time.sleep(0.05)
     sched = Scheduler(sock, log, proc)
-    yield sched
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    print("---- scheduler log ----")
-    print(sched.log_text())
+        yield sched
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        print("---- scheduler log ----")
+        print(sched.log_text())
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
+    """A node scheduler with a 24 GiB pool and a 2 s base quantum."""
+    with running_scheduler(tmp_path) as sched:
+        yield sched

@@ -75,6 +75,9 @@ class Server:
             "c.GPUShareScheduler.pool_size = '24GiB'\n"
             "c.GPUShareScheduler.base_quantum = 60.0\n"
             "c.GPUShareScheduler.max_quantum = 120.0\n"
+            # Both notebooks on one GPU, also on a machine with several (where the provisioner
+            # would otherwise place them on different GPUs and they would never take turns).
+            "c.GPUShareProvisioner.device = '0'\n"
         )
         env = {
             **__import__("os").environ,
@@ -240,7 +243,7 @@ def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
 
         # While A's cell ran, the status showed A holding the GPU and B waiting, by notebook.
         assert seen_waiting is not None, "B was never seen waiting"
-        device = seen_waiting["devices"][0]
+        device = next(d for d in seen_waiting["devices"] if d["clients"])  # GPU 0 (pinned)
         assert device["holders"] == [ka] and device["queue"] == [kb], device
         paths = {c["id"]: c["jupyter"]["paths"] for c in device["clients"]}
         assert paths[ka] == ["a.ipynb"] and paths[kb] == ["b.ipynb"], paths

@@ -71,6 +71,9 @@ def test_report_waiting_plain_and_html() -> None:
     assert "waiting for the GPU" in html and "NVIDIA H100" in html
     assert "<b>train</b>" not in html and "&lt;b&gt;train&lt;/b&gt;.ipynb" in html
     assert "width:37.5%" in html  # 3 of 8 GiB
+    # On a node with several GPUs the device line says which one the kernel is on.
+    on_gpu1 = repr(GPUShareReport(dict(STATUS), entry, dict(DEVICE, index=1)))
+    assert "device     GPU 1: NVIDIA H100 (GPU-1), turns mode" in on_gpu1, on_gpu1
 
 
 def test_report_evicted_and_without_scheduler() -> None:

@@ -17,7 +17,7 @@ from jupyter_gpushare.scheduler.server import GPUShareScheduler
 
 DEVICE_KEYS = {
     "uuid", "name", "total_bytes", "pool_bytes", "resident_bytes", "mode", "quantum_ms",
-    "holders", "queue", "clients", "utilization_percent",
+    "holders", "queue", "clients", "utilization_percent", "index",
 }  # fmt: skip
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",

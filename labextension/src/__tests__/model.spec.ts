@@ -343,6 +343,34 @@ describe('memory', () => {
   });
 });
 
+describe('several GPUs', () => {
+  it('names each GPU by its index, with its own kernels', () => {
+    const s = status([
+      device([client('a', { state: 'running' })], { uuid: 'GPU-0', index: 0, holders: ['a'] }),
+      device([client('b', { state: 'running' })], { uuid: 'GPU-1', index: 1, holders: ['b'] })
+    ]);
+    const model = vm(s);
+    expect(model.devices.map(d => d.name)).toEqual([
+      'GPU 0: NVIDIA H100 80GB HBM3',
+      'GPU 1: NVIDIA H100 80GB HBM3'
+    ]);
+    expect(model.devices.map(d => d.index)).toEqual([0, 1]);
+    expect(model.devices[0].holders.map(r => r.id)).toEqual(['a']);
+    expect(model.devices[1].holders.map(r => r.id)).toEqual(['b']);
+  });
+
+  it('keeps the plain name for a single GPU or a GPU without an index', () => {
+    expect(vm(status([device([], { index: 0 })])).devices[0].name).toBe(
+      'NVIDIA H100 80GB HBM3'
+    );
+    const learnt = vm(status([device([]), device([], { uuid: 'GPU-2', index: 1 })]));
+    expect(learnt.devices.map(d => [d.name, d.index])).toEqual([
+      ['NVIDIA H100 80GB HBM3', null],
+      ['GPU 1: NVIDIA H100 80GB HBM3', 1]
+    ]);
+  });
+});
+
 describe('no GPU, no scheduler', () => {
   it('says when there is no GPU (NVML error, no devices)', () => {
     const m = vm(status([], { nvml: 'NVML Shared Library Not Found' }));

@@ -1,0 +1,203 @@
+"""Two GPUs: kernels started through the gpushare provisioner are placed on different GPUs when
+memory demands it, each sees one GPU (the one the scheduler chose), both compute at the same time,
+and the status lists each GPU with its kernel. A third kernel pinned by index (kernel.json
+metadata) lands on that GPU.
+
+Needs a machine with at least two NVIDIA GPUs (skips otherwise), PyTorch, jupyter_client and
+ipykernel. The scheduler runs as an operator starts it (NVML discovery) with a 24 GiB pool per GPU,
+far below the cards; the two kernels have 16 GiB quotas, so they fit one GPU each but not one GPU
+together. Without placement both would run on GPU 0 and take turns. Writes multi_gpu.json (and
+the status as text) to $OUT when set. Takes about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import running_scheduler
+from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 8 s, checked
+from test_jupyter_gpu import run_cell
+
+GIB = 1 << 30
+
+WHERE = """
+import json, os, torch
+p = torch.cuda.get_device_properties(0)
+print(json.dumps({"count": torch.cuda.device_count(), "uuid": str(p.uuid), "name": p.name,
+                  "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+"""
+
+
+def _uuid(text: str) -> str:
+    """A GPU UUID without its "GPU-" prefix, lower case (torch prints it bare)."""
+    text = text.strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def _gpus() -> list[Any]:
+    from jupyter_gpushare.scheduler.devices import discover_devices
+
+    found = discover_devices()
+    if found.error is not None:
+        pytest.skip(f"no NVML: {found.error}")
+    return found.devices
+
+
+class Kernel:
+    """A real ipykernel started by jupyter_client through the gpushare provisioner."""
+
+    def __init__(self, kernels_dir: Path, name: str, config: dict, metadata: dict | None = None):
+        from jupyter_client.kernelspec import KernelSpecManager
+        from jupyter_client.manager import KernelManager
+
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": name,
+            "language": "python",
+            "metadata": {
+                "kernel_provisioner": {
+                    "provisioner_name": "gpushare-provisioner",
+                    "config": config,
+                },
+                **(metadata or {}),
+            },
+        }
+        (kernels_dir / name).mkdir(parents=True)
+        (kernels_dir / name / "kernel.json").write_text(json.dumps(spec))
+        ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)], ensure_native_kernel=False)
+        self.km = KernelManager(kernel_name=name, kernel_spec_manager=ksm)
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env["GPUSHARE_IDLE_SECONDS"] = "0"
+        self.km.start_kernel(env=env, cwd=str(kernels_dir))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    @property
+    def id(self) -> str:
+        return str(self.km.kernel_id)
+
+    @property
+    def placement(self) -> dict:
+        return dict(self.km.provisioner.placement or {})
+
+    def run(self, code: str, out: dict | None = None) -> dict:
+        out = {} if out is None else out
+        run_cell(self.kc, code, out)
+        assert out["status"] == "ok", out["text"]
+        return out["record"]
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def test_kernels_are_placed_on_two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("jupyter_client")
+    pytest.importorskip("ipykernel")
+    gpus = _gpus()
+    if len(gpus) < 2:
+        pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        pytest.skip("CUDA_VISIBLE_DEVICES is set: the provisioner would keep it, not place")
+    with running_scheduler(tmp_path, pool="24GiB") as sched:
+        monkeypatch.setenv("GPUSHARE_SOCKET", str(sched.socket))  # the provisioner's scheduler
+        _run(sched, gpus, tmp_path)
+
+
+def _run(sched: Any, gpus: list[Any], tmp_path: Path) -> None:
+    started = time.monotonic()
+    kernels: list[Kernel] = []
+    try:
+        # Two kernels with 16 GiB quotas: one 24 GiB pool cannot hold both.
+        a = Kernel(tmp_path / "kernels", "a", {"memory_limit": "16GiB"})
+        kernels.append(a)
+        b = Kernel(tmp_path / "kernels", "b", {"memory_limit": "16GiB"})
+        kernels.append(b)
+        placed = {k.id: k.placement for k in (a, b)}
+        assert {p["device"] for p in placed.values()} == {gpus[0].uuid, gpus[1].uuid}, placed
+        assert all(p["source"] == "scheduler" and p["fits"] for p in placed.values()), placed
+
+        # Each kernel's torch sees one GPU: the one it was placed on.
+        where = {k.id: k.run(WHERE) for k in (a, b)}
+        for k in (a, b):
+            w = where[k.id]
+            assert w["count"] == 1, w
+            assert _uuid(w["uuid"]) == _uuid(k.placement["device"]), (w, k.placement)
+            assert w["visible"] == k.placement["device"], w
+
+        # Both compute at the same time; the status shows each GPU with its kernel, running.
+        results: dict[str, dict] = {a.id: {}, b.id: {}}
+        threads = [
+            threading.Thread(target=k.run, args=(COMPUTE, results[k.id]), daemon=True)
+            for k in (a, b)
+        ]
+        for t in threads:
+            t.start()
+        both_running = None
+        deadline = time.monotonic() + 60
+        while both_running is None and time.monotonic() < deadline:
+            doc = sched.status()
+            running = {
+                c["id"]: d["uuid"]
+                for d in doc["devices"]
+                for c in d["clients"]
+                if c["state"] == "running" and c["used_bytes"] >= 14 * GIB
+            }
+            if running.get(a.id) and running.get(b.id):
+                both_running = doc
+            else:
+                time.sleep(0.3)
+        text_status = sched.status_text()
+        for t in threads:
+            t.join(timeout=180)
+        ra, rb = results[a.id].get("record"), results[b.id].get("record")
+        assert ra and rb and ra["correct"] and rb["correct"], results
+        assert both_running is not None, "the two kernels were never seen running together"
+        by_uuid = {d["uuid"]: d for d in both_running["devices"]}
+        for k in (a, b):
+            dev = by_uuid[k.placement["device"]]
+            assert [c["id"] for c in dev["clients"]] == [k.id], dev
+            assert dev["holders"] == [k.id] and dev["index"] == k.placement["index"], dev
+        overlap = min(ra["end"], rb["end"]) - max(ra["start"], rb["start"])
+        assert overlap > 4.0, f"the kernels computed together for only {overlap:.1f}s"
+        assert "GPU 0:" in text_status and "GPU 1:" in text_status, text_status
+
+        # A kernel pinned to GPU index 1 in kernel.json runs there.
+        c = Kernel(
+            tmp_path / "kernels", "c", {"memory_limit": "2GiB"}, {"gpushare": {"device": "1"}}
+        )
+        kernels.append(c)
+        wc = c.run(WHERE)
+        assert c.placement["source"] == "pinned" and c.placement["index"] == 1, c.placement
+        assert _uuid(wc["uuid"]) == _uuid(gpus[1].uuid) and wc["count"] == 1, wc
+
+        summary = {
+            "gpus": [{"index": g.index, "uuid": g.uuid, "name": g.name} for g in gpus],
+            "placements": {"a": a.placement, "b": b.placement, "c (pinned)": c.placement},
+            "torch_saw": {"a": where[a.id], "b": where[b.id], "c": wc},
+            "compute": {"a": ra, "b": rb, "overlap_seconds": round(overlap, 2)},
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        print(json.dumps(summary, indent=1))
+        print(text_status)
+        out = os.environ.get("OUT")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "multi_gpu.json").write_text(json.dumps(summary, indent=1))
+            (Path(out) / "multi_gpu_status.txt").write_text(text_status)
+            (Path(out) / "multi_gpu_scheduler.log").write_text(sched.log_text())
+    finally:
+        for k in kernels:
+            try:
+                k.stop()
+            except Exception as exc:  # report, keep stopping the others
+                print(f"stopping kernel {k.id}: {exc}")
