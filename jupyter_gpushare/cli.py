@@ -3,6 +3,7 @@
     gpushare scheduler [--socket PATH] [--pool 24GiB] [--quantum 5] [--log-level DEBUG]
     gpushare run [--socket PATH] [--memory-limit 8GiB] [--weight 2] -- python train.py
     gpushare status [--socket PATH] [--json]
+    gpushare keygen PATH [--force] [--token-for USER]
 
 Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
 the Jupyter config path (``jupyter --paths``), or ``--config FILE``; the command line wins, e.g.
@@ -29,7 +30,15 @@ from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .scheduler.server import GPUShareScheduler, SchedulerStartError
 from .units import format_size, parse_size
 
-__all__ = ["GPUShareApp", "RunApp", "SchedulerApp", "StatusApp", "format_status", "main"]
+__all__ = [
+    "GPUShareApp",
+    "KeygenApp",
+    "RunApp",
+    "SchedulerApp",
+    "StatusApp",
+    "format_status",
+    "main",
+]
 
 
 class GPUShareBaseApp(Application):
@@ -365,6 +374,46 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class KeygenApp(GPUShareBaseApp):
+    name = "gpushare-keygen"
+    description = """Create the node's user key (the scheduler's user_key_file): 32 random bytes,
+    hex, mode 0600. With --token-for USER, print USER's token under an existing key instead (what
+    the hub puts in GPUSHARE_USER_TOKEN)."""
+    examples = """gpushare keygen /etc/gpushare/user.key
+gpushare keygen /etc/gpushare/user.key --token-for alice"""
+
+    force = Bool(
+        False, help="Replace an existing key (every token made with it stops working)."
+    ).tag(config=True)
+    token_for = Unicode("", help="Print this user's token under the key at PATH.").tag(config=True)
+
+    aliases: dict[Any, Any] = {"token-for": "KeygenApp.token_for"}
+    flags: dict[Any, Any] = {
+        "force": ({"KeygenApp": {"force": True}}, "Replace an existing key."),
+    }
+
+    def start(self) -> None:
+        from .identity import KeyFileError, generate_key, load_key, user_token
+
+        if len(self.extra_args) != 1:
+            print("gpushare keygen: usage: gpushare keygen PATH [--force]", file=sys.stderr)
+            self.exit(2)
+        path = self.extra_args[0]
+        if self.token_for:
+            try:
+                print(user_token(load_key(path), self.token_for))
+            except KeyFileError as exc:
+                print(f"gpushare keygen: {exc}", file=sys.stderr)
+                self.exit(1)
+            return
+        try:
+            generate_key(path, force=self.force)
+        except (FileExistsError, OSError) as exc:
+            print(f"gpushare keygen: {exc}", file=sys.stderr)
+            self.exit(1)
+        print(f"gpushare keygen: wrote a new key to {path} (mode 0600)")
+
+
 class GPUShareApp(GPUShareBaseApp):
     name = "gpushare"
     description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
@@ -377,13 +426,16 @@ gpushare status"""
         "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
         "run": (RunApp, RunApp.description.splitlines()[0]),
         "status": (StatusApp, StatusApp.description.splitlines()[0]),
+        "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
     }
 
     def start(self) -> None:
         if self.subapp is not None:
             self.subapp.start()
             return
-        print("gpushare: a subcommand is needed: scheduler, run or status\n", file=sys.stderr)
+        print(
+            "gpushare: a subcommand is needed: scheduler, run, status or keygen\n", file=sys.stderr
+        )
         self.print_subcommands()
         self.exit(2)
 
