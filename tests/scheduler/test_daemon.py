@@ -253,3 +253,43 @@ def test_scheduler_cli_options(tmp_path: Path) -> None:
     assert cfg.socket_group == "gpushare"
     assert app.log_style == "json"
     assert all(isinstance(h.formatter, JsonFormatter) for h in app.log.handlers)
+
+
+# --- the deploy/ files ----------------------------------------------------------------------
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_deploy_files_are_consistent() -> None:
+    """The systemd unit's command line parses, and the example configs it names load."""
+    import configparser
+    import shlex
+
+    from traitlets.config import PyFileConfigLoader
+
+    from jupyter_gpushare.scheduler.users import load_users_config
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read_string((DEPLOY / "systemd" / "gpushare-scheduler.service").read_text())
+    service = unit["Service"]
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert service["RuntimeDirectory"] == "gpushare"
+    assert "PrivateDevices" not in service  # NVML needs /dev/nvidia*
+    argv = shlex.split(service["ExecStart"].replace("\\\n", " "))
+    assert argv[1] == "scheduler"
+    options = [a for a in argv[2:] if a != "--config" and not a.endswith(".py")]
+    app = SchedulerApp()
+    app.initialize(options)
+    assert app.config.GPUShareScheduler.socket_path == "/run/gpushare/scheduler.sock"
+    assert app.log_style == "json"
+    assert os.path.basename(app.config.GPUShareScheduler.users_config) == "users.toml"
+
+    cfg = PyFileConfigLoader("gpushare_config.py", path=str(DEPLOY)).load_config()
+    assert cfg.GPUShareScheduler.socket_mode == 0o660
+    assert cfg.GPUShareScheduler.socket_group == "gpushare"
+
+    # Its groups carry members lists, so it loads on any machine (no system group needed).
+    users = load_users_config(str(DEPLOY / "users.toml"))
+    assert users.limits("alice", users.listed_groups("alice")).quota == 60 << 30
+    assert users.is_admin("ops", None, users.listed_groups("ops"))
