@@ -293,3 +293,56 @@ def test_deploy_files_are_consistent() -> None:
     users = load_users_config(str(DEPLOY / "users.toml"))
     assert users.limits("alice", users.listed_groups("alice")).quota == 60 << 30
     assert users.is_admin("ops", None, users.listed_groups("ops"))
+
+
+def test_sighup_reloads_and_logs_are_json(tmp_path: Path, sock_dir: str) -> None:
+    """The real daemon: SIGHUP reloads (a bad file is rejected and the daemon keeps running),
+    SIGTERM stops it, and every log line is one JSON object."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    users = tmp_path / "users.toml"
+    users.write_text('[defaults]\nquota = "1GiB"\n')
+    sock = os.path.join(sock_dir, "d.sock")
+    log_path = tmp_path / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    argv = [
+        sys.executable, "-m", "jupyter_gpushare", "scheduler", "--socket", sock, "--no-nvml",
+        "--users-config", str(users), "--log-format", "json",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_for(text: str, count: int = 1) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            lines = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+            if sum(text in d["message"] for d in lines) >= count:
+                return lines
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not logged:\n{log_path.read_text()}")
+
+    try:
+        wait_for("listening on")
+        users.write_text('[defaults]\nquota = "lots"\n')
+        proc.send_signal(signal.SIGHUP)
+        lines = wait_for("reload failed")
+        (failed,) = [d for d in lines if "reload failed" in d["message"]]
+        assert failed["level"] == "error" and "lots" in failed["message"]
+        assert proc.poll() is None  # still serving, with the old file
+        users.write_text('[defaults]\nquota = "2GiB"\n')
+        proc.send_signal(signal.SIGHUP)
+        lines = wait_for("reloaded")
+        access = [d for d in lines if d["message"].startswith("access: users config")]
+        assert len(access) == 2 and "2.00 GiB" in access[-1]["message"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not os.path.exists(sock)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
