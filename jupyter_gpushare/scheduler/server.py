@@ -623,7 +623,10 @@ class GPUShareScheduler(LoggingConfigurable):
         )
 
     def authorize(self, peer_uid: int, client_uid: int) -> bool:
-        """May a peer of ``peer_uid`` act on a client of ``client_uid``?"""
+        """May a peer of ``peer_uid`` act on a client of ``client_uid``, by uids alone?
+
+        The uid-only rule, for callers that have no identities; the scheduler itself decides
+        with :meth:`may_act`, which also covers users sharing a uid (``token_uids``)."""
         if peer_uid < 0:
             return False
         return peer_uid == client_uid or self.is_admin(peer_uid)
