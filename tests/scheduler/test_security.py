@@ -98,6 +98,14 @@ async def test_status_shows_own_kernels_in_full_and_others_summed(
     for secret in ("a1", "a2", "a1.ipynb", "a2.ipynb"):
         assert f"'{secret}'" not in text
 
+    # `gpushare status` prints the view as it is: other users by name and in sums.
+    from jupyter_gpushare.cli import format_status
+
+    text = format_status(doc)
+    assert "user alice: 2 clients (1 running, 0 waiting), resident 300.00 MiB" in text
+    assert "holder: " in text and "a1" not in text and "a2" not in text
+    assert "b1" in text
+
     full = await ctl(sock_path, token, "ops").status()  # an admin sees everything
     assert full["identity"]["admin"] is True
     assert sorted(c["id"] for c in full["devices"][0]["clients"]) == ["a1", "a2", "b1"]
