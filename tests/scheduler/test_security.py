@@ -47,6 +47,9 @@ quota = "512MiB"
 weight = 1.0
 [admins]
 users = ["ops"]
+groups = ["gpuadmins"]
+[groups.gpuadmins]
+members = ["erin"]
 [users.alice]
 weight = 2.0
 """
@@ -136,6 +139,9 @@ async def test_only_owner_or_admin_may_act(
     reply = await ctl(sock_path, token, "ops").release("a1")
     assert reply["ok"] is True
     await a.expect(MsgType.REVOKE)
+    # And an admin by group (a [groups.NAME] members list named in [admins] groups).
+    reply = await ctl(sock_path, token, "erin").control("kernel_state", client="a1", state="busy")
+    assert reply["ok"] is True
 
 
 async def test_forged_or_missing_token_is_refused(
