@@ -1,8 +1,10 @@
 """The ``gpushare`` command line: ``scheduler``, ``run`` and ``status``.
 
     gpushare scheduler [--socket PATH] [--pool 24GiB] [--quantum 5] [--log-level DEBUG]
+                       [--users-config users.toml] [--metrics-port 9464] [--log-format json]
     gpushare run [--socket PATH] [--memory-limit 8GiB] [--weight 2] -- python train.py
     gpushare status [--socket PATH] [--json]
+    gpushare keygen PATH [--force] [--token-for USER]
 
 Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
 the Jupyter config path (``jupyter --paths``), or ``--config FILE``; the command line wins, e.g.
@@ -21,7 +23,7 @@ import sys
 from copy import deepcopy
 from typing import Any
 
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Enum, Float, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
@@ -29,7 +31,15 @@ from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .scheduler.server import GPUShareScheduler, SchedulerStartError
 from .units import format_size, parse_size
 
-__all__ = ["GPUShareApp", "RunApp", "SchedulerApp", "StatusApp", "format_status", "main"]
+__all__ = [
+    "GPUShareApp",
+    "KeygenApp",
+    "RunApp",
+    "SchedulerApp",
+    "StatusApp",
+    "format_status",
+    "main",
+]
 
 
 class GPUShareBaseApp(Application):
@@ -78,8 +88,18 @@ class GPUShareBaseApp(Application):
 class SchedulerApp(GPUShareBaseApp):
     name = "gpushare-scheduler"
     description = """Run the node's GPU scheduler in the foreground (logs go to stderr).
-    SIGTERM or Ctrl-C stops it and removes its socket."""
-    examples = "gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG"
+    SIGTERM or Ctrl-C stops it and removes its socket; SIGHUP re-reads the users config and the
+    user key (a bad new file is logged and the old one kept)."""
+    examples = """gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG
+gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \
+    --user-key /etc/gpushare/user.key --metrics-port 9464 --log-format json"""
+
+    log_style = Enum(
+        ["text", "json"],
+        "text",
+        help="""Log lines as text, or as one JSON object per line (ts, level, logger, message,
+        event and the event's key=value fields) for a log collector.""",
+    ).tag(config=True)
 
     aliases: dict[Any, Any] = {
         **GPUShareBaseApp.aliases,
@@ -88,6 +108,12 @@ class SchedulerApp(GPUShareBaseApp):
         "reserve": "GPUShareScheduler.pool_reserve",
         "quantum": "GPUShareScheduler.base_quantum",
         "max-quantum": "GPUShareScheduler.max_quantum",
+        "users-config": "GPUShareScheduler.users_config",
+        "user-key": "GPUShareScheduler.user_key_file",
+        "socket-group": "GPUShareScheduler.socket_group",
+        "metrics-port": "GPUShareScheduler.metrics_port",
+        "metrics-address": "GPUShareScheduler.metrics_address",
+        "log-format": "SchedulerApp.log_style",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (
@@ -105,6 +131,11 @@ class SchedulerApp(GPUShareBaseApp):
     def initialize(self, argv: Any = None) -> None:
         super().initialize(argv)
         self.load_gpushare_config()
+        if self.log_style == "json":
+            from .scheduler.logs import JsonFormatter
+
+            for handler in self.log.handlers:
+                handler.setFormatter(JsonFormatter())
 
     def start(self) -> None:
         try:
@@ -128,6 +159,10 @@ class SchedulerApp(GPUShareBaseApp):
         await scheduler.run_forever()
 
     def _on_signal(self, scheduler: Any, sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP:
+            self.log.info("SIGHUP: reloading the users config and the user key")
+            scheduler.request_reload()
+            return
         self.log.info("%s: stopping", signal.Signals(sig).name)
         scheduler.request_stop()
 
@@ -321,12 +356,24 @@ def format_status(doc: dict[str, Any]) -> str:
         )
         holders = ", ".join(dev.get("holders") or []) or "-"
         queue = ", ".join(dev.get("queue") or []) or "-"
+        if "others" in dev:
+            # A filtered view (docs/protocol.md, "Who sees what"): other users by name only.
+            holders = ", ".join(dev.get("holder_users") or []) or "-"
+            queue = ", ".join(dev.get("queue_users") or []) or "-"
         lines.append(f"  holder: {holders}   queue: {queue}")
+        for other in dev.get("others") or []:
+            n = int(other.get("clients") or 0)
+            lines.append(
+                f"  user {other.get('user', '?')}: {n} client{'s' if n != 1 else ''}"
+                f" ({other.get('running', 0)} running, {other.get('waiting', 0)} waiting),"
+                f" resident {_size(other.get('resident_bytes'))},"
+                f" GPU time {_seconds(other.get('gpu_seconds'))}"
+            )
         clients = dev.get("clients") or []
         if dev.get("clients_truncated"):
             lines.append(f"  ({dev['clients_truncated']} clients; too many to list)")
         if not clients:
-            lines.append("  no clients")
+            lines.append("  none of your clients" if "others" in dev else "  no clients")
             continue
         rows = [
             [
@@ -367,6 +414,46 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class KeygenApp(GPUShareBaseApp):
+    name = "gpushare-keygen"
+    description = """Create the node's user key (the scheduler's user_key_file): 32 random bytes,
+    hex, mode 0600. With --token-for USER, print USER's token under an existing key instead (what
+    the hub puts in GPUSHARE_USER_TOKEN)."""
+    examples = """gpushare keygen /etc/gpushare/user.key
+gpushare keygen /etc/gpushare/user.key --token-for alice"""
+
+    force = Bool(
+        False, help="Replace an existing key (every token made with it stops working)."
+    ).tag(config=True)
+    token_for = Unicode("", help="Print this user's token under the key at PATH.").tag(config=True)
+
+    aliases: dict[Any, Any] = {"token-for": "KeygenApp.token_for"}
+    flags: dict[Any, Any] = {
+        "force": ({"KeygenApp": {"force": True}}, "Replace an existing key."),
+    }
+
+    def start(self) -> None:
+        from .identity import KeyFileError, generate_key, load_key, user_token
+
+        if len(self.extra_args) != 1:
+            print("gpushare keygen: usage: gpushare keygen PATH [--force]", file=sys.stderr)
+            self.exit(2)
+        path = self.extra_args[0]
+        if self.token_for:
+            try:
+                print(user_token(load_key(path), self.token_for))
+            except KeyFileError as exc:
+                print(f"gpushare keygen: {exc}", file=sys.stderr)
+                self.exit(1)
+            return
+        try:
+            generate_key(path, force=self.force)
+        except (FileExistsError, OSError) as exc:
+            print(f"gpushare keygen: {exc}", file=sys.stderr)
+            self.exit(1)
+        print(f"gpushare keygen: wrote a new key to {path} (mode 0600)")
+
+
 class GPUShareApp(GPUShareBaseApp):
     name = "gpushare"
     description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
@@ -379,13 +466,16 @@ gpushare status"""
         "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
         "run": (RunApp, RunApp.description.splitlines()[0]),
         "status": (StatusApp, StatusApp.description.splitlines()[0]),
+        "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
     }
 
     def start(self) -> None:
         if self.subapp is not None:
             self.subapp.start()
             return
-        print("gpushare: a subcommand is needed: scheduler, run or status\n", file=sys.stderr)
+        print(
+            "gpushare: a subcommand is needed: scheduler, run, status or keygen\n", file=sys.stderr
+        )
         self.print_subcommands()
         self.exit(2)
 

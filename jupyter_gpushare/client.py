@@ -8,15 +8,22 @@ Every call opens its own connection, sends one message and reads one answer: the
 go stale when the scheduler restarts. A missing or unreachable scheduler raises
 :class:`SchedulerUnavailable`; a refused request raises :class:`SchedulerError` with the protocol's
 error code.
+
+Identity: every message carries ``user`` and ``token`` when they are known (the arguments, else
+``$GPUSHARE_USER`` and ``$GPUSHARE_USER_TOKEN``): a scheduler whose ``token_uids`` include this
+process's uid (JupyterHub, Kubernetes) needs them to know which user speaks; for any other uid it
+goes by ``SO_PEERCRED`` and ignores them (docs/protocol.md, "Transport and identity").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from typing import Any
 
+from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
 from .protocol import (
     ErrorCode,
@@ -87,9 +94,27 @@ def _answer(path: str, reply: Message | None, expected: MsgType) -> dict[str, An
 class SchedulerClient:
     """Talks to the scheduler at ``socket_path`` (default: :func:`default_socket_path`)."""
 
-    def __init__(self, socket_path: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        timeout: float = 10.0,
+        *,
+        user: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self.timeout = timeout
+        self.user = user if user is not None else os.environ.get(ENV_USER, "")
+        self.token = token if token is not None else os.environ.get(ENV_TOKEN, "")
+
+    def _identified(self, msg: Message) -> Message:
+        """``msg`` with this client's user and token (docs/protocol.md), when it has them."""
+        fields = dict(msg.fields)
+        if self.user:
+            fields["user"] = self.user
+        if self.token:
+            fields["token"] = self.token
+        return Message(msg.type, fields)
 
     # -- async ------------------------------------------------------------------------------
 
@@ -102,7 +127,7 @@ class SchedulerClient:
         except (OSError, asyncio.TimeoutError) as exc:
             raise _unavailable(path, exc) from exc
         try:
-            writer.write(encode(msg))
+            writer.write(encode(self._identified(msg)))
             await writer.drain()
             reply = await asyncio.wait_for(read_message(reader), self.timeout)
         except ProtocolError as exc:
@@ -166,7 +191,7 @@ class SchedulerClient:
             except OSError as exc:
                 raise _unavailable(path, exc) from exc
             try:
-                write_message_sync(sock, msg)
+                write_message_sync(sock, self._identified(msg))
                 reply = read_message_sync(sock)
             except ProtocolError as exc:
                 raise SchedulerError(

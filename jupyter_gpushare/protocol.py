@@ -139,6 +139,7 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     23: ("version", FieldType.STR),
     24: ("idle_ms", FieldType.U64),
     25: ("context_bytes", FieldType.U64),
+    26: ("token", FieldType.STR),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

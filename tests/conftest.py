@@ -321,6 +321,7 @@ class SchedulerProc:
         quantum: float,
         env: dict[str, str] | None = None,
         nvml: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.socket_path = socket_path
         self.log_path = log_path
@@ -328,6 +329,7 @@ class SchedulerProc:
         self.quantum = quantum
         self.extra_env = env or {}  # e.g. the stand-in NVML on LD_LIBRARY_PATH, with nvml=True
         self.nvml = nvml
+        self.extra_args = extra_args
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -346,6 +348,7 @@ class SchedulerProc:
             "--log-level",
             "DEBUG",
             *([] if self.nvml else ["--no-nvml"]),
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 30.0) -> SchedulerProc:
@@ -508,12 +511,16 @@ class Harness:
         return proc
 
     def scheduler(
-        self, pool: str = "1GiB", quantum: float = 2.0, fake_devices: int = 0
+        self,
+        pool: str = "1GiB",
+        quantum: float = 2.0,
+        fake_devices: int = 0,
+        args: tuple[str, ...] = (),
     ) -> SchedulerProc:
         """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at).
 
         ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
-        NVML; devices are learnt from the shims)."""
+        NVML; devices are learnt from the shims). ``args``: more command-line options."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
         env = {}
         if fake_devices:
@@ -521,7 +528,9 @@ class Harness:
                 "LD_LIBRARY_PATH": str(self.build.fake_dir),
                 "GPUSHARE_FAKE_DEVICES": str(fake_devices),
             }
-        sched = SchedulerProc(self.socket_path, log, pool, quantum, env, nvml=bool(fake_devices))
+        sched = SchedulerProc(
+            self.socket_path, log, pool, quantum, env, nvml=bool(fake_devices), extra_args=args
+        )
         self.schedulers.append(sched)
         return sched.start()
 

@@ -58,6 +58,7 @@ static struct client {
     char device_uuid[48];
     char device_name[256];
     char user[128];
+    char token[160]; /* GPUSHARE_USER_TOKEN: proves `user` where many users share a uid */
     char label[1024];
     uint64_t device_total;
     uint64_t quantum_ms;
@@ -247,6 +248,8 @@ static void gather_identity(CUdevice dev)
         else
             snprintf(C.user, sizeof C.user, "uid-%u", (unsigned)getuid());
     }
+    if ((v = getenv("GPUSHARE_USER_TOKEN")) && *v)
+        snprintf(C.token, sizeof C.token, "%s", v);
     if ((v = getenv("GPUSHARE_LABEL")) && *v)
         snprintf(C.label, sizeof C.label, "%s", v);
     else
@@ -415,6 +418,8 @@ static int handshake(char *why, size_t whylen)
     gs_w_u64(&w, GS_TAG_QUOTA, cfg->quota);
     gs_w_u64(&w, GS_TAG_WEIGHT_MILLI, cfg->weight_milli);
     gs_w_str(&w, GS_TAG_USER, C.user);
+    if (C.token[0])
+        gs_w_str(&w, GS_TAG_TOKEN, C.token);
     gs_w_str(&w, GS_TAG_LABEL, C.label);
     gs_w_u64(&w, GS_TAG_CONTEXT_BYTES, cfg->context_bytes);
     gs_w_str(&w, GS_TAG_VERSION, GS_VERSION);

@@ -19,7 +19,7 @@ static const uint8_t tag_type[GS_TAG_MAX + 1] = {
     [GS_TAG_MICROS] = T_U64,         [GS_TAG_ERROR_CODE] = T_U64,
     [GS_TAG_MESSAGE] = T_STR,        [GS_TAG_BODY] = T_STR,
     [GS_TAG_VERSION] = T_STR,        [GS_TAG_IDLE_MS] = T_U64,
-    [GS_TAG_CONTEXT_BYTES] = T_U64,
+    [GS_TAG_CONTEXT_BYTES] = T_U64,  [GS_TAG_TOKEN] = T_STR,
 };
 
 static void put_le(uint8_t *p, uint64_t v, int n)

@@ -64,7 +64,8 @@ enum gs_tag {
     GS_TAG_VERSION = 23,
     GS_TAG_IDLE_MS = 24,
     GS_TAG_CONTEXT_BYTES = 25,
-    GS_TAG_MAX = 25
+    GS_TAG_TOKEN = 26,
+    GS_TAG_MAX = 26
 };
 
 /* ---- encoding ---- */

@@ -40,7 +40,8 @@ def test_constants_match_the_contract() -> None:
     }  # fmt: skip
     assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6]
     assert p.FIELD_TAGS["client_id"] == 1 and p.FIELD_TAGS["context_bytes"] == 25
-    assert len(p.FIELDS) == 25
+    assert p.FIELDS[26] == ("token", p.FieldType.STR)
+    assert len(p.FIELDS) == 26
     assert p.FIELDS[22] == ("body", p.FieldType.JSON)
     assert p.FIELDS[14] == ("flag", p.FieldType.U64)
 
@@ -63,7 +64,7 @@ ALL_FIELDS = {
     "managed_bytes": 1, "pinned_bytes": 2, "evicted_bytes": 3, "flag": 1, "pool_bytes": 5,
     "quantum_ms": 5000, "reason": "turn", "bytes_moved": 6, "micros": 7, "error_code": 3,
     "message": "oops", "body": {"a": [1, 2, {"b": None}], "ü": "✓"}, "version": "0.1.0",
-    "idle_ms": 2000, "context_bytes": 536870912,
+    "idle_ms": 2000, "context_bytes": 536870912, "token": "0f" * 32,
 }  # fmt: skip
 
 
