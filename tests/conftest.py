@@ -313,11 +313,19 @@ class Proc:
 class SchedulerProc:
     """``python -m jupyter_gpushare scheduler`` in a subprocess, its log in a file."""
 
-    def __init__(self, socket_path: Path, log_path: Path, pool: str, quantum: float) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        log_path: Path,
+        pool: str,
+        quantum: float,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.socket_path = socket_path
         self.log_path = log_path
         self.pool = pool
         self.quantum = quantum
+        self.extra = extra  # more command-line options (e.g. --GPUShareScheduler.<trait>=...)
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -336,6 +344,7 @@ class SchedulerProc:
             "--log-level",
             "DEBUG",
             "--no-nvml",
+            *self.extra,
         ]
 
     def start(self, timeout: float = 30.0) -> SchedulerProc:
@@ -496,10 +505,12 @@ class Harness:
         self.procs.append(proc)
         return proc
 
-    def scheduler(self, pool: str = "1GiB", quantum: float = 2.0) -> SchedulerProc:
+    def scheduler(
+        self, pool: str = "1GiB", quantum: float = 2.0, extra: tuple[str, ...] = ()
+    ) -> SchedulerProc:
         """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        sched = SchedulerProc(self.socket_path, log, pool, quantum)
+        sched = SchedulerProc(self.socket_path, log, pool, quantum, extra)
         self.schedulers.append(sched)
         return sched.start()
 

@@ -1,0 +1,141 @@
+"""JupyterHub side of jupyter-gpushare: every single-user server gets the hub's word for its user.
+
+Many hub users can share one uid (``SimpleLocalProcessSpawner``, DockerSpawner, every pod of
+Zero to JupyterHub runs as uid 1000), so the node scheduler cannot tell them apart by
+``SO_PEERCRED``. The hub knows who each server belongs to: at spawn it puts
+
+* ``GPUSHARE_USER``: the hub user's name, and
+* ``GPUSHARE_USER_TOKEN``: an HMAC of that name under the node's user key
+  (:func:`jupyter_gpushare.identity.user_token`)
+
+into the server's environment. Kernels inherit both, so their shims present them in ``HELLO``, and
+the server extension presents them on its control connection. A scheduler whose ``token_uids``
+include the peer's uid verifies the token with the same key and then knows the user by name.
+
+In ``jupyterhub_config.py`` (deploy/jupyterhub/jupyterhub_config.py is a complete example)::
+
+    import jupyter_gpushare.hub
+    jupyter_gpushare.hub.configure(c, key_file="/etc/gpushare/user.key")
+
+or, to install the hook alone::
+
+    c.Spawner.pre_spawn_hook = jupyter_gpushare.hub.TokenHook("/etc/gpushare/user.key")
+
+The key is read once, when the hook is made (so a hub with an unreadable key fails at start, with
+the path and the reason, not at the first spawn). The hub needs the key; user servers never see it,
+only their own user's token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .identity import ENV_TOKEN, ENV_USER, load_key, user_token
+from .paths import SYSTEM_SOCKET
+
+__all__ = [
+    "DEFAULT_KEY_FILE",
+    "KEY_FILE_ENV",
+    "TokenHook",
+    "UserKeyError",
+    "configure",
+    "server_environment",
+]
+
+#: Where ``configure`` looks for the node's user key unless told otherwise.
+DEFAULT_KEY_FILE = "/etc/gpushare/user.key"
+#: Environment variable that overrides :data:`DEFAULT_KEY_FILE` (the hub's own environment).
+KEY_FILE_ENV = "GPUSHARE_USER_KEY_FILE"
+
+
+class UserKeyError(RuntimeError):
+    """The node's user key cannot be read: the hub must not start handing out servers."""
+
+
+def _key_file(key_file: str | os.PathLike[str] | None) -> str:
+    if key_file is not None:
+        return os.fspath(key_file)
+    return os.environ.get(KEY_FILE_ENV) or DEFAULT_KEY_FILE
+
+
+def _read_key(path: str) -> bytes:
+    try:
+        return load_key(path)
+    except (OSError, ValueError) as exc:
+        raise UserKeyError(
+            f"jupyter-gpushare: the hub cannot use the node's user key: {exc}. It needs "
+            "the same key as the node scheduler (c.GPUShareScheduler.user_key_file)."
+        ) from exc
+
+
+def server_environment(key: bytes, user: str) -> dict[str, str]:
+    """The environment variables that name ``user`` to the node scheduler."""
+    if not user:
+        raise ValueError("a hub user name is needed")
+    return {ENV_USER: user, ENV_TOKEN: user_token(key, user)}
+
+
+class TokenHook:
+    """A ``Spawner.pre_spawn_hook`` that sets ``GPUSHARE_USER`` and ``GPUSHARE_USER_TOKEN``.
+
+    ``then``: another pre-spawn hook to run afterwards (``configure`` chains the one already
+    configured, so installing gpushare does not drop an operator's own hook).
+    """
+
+    def __init__(
+        self,
+        key_file: str | os.PathLike[str] | None = None,
+        *,
+        then: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.key_file = _key_file(key_file)
+        self._key = _read_key(self.key_file)
+        self.then = then
+
+    def environment(self, user: str) -> dict[str, str]:
+        return server_environment(self._key, user)
+
+    def __call__(self, spawner: Any) -> Any:
+        name = str(spawner.user.name)
+        # A new dict: the trait's value may be the config's own dict, shared by every spawner.
+        spawner.environment = {**spawner.environment, **self.environment(name)}
+        if self.then is not None:
+            return self.then(spawner)
+        return None
+
+    def __repr__(self) -> str:
+        return f"TokenHook({self.key_file!r})"
+
+
+def configure(
+    c: Any,
+    *,
+    key_file: str | os.PathLike[str] | None = None,
+    socket: str = SYSTEM_SOCKET,
+    environment: Mapping[str, str] | None = None,
+) -> TokenHook:
+    """Set up a hub's config ``c`` for a node-wide gpushare scheduler.
+
+    * ``c.Spawner.pre_spawn_hook``: a :class:`TokenHook` for ``key_file`` (default:
+      ``$GPUSHARE_USER_KEY_FILE``, else ``/etc/gpushare/user.key``), chained before a hook already
+      configured;
+    * ``c.Spawner.environment``: ``GPUSHARE_SCHEDULER=node`` (the server extension connects to
+      the node scheduler instead of embedding one) and ``GPUSHARE_SOCKET=socket``, plus
+      ``environment``; values already configured stay.
+
+    Returns the hook. Raises :class:`UserKeyError` when the key cannot be read.
+    """
+    spawner_config = c.Spawner
+    previous = spawner_config.get("pre_spawn_hook") if "pre_spawn_hook" in spawner_config else None
+    if isinstance(previous, TokenHook):
+        previous = previous.then
+    hook = TokenHook(key_file, then=previous)
+    spawner_config.pre_spawn_hook = hook
+    env = dict(spawner_config.get("environment", {})) if "environment" in spawner_config else {}
+    defaults = {"GPUSHARE_SCHEDULER": "node", "GPUSHARE_SOCKET": socket, **(environment or {})}
+    for name, value in defaults.items():
+        env.setdefault(name, value)
+    spawner_config.environment = env
+    return hook

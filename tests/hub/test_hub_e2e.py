@@ -1,0 +1,182 @@
+"""End to end on JupyterHub: one node scheduler, two hub users, one uid.
+
+A real JupyterHub (configurable-http-proxy, SimpleLocalProcessSpawner, DummyAuthenticator with a
+password) configured by deploy/jupyterhub/jupyterhub_config.py, the file docs/operators/
+jupyterhub.md shows; one node scheduler (``gpushare scheduler``) with the node's user key and
+``token_uids`` = this uid, the uid every single-user server runs as here. Alice and Bob log in,
+start their servers through the hub's REST API and a "Python 3 (GPU shared)" kernel each through
+their server's REST API, and run a cell that uses the (stand-in) GPU. Then:
+
+* both kernels are clients of the one scheduler, each under its hub user's name (the hub's
+  GPUSHARE_USER / GPUSHARE_USER_TOKEN, checked by the scheduler);
+* Alice's gpushare status shows her kernel in full (notebook label, kernel id) and Bob's only as
+  a redacted entry (user, state, memory: what it takes to see why one waits);
+* Alice cannot release Bob's kernel: her server answers 403 (the kernel exists, it is not hers;
+  the scheduler refuses the same with ``forbidden`` when asked directly with her token);
+* Bob can release his own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hub_helpers import Hub, find_or_install_chp, wait_for
+
+from jupyter_gpushare.client import SchedulerClient, SchedulerError
+from jupyter_gpushare.identity import generate_key, load_key, user_token
+from jupyter_gpushare.protocol import ErrorCode
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+#: The cell: the stand-in driver through ctypes (tests/jupyter's GPU_PRELUDE, trimmed): a
+#: context, 64 MiB, one launch; the shim says HELLO and asks the scheduler for the device.
+CELL = r"""
+import ctypes as ct, json, os
+cu = ct.CDLL("libcuda.so.1")
+cu.cuMemAlloc_v2.argtypes = [ct.POINTER(ct.c_uint64), ct.c_size_t]
+cu.cuModuleGetFunction.argtypes = [ct.POINTER(ct.c_void_p), ct.c_void_p, ct.c_char_p]
+cu.cuLaunchKernel.argtypes = [ct.c_void_p] + [ct.c_uint] * 7 + [ct.c_void_p] * 3
+cu.cuCtxSetCurrent.argtypes = [ct.c_void_p]
+dev, ctx, mod, fn, ptr = ct.c_int(), ct.c_void_p(), ct.c_void_p(), ct.c_void_p(), ct.c_uint64()
+assert cu.cuInit(0) == 0
+assert cu.cuDeviceGet(ct.byref(dev), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ct.byref(ctx), dev) == 0
+assert cu.cuCtxSetCurrent(ctx) == 0
+assert cu.cuModuleLoadData(ct.byref(mod), b"stand-in image") == 0
+assert cu.cuModuleGetFunction(ct.byref(fn), mod, b"sleep") == 0
+assert cu.cuMemAlloc_v2(ct.byref(ptr), 64 << 20) == 0
+arg = ct.c_ulonglong(1000)
+params = (ct.c_void_p * 1)(ct.cast(ct.byref(arg), ct.c_void_p))
+assert cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None) == 0
+assert cu.cuCtxSynchronize() == 0
+print(json.dumps({k: os.environ.get(k) for k in ("GPUSHARE_USER", "GPUSHARE_CLIENT_ID")}))
+"""
+
+
+@pytest.fixture
+def hub_setup(native_build: Any, harness: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    shim = native_build.require_shim()
+    chp = find_or_install_chp()
+    state = Path(tempfile.mkdtemp(prefix="gshub-", dir="/tmp"))
+    key_file = state / "user.key"
+    generate_key(str(key_file))
+    uid = os.getuid()
+    scheduler = harness.scheduler(
+        pool="1GiB",
+        quantum=60.0,
+        extra=(
+            f"--GPUShareScheduler.user_key_file={key_file}",
+            f"--GPUShareScheduler.token_uids=[{uid}]",
+        ),
+    )
+    env = {
+        # The stand-in driver and this checkout's build of the shim (the provisioner finds it
+        # through GPUSHARE_LIBRARY); kernels inherit the server's environment.
+        "LD_LIBRARY_PATH": os.pathsep.join(
+            filter(None, [str(native_build.fake_dir), os.environ.get("LD_LIBRARY_PATH")])
+        ),
+        "GPUSHARE_LIBRARY": str(shim),
+        "GPUSHARE_SOCKET": str(harness.socket_path),
+        "GPUSHARE_FAKE_DEVICE_TOTAL": "4GiB",
+        "GPUSHARE_CONTEXT_BYTES": str(16 * MiB),
+        "GPUSHARE_IDLE_SECONDS": "0",
+        "GPUSHARE_LOG": "info",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    hub = Hub(state, chp=chp, key_file=key_file, socket_path=harness.socket_path, env=env)
+    ok = False
+    try:
+        yield {"hub": hub, "scheduler": scheduler, "key": load_key(str(key_file))}
+        ok = True
+    finally:
+        hub.stop()
+        if not ok:
+            print(hub.describe())
+            print(f"--- scheduler log ---\n{scheduler.log}")
+        for name in ("jupyterhub.log",):
+            with_log = state / name
+            if with_log.exists():
+                shutil.copyfile(with_log, tmp_path / name)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def clients(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for d in doc.get("devices", []) for c in d.get("clients", [])}
+
+
+def scheduler_as(setup: dict[str, Any], user: str) -> SchedulerClient:
+    """A control connection to the node scheduler speaking for ``user`` (with the hub's token)."""
+    sched = setup["scheduler"]
+    return SchedulerClient(
+        str(sched.socket_path), timeout=10, user=user, token=user_token(setup["key"], user)
+    )
+
+
+def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> None:
+    t0 = time.monotonic()
+    hub: Hub = hub_setup["hub"]
+    alice, bob = hub.login("alice"), hub.login("bob")
+    # A wrong password is refused: the authenticator is the hub's, not a pass-through.
+    with pytest.raises(AssertionError, match="answered 403"):
+        hub.login("alice", password="wrong")
+    for user in (alice, bob):
+        user.start_server()
+    for user in (alice, bob):
+        user.wait_server()
+    kernels: dict[str, str] = {}
+    for user in (alice, bob):
+        kernels[user.name] = user.start_kernel()
+    for user in (alice, bob):
+        out = user.execute(kernels[user.name], CELL)
+        assert f'"GPUSHARE_USER": "{user.name}"' in out, out
+
+    # Both kernels are clients of the one node scheduler, each under its hub user's name.
+    def both_registered() -> dict[str, Any] | None:
+        doc = scheduler_as(hub_setup, "alice").status_sync()
+        found = clients(doc)
+        ids = {k.split("#")[0] for k in found}
+        return doc if set(kernels.values()) <= ids else None
+
+    wait_for("both kernels in the scheduler", both_registered, 30, hub.describe)
+    a_kernel, b_kernel = kernels["alice"], kernels["bob"]
+
+    # Alice's view: her kernel in full, Bob's redacted.
+    doc = alice.status()
+    assert doc["scheduler"]["mode"] == "node", doc["scheduler"]
+    assert doc["viewer"] == {"name": "alice", "admin": False}, doc["viewer"]
+    mine, theirs = _by_kernel(doc, a_kernel), _by_kernel(doc, b_kernel)
+    assert mine is not None and theirs is not None, doc
+    assert mine["user"] == "alice" and mine["redacted"] is False, mine
+    assert mine["label"], mine
+    assert mine["jupyter"]["local"] is True and mine["jupyter"]["kernel_id"] == a_kernel, mine
+    assert mine["jupyter"]["kernel_name"] == "python3-gpushare", mine
+    assert theirs["user"] == "bob" and theirs["redacted"] is True, theirs
+    assert theirs["label"] == "", theirs
+    assert theirs["jupyter"]["local"] is False and theirs["jupyter"]["kernel_id"] is None, theirs
+    assert theirs["used_bytes"] > 0, theirs  # memory stays visible: why one waits is no secret
+
+    # Alice cannot release Bob's kernel, through her server or directly with her token.
+    r = alice.api("POST", f"gpushare/api/kernels/{b_kernel}/release")
+    assert r.status_code == 403, (r.status_code, r.text)
+    with pytest.raises(SchedulerError) as refused:
+        scheduler_as(hub_setup, "alice").control_sync("release", client=b_kernel)
+    assert refused.value.code == int(ErrorCode.FORBIDDEN), refused.value
+    # Bob can.
+    reply = bob.json("POST", f"gpushare/api/kernels/{b_kernel}/release")
+    assert reply.get("ok") is True, reply
+    assert time.monotonic() - t0 < 120
+
+
+def _by_kernel(doc: dict[str, Any], kernel_id: str) -> dict[str, Any] | None:
+    for c in clients(doc).values():
+        if c["id"].split("#")[0] == kernel_id:
+            return c
+    return None
