@@ -137,6 +137,15 @@ class SetQuota:
     quota: int
 
 
+@dataclass(frozen=True)
+class SetWeight:
+    """The operator's weight for the client changed (a reloaded users config)."""
+
+    now: float
+    client: str
+    weight: float
+
+
 Event = (
     Join
     | Request
@@ -150,6 +159,7 @@ Event = (
     | Tick
     | AdminRelease
     | SetQuota
+    | SetWeight
 )
 
 # --------------------------------------------------------------------------------------------

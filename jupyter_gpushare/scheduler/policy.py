@@ -65,6 +65,7 @@ from .events import (
     Restored,
     Revoke,
     SetQuota,
+    SetWeight,
     Tick,
 )
 
@@ -246,6 +247,8 @@ class Policy:
         elif isinstance(event, SetQuota):
             client.quota = max(0, event.quota)
             return [QuotaChanged(client.id, client.quota)]
+        elif isinstance(event, SetWeight):
+            client.weight = event.weight if event.weight > 0 else client.weight
         return self._schedule(dev)
 
     def next_deadline(self) -> float | None:

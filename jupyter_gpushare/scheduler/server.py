@@ -16,7 +16,9 @@ Configuration is through traitlets, e.g. in ``jupyter_server_config.py`` or ``gp
 Socket permissions
 ------------------
 Who may *connect* is decided by the socket's directory and mode; who may *act on a client* is
-decided per message from the kernel-verified uid (``SO_PEERCRED``), never from what a peer says.
+decided per message from the peer's identity: the kernel-verified uid's name (``SO_PEERCRED``),
+or, for the ``token_uids`` that many users share (JupyterHub, Kubernetes), the user a valid
+token proves (:mod:`jupyter_gpushare.identity`) -- never from what a peer merely says.
 
 * Per-user (embedded in a user's Jupyter server, the default for non-root): the socket lives in
   ``${XDG_RUNTIME_DIR:-/tmp}/gpushare-$UID/``, which the scheduler creates with mode ``0700`` and
@@ -26,7 +28,16 @@ decided per message from the kernel-verified uid (``SO_PEERCRED``), never from w
   socket, so the directory is created ``0755`` and the socket is ``0666`` (connecting to a Unix
   socket needs write permission; execute bits mean nothing there). To limit the GPU to a group,
   set ``socket_group`` and ``socket_mode = 0o660``. A user who can connect can queue for the GPU
-  and see the status, but can only release, evict or re-quota their own kernels.
+  and see the status (their own kernels in full, everyone else's summed per user), but can only
+  release, evict or re-quota their own kernels; admins see and act on everything.
+
+Users config
+------------
+``users_config`` names the operator's TOML file of per-user and per-group quota ceilings,
+weights and admins (:mod:`.users`). It is validated at start (a bad file stops the start with
+the file's error) and re-read by :meth:`GPUShareScheduler.reload` (SIGHUP, or the ``reload``
+control action): a bad new file is logged and the old one kept; new ceilings and weights apply
+to the clients already connected at once.
 
 Duplicate client ids
 --------------------
@@ -45,7 +56,6 @@ import asyncio
 import contextlib
 import grp
 import os
-import pwd
 import socket
 import stat
 import struct
@@ -57,6 +67,7 @@ from traitlets import Bool, Float, Int, List, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .._version import __version__
+from ..identity import KeyFileError, load_key, verify_token
 from ..paths import default_socket_path
 from ..protocol import (
     CONTROL_MESSAGES,
@@ -73,6 +84,18 @@ from ..units import format_size, parse_size
 from . import events as ev
 from .devices import Discovery, UtilizationSampler, discover_devices_async
 from .policy import Policy, PolicyConfig
+from .users import (
+    Identity,
+    Limits,
+    UsersConfig,
+    UsersConfigError,
+    describe_limits,
+    load_users_config,
+    resolve_uids,
+    system_groups,
+    user_name,
+)
+from .views import filter_status
 
 __all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
 
@@ -114,6 +137,13 @@ class Connection:
     )
     requested_at: float | None = None
     granted_at: float | None = None
+    identity: Identity | None = None  # shims: from HELLO; control peers: from the last message
+    requested_quota: int = 0  # what the kernel (or a set_quota) asked for; 0 = none
+    requested_weight: float = 1.0
+    quota: int = 0  # the effective quota the client was told
+    quota_by_admin: bool = False  # an admin set it: the users config's ceiling does not apply
+    revoking: bool = False  # a REVOKE is out: its RELEASED answer is a handoff (metrics)
+    accounted_at: float | None = None  # GPU time of the current hold counted up to here
 
     @property
     def name(self) -> str:
@@ -202,6 +232,46 @@ class GPUShareScheduler(LoggingConfigurable):
         clients only (the uid comes from SO_PEERCRED).""",
     ).tag(config=True)
 
+    users_config = Unicode(
+        "",
+        help="""Path of the operator's users config (TOML): per-user and per-group memory quota
+        ceilings and fair-share weights, defaults for everyone else, admins by user, group or
+        uid. '' = none (no ceilings; weights as the kernels ask). See
+        docs/operators/node-scheduler.md. Re-read on SIGHUP.""",
+    ).tag(config=True)
+
+    user_key_file = Unicode(
+        "",
+        help="""Path of the node's user key (create it with `gpushare keygen PATH`; mode 0600).
+        Peers of token_uids prove their user with a token derived from it
+        (jupyter_gpushare.identity). Re-read on SIGHUP.""",
+    ).tag(config=True)
+
+    token_uids = List(
+        Union([Int(), Unicode()]),
+        help="""Uids (or user names) that many users share: a JupyterHub spawning single-user
+        servers under its own uid, the uid of Kubernetes user pods (1000, jovyan). A peer of
+        one of them must send a user and a valid token (GPUSHARE_USER, GPUSHARE_USER_TOKEN),
+        or it is refused; its identity is that user. Such a peer is never an admin by its uid,
+        only by its user name or groups. Needs user_key_file.""",
+    ).tag(config=True)
+
+    metrics_port = Int(
+        0,
+        help="""Serve Prometheus metrics over HTTP on this port (0 = off). The listener runs in
+        its own thread; the metrics are taken from the event loop's decisions and snapshots.""",
+    ).tag(config=True)
+
+    metrics_address = Unicode(
+        "127.0.0.1",
+        help="""Address the metrics listener binds to. The metrics include per-user GPU time
+        and memory: keep it on localhost or a management network.""",
+    ).tag(config=True)
+
+    metrics_interval = Float(
+        1.0, help="Seconds between two refreshes of the metrics' gauges (holders, queues, memory)."
+    ).tag(config=True)
+
     use_nvml = Bool(
         True,
         help="""Discover devices with NVML at start. When off, or when NVML is missing, devices
@@ -245,6 +315,12 @@ class GPUShareScheduler(LoggingConfigurable):
         self._tasks: set[asyncio.Task[None]] = set()
         self._utilization: dict[str, int] = {}  # device uuid -> percent, from the sampler task
         self._sampler: asyncio.Future[None] | None = None
+        self.users = UsersConfig()
+        self._user_key: bytes | None = None
+        self._token_uids: frozenset[int] = frozenset()
+        self._groups: dict[tuple[str, int], frozenset[str]] = {}  # (user, gid) -> system groups
+        self.metrics: Any = None  # a .metrics.SchedulerMetrics when metrics_port is set
+        self._metrics_task: asyncio.Future[None] | None = None
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -284,6 +360,7 @@ class GPUShareScheduler(LoggingConfigurable):
             return
         self._stopping = False
         self._stop_requested = asyncio.Event()
+        await self._load_access(initial=True)
         self.policy = Policy(self.policy_config())
         if self.use_nvml:
             self.discovery = await discover_devices_async()
@@ -299,6 +376,8 @@ class GPUShareScheduler(LoggingConfigurable):
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         await self._listen()
+        if self.metrics_port:
+            await self._start_metrics()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -436,6 +515,7 @@ class GPUShareScheduler(LoggingConfigurable):
         server, self._server = self._server, None
         server.close()
         self._cancel_timer()
+        await self._stop_metrics()
         if self._sampler is not None:
             self._sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -527,7 +607,16 @@ class GPUShareScheduler(LoggingConfigurable):
         return PeerCred(pid, uid, gid)
 
     def is_admin(self, uid: int) -> bool:
-        return uid == 0 or uid == self.own_uid or uid in self.admin_uids
+        """Whether a peer of ``uid`` is an admin by its uid alone (root, the scheduler's own uid,
+        ``admin_uids`` and the users config's ``admins.uids``; never one of ``token_uids``)."""
+        if uid < 0 or uid in self._token_uids:
+            return False
+        return (
+            uid == 0
+            or uid == self.own_uid
+            or uid in self.admin_uids
+            or uid in self.users.admin_uids
+        )
 
     def authorize(self, peer_uid: int, client_uid: int) -> bool:
         """May a peer of ``peer_uid`` act on a client of ``client_uid``?"""
@@ -539,9 +628,193 @@ class GPUShareScheduler(LoggingConfigurable):
         name = self._user_names.get(uid)
         if name is None:
             loop = asyncio.get_running_loop()
-            name = await loop.run_in_executor(None, _lookup_user, uid)
+            name = await loop.run_in_executor(None, user_name, uid)
             self._user_names[uid] = name
         return name
+
+    async def _groups_of(self, user: str, gid: int) -> frozenset[str]:
+        """``user``'s groups: those whose ``members`` list names it in the users config, and
+        (only when the config names system groups) its system groups, looked up off the loop."""
+        groups = self.users.listed_groups(user)
+        if not self.users.needs_system_groups:
+            return groups
+        key = (user, gid)
+        found = self._groups.get(key)
+        if found is None:
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(None, system_groups, user, gid)
+            self._groups[key] = found
+        return groups | found
+
+    async def identify(self, peer: PeerCred, msg: Message) -> Identity | str:
+        """The peer's identity for ``msg`` (a HELLO or a control message), or why it is refused.
+
+        Peers of ``token_uids`` are who their valid token says; everyone else is their uid's
+        user, whatever ``user`` they send (docs/protocol.md, "Transport and identity").
+        """
+        claimed = str(msg.get("user") or "")
+        if peer.uid in self._token_uids:
+            token = str(msg.get("token") or "")
+            if self._user_key is None:
+                return (
+                    f"uid {peer.uid} is one of the scheduler's token_uids, but the scheduler has "
+                    "no user key (user_key_file) to check tokens with"
+                )
+            if not claimed or not token:
+                return (
+                    f"uid {peer.uid} is shared by many users: send a user and its token "
+                    "(GPUSHARE_USER and GPUSHARE_USER_TOKEN, set by the hub)"
+                )
+            if not verify_token(self._user_key, claimed, token):
+                self.log.warning("forbidden: uid %d sent a wrong token for %r", peer.uid, claimed)
+                return f"the token for user {claimed!r} is not valid on this node"
+            groups = await self._groups_of(claimed, -1)
+            admin = self.users.is_admin(claimed, None, groups)
+            return Identity(claimed, peer.uid, groups, admin, token=True)
+        if peer.uid < 0:
+            return "the peer's credentials are unknown (no SO_PEERCRED)"
+        name = await self._user_name(peer.uid)
+        if claimed and claimed != name:
+            self.log.debug("uid %d (%s) says it is %r: ignored", peer.uid, name, claimed)
+        groups = await self._groups_of(name, peer.gid)
+        admin = self.is_admin(peer.uid) or self.users.is_admin(name, peer.uid, groups)
+        return Identity(name, peer.uid, groups, admin)
+
+    def may_act(self, who: Identity, target: Connection) -> bool:
+        """May ``who`` release, evict, re-quota or mark the client of ``target``?"""
+        owner = target.identity
+        return who.admin or (owner is not None and owner.user == who.user)
+
+    def limits_for(self, ident: Identity) -> Limits:
+        return self.users.limits(ident.user, ident.groups)
+
+    # ----------------------------------------------------------------------------------------
+    # Users config, key, reload
+
+    def _read_access(self) -> tuple[UsersConfig, bytes | None, frozenset[int]]:
+        """Read and check the users config, the key and token_uids (blocking; may raise)."""
+        users = load_users_config(self.users_config)
+        token_uids = resolve_uids(list(self.token_uids))
+        key = None
+        if self.user_key_file:
+            key = load_key(self.user_key_file)
+        elif token_uids:
+            raise UsersConfigError(
+                "token_uids is set but user_key_file is not: tokens cannot be checked "
+                "(create a key with `gpushare keygen PATH`)"
+            )
+        return users, key, token_uids
+
+    async def _load_access(self, initial: bool = False) -> bool:
+        loop = asyncio.get_running_loop()
+        try:
+            users, key, token_uids = await loop.run_in_executor(None, self._read_access)
+        except (UsersConfigError, KeyFileError) as exc:
+            if initial:
+                raise SchedulerStartError(str(exc)) from None
+            self.log.error("reload failed, keeping the previous configuration: %s", exc)
+            return False
+        self.users, self._user_key, self._token_uids = users, key, token_uids
+        self._groups.clear()
+        self.log.info(
+            "access: users config %s (%d user(s), %d group(s); default %s), token uids %s",
+            users.path or "none",
+            len(users.users),
+            len(users.groups),
+            describe_limits(users.limits("", frozenset())),
+            sorted(token_uids) or "none",
+        )
+        return True
+
+    async def reload(self) -> bool:
+        """Re-read the users config and the user key; apply new ceilings and weights to the
+        clients already connected. A file that does not load is logged and changes nothing."""
+        if not await self._load_access():
+            return False
+        now = time.monotonic()
+        for conn in list(self._clients.values()):
+            ident = conn.identity
+            if conn.closed or ident is None:
+                continue
+            # Identities of connected clients keep their user; admin status and groups follow
+            # the new file.
+            groups = await self._groups_of(ident.user, -1 if ident.token else conn.peer.gid)
+            admin = (not ident.token and self.is_admin(ident.uid)) or self.users.is_admin(
+                ident.user, None if ident.token else ident.uid, groups
+            )
+            conn.identity = ident = Identity(ident.user, ident.uid, groups, admin, ident.token)
+            if conn.closed:
+                continue
+            limits = self.limits_for(ident)
+            weight = limits.effective_weight(conn.requested_weight)
+            self._handle(ev.SetWeight(now, conn.client or "", weight))
+            quota = conn.requested_quota
+            if not conn.quota_by_admin:
+                quota = limits.effective_quota(quota)
+            if quota != conn.quota:
+                conn.quota = quota
+                self._handle(ev.SetQuota(now, conn.client or "", quota))
+        self.log.info("reloaded: %d client(s) re-checked", len(self._clients))
+        return True
+
+    def request_reload(self) -> None:
+        """Reload from a signal handler on the loop (SIGHUP)."""
+        task = asyncio.ensure_future(self.reload())
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------------------------------
+    # Metrics
+
+    async def _start_metrics(self) -> None:
+        from .metrics import SchedulerMetrics
+
+        loop = asyncio.get_running_loop()
+        self.metrics = SchedulerMetrics()
+        try:
+            await loop.run_in_executor(
+                None, self.metrics.serve, self.metrics_address, self.metrics_port
+            )
+        except OSError as exc:
+            self.metrics = None
+            raise SchedulerStartError(
+                f"cannot serve metrics on {self.metrics_address}:{self.metrics_port}: {exc}"
+            ) from exc
+        self.log.info("metrics on http://%s:%d/metrics", self.metrics_address, self.metrics.port)
+        self.refresh_metrics()
+        self._metrics_task = asyncio.ensure_future(self._metrics_loop())
+
+    async def _metrics_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(max(self.metrics_interval, 0.01))
+            self.refresh_metrics()
+
+    def refresh_metrics(self) -> None:
+        """Count the GPU time of current holds and publish a fresh snapshot (on the loop)."""
+        if self.metrics is None or self.policy is None:
+            return
+        now = time.monotonic()
+        for conn in self._clients.values():
+            self._account_gpu_time(conn, now)
+        self.metrics.publish(self.policy.snapshot(now), len(self._connections))
+
+    def _account_gpu_time(self, conn: Connection, now: float) -> None:
+        if self.metrics is None or conn.granted_at is None or conn.identity is None:
+            return
+        since = conn.accounted_at if conn.accounted_at is not None else conn.granted_at
+        if now > since:
+            self.metrics.gpu_time(conn.identity.user, now - since)
+        conn.accounted_at = now
+
+    async def _stop_metrics(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
+            self._metrics_task = None
+        if self.metrics is not None:
+            metrics, self.metrics = self.metrics, None
+            await asyncio.get_running_loop().run_in_executor(None, metrics.shutdown)
 
     def _assign_client_id(self, requested: str, conn: Connection) -> str:
         existing = self._clients.get(requested)
@@ -617,6 +890,7 @@ class GPUShareScheduler(LoggingConfigurable):
         if conn.kind != "shim" or conn.left or conn.client is None:
             return
         conn.left = True
+        self._account_gpu_time(conn, time.monotonic())
         if self._clients.get(conn.client) is conn:
             del self._clients[conn.client]
         if self._stopping:
@@ -656,6 +930,15 @@ class GPUShareScheduler(LoggingConfigurable):
         if mtype in CONTROL_MESSAGES:
             if conn.kind == "new":
                 conn.kind = "control"
+            if conn.kind == "control":
+                # Each control message is identified on its own (it may carry user and token).
+                ident = await self.identify(conn.peer, msg)
+                if conn.closed:
+                    return
+                if isinstance(ident, str):
+                    self._error(conn, ErrorCode.FORBIDDEN, ident)
+                    return
+                conn.identity = ident
             if mtype == MsgType.STATUS_REQUEST:
                 self._on_status_request(conn, msg)
             else:
@@ -699,9 +982,16 @@ class GPUShareScheduler(LoggingConfigurable):
             )
             return
         requested = str(msg.get("client_id") or "") or f"pid-{msg.get('pid') or conn.peer.pid}"
-        user = await self._user_name(conn.peer.uid)
+        ident = await self.identify(conn.peer, msg)
         if conn.closed or self._stopping:
             return
+        if isinstance(ident, str):
+            self.log.warning("refused HELLO of %s: %s", conn.name, ident)
+            self._error(conn, ErrorCode.FORBIDDEN, ident)
+            conn.closed = True  # the reader loop ends and closes the socket after the ERROR
+            return
+        user = ident.user
+        conn.identity = ident
         client = self._assign_client_id(requested, conn)
         device = self._device_for_hello(msg)
         conn.kind = "shim"
@@ -710,6 +1000,16 @@ class GPUShareScheduler(LoggingConfigurable):
         self._clients[client] = conn
         weight_milli = int(msg.get("weight_milli") or 1000)
         quota = int(msg.get("quota") or 0)
+        limits = self.limits_for(ident)
+        conn.requested_quota, conn.requested_weight = quota, weight_milli / 1000.0
+        quota = limits.effective_quota(quota)
+        if quota != conn.requested_quota:
+            self.log.info(
+                "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
+                client, user, format_size(quota),
+                format_size(conn.requested_quota) if conn.requested_quota else "none",
+            )  # fmt: skip
+        weight_milli = round(limits.effective_weight(conn.requested_weight) * 1000)
         label = str(msg.get("label") or "")
         pid = conn.peer.pid or int(msg.get("pid") or 0)
         join = ev.Join(
@@ -743,6 +1043,7 @@ class GPUShareScheduler(LoggingConfigurable):
                 quota = decision.quota
             else:
                 rest.append(decision)
+        conn.quota = quota
         dev = self._device_snapshot(device)
         quantum_ms = int(dev.get("quantum_ms", self.base_quantum * 1000)) if dev else 0
         pool_bytes = int(dev.get("pool_bytes", 0)) if dev else 0
@@ -806,7 +1107,12 @@ class GPUShareScheduler(LoggingConfigurable):
                     "evicted client=%s %s ms=%.1f (on release)", client, _bytes(moved),
                     micros / 1000.0,
                 )  # fmt: skip
+            self._account_gpu_time(conn, now)
+            if self.metrics is not None:
+                self.metrics.released(conn.device or "", conn.revoking, moved if evicted else 0)
             conn.granted_at = None
+            conn.accounted_at = None
+            conn.revoking = False
             event = ev.Released(now, client, evicted, moved, micros)
         elif mtype == MsgType.IDLE:
             self.log.debug("idle client=%s idle_ms=%s", client, msg.get("idle_ms", 0))
@@ -817,12 +1123,16 @@ class GPUShareScheduler(LoggingConfigurable):
             if "evicted_bytes" in msg:
                 conn.memory["evicted"] = int(msg["evicted_bytes"])
             self.log.info("evicted client=%s %s ms=%.1f", client, _bytes(moved), micros / 1000.0)
+            if self.metrics is not None:
+                self.metrics.moved(conn.device or "", "evict", moved)
             event = ev.Evicted(now, client, moved, micros)
         elif mtype == MsgType.RESTORED:
             moved = int(msg.get("bytes_moved") or 0)
             micros = int(msg.get("micros") or 0)
             conn.memory["evicted"] = 0
             self.log.info("restored client=%s %s ms=%.1f", client, _bytes(moved), micros / 1000.0)
+            if self.metrics is not None:
+                self.metrics.moved(conn.device or "", "restore", moved)
             event = ev.Restored(now, client, moved, micros)
         else:  # GOODBYE
             self.log.debug("goodbye client=%s", client)
@@ -864,6 +1174,9 @@ class GPUShareScheduler(LoggingConfigurable):
                 )  # fmt: skip
                 conn.requested_at = None
                 conn.granted_at = now
+                conn.accounted_at = now
+                if self.metrics is not None:
+                    self.metrics.granted(conn.device or "", waited)
                 self._send(conn, Message(MsgType.GRANT, {"flag": int(decision.restore)}))
             elif isinstance(decision, ev.Revoke):
                 held = None if conn.granted_at is None else now - conn.granted_at
@@ -873,6 +1186,7 @@ class GPUShareScheduler(LoggingConfigurable):
                     _bytes(mem["managed"] if decision.evict else mem["used"]), _ms(held),
                     decision.reason,
                 )  # fmt: skip
+                conn.revoking = True
                 self._send(
                     conn,
                     Message(
@@ -890,6 +1204,7 @@ class GPUShareScheduler(LoggingConfigurable):
                     "quota client=%s quota=%s", decision.client,
                     format_size(decision.quota) if decision.quota else "none",
                 )  # fmt: skip
+                conn.quota = decision.quota
                 self._send(conn, Message(MsgType.SET_QUOTA, {"quota": decision.quota}))
             else:  # pragma: no cover - the Decision union is closed
                 self.log.error("unknown decision %r", decision)
@@ -937,11 +1252,15 @@ class GPUShareScheduler(LoggingConfigurable):
                 return dev
         return None
 
-    def status_document(self, device: str | None = None) -> dict[str, Any]:
+    def status_document(
+        self, device: str | None = None, viewer: Identity | None = None
+    ) -> dict[str, Any]:
         """The status document of docs/protocol.md (``gpushare status --json`` prints it).
 
         ``waiting_since`` is a Unix time (seconds); the rest is the policy's snapshot unchanged,
-        plus ``version``, ``socket`` and ``nvml`` (true, or why NVML discovery failed).
+        plus ``version``, ``socket`` and ``nvml`` (true, or why NVML discovery failed). For a
+        ``viewer`` who is not an admin, other users' clients are summed per user
+        (:func:`.views.filter_status`); ``None`` (an in-process caller) sees everything.
         """
         now = time.monotonic()
         wall = time.time()
@@ -955,12 +1274,13 @@ class GPUShareScheduler(LoggingConfigurable):
                 since = client.get("waiting_since")
                 if isinstance(since, (int, float)):
                     client["waiting_since"] = round(wall - (now - since), 3)
-        return {
+        doc = {
             "version": __version__,
             "socket": self.socket_path,
             "nvml": True if self.discovery.error is None else self.discovery.error,
             "devices": devices,
         }
+        return doc if viewer is None else filter_status(doc, viewer)
 
     def _on_status_request(self, conn: Connection, msg: Message) -> None:
         body = msg.get("body")
@@ -973,7 +1293,7 @@ class GPUShareScheduler(LoggingConfigurable):
         elif body is not None:
             self._error(conn, ErrorCode.BAD_REQUEST, "the STATUS_REQUEST body must be an object")
             return
-        doc = self.status_document(device)
+        doc = self.status_document(device, conn.identity)
         try:
             frame = encode(Message(MsgType.STATUS, {"body": doc}))
         except ValueError:
@@ -1001,13 +1321,20 @@ class GPUShareScheduler(LoggingConfigurable):
             return
         action = body.get("action")
         client = body.get("client")
-        actions = ("release", "evict", "set_quota", "kernel_state")
+        actions = ("release", "evict", "set_quota", "kernel_state", "reload")
         if action not in actions:
             self._error(
                 conn,
                 ErrorCode.BAD_REQUEST,
                 f"unknown action {action!r} (one of: {', '.join(actions)})",
             )
+            return
+        who = conn.identity
+        if who is None:  # pragma: no cover - _dispatch identifies every control message
+            self._error(conn, ErrorCode.FORBIDDEN, "unidentified peer")
+            return
+        if action == "reload":
+            self._on_reload_request(conn, who)
             return
         if not isinstance(client, str) or not client:
             self._error(conn, ErrorCode.BAD_REQUEST, f"{action}: 'client' (a client id) is needed")
@@ -1046,28 +1373,68 @@ class GPUShareScheduler(LoggingConfigurable):
         if target is None or self.policy is None or not self.policy.has_client(client):
             self._error(conn, ErrorCode.NOT_FOUND, f"no client {client!r}")
             return
-        if not self.authorize(conn.peer.uid, target.peer.uid):
+        if not self.may_act(who, target):
+            owner = target.identity.user if target.identity is not None else "?"
             self.log.warning(
-                "forbidden: uid %d asked %s on %s (uid %d)",
-                conn.peer.uid,
-                action,
-                client,
-                target.peer.uid,
+                "forbidden: %s asked %s on %s (user %s)", who.describe(), action, client, owner
             )
             self._error(
                 conn,
                 ErrorCode.FORBIDDEN,
-                f"uid {conn.peer.uid} may not {action} client {client!r} of uid {target.peer.uid}",
+                f"{who.user} may not {action} client {client!r}: it belongs to another user "
+                "(only its owner or an admin may)",
             )
             return
+        if isinstance(event, ev.SetQuota):
+            refusal = self._quota_refusal(who, target, event.quota)
+            if refusal:
+                self.log.warning("forbidden: %s: %s", who.describe(), refusal)
+                self._error(conn, ErrorCode.FORBIDDEN, refusal)
+                return
+            target.requested_quota = event.quota
+            target.quota_by_admin = who.admin
         log = self.log.debug if action == "kernel_state" else self.log.info
-        log("control %s client=%s by uid %d %s", action, client, conn.peer.uid, body)
+        log("control %s client=%s by %s %s", action, client, who.describe(), body)
         self._handle(event)
         self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
 
+    def _quota_refusal(self, who: Identity, target: Connection, quota: int) -> str | None:
+        """Why ``who`` may not give ``target`` this quota (over its user's ceiling), or None.
 
-def _lookup_user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return str(uid)
+        The users config's quota is a ceiling on every kernel of the user; only an admin may
+        set a quota above it (or none at all where there is a ceiling).
+        """
+        if who.admin or target.identity is None:
+            return None
+        ceiling = self.limits_for(target.identity).quota
+        if ceiling == 0 or (quota != 0 and quota <= ceiling):
+            return None
+        asked = format_size(quota) if quota else "no quota"
+        return (
+            f"set_quota: {asked} is over the ceiling of {format_size(ceiling)} that the "
+            f"operator set for user {target.identity.user} (users config); ask for at most "
+            f"{format_size(ceiling)}, or ask an admin"
+        )
+
+    def _on_reload_request(self, conn: Connection, who: Identity) -> None:
+        if not who.admin:
+            self._error(conn, ErrorCode.FORBIDDEN, f"{who.user} may not reload: admins only")
+            return
+        self.log.info("reload asked by %s", who.describe())
+
+        async def run() -> None:
+            ok = await self.reload()
+            if ok:
+                body = {"ok": True, "action": "reload"}
+                self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": body}))
+            else:
+                self._error(
+                    conn,
+                    ErrorCode.BAD_REQUEST,
+                    "reload failed: the configuration did not load (see the scheduler's log); "
+                    "the previous one is still in force",
+                )
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ async def test_status_document_shape(scheduler: Any, connect: Any, sock_path: st
     await b.request(800 * MiB)
     await asyncio.sleep(0.05)
     doc = await SchedulerClient(sock_path).status()
-    assert set(doc) == {"version", "socket", "nvml", "devices"}
+    assert set(doc) == {"version", "socket", "nvml", "devices", "identity"}
     assert doc["socket"] == sock_path
     assert doc["version"] == __import__("jupyter_gpushare").__version__
     assert doc["nvml"] == "disabled (use_nvml = False)"
