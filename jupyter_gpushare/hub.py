@@ -42,12 +42,23 @@ __all__ = [
     "UserKeyError",
     "configure",
     "server_environment",
+    "server_user",
 ]
 
 #: Where ``configure`` looks for the node's user key unless told otherwise.
 DEFAULT_KEY_FILE = "/etc/gpushare/user.key"
 #: Environment variable that overrides :data:`DEFAULT_KEY_FILE` (the hub's own environment).
 KEY_FILE_ENV = "GPUSHARE_USER_KEY_FILE"
+
+
+def server_user(environ: Mapping[str, str] | None = None) -> str | None:
+    """The user this Jupyter server (and its kernels) speaks for to the scheduler:
+    ``$GPUSHARE_USER`` (the name the hub's token is for), else ``$JUPYTERHUB_USER``, else None.
+
+    The scheduler trusts the name only with a valid token from a ``token_uids`` peer; for any
+    other peer it goes by the uid (docs/protocol.md, "Transport and identity")."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_USER) or env.get("JUPYTERHUB_USER") or None
 
 
 class UserKeyError(RuntimeError):

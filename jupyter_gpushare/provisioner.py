@@ -70,6 +70,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, validate
 
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .hub import server_user
 from .paths import default_socket_path
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
@@ -117,7 +118,7 @@ def _has_extension(argv: list[str], extension: str) -> bool:
 
 
 def _default_user() -> str:
-    hub_user = os.environ.get("JUPYTERHUB_USER")
+    hub_user = server_user()
     if hub_user:
         return hub_user
     try:
@@ -151,8 +152,10 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
     ).tag(config=True)
 
     user = Unicode(
-        help="""The user label shown in status. Default: $JUPYTERHUB_USER, else the server's
-        login name. Informational: the scheduler authorises by the verified uid.""",
+        help="""The user the kernel speaks for. Default: $GPUSHARE_USER (set by the hub, with its
+        token), else $JUPYTERHUB_USER, else the server's login name. The scheduler believes it
+        only with a valid GPUSHARE_USER_TOKEN from a uid of its token_uids; otherwise the
+        peer's uid decides.""",
     ).tag(config=True)
 
     label = Unicode(

@@ -9,20 +9,23 @@ their server's REST API, and run a cell that uses the (stand-in) GPU. Then:
 
 * both kernels are clients of the one scheduler, each under its hub user's name (the hub's
   GPUSHARE_USER / GPUSHARE_USER_TOKEN, checked by the scheduler);
-* Alice's gpushare status shows her kernel in full (notebook label, kernel id) and Bob's only as
-  a redacted entry (user, state, memory: what it takes to see why one waits);
-* Alice cannot release Bob's kernel: her server answers 403 (the kernel exists, it is not hers;
-  the scheduler refuses the same with ``forbidden`` when asked directly with her token);
+* Alice's gpushare status shows her kernel in full (label, kernel id, memory) and Bob's only in
+  the per-user sums (``others``: how many kernels, how much memory), never its id or label;
+* Alice cannot release Bob's kernel: her server answers 404 (her view has no such kernel, and it
+  does not confirm that another user's kernel of that id exists); the scheduler, asked directly
+  with her token, refuses with ``forbidden``;
 * Bob can release his own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -138,34 +141,42 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
         out = user.execute(kernels[user.name], CELL)
         assert f'"GPUSHARE_USER": "{user.name}"' in out, out
 
-    # Both kernels are clients of the one node scheduler, each under its hub user's name.
-    def both_registered() -> dict[str, Any] | None:
-        doc = scheduler_as(hub_setup, "alice").status_sync()
-        found = clients(doc)
-        ids = {k.split("#")[0] for k in found}
-        return doc if set(kernels.values()) <= ids else None
+    # Both kernels are clients of the one node scheduler, each under its hub user's name: each
+    # user's view (through their token) has their own kernel, and the other user in the sums.
+    def registered(user: str) -> dict[str, Any] | None:
+        doc = scheduler_as(hub_setup, user).status_sync()
+        other = "bob" if user == "alice" else "alice"
+        own = [c for c in clients(doc).values() if c["id"].split("#")[0] == kernels[user]]
+        others = {o["user"]: o for d in doc["devices"] for o in d.get("others", [])}
+        ok = own and own[0]["user"] == user and others.get(other, {}).get("clients") == 1
+        return doc if ok else None
 
-    wait_for("both kernels in the scheduler", both_registered, 30, hub.describe)
+    for name in ("alice", "bob"):
+        wait_for(f"{name}'s kernel in the scheduler", partial(registered, name), 30, hub.describe)
     a_kernel, b_kernel = kernels["alice"], kernels["bob"]
 
-    # Alice's view: her kernel in full, Bob's redacted.
+    # Alice's gpushare status, from her server: her kernel in full, Bob's only in the sums.
     doc = alice.status()
     assert doc["scheduler"]["mode"] == "node", doc["scheduler"]
+    assert doc["identity"] == {"user": "alice", "admin": False, "by": "token"}, doc["identity"]
     assert doc["viewer"] == {"name": "alice", "admin": False}, doc["viewer"]
-    mine, theirs = _by_kernel(doc, a_kernel), _by_kernel(doc, b_kernel)
-    assert mine is not None and theirs is not None, doc
-    assert mine["user"] == "alice" and mine["redacted"] is False, mine
-    assert mine["label"], mine
+    [device] = doc["devices"]
+    [mine] = device["clients"]
+    assert mine["id"].split("#")[0] == a_kernel and mine["user"] == "alice", mine
+    assert mine["redacted"] is False and mine["label"], mine
     assert mine["jupyter"]["local"] is True and mine["jupyter"]["kernel_id"] == a_kernel, mine
     assert mine["jupyter"]["kernel_name"] == "python3-gpushare", mine
-    assert theirs["user"] == "bob" and theirs["redacted"] is True, theirs
-    assert theirs["label"] == "", theirs
-    assert theirs["jupyter"]["local"] is False and theirs["jupyter"]["kernel_id"] is None, theirs
-    assert theirs["used_bytes"] > 0, theirs  # memory stays visible: why one waits is no secret
+    assert mine["used_bytes"] >= 64 * MiB, mine
+    [theirs] = device["others"]
+    assert theirs["user"] == "bob" and theirs["clients"] == 1, theirs
+    assert theirs["used_bytes"] >= 64 * MiB, theirs  # how much the others use is no secret
+    assert b_kernel not in json.dumps(doc), "Bob's kernel id leaked into Alice's status"
 
-    # Alice cannot release Bob's kernel, through her server or directly with her token.
+    # Alice cannot release Bob's kernel. Her server answers 404: her status has no such kernel,
+    # and the server does not tell her whether another user's kernel of that id exists. The
+    # scheduler itself, asked with her token, refuses with FORBIDDEN.
     r = alice.api("POST", f"gpushare/api/kernels/{b_kernel}/release")
-    assert r.status_code == 403, (r.status_code, r.text)
+    assert r.status_code == 404, (r.status_code, r.text)
     with pytest.raises(SchedulerError) as refused:
         scheduler_as(hub_setup, "alice").control_sync("release", client=b_kernel)
     assert refused.value.code == int(ErrorCode.FORBIDDEN), refused.value
@@ -173,10 +184,3 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
     reply = bob.json("POST", f"gpushare/api/kernels/{b_kernel}/release")
     assert reply.get("ok") is True, reply
     assert time.monotonic() - t0 < 120
-
-
-def _by_kernel(doc: dict[str, Any], kernel_id: str) -> dict[str, Any] | None:
-    for c in clients(doc).values():
-        if c["id"].split("#")[0] == kernel_id:
-            return c
-    return None
