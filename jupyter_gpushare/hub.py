@@ -32,15 +32,17 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .identity import ENV_TOKEN, ENV_USER, load_key, user_token
+from .identity import ENV_TOKEN, ENV_USER, MIN_KEY_BYTES, load_key, user_token
 from .paths import SYSTEM_SOCKET
 
 __all__ = [
     "DEFAULT_KEY_FILE",
     "KEY_FILE_ENV",
+    "SCHEDULER_ENV",
     "TokenHook",
     "UserKeyError",
     "configure",
+    "parse_key",
     "server_environment",
     "server_user",
 ]
@@ -49,6 +51,8 @@ __all__ = [
 DEFAULT_KEY_FILE = "/etc/gpushare/user.key"
 #: Environment variable that overrides :data:`DEFAULT_KEY_FILE` (the hub's own environment).
 KEY_FILE_ENV = "GPUSHARE_USER_KEY_FILE"
+#: Picks the server extension's scheduler mode (GPUShareExtension.scheduler's default).
+SCHEDULER_ENV = "GPUSHARE_SCHEDULER"
 
 
 def server_user(environ: Mapping[str, str] | None = None) -> str | None:
@@ -88,65 +92,90 @@ def server_environment(key: bytes, user: str) -> dict[str, str]:
     return {ENV_USER: user, ENV_TOKEN: user_token(key, user)}
 
 
-class TokenHook:
-    """A ``Spawner.pre_spawn_hook`` that sets ``GPUSHARE_USER`` and ``GPUSHARE_USER_TOKEN``.
+def parse_key(value: str | bytes) -> bytes:
+    """A key given as a value (hex text, as ``gpushare keygen`` writes it, or raw bytes), e.g.
+    from a Kubernetes Secret in the hub's environment; checked as :func:`load_key` checks a file."""
+    raw = value.encode() if isinstance(value, str) else bytes(value)
+    try:
+        key = bytes.fromhex(raw.strip().decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = raw
+    if len(key) < MIN_KEY_BYTES:
+        raise UserKeyError(
+            f"jupyter-gpushare: the node's user key given to the hub holds {len(key)} bytes; at "
+            f"least {MIN_KEY_BYTES} are needed (make one with `gpushare keygen PATH`)"
+        )
+    return key
 
-    ``then``: another pre-spawn hook to run afterwards (``configure`` chains the one already
-    configured, so installing gpushare does not drop an operator's own hook).
+
+class TokenHook:
+    """A ``Spawner.pre_spawn_hook`` that names the server's hub user to the node scheduler.
+
+    At each spawn it sets, in ``spawner.environment``:
+
+    * ``GPUSHARE_USER`` and ``GPUSHARE_USER_TOKEN`` (always: the hub's word for the user);
+    * ``GPUSHARE_SCHEDULER=node`` (the server extension connects to the node scheduler instead of
+      embedding one), ``GPUSHARE_SOCKET=socket`` and ``environment``, unless the spawner's
+      configured environment already sets them.
+
+    Setting them at spawn time, not in ``c.Spawner.environment``, keeps them whatever a
+    spawner-specific config does (``c.KubeSpawner.environment`` replaces ``c.Spawner``'s).
+
+    The key: ``key`` (hex text or bytes, e.g. from a Kubernetes Secret in the hub's environment),
+    else the file ``key_file`` (default: ``$GPUSHARE_USER_KEY_FILE``, else
+    ``/etc/gpushare/user.key``), read once, here. ``then``: another pre-spawn hook to run
+    afterwards (``configure`` chains the one already configured).
     """
 
     def __init__(
         self,
         key_file: str | os.PathLike[str] | None = None,
         *,
+        key: str | bytes | None = None,
+        socket: str = SYSTEM_SOCKET,
+        environment: Mapping[str, str] | None = None,
         then: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.key_file = _key_file(key_file)
-        self._key = _read_key(self.key_file)
+        if key is not None:
+            self.key_file = None
+            self._key = parse_key(key)
+        else:
+            self.key_file = _key_file(key_file)
+            self._key = _read_key(self.key_file)
+        self.defaults = {SCHEDULER_ENV: "node", "GPUSHARE_SOCKET": socket, **(environment or {})}
         self.then = then
-
-    def environment(self, user: str) -> dict[str, str]:
-        return server_environment(self._key, user)
 
     def __call__(self, spawner: Any) -> Any:
         name = str(spawner.user.name)
         # A new dict: the trait's value may be the config's own dict, shared by every spawner.
-        spawner.environment = {**spawner.environment, **self.environment(name)}
+        spawner.environment = {
+            **self.defaults,
+            **spawner.environment,
+            **server_environment(self._key, name),
+        }
         if self.then is not None:
             return self.then(spawner)
         return None
 
     def __repr__(self) -> str:
-        return f"TokenHook({self.key_file!r})"
+        return f"TokenHook({self.key_file or '<key>'!r})"
 
 
 def configure(
     c: Any,
     *,
     key_file: str | os.PathLike[str] | None = None,
+    key: str | bytes | None = None,
     socket: str = SYSTEM_SOCKET,
     environment: Mapping[str, str] | None = None,
 ) -> TokenHook:
-    """Set up a hub's config ``c`` for a node-wide gpushare scheduler.
-
-    * ``c.Spawner.pre_spawn_hook``: a :class:`TokenHook` for ``key_file`` (default:
-      ``$GPUSHARE_USER_KEY_FILE``, else ``/etc/gpushare/user.key``), chained before a hook already
-      configured;
-    * ``c.Spawner.environment``: ``GPUSHARE_SCHEDULER=node`` (the server extension connects to
-      the node scheduler instead of embedding one) and ``GPUSHARE_SOCKET=socket``, plus
-      ``environment``; values already configured stay.
-
-    Returns the hook. Raises :class:`UserKeyError` when the key cannot be read.
-    """
+    """Set up a hub's config ``c`` for a node-wide gpushare scheduler: ``c.Spawner.pre_spawn_hook``
+    becomes a :class:`TokenHook` (see there for the arguments), chained before a hook already
+    configured there. Returns the hook; raises :class:`UserKeyError` when the key is unusable."""
     spawner_config = c.Spawner
     previous = spawner_config.get("pre_spawn_hook") if "pre_spawn_hook" in spawner_config else None
     if isinstance(previous, TokenHook):
         previous = previous.then
-    hook = TokenHook(key_file, then=previous)
+    hook = TokenHook(key_file, key=key, socket=socket, environment=environment, then=previous)
     spawner_config.pre_spawn_hook = hook
-    env = dict(spawner_config.get("environment", {})) if "environment" in spawner_config else {}
-    defaults = {"GPUSHARE_SCHEDULER": "node", "GPUSHARE_SOCKET": socket, **(environment or {})}
-    for name, value in defaults.items():
-        env.setdefault(name, value)
-    spawner_config.environment = env
     return hook

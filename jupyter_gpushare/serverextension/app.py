@@ -29,6 +29,7 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Float, List, Unicode, Union, default, validate
 
 from .._version import __version__
+from ..hub import SCHEDULER_ENV
 from ..paths import SYSTEM_SOCKET
 from .backend import NotifyingScheduler, SchedulerBackend
 from .handlers import default_handlers
@@ -40,8 +41,6 @@ __all__ = ["STATUS_EVENT_SCHEMA", "GPUShareExtension"]
 STATUS_EVENT_SCHEMA = "https://events.jupyter.org/jupyter_gpushare/status/v1"
 _SCHEMA_PATH = Path(__file__).parent / "event_schemas" / "status" / "v1.yaml"
 _MODES = ("embedded", "node", "auto")
-#: Environment variable that picks the default of ``GPUShareExtension.scheduler`` (set by the hub).
-SCHEDULER_ENV = "GPUSHARE_SCHEDULER"
 
 
 def _check_scheduler(value: str) -> str:
