@@ -1,6 +1,7 @@
 """The ``gpushare`` command line: ``scheduler``, ``run`` and ``status``.
 
     gpushare scheduler [--socket PATH] [--pool 24GiB] [--quantum 5] [--log-level DEBUG]
+                       [--users-config users.toml] [--metrics-port 9464] [--log-format json]
     gpushare run [--socket PATH] [--memory-limit 8GiB] [--weight 2] -- python train.py
     gpushare status [--socket PATH] [--json]
     gpushare keygen PATH [--force] [--token-for USER]
@@ -22,7 +23,7 @@ import sys
 from copy import deepcopy
 from typing import Any
 
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Enum, Float, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
@@ -87,8 +88,18 @@ class GPUShareBaseApp(Application):
 class SchedulerApp(GPUShareBaseApp):
     name = "gpushare-scheduler"
     description = """Run the node's GPU scheduler in the foreground (logs go to stderr).
-    SIGTERM or Ctrl-C stops it and removes its socket."""
-    examples = "gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG"
+    SIGTERM or Ctrl-C stops it and removes its socket; SIGHUP re-reads the users config and the
+    user key (a bad new file is logged and the old one kept)."""
+    examples = """gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG
+gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \
+    --user-key /etc/gpushare/user.key --metrics-port 9464 --log-format json"""
+
+    log_style = Enum(
+        ["text", "json"],
+        "text",
+        help="""Log lines as text, or as one JSON object per line (ts, level, logger, message,
+        event and the event's key=value fields) for a log collector.""",
+    ).tag(config=True)
 
     aliases: dict[Any, Any] = {
         **GPUShareBaseApp.aliases,
@@ -97,6 +108,12 @@ class SchedulerApp(GPUShareBaseApp):
         "reserve": "GPUShareScheduler.pool_reserve",
         "quantum": "GPUShareScheduler.base_quantum",
         "max-quantum": "GPUShareScheduler.max_quantum",
+        "users-config": "GPUShareScheduler.users_config",
+        "user-key": "GPUShareScheduler.user_key_file",
+        "socket-group": "GPUShareScheduler.socket_group",
+        "metrics-port": "GPUShareScheduler.metrics_port",
+        "metrics-address": "GPUShareScheduler.metrics_address",
+        "log-format": "SchedulerApp.log_style",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (
@@ -114,6 +131,11 @@ class SchedulerApp(GPUShareBaseApp):
     def initialize(self, argv: Any = None) -> None:
         super().initialize(argv)
         self.load_gpushare_config()
+        if self.log_style == "json":
+            from .scheduler.logs import JsonFormatter
+
+            for handler in self.log.handlers:
+                handler.setFormatter(JsonFormatter())
 
     def start(self) -> None:
         try:
@@ -137,6 +159,10 @@ class SchedulerApp(GPUShareBaseApp):
         await scheduler.run_forever()
 
     def _on_signal(self, scheduler: Any, sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP:
+            self.log.info("SIGHUP: reloading the users config and the user key")
+            scheduler.request_reload()
+            return
         self.log.info("%s: stopping", signal.Signals(sig).name)
         scheduler.request_stop()
 

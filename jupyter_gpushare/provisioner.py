@@ -70,7 +70,6 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, validate
 
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
-from .hub import server_user
 from .paths import default_socket_path
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
@@ -118,7 +117,7 @@ def _has_extension(argv: list[str], extension: str) -> bool:
 
 
 def _default_user() -> str:
-    hub_user = server_user()
+    hub_user = os.environ.get("GPUSHARE_USER") or os.environ.get("JUPYTERHUB_USER")
     if hub_user:
         return hub_user
     try:
@@ -152,10 +151,10 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
     ).tag(config=True)
 
     user = Unicode(
-        help="""The user the kernel speaks for. Default: $GPUSHARE_USER (set by the hub, with its
-        token), else $JUPYTERHUB_USER, else the server's login name. The scheduler believes it
-        only with a valid GPUSHARE_USER_TOKEN from a uid of its token_uids; otherwise the
-        peer's uid decides.""",
+        help="""The user label shown in status. Default: $GPUSHARE_USER, else $JUPYTERHUB_USER,
+        else the server's login name. Informational: the scheduler goes by the verified uid, or,
+        on a shared uid, by the user that GPUSHARE_USER_TOKEN proves (a kernel whose environment
+        carries a token keeps the GPUSHARE_USER it was made for, whatever this says).""",
     ).tag(config=True)
 
     label = Unicode(
@@ -266,6 +265,9 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         kwargs = await super().pre_launch(**kwargs)
         env: dict[str, str] = kwargs["env"]
         label = self._label_for(env, kwargs.get("cwd"))
+        # A token proves one user name (the hub set both): never relabel the kernel away from
+        # it, or the scheduler would refuse the kernel.
+        proven = env.get("GPUSHARE_USER") if env.get("GPUSHARE_USER_TOKEN") else None
         kwargs["env"] = shim_environment(
             env,
             socket=self.socket,
@@ -273,7 +275,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             # No quota configured: an inherited GPUSHARE_MEMORY_LIMIT (the operator's) stays.
             quota=self.quota_bytes or None,
             weight=self.weight,
-            user=self.user,
+            user=proven or self.user,
             label=label,
             library=library,
         )

@@ -319,13 +319,13 @@ class SchedulerProc:
         log_path: Path,
         pool: str,
         quantum: float,
-        extra: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.socket_path = socket_path
         self.log_path = log_path
         self.pool = pool
         self.quantum = quantum
-        self.extra = extra  # more command-line options (e.g. --GPUShareScheduler.<trait>=...)
+        self.extra_args = extra_args
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -344,7 +344,7 @@ class SchedulerProc:
             "--log-level",
             "DEBUG",
             "--no-nvml",
-            *self.extra,
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 30.0) -> SchedulerProc:
@@ -506,11 +506,12 @@ class Harness:
         return proc
 
     def scheduler(
-        self, pool: str = "1GiB", quantum: float = 2.0, extra: tuple[str, ...] = ()
+        self, pool: str = "1GiB", quantum: float = 2.0, args: tuple[str, ...] = ()
     ) -> SchedulerProc:
-        """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at)."""
+        """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at);
+        ``args``: more command-line options."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        sched = SchedulerProc(self.socket_path, log, pool, quantum, extra)
+        sched = SchedulerProc(self.socket_path, log, pool, quantum, tuple(args))
         self.schedulers.append(sched)
         return sched.start()
 

@@ -75,7 +75,7 @@ def hub_setup(native_build: Any, harness: Any, tmp_path: Path) -> Iterator[dict[
     scheduler = harness.scheduler(
         pool="1GiB",
         quantum=60.0,
-        extra=(
+        args=(
             f"--GPUShareScheduler.user_key_file={key_file}",
             f"--GPUShareScheduler.token_uids=[{uid}]",
         ),

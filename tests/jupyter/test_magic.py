@@ -170,3 +170,34 @@ async def test_status_without_a_scheduler(kernels: Any) -> None:
     assert "not connected to a scheduler" in released.stdout
     quota = (await execute(kc, "%gpushare quota 1GiB")).ok()
     assert "cannot set the quota" in quota.stdout
+
+
+async def test_quota_over_the_users_ceiling_is_refused(harness: Any, kernels: Any) -> None:
+    """A hub user (a token on a shared uid) may not raise a kernel's quota past the ceiling
+    that the operator's users config sets; the magic says so, and the quota stays."""
+    import os
+
+    from jupyter_gpushare.identity import generate_key, load_key, user_token
+
+    key_path = harness.tmp / "user.key"
+    generate_key(str(key_path))
+    users = harness.tmp / "users.toml"
+    users.write_text('[defaults]\nquota = "192MiB"\n')
+    config = harness.tmp / "node_config.py"
+    config.write_text(f"c.GPUShareScheduler.token_uids = [{os.getuid()}]\n")
+    harness.scheduler(
+        pool="1GiB",
+        args=("--config", str(config), "--users-config", str(users), "--user-key", str(key_path)),
+    )
+    token = user_token(load_key(str(key_path)), "alice")
+    env = kernels.kernel_env(GPUSHARE_USER="alice", GPUSHARE_USER_TOKEN=token)
+    _km, kc = await kernels.start({"memory_limit": "128MiB"}, env=env)
+    (await execute(kc, GPU_PRELUDE + "\nprint(alloc(16 << 20)[0], launch(1000), sync())")).ok()
+
+    refused = (await execute(kc, "%gpushare quota 256MiB")).ok()
+    assert "cannot set the quota: forbidden" in refused.stdout, refused.describe()
+    assert "over the ceiling of 192.00 MiB" in refused.stdout
+    allowed = (await execute(kc, "%gpushare quota 160MiB")).ok()
+    assert "128.00 MiB -> 160.00 MiB" in allowed.stdout, allowed.describe()
+    status = (await execute(kc, "%gpushare status")).ok()
+    assert "160.00 MiB quota" in status.text, status.describe()

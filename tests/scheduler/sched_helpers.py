@@ -113,6 +113,7 @@ class FakeShim:
         total: int = 80 * GiB,
         quota: int = 0,
         weight_milli: int = 1000,
+        user: str = "tester",
         **extra: Any,
     ) -> Message:
         self.client_id = client_id
@@ -125,7 +126,7 @@ class FakeShim:
             device_total=total,
             quota=quota,
             weight_milli=weight_milli,
-            user="tester",
+            user=user,
             label=f"{client_id}.ipynb",
             context_bytes=0,
             version="test",
