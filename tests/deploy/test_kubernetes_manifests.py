@@ -6,7 +6,6 @@ pieces against each other (socket path, Secret, ports, labels, uid, images, the 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shlex
 from pathlib import Path
@@ -240,7 +239,7 @@ def test_user_key_secret_is_the_same_for_the_scheduler_and_the_hub() -> None:
     vols = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in scheduler_container()["volumeMounts"]}
     secret = vols["user-key"]["secret"]
-    key_path = scheduler_options()["GPUShareScheduler.user_key_file"]
+    key_path = scheduler_options()["user-key"]
     # Mounted as a file of its own (subPath): a Secret volume's entries are symlinks, and the
     # key is opened without following links.
     assert mounts["user-key"]["mountPath"] == key_path
@@ -251,14 +250,14 @@ def test_user_key_secret_is_the_same_for_the_scheduler_and_the_hub() -> None:
 
 
 def test_user_pods_uid_is_a_token_uid() -> None:
-    uids = json.loads(scheduler_options()["GPUShareScheduler.token_uids"])
-    assert values()["singleuser"]["uid"] in uids
+    uid = int(scheduler_options()["GPUShareScheduler.token_uids"])
+    assert values()["singleuser"]["uid"] == uid
 
 
 def test_metrics_port_matches_the_service() -> None:
     opts = scheduler_options()
-    port = int(opts["GPUShareScheduler.metrics_port"])
-    assert opts["GPUShareScheduler.metrics_address"] == "0.0.0.0"
+    port = int(opts["metrics-port"])
+    assert opts["metrics-address"] == "0.0.0.0"
     [cport] = scheduler_container()["ports"]
     assert cport["containerPort"] == port
     svc = load("service.yaml")
@@ -283,7 +282,7 @@ def test_users_config_in_the_configmap_loads(tmp_path: Path) -> None:
     cm = load("users-config.yaml")
     opts = scheduler_options()
     mounts = {m["name"]: m for m in scheduler_container()["volumeMounts"]}
-    path = opts["GPUShareScheduler.users_config"]
+    path = opts["users-config"]
     assert os.path.dirname(path) == mounts["users-config"]["mountPath"]
     text = cm["data"][os.path.basename(path)]
     (tmp_path / "users.toml").write_text(text)
@@ -338,3 +337,22 @@ def test_dockerfile_builds_the_images_the_manifests_name() -> None:
             for line in text.splitlines()
             if "docker build" in line
         ), f"no build line for {image} (target {target})"
+
+
+def test_the_scheduler_accepts_the_daemonsets_command_line() -> None:
+    """The DaemonSet's options are ones `gpushare scheduler` knows, with valid values."""
+    from jupyter_gpushare.cli import SchedulerApp
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    c = scheduler_container()
+    assert c["command"] == ["gpushare"]
+    app = SchedulerApp()
+    app.parse_command_line(c["args"][1:])
+    sched = GPUShareScheduler(parent=app)
+    assert sched.socket_path == SOCKET
+    assert sched.user_key_file == "/etc/gpushare/user.key"
+    assert list(sched.token_uids) == [values()["singleuser"]["uid"]]
+    assert sched.metrics_port == c["ports"][0]["containerPort"]
+    assert app.log_style == "json"
+    with pytest.raises(BaseException):  # noqa: B017 (traitlets exits or raises)
+        SchedulerApp().parse_command_line(["--no-such-option=1"])

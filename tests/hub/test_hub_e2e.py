@@ -77,7 +77,7 @@ def hub_setup(native_build: Any, harness: Any, tmp_path: Path) -> Iterator[dict[
         quantum=60.0,
         args=(
             f"--GPUShareScheduler.user_key_file={key_file}",
-            f"--GPUShareScheduler.token_uids=[{uid}]",
+            f"--GPUShareScheduler.token_uids={uid}",
         ),
     )
     env = {
