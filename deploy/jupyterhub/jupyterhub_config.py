@@ -29,7 +29,7 @@ c.JupyterHub.authenticator_class = "pam"
 c.JupyterHub.spawner_class = "localprocess"
 c.Authenticator.allowed_users = set()  # fill in, or use allow_all / a group
 c.Authenticator.admin_users = set()
-c.JupyterHub.bind_url = "http://:8000"
+c.JupyterHub.bind_url = "http://:8000"  # behind a TLS proxy, or set ssl_cert and ssl_key
 c.Spawner.default_url = "/lab"
 
 # -- GPU sharing -----------------------------------------------------------------------------

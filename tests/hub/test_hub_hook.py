@@ -123,3 +123,14 @@ def test_a_bad_scheduler_mode_in_the_environment_is_named(monkeypatch: pytest.Mo
         _ = GPUShareExtension().scheduler
     monkeypatch.delenv("GPUSHARE_SCHEDULER")
     assert GPUShareExtension().scheduler == "embedded"
+
+
+def test_the_operators_guide_shows_the_shipped_config() -> None:
+    """docs/operators/jupyterhub.md shows deploy/jupyterhub/jupyterhub_config.py verbatim (the
+    file the end-to-end test runs a real hub with), so the guide cannot drift from it."""
+    root = Path(__file__).resolve().parents[2]
+    shipped = (root / "deploy" / "jupyterhub" / "jupyterhub_config.py").read_text()
+    guide = (root / "docs" / "operators" / "jupyterhub.md").read_text()
+    section = guide.split("## jupyterhub_config.py", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert block == shipped
