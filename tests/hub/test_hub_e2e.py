@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from hub_helpers import Hub, find_or_install_chp, wait_for
 
@@ -37,6 +39,9 @@ from jupyter_gpushare.identity import generate_key, load_key, user_token
 from jupyter_gpushare.protocol import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "jupyter"))
+from openapi_helpers import openapi_schema  # noqa: E402
+
 MiB = 1 << 20
 
 #: The cell: the stand-in driver through ctypes (tests/jupyter's GPU_PRELUDE, trimmed): a
@@ -157,6 +162,7 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
 
     # Alice's gpushare status, from her server: her kernel in full, Bob's only in the sums.
     doc = alice.status()
+    jsonschema.validate(doc, openapi_schema("Status"))  # docs/rest-api.yaml describes it
     assert doc["scheduler"]["mode"] == "node", doc["scheduler"]
     assert doc["identity"] == {"user": "alice", "admin": False, "by": "token"}, doc["identity"]
     assert doc["viewer"] == {"name": "alice", "admin": False}, doc["viewer"]
