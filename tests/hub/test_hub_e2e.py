@@ -41,32 +41,23 @@ from jupyter_gpushare.protocol import ErrorCode
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "jupyter"))
 from openapi_helpers import openapi_schema  # noqa: E402
+from provisioner_helpers import GPU_PRELUDE  # noqa: E402
 
 MiB = 1 << 20
 
-#: The cell: the stand-in driver through ctypes (tests/jupyter's GPU_PRELUDE, trimmed): a
-#: context, 64 MiB, one launch; the shim says HELLO and asks the scheduler for the device.
-CELL = r"""
-import ctypes as ct, json, os
-cu = ct.CDLL("libcuda.so.1")
-cu.cuMemAlloc_v2.argtypes = [ct.POINTER(ct.c_uint64), ct.c_size_t]
-cu.cuModuleGetFunction.argtypes = [ct.POINTER(ct.c_void_p), ct.c_void_p, ct.c_char_p]
-cu.cuLaunchKernel.argtypes = [ct.c_void_p] + [ct.c_uint] * 7 + [ct.c_void_p] * 3
-cu.cuCtxSetCurrent.argtypes = [ct.c_void_p]
-dev, ctx, mod, fn, ptr = ct.c_int(), ct.c_void_p(), ct.c_void_p(), ct.c_void_p(), ct.c_uint64()
-assert cu.cuInit(0) == 0
-assert cu.cuDeviceGet(ct.byref(dev), 0) == 0
-assert cu.cuDevicePrimaryCtxRetain(ct.byref(ctx), dev) == 0
-assert cu.cuCtxSetCurrent(ctx) == 0
-assert cu.cuModuleLoadData(ct.byref(mod), b"stand-in image") == 0
-assert cu.cuModuleGetFunction(ct.byref(fn), mod, b"sleep") == 0
-assert cu.cuMemAlloc_v2(ct.byref(ptr), 64 << 20) == 0
-arg = ct.c_ulonglong(1000)
-params = (ct.c_void_p * 1)(ct.cast(ct.byref(arg), ct.c_void_p))
-assert cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None) == 0
-assert cu.cuCtxSynchronize() == 0
+#: The cell: a context on the stand-in driver (tests/jupyter's GPU_PRELUDE), 64 MiB and one
+#: launch: the shim says HELLO and asks the scheduler for the device.
+CELL = (
+    GPU_PRELUDE
+    + """
+import json, os
+rc, _ = alloc(64 << 20)
+assert rc == 0, rc
+assert launch(1000) == 0
+assert sync() == 0
 print(json.dumps({k: os.environ.get(k) for k in ("GPUSHARE_USER", "GPUSHARE_CLIENT_ID")}))
 """
+)
 
 
 @pytest.fixture
