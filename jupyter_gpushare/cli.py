@@ -354,12 +354,24 @@ def format_status(doc: dict[str, Any]) -> str:
         )
         holders = ", ".join(dev.get("holders") or []) or "-"
         queue = ", ".join(dev.get("queue") or []) or "-"
+        if "others" in dev:
+            # A filtered view (docs/protocol.md, "Who sees what"): other users by name only.
+            holders = ", ".join(dev.get("holder_users") or []) or "-"
+            queue = ", ".join(dev.get("queue_users") or []) or "-"
         lines.append(f"  holder: {holders}   queue: {queue}")
+        for other in dev.get("others") or []:
+            n = int(other.get("clients") or 0)
+            lines.append(
+                f"  user {other.get('user', '?')}: {n} client{'s' if n != 1 else ''}"
+                f" ({other.get('running', 0)} running, {other.get('waiting', 0)} waiting),"
+                f" resident {_size(other.get('resident_bytes'))},"
+                f" GPU time {_seconds(other.get('gpu_seconds'))}"
+            )
         clients = dev.get("clients") or []
         if dev.get("clients_truncated"):
             lines.append(f"  ({dev['clients_truncated']} clients; too many to list)")
         if not clients:
-            lines.append("  no clients")
+            lines.append("  none of your clients" if "others" in dev else "  no clients")
             continue
         rows = [
             [

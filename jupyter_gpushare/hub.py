@@ -32,7 +32,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .identity import ENV_TOKEN, ENV_USER, MIN_KEY_BYTES, load_key, user_token
+from .identity import ENV_USER, MIN_KEY_BYTES, load_key, user_environment
 from .paths import SYSTEM_SOCKET
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "UserKeyError",
     "configure",
     "parse_key",
-    "server_environment",
     "server_user",
 ]
 
@@ -83,13 +82,6 @@ def _read_key(path: str) -> bytes:
             f"jupyter-gpushare: the hub cannot use the node's user key: {exc}. It needs "
             "the same key as the node scheduler (c.GPUShareScheduler.user_key_file)."
         ) from exc
-
-
-def server_environment(key: bytes, user: str) -> dict[str, str]:
-    """The environment variables that name ``user`` to the node scheduler."""
-    if not user:
-        raise ValueError("a hub user name is needed")
-    return {ENV_USER: user, ENV_TOKEN: user_token(key, user)}
 
 
 def parse_key(value: str | bytes) -> bytes:
@@ -151,7 +143,7 @@ class TokenHook:
         spawner.environment = {
             **self.defaults,
             **spawner.environment,
-            **server_environment(self._key, name),
+            **user_environment(self._key, name),
         }
         if self.then is not None:
             return self.then(spawner)

@@ -34,6 +34,7 @@ __all__ = [
     "KeyFileError",
     "generate_key",
     "load_key",
+    "user_environment",
     "user_token",
     "verify_token",
 ]
@@ -59,6 +60,11 @@ def user_token(key: bytes, user: str) -> str:
     if not user:
         raise ValueError("user_token: the user name is empty")
     return hmac.new(key, _DOMAIN + user.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def user_environment(key: bytes, user: str) -> dict[str, str]:
+    """The environment variables that identify ``user`` to the scheduler (for a spawner)."""
+    return {ENV_USER: user, ENV_TOKEN: user_token(key, user)}
 
 
 def verify_token(key: bytes, user: str, token: str) -> bool:

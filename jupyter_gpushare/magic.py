@@ -149,13 +149,16 @@ class GPUShareReport:
         d = self.device
         if d is None:
             return self.scheduler_note or "the scheduler did not answer"
-        clients = d.get("clients", []) or []
-        queue = d.get("queue", []) or []
+        # A node scheduler shows a non-admin only their own clients, and the rest summed per
+        # user in "others" (docs/protocol.md, "Who sees what"): count those too.
+        others = d.get("others", []) or []
+        kernels = len(d.get("clients", []) or []) + sum(int(o.get("clients", 0)) for o in others)
+        waiting = len(d.get("queue_users", d.get("queue", [])) or [])
         parts = [
             f"{d.get('name', '?')} ({d.get('uuid', '?')})",
             f"{d.get('mode', '?')} mode",
-            f"{len(clients)} kernel{'s' if len(clients) != 1 else ''}",
-            f"{len(queue)} waiting",
+            f"{kernels} kernel{'s' if kernels != 1 else ''}",
+            f"{waiting} waiting",
             f"{format_size(int(d.get('resident_bytes', 0)))} of "
             f"{format_size(int(d.get('pool_bytes', 0)))} pool resident",
         ]

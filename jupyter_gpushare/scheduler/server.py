@@ -377,7 +377,11 @@ class GPUShareScheduler(LoggingConfigurable):
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         await self._listen()
         if self.metrics_port:
-            await self._start_metrics()
+            try:
+                await self._start_metrics()
+            except BaseException:
+                await self.stop()  # no half-started scheduler: the socket goes too
+                raise
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -619,7 +623,10 @@ class GPUShareScheduler(LoggingConfigurable):
         )
 
     def authorize(self, peer_uid: int, client_uid: int) -> bool:
-        """May a peer of ``peer_uid`` act on a client of ``client_uid``?"""
+        """May a peer of ``peer_uid`` act on a client of ``client_uid``, by uids alone?
+
+        The uid-only rule, for callers that have no identities; the scheduler itself decides
+        with :meth:`may_act`, which also covers users sharing a uid (``token_uids``)."""
         if peer_uid < 0:
             return False
         return peer_uid == client_uid or self.is_admin(peer_uid)
@@ -668,17 +675,24 @@ class GPUShareScheduler(LoggingConfigurable):
             if not verify_token(self._user_key, claimed, token):
                 self.log.warning("forbidden: uid %d sent a wrong token for %r", peer.uid, claimed)
                 return f"the token for user {claimed!r} is not valid on this node"
-            groups = await self._groups_of(claimed, -1)
-            admin = self.users.is_admin(claimed, None, groups)
-            return Identity(claimed, peer.uid, groups, admin, token=True)
+            return await self._identity(claimed, peer, token=True)
         if peer.uid < 0:
             return "the peer's credentials are unknown (no SO_PEERCRED)"
         name = await self._user_name(peer.uid)
         if claimed and claimed != name:
             self.log.debug("uid %d (%s) says it is %r: ignored", peer.uid, name, claimed)
-        groups = await self._groups_of(name, peer.gid)
-        admin = self.is_admin(peer.uid) or self.users.is_admin(name, peer.uid, groups)
-        return Identity(name, peer.uid, groups, admin)
+        return await self._identity(name, peer, token=False)
+
+    async def _identity(self, user: str, peer: PeerCred, token: bool) -> Identity:
+        """``user``'s identity with its groups and admin status under the current users config.
+
+        A token identity's system groups are those of the user name (a hub user who is also a
+        system user), not of the shared uid's gid; it is never an admin by uid.
+        """
+        groups = await self._groups_of(user, -1 if token else peer.gid)
+        uid = None if token else peer.uid
+        admin = (uid is not None and self.is_admin(uid)) or self.users.is_admin(user, uid, groups)
+        return Identity(user, peer.uid, groups, admin, token)
 
     def may_act(self, who: Identity, target: Connection) -> bool:
         """May ``who`` release, evict, re-quota or mark the client of ``target``?"""
@@ -738,11 +752,7 @@ class GPUShareScheduler(LoggingConfigurable):
                 continue
             # Identities of connected clients keep their user; admin status and groups follow
             # the new file.
-            groups = await self._groups_of(ident.user, -1 if ident.token else conn.peer.gid)
-            admin = (not ident.token and self.is_admin(ident.uid)) or self.users.is_admin(
-                ident.user, None if ident.token else ident.uid, groups
-            )
-            conn.identity = ident = Identity(ident.user, ident.uid, groups, admin, ident.token)
+            conn.identity = ident = await self._identity(ident.user, conn.peer, ident.token)
             if conn.closed:
                 continue
             limits = self.limits_for(ident)

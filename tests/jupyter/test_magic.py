@@ -98,6 +98,20 @@ def test_outside_the_shim() -> None:
     )
 
 
+def test_report_counts_other_users_in_a_filtered_view() -> None:
+    """A node scheduler shows a non-admin only their own kernels and the others summed per user:
+    the device line still counts every kernel and every waiter."""
+    filtered = {
+        **DEVICE,
+        "clients": [{}],
+        "queue": ["k-1"],
+        "queue_users": ["alice", "bob", "bob"],
+        "others": [{"user": "bob", "clients": 3, "running": 1, "waiting": 2}],
+    }
+    text = repr(GPUShareReport(dict(STATUS), {}, filtered))
+    assert "4 kernels, 3 waiting" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # In kernels
 

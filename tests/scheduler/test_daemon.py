@@ -101,7 +101,7 @@ async def test_metrics_after_a_handoff(make_scheduler: Any, connect: Any, tmp_pa
         await asyncio.to_thread(scrape, port)  # the listener is gone
 
 
-async def test_metrics_port_in_use(make_scheduler: Any) -> None:
+async def test_metrics_port_in_use(make_scheduler: Any, sock_path: str) -> None:
     from jupyter_gpushare.scheduler.server import SchedulerStartError
 
     with socket.socket() as busy:
@@ -109,6 +109,7 @@ async def test_metrics_port_in_use(make_scheduler: Any) -> None:
         busy.listen(1)
         with pytest.raises(SchedulerStartError, match="cannot serve metrics"):
             await make_scheduler(metrics_port=busy.getsockname()[1])
+    assert not os.path.exists(sock_path)  # not left half-started
 
 
 # --- socket permissions ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from jupyter_gpushare.identity import (
     KeyFileError,
     generate_key,
     load_key,
+    user_environment,
     user_token,
     verify_token,
 )
@@ -31,6 +32,11 @@ def test_token_is_a_domain_separated_hmac() -> None:
     assert token == user_token(KEY, "alice")
     assert token != user_token(KEY, "bob")
     assert token != user_token(bytes(32), "alice")
+
+
+def test_user_environment() -> None:
+    env = user_environment(KEY, "alice")
+    assert env == {"GPUSHARE_USER": "alice", "GPUSHARE_USER_TOKEN": user_token(KEY, "alice")}
 
 
 def test_verify_token() -> None:

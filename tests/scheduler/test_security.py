@@ -47,6 +47,9 @@ quota = "512MiB"
 weight = 1.0
 [admins]
 users = ["ops"]
+groups = ["gpuadmins"]
+[groups.gpuadmins]
+members = ["erin"]
 [users.alice]
 weight = 2.0
 """
@@ -98,6 +101,14 @@ async def test_status_shows_own_kernels_in_full_and_others_summed(
     for secret in ("a1", "a2", "a1.ipynb", "a2.ipynb"):
         assert f"'{secret}'" not in text
 
+    # `gpushare status` prints the view as it is: other users by name and in sums.
+    from jupyter_gpushare.cli import format_status
+
+    text = format_status(doc)
+    assert "user alice: 2 clients (1 running, 0 waiting), resident 300.00 MiB" in text
+    assert "holder: " in text and "a1" not in text and "a2" not in text
+    assert "b1" in text
+
     full = await ctl(sock_path, token, "ops").status()  # an admin sees everything
     assert full["identity"]["admin"] is True
     assert sorted(c["id"] for c in full["devices"][0]["clients"]) == ["a1", "a2", "b1"]
@@ -128,6 +139,9 @@ async def test_only_owner_or_admin_may_act(
     reply = await ctl(sock_path, token, "ops").release("a1")
     assert reply["ok"] is True
     await a.expect(MsgType.REVOKE)
+    # And an admin by group (a [groups.NAME] members list named in [admins] groups).
+    reply = await ctl(sock_path, token, "erin").control("kernel_state", client="a1", state="busy")
+    assert reply["ok"] is True
 
 
 async def test_forged_or_missing_token_is_refused(
