@@ -169,6 +169,17 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
     assert theirs["used_bytes"] >= 64 * MiB, theirs  # how much the others use is no secret
     assert b_kernel not in json.dumps(doc), "Bob's kernel id leaked into Alice's status"
 
+    # Bob's view is the mirror image.
+    [bdev] = bob.status()["devices"]
+    assert [c["jupyter"]["kernel_id"] for c in bdev["clients"]] == [b_kernel], bdev
+    assert [(o["user"], o["clients"]) for o in bdev["others"]] == [("alice", 1)], bdev
+    # Everything the servers and kernels sent so far (HELLOs, busy/idle, status reads) was
+    # accepted under their hub users: nothing was refused.
+    log = hub_setup["scheduler"].log
+    assert "forbidden" not in log, log
+    for user in ("alice", "bob"):  # each server told the scheduler its kernel's cell ended
+        assert f"control kernel_state client={kernels[user]} by {user}" in log, log
+
     # Alice cannot release Bob's kernel. Her server answers 404: her status has no such kernel,
     # and the server does not tell her whether another user's kernel of that id exists. The
     # scheduler itself, asked with her token, refuses with FORBIDDEN.
