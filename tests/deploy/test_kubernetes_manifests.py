@@ -289,11 +289,20 @@ def test_users_config_in_the_configmap_loads(tmp_path: Path) -> None:
     load_users_config(str(tmp_path / "users.toml"))  # raises with the key on a bad file
 
 
-def test_default_kernel_is_the_shipped_gpu_shared_kernelspec() -> None:
+def test_every_kernel_runs_under_gpushare() -> None:
+    """The user pods' server config: the gpushare provisioner for every kernel (by its entry
+    point's name) and the shipped "(GPU shared)" kernelspec as the default kernel."""
+    from importlib.metadata import entry_points
+
     files = values()["singleuser"]["extraFiles"]
     [entry] = files.values()
     assert entry["mountPath"].startswith("/etc/jupyter/jupyter_server_config.d/")
-    name = entry["data"]["MultiKernelManager"]["default_kernel_name"]
+    assert entry["mountPath"].endswith(".json")  # z2jh writes data as JSON for .json
+    data = entry["data"]
+    provisioner = data["KernelProvisionerFactory"]["default_provisioner_name"]
+    names = {e.name for e in entry_points(group="jupyter_client.kernel_provisioners")}
+    assert provisioner in names, names
+    name = data["MultiKernelManager"]["default_kernel_name"]
     assert (ROOT / "jupyter-data" / "kernels" / name / "kernel.json").exists(), name
 
 
