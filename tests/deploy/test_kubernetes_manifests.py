@@ -365,3 +365,21 @@ def test_the_scheduler_accepts_the_daemonsets_command_line() -> None:
     assert app.log_style == "json"
     with pytest.raises(BaseException):  # noqa: B017 (traitlets exits or raises)
         SchedulerApp().parse_command_line(["--no-such-option=1"])
+
+
+def test_kustomize_renders_the_same_objects() -> None:
+    """`kubectl kustomize` (where kubectl is installed: it needs no cluster) builds exactly the
+    manifests checked above, with octal modes read as octal (0400 is 256, not 400)."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (the schema checks above do not need it)")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(KUBE)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout)}
+    expected = {(d["kind"], d["metadata"]["name"]): d for n in MANIFESTS for d in load_all(n)}
+    assert rendered == expected
