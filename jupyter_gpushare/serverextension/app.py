@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Float, List, Unicode, Union, validate
+from traitlets import Float, List, Unicode, Union, default, validate
 
 from .._version import __version__
+from ..hub import SCHEDULER_ENV
 from ..paths import SYSTEM_SOCKET
 from .backend import NotifyingScheduler, SchedulerBackend
 from .handlers import default_handlers
@@ -40,6 +41,15 @@ __all__ = ["STATUS_EVENT_SCHEMA", "GPUShareExtension"]
 STATUS_EVENT_SCHEMA = "https://events.jupyter.org/jupyter_gpushare/status/v1"
 _SCHEMA_PATH = Path(__file__).parent / "event_schemas" / "status" / "v1.yaml"
 _MODES = ("embedded", "node", "auto")
+
+
+def _check_scheduler(value: str) -> str:
+    if value not in _MODES and not value.startswith("/"):
+        raise ValueError(
+            f"GPUShareExtension.scheduler (or ${SCHEDULER_ENV}): {value!r} is not one of "
+            f"{', '.join(_MODES)} or an absolute socket path"
+        )
+    return value
 
 
 class GPUShareExtension(ExtensionApp):
@@ -59,18 +69,19 @@ class GPUShareExtension(ExtensionApp):
         'node': connect to a node-wide scheduler (`gpushare scheduler` run as a service) at
         `socket` (default: $GPUSHARE_SOCKET, else /run/gpushare/scheduler.sock).
         'auto': 'node' when a scheduler answers there, else 'embedded'.
-        An absolute path: 'node' with that socket.""",
+        An absolute path: 'node' with that socket.
+        Default: $GPUSHARE_SCHEDULER (what jupyter_gpushare.hub sets for a hub's servers), else
+        'embedded'.""",
     ).tag(config=True)
+
+    @default("scheduler")
+    def _scheduler_default(self) -> str:
+        # traitlets does not validate dynamic defaults: check the environment's value here.
+        return _check_scheduler(os.environ.get(SCHEDULER_ENV) or "embedded")
 
     @validate("scheduler")
     def _validate_scheduler(self, proposal: Any) -> str:
-        value = str(proposal["value"])
-        if value not in _MODES and not value.startswith("/"):
-            raise ValueError(
-                f"GPUShareExtension.scheduler: {value!r} is not one of {', '.join(_MODES)} "
-                "or an absolute socket path"
-            )
-        return value
+        return _check_scheduler(str(proposal["value"]))
 
     socket = Unicode(
         "",

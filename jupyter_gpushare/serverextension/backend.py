@@ -9,8 +9,9 @@
   while a sidebar listens.
 
 Control actions (``kernel_state``, ``release``, ``evict``, ``set_quota``) always go through the
-socket, so the scheduler authorises them from the kernel-verified uid of the server process in
-both modes.
+socket, so the scheduler authorises them from the server process's identity in both modes: its
+kernel-verified uid, or, for a uid that many users share (JupyterHub, Kubernetes), the hub user
+that ``GPUSHARE_USER`` and ``GPUSHARE_USER_TOKEN`` prove (:mod:`jupyter_gpushare.hub`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from ..hub import server_user
 from ..protocol import ErrorCode
 from ..scheduler.server import GPUShareScheduler
 
@@ -104,7 +106,8 @@ class SchedulerBackend:
 
     @property
     def client(self) -> SchedulerClient:
-        return SchedulerClient(self.socket_path, timeout=self.timeout)
+        # The server speaks for its hub user (token from $GPUSHARE_USER_TOKEN, see hub.py).
+        return SchedulerClient(self.socket_path, timeout=self.timeout, user=server_user() or "")
 
     async def ensure_started(self) -> None:
         """Start (once; concurrent callers wait for the same start). Never raises: a failure is

@@ -3,9 +3,11 @@
 Every handler is authenticated (jupyter_server's identity provider: token, cookie, JupyterHub) and
 authorised with ``@authorized`` on the resource ``gpushare``: reading the status needs ``read``,
 releasing or evicting a kernel ``execute``, changing a quota ``write``. On top of Jupyter's
-authorizer, gpushare's own rule: a user may release the kernels of this server; evicting, setting
-quotas and acting on other servers' kernels need a gpushare admin
-(``c.GPUShareExtension.admin_users``). The scheduler enforces the same by uid underneath.
+authorizer, gpushare's own rule: a user may release the kernels of this server (and, with a node
+scheduler, their own kernels of their other servers); evicting, setting quotas and acting on
+other users' kernels need a gpushare admin (``c.GPUShareExtension.admin_users``). The scheduler
+enforces the same underneath, by the server's identity (its uid, or the hub user its token
+proves).
 
 Errors are JSON (``{"message": ..., "reason": ...}``): 503 when the scheduler cannot be reached,
 404 for a kernel the scheduler does not know, 400 for a bad request, 403 when not allowed.
@@ -105,17 +107,27 @@ class KernelActionHandler(_Base):
         self.finish(json.dumps(reply))
 
     async def _not_found_or_forbidden(self, kernel_id: str) -> None:
+        """Refuse an action on a kernel of another server, unless the node scheduler says the
+        kernel is this server's user's (another server of the same hub user: named servers).
+
+        404 when the kernel is not in the status this server may see: a node scheduler shows a
+        user nothing of other users' kernels but per-user sums, so their ids stay unknown."""
         try:
             raw = await self.gpushare.backend.status()
         except (SchedulerUnavailable, SchedulerError) as exc:
             raise scheduler_http_error(exc) from exc
-        known = any(
-            kernel_id_of(str(c.get("id", ""))) == kernel_id
+        found = [
+            c
             for dev in raw.get("devices", [])
             for c in dev.get("clients", [])
-        )
-        if not known:
+            if kernel_id_of(str(c.get("id", ""))) == kernel_id
+        ]
+        if not found:
             raise web.HTTPError(404, f"no kernel {kernel_id!r} is known to the gpushare scheduler")
+        identity = raw.get("identity")
+        own_user = identity.get("user") if isinstance(identity, dict) else None
+        if own_user is not None and all(c.get("user") == own_user for c in found):
+            return  # the same user's kernel in another server: the scheduler agrees
         raise web.HTTPError(403, f"kernel {kernel_id!r} is not a kernel of this server")
 
     async def _control(self, action: str, **kwargs: Any) -> dict[str, Any]:

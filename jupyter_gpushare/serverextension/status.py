@@ -93,6 +93,11 @@ async def enrich(
     local = set(kernel_manager.list_kernel_ids()) if kernel_manager is not None else set()
     sessions = await _sessions_by_kernel(session_manager)
     hub_user = os.environ.get("JUPYTERHUB_USER")
+    # A node scheduler says whom it took this server for (its "identity": a uid's user, or the
+    # hub user a token proves) and has already left out other users' clients unless that
+    # identity is an admin. Ownership then goes by that user: many hub users may share one uid.
+    identity = out.get("identity")
+    own_user = identity.get("user") if isinstance(identity, dict) else None
     for dev in out.get("devices", []):
         for client in dev.get("clients", []):
             kid = kernel_id_of(str(client.get("id", "")))
@@ -105,7 +110,10 @@ async def enrich(
                 info["sessions"] = sessions.get(kid, [])
                 info["paths"] = [s["path"] for s in info["sessions"] if s.get("path")]
                 info["user"] = hub_user or client.get("user")
-            mine = is_local or client.get("uid") == own_uid
+            if own_user is not None:
+                mine = is_local or client.get("user") == own_user
+            else:
+                mine = is_local or client.get("uid") == own_uid
             if not mine and not admin:
                 client["label"] = ""
                 client["redacted"] = True

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from jupyter_server.auth.authorizer import Authorizer
+from openapi_helpers import openapi_schema as _openapi_schema
 from server_helpers import *  # noqa: F403
 from server_helpers import (
     FakeShim,
@@ -360,31 +361,6 @@ async def test_extension_stops_embedded_scheduler(jp_serverapp: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # docs/rest-api.yaml describes what the API answers
-
-
-def _openapi_schema(name: str) -> dict[str, Any]:
-    """A component schema of docs/rest-api.yaml as plain JSON Schema (``nullable`` → null)."""
-    import yaml
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "docs", "rest-api.yaml")) as f:
-        spec = yaml.safe_load(f)
-    assert spec["openapi"].startswith("3.0")
-    components = spec["components"]["schemas"]
-
-    def convert(node: Any) -> Any:
-        if isinstance(node, list):
-            return [convert(n) for n in node]
-        if not isinstance(node, dict):
-            return node
-        if "$ref" in node:
-            return convert(components[node["$ref"].rsplit("/", 1)[-1]])
-        out = {k: convert(v) for k, v in node.items() if k != "nullable"}
-        if node.get("nullable"):
-            return {"anyOf": [out, {"type": "null"}]}
-        return out
-
-    return convert(components[name])  # type: ignore[no-any-return]
 
 
 async def test_responses_match_the_openapi_description(
