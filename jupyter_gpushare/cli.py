@@ -88,6 +88,7 @@ class SchedulerApp(GPUShareBaseApp):
         "reserve": "GPUShareScheduler.pool_reserve",
         "quantum": "GPUShareScheduler.base_quantum",
         "max-quantum": "GPUShareScheduler.max_quantum",
+        "policy": "GPUShareScheduler.scheduling_policy",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (
