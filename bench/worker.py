@@ -16,18 +16,26 @@ working set, so a cell's GPU time is ``iters * t_iter + touch(working set)``.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import sys
 import time
 from typing import Any
 
-import torch
-
 N = 8192  # matmul size: long enough per launch that the launch path is not what we measure
+
+torch: Any = None  # imported by Worker(): the stand-in backend runs without PyTorch
 
 
 class Worker:
+    """The PyTorch backend (the real benchmarks)."""
+
     def __init__(self) -> None:
+        global torch
+        import torch as _torch
+
+        torch = _torch
         self.dev = torch.device("cuda")
         self.ws: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
@@ -68,6 +76,25 @@ class Worker:
             self.tiny = torch.zeros(1, device=self.dev)
         self.tiny.add_(1.0)
         self._sync()
+
+    def meminfo(self) -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info()
+        return {"free": int(free), "total": int(total)}
+
+    def ballast_to(self, free: int) -> int:
+        """Occupy the card (plain cudaMalloc) so that only ``free`` bytes stay free."""
+        size = max(0, self.meminfo()["free"] - free)
+        self.ballast = torch.empty(size, dtype=torch.uint8, device=self.dev)
+        return size
+
+    def drop_ws(self) -> None:
+        """After a failed allocation: nothing half-made stays behind."""
+        self.ws = None
+        torch.cuda.empty_cache()
+
+    @staticmethod
+    def is_oom(exc: BaseException) -> bool:
+        return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
 
     def calibrate(self, ws_bytes: int) -> dict[str, Any]:
         """Solo costs: seconds per matmul iteration, and seconds per GiB of working-set touch."""
@@ -149,8 +176,114 @@ class Worker:
         return {"step_s": (time.perf_counter() - t0) / steps, "loss": float(loss.item())}
 
 
+class StandinWorker:
+    """The same operations on the tests' stand-in driver (no GPU, no PyTorch): ctypes calls
+    into libcuda.so.1, whose "sleep" kernel keeps the stream busy. For checking the harnesses
+    (tests/bench); its numbers measure nothing about a GPU."""
+
+    T_ITER = 0.001  # seconds per "matmul iteration"
+
+    def __init__(self) -> None:
+        cu = ctypes.CDLL("libcuda.so.1")
+        cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        cu.cuModuleGetFunction.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p
+        ]  # fmt: skip
+        cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t)] * 2
+        self.cu = cu
+        self._check(cu.cuInit(0), "cuInit")
+        dev = ctypes.c_int()
+        self._check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+        ctx = ctypes.c_void_p()
+        self._check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        mod = ctypes.c_void_p()
+        self._check(cu.cuModuleLoadData(ctypes.byref(mod), b"stand-in image"), "cuModuleLoadData")
+        self.fn = ctypes.c_void_p()
+        self._check(cu.cuModuleGetFunction(ctypes.byref(self.fn), mod, b"sleep"), "function")
+        self.ws: int | None = None
+        self.ws_bytes = 0
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc == 2:
+            raise MemoryError(f"{what}: out of memory (CUDA error 2)")
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: CUDA error {rc}")
+
+    def _sleep(self, us: int) -> None:
+        arg = ctypes.c_ulonglong(max(1, us))
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
+        rc = self.cu.cuLaunchKernel(self.fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+        self._check(rc, "launch")
+        self._check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def alloc(self, nbytes: int) -> None:
+        if self.ws is not None and self.ws_bytes >= nbytes:
+            return
+        self.drop_ws()
+        if nbytes > 0:
+            ptr = ctypes.c_uint64()
+            self._check(self.cu.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), "cuMemAlloc")
+            self.ws, self.ws_bytes = ptr.value, nbytes
+            self._sleep(1)
+
+    def drop_ws(self) -> None:
+        if self.ws is not None:
+            self.cu.cuMemFree_v2(self.ws)
+        self.ws, self.ws_bytes = None, 0
+
+    def touch(self) -> None:
+        self._sleep(1)
+
+    def compute(self, iters: int) -> None:
+        self._sleep(int(iters * self.T_ITER * 1e6))
+
+    def launch1(self) -> None:
+        self._sleep(1)
+
+    def meminfo(self) -> dict[str, int]:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check(self.cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "meminfo")
+        return {"free": free.value, "total": total.value}
+
+    def ballast_to(self, free: int) -> int:
+        size = max(0, self.meminfo()["free"] - free)
+        if size:
+            self._check(self.cu.cuMemAlloc_v2(ctypes.byref(ctypes.c_uint64()), size), "ballast")
+        return size
+
+    @staticmethod
+    def is_oom(exc: BaseException) -> bool:
+        return isinstance(exc, MemoryError)
+
+    def calibrate(self, ws_bytes: int) -> dict[str, Any]:
+        return {"t_iter": self.T_ITER, "touch_s_per_gib": 1e-6}
+
+    def memcpy(self, nbytes: int, repeats: int) -> dict[str, Any]:
+        raise RuntimeError("memcpy needs a GPU")
+
+    def train(self, steps: int, warmup: int) -> dict[str, Any]:
+        raise RuntimeError("train needs PyTorch on a GPU")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def make_worker() -> Worker | StandinWorker:
+    """PyTorch, unless GPUSHARE_BENCH_BACKEND=standin (the harnesses' tests)."""
+    if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin":
+        return StandinWorker()
+    return Worker()
+
+
 def serve() -> None:
-    w = Worker()
+    w = make_worker()
     print(json.dumps({"ready": True, "t": time.monotonic()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -172,14 +305,9 @@ def serve() -> None:
             elif op == "train":
                 ans.update(w.train(int(cmd["steps"]), int(cmd.get("warmup", 20))))
             elif op == "meminfo":
-                free, total = torch.cuda.mem_get_info()
-                ans.update({"free": free, "total": total})
+                ans.update(w.meminfo())
             elif op == "ballast":
-                # Occupy the card so that only ``free`` bytes stay free (plain cudaMalloc).
-                free, _ = torch.cuda.mem_get_info()
-                size = max(0, free - int(cmd["free"]))
-                w.ballast = torch.empty(size, dtype=torch.uint8, device=w.dev)
-                ans["bytes"] = size
+                ans["bytes"] = w.ballast_to(int(cmd["free"]))
             elif op == "exit":
                 print(json.dumps({"op": "exit", "t": time.monotonic()}), flush=True)
                 return
@@ -188,10 +316,9 @@ def serve() -> None:
             ans["ok"] = True
         except Exception as exc:  # report to the harness: an OOM is a result, not a crash
             ans["ok"] = False
-            ans["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                w.ws = None
-                torch.cuda.empty_cache()
+            ans["error"] = _describe(exc)
+            if w.is_oom(exc):
+                w.drop_ws()
         ans["t"] = time.monotonic()
         print(json.dumps(ans), flush=True)
 
@@ -222,7 +349,7 @@ def replay(path: str) -> None:
         except Exception as exc:
             print(f"control {action} failed: {exc}", file=sys.stderr, flush=True)
 
-    w = Worker()
+    w = make_worker()
     # The context exists before the clock starts (a running notebook kernel); then give the
     # device back at once, so that under an exclusive lock the next user's warm-up can run.
     w.launch1()
@@ -246,14 +373,9 @@ def replay(path: str) -> None:
             w.alloc(int(spec["working_set"]))
             w.touch()
             w.compute(max(1, round(float(cell["gpu"]) * float(spec["iters_per_s"]))))
-        except torch.cuda.OutOfMemoryError as exc:
-            ok, error = False, str(exc).splitlines()[0]
-            w.ws = None
-            torch.cuda.empty_cache()
-        except RuntimeError as exc:  # a CUDA error raised as RuntimeError (e.g. the pool quota)
-            ok, error = False, str(exc).splitlines()[0]
-            w.ws = None
-            torch.cuda.empty_cache()
+        except Exception as exc:  # out of memory (co-location), or the shim's pool refusal
+            ok, error = False, _describe(exc)
+            w.drop_ws()
         end = time.monotonic()
         control("kernel_state", state="idle")
         ready = end
