@@ -35,7 +35,7 @@ from .common import GiB, MiB, child_env, memory_moves, shim_env
 from .common import scheduler as start_scheduler
 from .handoff import bandwidths
 from .procs import WorkerProc
-from .simulator import SimConfig, Simulation, summarize
+from .simulator import SimConfig, Simulation, capacity_sweep, summarize
 from .trace import TraceConfig, generate, to_json
 
 MODES = ("gpushare", "colocate", "fixed-quantum")
@@ -235,8 +235,13 @@ def run(
             f"simulated {m}: p50 {s['slowdown_p50']:.2f}x, p95 {s['slowdown_p95']:.2f}x, "
             f"{s['failed']} failed"
         )
+    # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point.
+    capacity = capacity_sweep(
+        trace_cfg, [2, 4, 6, 8, 10, 12, 16], ("gpushare", "fixed-quantum", "colocate"), sim_cfg, 3
+    )
     return {
         "trace": to_json(trace_cfg, users),
+        "capacity": capacity,
         "pool_bytes": pool,
         "calibration": cal,
         "grace_s": grace,

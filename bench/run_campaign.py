@@ -13,14 +13,15 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
     kernel_start  ~1 min     Jupyter kernel start-to-ready, provisioner vs plain
     replay        ~7 min     8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
 
-``--driver-dir DIR`` runs the parts that need no PyTorch (launch, kernel_start) against the
-tests' stand-in driver: for checking the harness without a GPU; such records say
-``"driver": "stand-in"`` and the report labels them so.
+``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
+directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
+harnesses without a GPU. Such records say ``"driver": "stand-in"`` and the report labels them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--horizon", type=float, default=100.0, help="replay length (seconds)")
+    ap.add_argument("--think", type=float, default=20.0, help="mean think time (seconds)")
+    ap.add_argument("--gpu-median", type=float, default=0.5, help="median GPU s per cell")
+    ap.add_argument("--grace", type=float, default=40.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
     args = ap.parse_args(argv)
@@ -70,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         logfile.flush()
 
     log(f"campaign: {shlex.join(command)}")
+    if args.driver_dir:
+        # Every child (workers, kernels, the launch program) finds the stand-in driver first.
+        paths = [str(Path(args.driver_dir).resolve()), os.environ.get("LD_LIBRARY_PATH", "")]
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in paths if p)
+        os.environ["GPUSHARE_BENCH_BACKEND"] = "standin"
+        os.environ.setdefault("GPUSHARE_FAKE_DEVICE_TOTAL", "80GiB")
     work = Path(tempfile.mkdtemp(prefix="gsb-work-"))
     failed = []
     for part in parts:
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for name, fields in records.items():
             fields["duration_s"] = round(time.monotonic() - t0, 1)
+            fields["driver"] = "stand-in" if args.driver_dir else "system"
             write_json(out / f"{name}.json", record(name, command, **fields))
         log(f"{part}: done in {time.monotonic() - t0:.0f} s")
     # The scheduler logs of every part, for whoever needs to look closer (kept small).
@@ -109,11 +120,10 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
         res = kernel_start.run(
             work / part, args.kernel_pairs, no_nvml=bool(args.driver_dir), log=log
         )
-        res["driver"] = "stand-in" if args.driver_dir else "system"
         return {"kernel_start": res}
-    if args.driver_dir:
-        raise RuntimeError(f"{part} needs PyTorch on a GPU (not the stand-in driver)")
     if part == "train":
+        if args.driver_dir:
+            raise RuntimeError("train needs PyTorch on a GPU (not the stand-in driver)")
         from . import train_overhead
 
         return {"train_overhead": train_overhead.run(work / part, args.train_pairs, log=log)}
@@ -121,15 +131,22 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
         from . import handoff
 
         sizes = tuple(float(x) for x in args.handoff_sizes.split(",") if x)
-        ho, mem = handoff.run(work / part, args.handoffs, sizes, log=log)
+        memcpy = 0 if args.driver_dir else 4 << 30  # the stand-in has no memcpy to compare
+        ho, mem = handoff.run(work / part, args.handoffs, sizes, memcpy_bytes=memcpy, log=log)
         return {"handoff": ho, "memory": mem}
     if part == "replay":
         from . import replay
         from .trace import TraceConfig
 
-        tc = TraceConfig(users=args.users, seed=args.seed, horizon=args.horizon)
+        tc = TraceConfig(
+            users=args.users,
+            seed=args.seed,
+            horizon=args.horizon,
+            think_mean=args.think,
+            gpu_median=args.gpu_median,
+        )
         modes = tuple(m for m in args.replay_modes.split(",") if m)
-        return {"replay": replay.run(work / part, tc, args.pool_gib, modes, log=log)}
+        return {"replay": replay.run(work / part, tc, args.pool_gib, modes, args.grace, log=log)}
     raise AssertionError(part)
 
 
