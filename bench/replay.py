@@ -115,7 +115,9 @@ def _play(
                     break  # cut at the deadline (or the process ended: all its cells are in)
                 rec["user"] = name
                 cells.append(rec)
-        for p in procs.values():
+        for name, p in procs.items():
+            if p.proc.poll() not in (None, 0):  # a user that crashed: say why in the record
+                extra.setdefault("worker_errors", {})[name] = "".join(p.stderr[-20:])
             p.kill()
         if sched_cm is not None:
             extra["moves"] = memory_moves(sched.log_text())
