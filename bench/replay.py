@@ -190,6 +190,12 @@ def run(
             f"the users' memory ({demand / GiB:.1f} GiB) exceeds the card's free memory "
             f"({cal['free'] / GiB:.1f} GiB): fewer users or smaller working sets"
         )
+    biggest = max(u.working_set for u in users) + int(1.5 * GiB)
+    if biggest > pool:
+        raise SystemExit(
+            f"a user needs up to {biggest / GiB:.1f} GiB, more than the pool ({pool_gib} GiB): "
+            "the shim would refuse its allocations; choose a larger pool"
+        )
     if pool >= demand:
         log(f"note: the pool ({pool_gib} GiB) holds every user at once: no memory pressure")
     runs = {m: _play(m, users, trace_cfg, cal, pool, grace, workdir, log) for m in modes}
