@@ -37,6 +37,7 @@ from .handoff import bandwidths
 from .procs import WorkerProc
 from .simulator import SimConfig, Simulation, capacity_sweep, summarize
 from .trace import TraceConfig, generate, to_json
+from .worker import N
 
 MODES = ("gpushare", "colocate", "fixed-quantum")
 
@@ -231,6 +232,9 @@ def run(
         restore_bw=bw["restore"]["median"] or 48e9,
         touch_s_per_gib=cal["touch_s_per_gib"],
         grace=grace,
+        # The real workers also hold their matmul operands (bench/worker.py: a, b and the
+        # product, bf16 N x N each) beside their working sets: they move too.
+        extra_bytes=3 * N * N * 2,
     )
     sim = {}
     for m in (*modes, "dedicated"):

@@ -43,6 +43,7 @@ class SimConfig:
     base_quantum: float = 5.0
     fixed_quantum: float = 30.0
     idle_check_interval: float = 5.0
+    extra_bytes: int = 0  # per user, beside the working set (e.g. matmul operands); movable
 
 
 @dataclass
@@ -94,8 +95,11 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, name, arg))
 
+    def _movable(self, u: _U) -> int:
+        return u.user.working_set + self.cfg.extra_bytes
+
     def _mem(self, u: _U) -> dict[str, int]:
-        ctx, ws = self.cfg.context_bytes, u.user.working_set
+        ctx, ws = self.cfg.context_bytes, self._movable(u)
         return {"used": ctx + ws, "managed": ws, "pinned": ctx, "evicted": 0}
 
     def _send(self, event: ev.Event) -> None:
@@ -105,7 +109,7 @@ class Simulation:
 
     def _decide(self, d: ev.Decision) -> None:
         u = self.users[d.client]
-        ws = u.user.working_set
+        ws = self._movable(u)
         if isinstance(d, ev.Grant):
             u.holding = True
             move = ws / self.cfg.restore_bw if d.restore else 0.0
@@ -217,9 +221,9 @@ class Simulation:
             u.work = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
             if self.mode == "colocate" and not u.allocated:
                 used = sum(
-                    x.user.working_set for x in self.users.values() if x.allocated
+                    self._movable(x) for x in self.users.values() if x.allocated
                 ) + self.cfg.context_bytes * len(self.users)
-                if used + u.user.working_set > self.cfg.pool_bytes:
+                if used + self._movable(u) > self.cfg.pool_bytes:
                     self._finish(u, ok=False, error="out of memory")
                     return
                 u.allocated = True
@@ -228,7 +232,7 @@ class Simulation:
                 if not u.holding:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
         elif kind == "released":
-            ws = u.user.working_set
+            ws = self._movable(u)
             micros = int(ws / self.cfg.evict_bw * 1e6) if arg else 0
             self._send(ev.Released(self.now, name, bool(arg), ws if arg else 0, micros))
             if u.in_cell and u.work > 0 and not u.holding:
