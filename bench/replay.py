@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,51 @@ def calibrate(log: Any) -> dict[str, Any]:
     return {"t_iter": cal["t_iter"], "touch_s_per_gib": cal["touch_s_per_gib"], **free}
 
 
+class UtilizationSampler:
+    """NVML's GPU utilisation, sampled every ``interval`` s on a thread (none without NVML).
+
+    NVML counts a sample period busy when any kernel ran in it, so this is an upper bound of
+    the GPU's busy time; the report's busy fraction (solo GPU time of completed cells over the
+    run's length) is the work done. Both are recorded.
+    """
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._nvml = None
+
+    def start(self) -> None:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            except Exception:
+                return
+            self.samples.append((time.monotonic(), int(util)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        xs = [u for t, u in self.samples if t0 <= t <= t1]
+        return sum(xs) / len(xs) / 100.0 if xs else None
+
+
 def _play(
     mode: str,
     users: list[Any],
@@ -75,6 +121,8 @@ def _play(
     procs: dict[str, WorkerProc] = {}
     cells: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
+    sampler = UtilizationSampler()
+    t0 = time.monotonic()
     try:
         if mode == "colocate":
             ballast = WorkerProc(child_env(), "ballast")
@@ -104,6 +152,7 @@ def _play(
         if sched_cm is not None:
             extra["clients_at_start"] = sched.clients()
         t0 = time.monotonic() + 0.5
+        sampler.start()
         for p in procs.values():
             p.write_line(repr(t0))
         deadline = t0 + trace_cfg.horizon + grace
@@ -116,6 +165,7 @@ def _play(
                     break  # cut at the deadline (or the process ended: all its cells are in)
                 rec["user"] = name
                 cells.append(rec)
+        sampler.stop()
         for name, p in procs.items():
             if p.proc.poll() not in (None, 0):  # a user that crashed: say why in the record
                 extra.setdefault("worker_errors", {})[name] = "".join(p.stderr[-20:])
@@ -123,6 +173,7 @@ def _play(
         if sched_cm is not None:
             extra["moves"] = memory_moves(sched.log_text())
     finally:
+        sampler.stop()
         for p in procs.values():
             p.kill()
         if ballast is not None:
@@ -157,6 +208,7 @@ def _play(
                     }
                 )
     summary = summarize(out, trace_cfg.horizon)
+    summary["nvml_utilization"] = sampler.mean(t0, t0 + summary["makespan"])
     log(
         f"replay {mode}: p50 {summary['slowdown_p50']:.2f}x, p95 {summary['slowdown_p95']:.2f}x, "
         f"{summary['failed']} failed, {summary['unfinished']} unfinished of {summary['cells']}, "

@@ -48,6 +48,13 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return format(x, spec)
 
 
+def _busy(s: dict[str, Any]) -> str:
+    text = f"{s['gpu_busy_fraction'] * 100:.0f}%"
+    if s.get("nvml_utilization") is not None:
+        text += f" (NVML {s['nvml_utilization'] * 100:.0f}%)"
+    return text
+
+
 def _verdict(met: bool, gap: str) -> str:
     return "**Target met.**" if met else f"**Target not met:** {gap}"
 
@@ -320,7 +327,8 @@ computed: each cell at its solo time, measured on the same GPU by calibration (s
 matmul iteration, seconds per GiB of working-set pass). Slowdown: cell latency (from the
 moment the user ran it to its last kernel's end) divided by its solo time. Cells still
 unfinished 40 s after the last arrival count with their latency so far. GPU busy fraction:
-the solo GPU time of completed cells over the run's length (per GPU). Target: **8 users on one
+the solo GPU time of completed cells over the run's length (per GPU); in brackets, NVML's
+utilisation sampled every 0.5 s (an upper bound: a sample counts busy if any kernel ran). Target: **8 users on one
 GPU, p95 slowdown ≤ 1.3x, no failed cell**.
 
 *Simulator.* `bench/simulator.py` replays the same traces through the same pure policy on a
@@ -352,7 +360,7 @@ share it equally). It is the capacity planner: users per GPU vs slowdown.
             rows.append(
                 f"| {names.get(m, m)} | {s['cells']} | {_fmt(s['slowdown_p50'])}x | "
                 f"{_fmt(s['slowdown_p95'])}x | {s['failed']} | {s['unfinished']} | "
-                f"{s['gpu_busy_fraction'] * 100:.0f}% | {s.get('gpus', 1)} | {simtxt} |"
+                f"{_busy(s)} | {s.get('gpus', 1)} | {simtxt} |"
             )
         plt = self._plt()
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
