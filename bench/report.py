@@ -328,8 +328,8 @@ matmul iteration, seconds per GiB of working-set pass). Slowdown: cell latency (
 moment the user ran it to its last kernel's end) divided by its solo time. Cells still
 unfinished 40 s after the last arrival count with their latency so far. GPU busy fraction:
 the solo GPU time of completed cells over the run's length (per GPU); in brackets, NVML's
-utilisation sampled every 0.5 s (an upper bound: a sample counts busy if any kernel ran). Target: **8 users on one
-GPU, p95 slowdown ≤ 1.3x, no failed cell**.
+utilisation sampled every 0.5 s (an upper bound: a sample counts busy if any kernel ran).
+Target: **8 users on one GPU, p95 slowdown ≤ 1.3x, no failed cell**.
 
 *Simulator.* `bench/simulator.py` replays the same traces through the same pure policy on a
 virtual clock: the shims' part (revokes, evictions and restores taking bytes / bandwidth, with
