@@ -4,7 +4,8 @@ Each user of a seeded trace (:mod:`bench.trace`) is a real PyTorch process
 (``python -m bench.worker replay``) that holds its working set on the GPU and plays its cells:
 think, then "busy" to the scheduler (what Jupyter's server extension says when a cell starts),
 the cell's GPU burst (one pass over the working set and bf16 matmuls sized to the cell's GPU
-time), "idle" when it ends. Modes:
+time), "idle" when it ends. Before the clock starts every user has loaded its working set,
+operands and libraries (a running notebook) and given the device back. Modes:
 
 * ``gpushare``: under the shim, the default policy, pool ``--pool``;
 * ``colocate``: no shim; a plain process first occupies the card beyond the pool size

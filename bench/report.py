@@ -317,7 +317,8 @@ pinned host→device memcpy**; eviction is reported against pinned device→host
 cells per user) then a GPU burst (log-normal, median 0.5 s, clipped to 0.05-6 s) made of one
 pass over the working set and bf16 8192² matmuls. Each user is a real PyTorch process on one
 GPU, and tells the scheduler `busy`/`idle` around each cell as Jupyter's server extension
-does. The pool is 40 GiB on the 80 GB card, below the users' 45 GiB of working sets (never
+does. Before the clock starts each user has loaded its working set, operands and libraries (a
+running notebook), and given the device back. The pool is 40 GiB on the 80 GB card, below the users' 45 GiB of working sets (never
 oversubscribing the card). Modes, in one run: (a) **gpushare**; (b) **plain co-location**
 without the shim, with a plain allocation holding the card beyond 40 GiB so the users share the
 same room (a cell whose memory does not fit fails); (c) a **fixed-quantum lock**, the same

@@ -350,9 +350,20 @@ def replay(path: str) -> None:
             print(f"control {action} failed: {exc}", file=sys.stderr, flush=True)
 
     w = make_worker()
-    # The context exists before the clock starts (a running notebook kernel); then give the
-    # device back at once, so that under an exclusive lock the next user's warm-up can run.
+    # Before the clock starts, the user is a running notebook kernel that has loaded its data:
+    # context, working set, matmul operands and library handles exist (first-use costs are
+    # not cells' costs). Then it gives the device back at once, so that under an exclusive
+    # lock the next user's warm-up can run. Under plain co-location an allocation that does
+    # not fit fails here, and again in each cell.
+    control("kernel_state", state="busy")
     w.launch1()
+    try:
+        w.alloc(int(spec["working_set"]))
+        w.touch()
+        w.compute(2)
+    except Exception as exc:
+        print(f"warm-up: {_describe(exc)}", file=sys.stderr, flush=True)
+        w.drop_ws()
     control("kernel_state", state="idle")
     control("release")
     print(json.dumps({"ready": True}), flush=True)
