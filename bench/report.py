@@ -316,19 +316,19 @@ pinned host→device memcpy**; eviction is reported against pinned device→host
 (mean 20 s: real think times are minutes, compressed here so that a 100 s replay holds several
 cells per user) then a GPU burst (log-normal, median 0.5 s, clipped to 0.05-6 s) made of one
 pass over the working set and bf16 8192² matmuls. Each user is a real PyTorch process on one
-GPU, and tells the scheduler `busy`/`idle` around each cell as Jupyter's server extension
-does. Before the clock starts each user has loaded its working set, operands and libraries (a
-running notebook), and given the device back. The pool is 40 GiB on the 80 GB card, below the users' 45 GiB of working sets (never
-oversubscribing the card). Modes, in one run: (a) **gpushare**; (b) **plain co-location**
-without the shim, with a plain allocation holding the card beyond 40 GiB so the users share the
-same room (a cell whose memory does not fit fails); (c) a **fixed-quantum lock**, the same
-scheduler with `--policy fixed-quantum` (30 s quantum, idle check every 5 s: the holder is let
-go when a check finds it idle for a whole interval); (d) **one dedicated GPU per user**,
-computed: each cell at its solo time, measured on the same GPU by calibration (seconds per
-matmul iteration, seconds per GiB of working-set pass). Slowdown: cell latency (from the
-moment the user ran it to its last kernel's end) divided by its solo time. Cells still
-unfinished 40 s after the last arrival count with their latency so far. GPU busy fraction:
-the solo GPU time of completed cells over the run's length (per GPU); in brackets, NVML's
+GPU, and tells the scheduler `busy`/`idle` around each cell as Jupyter's server extension does.
+Before the clock starts each user has loaded its working set, operands and libraries (a running
+notebook), and given the device back. The pool is 40 GiB on the 80 GB card, below the users' 45
+GiB of working sets (never oversubscribing the card). Modes, in one run: (a) **gpushare**; (b)
+**plain co-location** without the shim, with a plain allocation holding the card beyond 40 GiB
+so the users share the same room (a cell whose memory does not fit fails); (c) a **fixed-quantum
+lock**, the same scheduler with `--policy fixed-quantum` (30 s quantum, idle check every 5 s:
+the holder is let go when a check finds it idle for a whole interval); (d) **one dedicated GPU
+per user**, computed: each cell at its solo time, measured on the same GPU by calibration
+(seconds per matmul iteration, seconds per GiB of working-set pass). Slowdown: cell latency
+(from the moment the user ran it to its last kernel's end) divided by its solo time. Cells still
+unfinished 40 s after the last arrival count with their latency so far. GPU busy fraction: the
+solo GPU time of completed cells over the run's length (per GPU); in brackets, NVML's
 utilisation sampled every 0.5 s (an upper bound: a sample counts busy if any kernel ran).
 Target: **8 users on one GPU, p95 slowdown ≤ 1.3x, no failed cell**.
 
