@@ -55,6 +55,11 @@ def _busy(s: dict[str, Any]) -> str:
     return text
 
 
+def _meets(s: dict[str, Any]) -> bool:
+    """The replay's target: p95 slowdown at most 1.3x, no failed or unfinished cell."""
+    return bool(s["slowdown_p95"] <= 1.3 and s["failed"] == 0 and s["unfinished"] == 0)
+
+
 def _verdict(met: bool, gap: str) -> str:
     return "**Target met.**" if met else f"**Target not met:** {gap}"
 
@@ -335,7 +340,9 @@ Target: **8 users on one GPU, p95 slowdown ≤ 1.3x, no failed cell**.
 *Simulator.* `bench/simulator.py` replays the same traces through the same pure policy on a
 virtual clock: the shims' part (revokes, evictions and restores taking bytes / bandwidth, with
 the bandwidths and context size measured in the gpushare run) and the GPU's (cells side by side
-share it equally). It is the capacity planner: users per GPU vs slowdown.
+share it equally). It is the capacity planner: users per GPU vs slowdown. The *sharing floor*
+row is the same cells side by side with unlimited memory and free handoffs: the slowdown that
+comes from sharing one GPU's time at all, which no scheduler avoids without more GPUs.
 """
         rec = self.recs.get("replay")
         if rec is None:
@@ -396,6 +403,13 @@ share it equally). It is the capacity planner: users per GPU vs slowdown.
         a2.set_ylabel("p95 slowdown")
         a2.legend(fontsize=7)
         img = self._save(fig, "perf-replay.png")
+        fl = sim.get("sharing-floor")
+        if fl:
+            rows.append(
+                f"| sharing floor (simulated: unlimited memory, free handoffs) | {fl['cells']} | "
+                f"{_fmt(fl['slowdown_p50'])}x | {_fmt(fl['slowdown_p95'])}x | {fl['failed']} | "
+                f"{fl['unfinished']} | {_busy(fl)} | 1 | |"
+            )
         parts = [text, *rows, ""]
         g = runs.get("gpushare", {}).get("summary")
         if g:
@@ -410,22 +424,33 @@ share it equally). It is the capacity planner: users per GPU vs slowdown.
         parts += [img, ""]
         cap = rec.get("capacity")
         if cap:
-            fig, ax = plt.subplots(figsize=(6, 3.3))
-            for m in sorted({r["mode"] for r in cap}):
-                pts = [r for r in cap if r["mode"] == m]
-                ax.plot([r["users"] for r in pts], [r["slowdown_p95"] for r in pts], "o-", label=m)
-            ax.axhline(1.3, color="r", ls="--", lw=0.8, label="1.3x")
-            ax.set_yscale("log")
-            ax.set_xlabel("users per GPU (simulated, 3 seeds per point)")
-            ax.set_ylabel("p95 slowdown")
-            ax.legend(fontsize=7)
+            thinks = sorted({r.get("think_mean", 0.0) for r in cap})
+            fig, axes = plt.subplots(1, len(thinks), figsize=(5 * len(thinks), 3.3), squeeze=False)
+            lines = []
+            for ax, think in zip(axes[0], thinks, strict=True):
+                rows_t = [r for r in cap if r.get("think_mean", 0.0) == think]
+                for m in sorted({r["mode"] for r in rows_t}):
+                    pts = [r for r in rows_t if r["mode"] == m]
+                    ax.plot(
+                        [r["users"] for r in pts], [r["slowdown_p95"] for r in pts], "o-", label=m
+                    )
+                ax.axhline(1.3, color="r", ls="--", lw=0.8, label="1.3x")
+                ax.set_yscale("log")
+                ax.set_title(f"mean think time {think:g} s", fontsize=9)
+                ax.set_xlabel("users per GPU (simulated, 3 seeds per point)")
+                ax.set_ylabel("p95 slowdown")
+                ax.legend(fontsize=7)
+                ok = [r["users"] for r in rows_t if r["mode"] == "gpushare" and _meets(r)]
+                tried = sorted({r["users"] for r in rows_t})
+                best = f"**{max(ok)}**" if ok else "none of the sizes tried"
+                lines.append(f"- mean think time {think:g} s: {best} (tried {tried})")
             cimg = self._save(fig, "perf-capacity.png")
-            ok = [r["users"] for r in cap if r["mode"] == "gpushare" and r["slowdown_p95"] <= 1.3
-                  and r["failed"] == 0 and r["unfinished"] == 0]  # fmt: skip
             parts += [
-                "*Capacity planning (simulated, same costs).* Users per GPU at p95 ≤ 1.3x with "
-                f"no failed cell under gpushare: {max(ok) if ok else 'none of the sizes tried'} "
-                f"(sizes tried: {sorted({r['users'] for r in cap})}).",
+                "*Capacity planning (simulated with the costs measured above).* Users per GPU "
+                "at p95 ≤ 1.3x with no failed cell under gpushare, with the same working sets "
+                "and a 40 GiB pool:",
+                "",
+                *lines,
                 "",
                 cimg,
                 "",

@@ -73,14 +73,14 @@ def test_kernel_start_record(campaign):
 def test_replay_record(campaign):
     rec = load(campaign, "replay")
     assert set(rec["runs"]) == {"gpushare", "colocate", "fixed-quantum", "dedicated"}
-    assert set(rec["simulated"]) == set(rec["runs"])
+    assert set(rec["simulated"]) == {*rec["runs"], "sharing-floor"}
     for mode, run in rec["runs"].items():
         s = run["summary"]
         assert s["cells"] == len(run["cells"]) > 0, mode
         assert s["completed"] + s["failed"] + s["unfinished"] == s["cells"]
         assert not run.get("worker_errors"), run.get("worker_errors")
     assert rec["runs"]["gpushare"]["summary"]["failed"] == 0
-    assert rec["capacity"]
+    assert {r["think_mean"] for r in rec["capacity"]} == {0.8, 120.0}
 
 
 def test_campaign_log_and_scheduler_logs(campaign):
