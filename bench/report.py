@@ -431,9 +431,13 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 rows_t = [r for r in cap if r.get("think_mean", 0.0) == think]
                 for m in sorted({r["mode"] for r in rows_t}):
                     pts = [r for r in rows_t if r["mode"] == m]
-                    ax.plot(
-                        [r["users"] for r in pts], [r["slowdown_p95"] for r in pts], "o-", label=m
-                    )
+                    label = m + (" (cells that ran; % failed)" if m == "colocate" else "")
+                    xs = [r["users"] for r in pts]
+                    ax.plot(xs, [r["slowdown_p95"] for r in pts], "o-", label=label)
+                    for r in pts:
+                        if r["failed"] and not math.isnan(r["slowdown_p95"]):
+                            pct = 100 * r["failed"] / max(1, r["cells"])
+                            ax.annotate(f"{pct:.0f}%", (r["users"], r["slowdown_p95"]), fontsize=6)
                 ax.axhline(1.3, color="r", ls="--", lw=0.8, label="1.3x")
                 ax.set_yscale("log")
                 ax.set_title(f"mean think time {think:g} s", fontsize=9)
