@@ -2,8 +2,10 @@
 
 jupyter_client's KernelManager starts an ipykernel from a kernelspec that either names the
 gpushare provisioner (the kernel runs under the shim, registered with a running scheduler) or
-not; the time is from ``start_kernel()`` to the kernel's ``kernel_info`` reply
-(``wait_for_ready``). Starts alternate (ABBA); medians and the paired difference are reported.
+not, or only preloads the shim through the kernelspec's env (no provisioner, no magic: to see
+where any cost sits); the time is from ``start_kernel()`` to the kernel's ``kernel_info`` reply
+(``wait_for_ready``). Starts alternate (ABC CBA); medians and the paired difference (gpushare
+minus plain) are reported.
 Target: <= +50 ms.
 """
 
@@ -24,13 +26,17 @@ from .common import scheduler as start_scheduler
 TARGET_MS = 50.0
 
 
-def _write_spec(kernels: Path, name: str, socket: str | None) -> None:
+def _write_spec(
+    kernels: Path, name: str, socket: str | None, env: dict[str, str] | None = None
+) -> None:
     spec: dict[str, Any] = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": name,
         "language": "python",
         "metadata": {},
     }
+    if env:
+        spec["env"] = env
     if socket is not None:
         spec["metadata"]["kernel_provisioner"] = {
             "provisioner_name": "gpushare-provisioner",
@@ -57,29 +63,36 @@ async def _start_once(ksm: Any, name: str, env: dict[str, str]) -> float:
     return elapsed
 
 
-async def _run(kernels: Path, pairs: int) -> tuple[list[float], list[float]]:
+#: plain; the shim preloaded by the kernelspec's env alone (no provisioner, no magic: where the
+#: cost sits); the gpushare provisioner (shim, scheduler registration, %gpushare magic).
+VARIANTS = ("plain", "shim-only", "gpushare")
+
+
+async def _run(kernels: Path, pairs: int) -> dict[str, list[float]]:
     from jupyter_client.kernelspec import KernelSpecManager
 
     ksm = KernelSpecManager(kernel_dirs=[str(kernels)])
     env = child_env()
     await _start_once(ksm, "plain", env)  # warm the file cache: the first start of all pays it
-    plain: list[float] = []
-    shim: list[float] = []
+    out: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for i in range(pairs):
-        order = [("plain", plain), ("gpushare", shim)]
-        if i % 2:
-            order.reverse()
-        for name, dest in order:
-            dest.append(await _start_once(ksm, name, env))
-    return plain, shim
+        order = list(VARIANTS) if i % 2 == 0 else list(reversed(VARIANTS))
+        for name in order:
+            out[name].append(await _start_once(ksm, name, env))
+    return out
 
 
 def run(workdir: Path, pairs: int = 10, no_nvml: bool = False, log: Any = print) -> dict[str, Any]:
     kernels = Path(tempfile.mkdtemp(prefix="gsb-kernels-"))
     with start_scheduler(workdir, no_nvml=no_nvml) as sched:
+        from jupyter_gpushare.shim import library_path
+
         _write_spec(kernels, "plain", None)
+        preload = {"LD_PRELOAD": library_path(), "GPUSHARE_SOCKET": str(sched.socket)}
+        _write_spec(kernels, "shim-only", None, preload)
         _write_spec(kernels, "gpushare", str(sched.socket))
-        plain, shim = asyncio.run(_run(kernels, pairs))
+        times = asyncio.run(_run(kernels, pairs))
+    plain, shim = times["plain"], times["gpushare"]
     diffs = [(s - p) * 1000 for p, s in zip(plain, shim, strict=True)]
     med, lo, hi = median_ci(diffs)
     log(
@@ -91,6 +104,8 @@ def run(workdir: Path, pairs: int = 10, no_nvml: bool = False, log: Any = print)
         "pairs": pairs,
         "plain_s": plain,
         "gpushare_s": shim,
+        "shim_only_s": times["shim-only"],
+        "shim_only_median_ms": statistics.median(times["shim-only"]) * 1000,
         "plain_median_ms": statistics.median(plain) * 1000,
         "gpushare_median_ms": statistics.median(shim) * 1000,
         "added_ms_median": med,
