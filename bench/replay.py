@@ -233,9 +233,12 @@ def run(
     trace_cfg: TraceConfig | None = None,
     pool_gib: float = 40.0,
     modes: tuple[str, ...] = MODES,
-    grace: float = 40.0,
+    grace: float = 30.0,
     log: Any = print,
+    checkpoint: Any = None,
 ) -> dict[str, Any]:
+    """The replay's record. ``checkpoint(partial)``, if given, receives the record so far after
+    each mode, so that a run cut short (the device's time limit) still leaves results."""
     trace_cfg = trace_cfg or TraceConfig()
     users = generate(trace_cfg)
     pool = int(pool_gib * GiB)
@@ -256,7 +259,20 @@ def run(
         )
     if pool >= demand:
         log(f"note: the pool ({pool_gib} GiB) holds every user at once: no memory pressure")
-    runs = {m: _play(m, users, trace_cfg, cal, pool, grace, workdir, log) for m in modes}
+    runs: dict[str, Any] = {}
+    for m in modes:
+        runs[m] = _play(m, users, trace_cfg, cal, pool, grace, workdir, log)
+        if checkpoint is not None:
+            checkpoint(
+                {
+                    "partial": True,
+                    "trace": to_json(trace_cfg, users),
+                    "pool_bytes": pool,
+                    "calibration": cal,
+                    "grace_s": grace,
+                    "runs": dict(runs),
+                }
+            )
     # (d) one dedicated GPU per user: every cell at its solo time (see the module docstring).
     ded_cells = []
     for u in users:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon", type=float, default=100.0, help="replay length (seconds)")
     ap.add_argument("--think", type=float, default=20.0, help="mean think time (seconds)")
     ap.add_argument("--gpu-median", type=float, default=0.5, help="median GPU s per cell")
-    ap.add_argument("--grace", type=float, default=40.0, help="seconds before cutting cells")
+    ap.add_argument("--grace", type=float, default=30.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
     args = ap.parse_args(argv)
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     command = [Path(sys.executable).name, "-m", "bench.run_campaign", *(argv or sys.argv[1:])]
+    args.command = command
     logfile = (out / "campaign.log").open("a")
 
     def log(text: str) -> None:
@@ -146,7 +147,12 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
             gpu_median=args.gpu_median,
         )
         modes = tuple(m for m in args.replay_modes.split(",") if m)
-        return {"replay": replay.run(work / part, tc, args.pool_gib, modes, args.grace, log=log)}
+
+        def checkpoint(partial: dict[str, Any]) -> None:
+            write_json(args.out / "replay.json", record("replay", args.command, **partial))
+
+        res = replay.run(work / part, tc, args.pool_gib, modes, args.grace, log, checkpoint)
+        return {"replay": res}
     raise AssertionError(part)
 
 

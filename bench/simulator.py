@@ -39,7 +39,7 @@ class SimConfig:
     restore_bw: float = 48e9  # bytes/s: host->device
     touch_s_per_gib: float = 0.0007  # each cell reads and writes its working set once
     handoff_s: float = 0.002  # fixed cost of a grant (messages, wake-ups)
-    grace: float = 40.0  # seconds after the horizon before unfinished cells are cut
+    grace: float = 30.0  # seconds after the horizon before unfinished cells are cut
     base_quantum: float = 5.0
     fixed_quantum: float = 30.0
     idle_check_interval: float = 5.0

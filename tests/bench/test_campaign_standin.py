@@ -118,3 +118,20 @@ def test_training_refuses_the_stand_in_clearly(native_build, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "train needs PyTorch on a GPU" in proc.stdout
+
+
+def test_report_of_a_replay_cut_short(campaign, tmp_path):
+    """A replay stopped by the device's time limit leaves its finished modes (checkpoint)."""
+    rec = json.loads((campaign / "replay.json").read_text())
+    assert "partial" not in rec  # the finished run replaced the checkpoints
+    partial = {k: v for k, v in rec.items() if k not in ("simulated", "capacity", "met")}
+    partial["partial"] = True
+    partial["runs"] = {"gpushare": rec["runs"]["gpushare"]}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "replay.json").write_text(json.dumps(partial))
+    doc = tmp_path / "performance.md"
+    report.main([str(results), "--doc", str(doc), "--images", str(tmp_path / "img")])
+    text = doc.read_text()
+    assert "Partial result" in text
+    assert "(a) gpushare" in text and "(c) fixed-quantum lock" not in text
