@@ -37,7 +37,7 @@ campaign; reproduce it on a machine with an NVIDIA GPU and PyTorch (the shim bui
 {RUN_PARTS}
 ```
 
-(The two campaign commands take about 6 and 7 minutes on an H100; `bench/README.md` lists the
+(The two campaign commands take about 6 and 8 minutes on an H100; `bench/README.md` lists the
 parts and their options.)
 """
 

@@ -11,7 +11,7 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
     train         ~1.5 min   a small CNN, plain vs shim (train_overhead.py)
     handoff       ~2.5 min   handoff latency; memory movement vs pinned memcpy (handoff.py)
     kernel_start  ~1 min     Jupyter kernel start-to-ready, provisioner vs plain
-    replay        ~7 min     8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
+    replay        ~8 min     8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
 directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
