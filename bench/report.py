@@ -1,11 +1,14 @@
 """Turn the campaign's result files into docs/performance.md and its plots.
 
-    python -m bench.report RESULTS_DIR [--doc docs/performance.md] [--images docs/images]
+    python -m bench.report RESULTS_DIR [RESULTS_DIR ...] [--doc docs/performance.md]
+                           [--images docs/images]
 
-Reads RESULTS_DIR/*.json as bench/run_campaign.py writes them; every benchmark without a result
-file keeps its method text and says that no result exists yet. Nothing is invented: every number
-in the document comes from a result file, and each section says whether its target was met or
-states the gap. Records taken on the stand-in driver are labelled as such.
+Reads RESULTS_DIR/*.json as bench/run_campaign.py writes them (the campaign's parts may have
+written to different directories; a later directory's record of a benchmark wins); every
+benchmark without a result file keeps its method text and says that no result exists yet.
+Nothing is invented: every number in the document comes from a result file, and each section
+says whether its target was met or states the gap. Records taken on the stand-in driver are
+labelled as such.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from .common import ROOT, GiB, percentile
 RUN_PARTS = (
     "python3 -m bench.run_campaign OUT_DIR --only launch,train,handoff,kernel_start\n"
     "python3 -m bench.run_campaign OUT_DIR --only replay\n"
-    "python3 -m bench.report OUT_DIR"
+    "python3 -m bench.report OUT_DIR   # or the two parts' directories: OUT_DIR1 OUT_DIR2"
 )
 
 INTRO = f"""# Performance
@@ -82,12 +85,11 @@ def _meta_line(rec: dict[str, Any]) -> str:
 
 
 class Report:
-    def __init__(self, results: Path, images: Path, doc: Path) -> None:
-        self.results = results
+    def __init__(self, results: list[Path], images: Path, doc: Path) -> None:
         self.images = images
         self.doc = doc
         self.recs: dict[str, dict[str, Any]] = {}
-        for p in sorted(results.glob("*.json")):
+        for p in (f for d in results for f in sorted(d.glob("*.json"))):
             try:
                 rec = json.loads(p.read_text())
             except ValueError:
@@ -529,11 +531,13 @@ most +50 ms**.
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", type=Path, nargs="?", help="the campaign's output directory")
+    ap.add_argument(
+        "results", type=Path, nargs="*", help="the campaign's output directories (one per part)"
+    )
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md")
     ap.add_argument("--images", type=Path, default=ROOT / "docs" / "images")
     args = ap.parse_args(argv)
-    rep = Report(args.results or Path("/nonexistent"), args.images, args.doc)
+    rep = Report(args.results, args.images, args.doc)
     args.doc.write_text(rep.render())
     print(f"wrote {args.doc} from {len(rep.recs)} result file(s)")
 
