@@ -174,8 +174,21 @@ def run(
     (the stand-in driver has none)."""
     ctx = context_bytes(workdir, log)
     nomem = handoffs(workdir, ctx, 0, count_nomem, log)
-    sized = [handoffs(workdir, ctx, int(g * GiB), count_mem, log) for g in sizes_gib]
-    memcpy = pinned_memcpy(memcpy_bytes, log) if memcpy_bytes else {"h2d": None, "d2h": None}
+    errors: list[str] = []
+    sized = []
+    for g in sizes_gib:
+        try:  # one size going wrong must not cost the others
+            sized.append(handoffs(workdir, ctx, int(g * GiB), count_mem, log))
+        except Exception as exc:
+            errors.append(f"{g:g} GiB: {type(exc).__name__}: {exc}")
+            log(f"handoff {g:g} GiB: FAILED: {exc}")
+    memcpy: dict[str, Any] = {"h2d": None, "d2h": None}
+    if memcpy_bytes:
+        try:
+            memcpy = pinned_memcpy(memcpy_bytes, log)
+        except Exception as exc:
+            errors.append(f"pinned memcpy: {type(exc).__name__}: {exc}")
+            log(f"pinned memcpy: FAILED: {exc}")
     all_moves = [m for r in sized for m in r["moves"]]
     bw = bandwidths(all_moves)
     per_size = []
@@ -199,12 +212,14 @@ def run(
         "evict_warm_vs_d2h": evict_warm / memcpy["d2h"] if evict_warm and memcpy["d2h"] else None,
         "target_restore_fraction": 0.8,
         "met": bool(restore and memcpy["h2d"] and restore >= 0.8 * memcpy["h2d"]),
+        "errors": errors,
     }
     handoff = {
         "context_bytes": ctx,
         "no_memory": {k: v for k, v in nomem.items() if k != "moves"},
         "with_memory": [{k: v for k, v in r.items() if k != "moves"} for r in sized],
         "target": {"p50_ms": 2.0, "p99_ms": 10.0, "count": 200},
+        "errors": errors,
         "met": nomem["p50_ms"] <= 2.0
         and nomem["p99_ms"] <= 10.0
         and len(nomem["latency_s"]) >= 200,

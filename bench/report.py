@@ -259,7 +259,8 @@ p99 ≤ 10 ms** over ≥ 200 handoffs without memory to move; with memory, time 
         result = f"p50 {nm['p50_ms']:.2f} ms, p99 {nm['p99_ms']:.2f} ms"
         self._add("Handoff, no memory", "p50 ≤ 2 ms, p99 ≤ 10 ms", result, rec["met"])
         verdict = _verdict(rec["met"], "; ".join(gaps) + ".")
-        return "\n".join([text, *rows, "", verdict, "", img, "", _meta_line(rec), ""])
+        errs = [f"> Not measured: {e}" for e in rec.get("errors", [])]
+        return "\n".join([text, *rows, "", *errs, "", verdict, "", img, "", _meta_line(rec), ""])
 
     def memory(self) -> str:
         text = """## 3. Memory movement
