@@ -368,6 +368,8 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
             "| simulated p50 / p95 / failed |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
+        failed_modes = {m: r["error"] for m, r in runs.items() if "summary" not in r}
+        runs = {m: r for m, r in runs.items() if "summary" in r}
         for m, r in runs.items():
             s = r["summary"]
             sm = sim.get(m)
@@ -419,6 +421,7 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 f"{fl['unfinished']} | {_busy(fl)} | 1 | |"
             )
         parts = [text, *rows, ""]
+        parts += [f"> Mode {m} did not run to the end: {e}" for m, e in failed_modes.items()]
         g = runs.get("gpushare", {}).get("summary")
         if g:
             gaps = []

@@ -126,7 +126,10 @@ def test_report_of_a_replay_cut_short(campaign, tmp_path):
     assert "partial" not in rec  # the finished run replaced the checkpoints
     partial = {k: v for k, v in rec.items() if k not in ("simulated", "capacity", "met")}
     partial["partial"] = True
-    partial["runs"] = {"gpushare": rec["runs"]["gpushare"]}
+    partial["runs"] = {
+        "gpushare": rec["runs"]["gpushare"],
+        "colocate": {"mode": "colocate", "error": "RuntimeError: ballast exited"},
+    }
     results = tmp_path / "results"
     results.mkdir()
     (results / "replay.json").write_text(json.dumps(partial))
@@ -135,3 +138,4 @@ def test_report_of_a_replay_cut_short(campaign, tmp_path):
     text = doc.read_text()
     assert "Partial result" in text
     assert "(a) gpushare" in text and "(c) fixed-quantum lock" not in text
+    assert "Mode colocate did not run to the end: RuntimeError: ballast exited" in text
