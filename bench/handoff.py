@@ -129,6 +129,9 @@ def latency_stats(lat: list[float]) -> dict[str, float]:
     }
 
 
+BW_KINDS = ("evict_cold", "evict_warm", "restore")
+
+
 def bandwidths(moves: list[dict[str, Any]]) -> dict[str, Any]:
     """Eviction/restore bandwidth (bytes/s) of moves ≥ 256 MiB: cold (a process's first
     eviction) and warm (later ones)."""
@@ -189,11 +192,13 @@ def run(
         except Exception as exc:
             errors.append(f"pinned memcpy: {type(exc).__name__}: {exc}")
             log(f"pinned memcpy: FAILED: {exc}")
-    all_moves = [m for r in sized for m in r["moves"]]
-    bw = bandwidths(all_moves)
+    # Per size (fresh processes each time: their first eviction is the cold one), then pooled.
+    bw: dict[str, Any] = {k: {"median": None, "samples": []} for k in BW_KINDS}
     per_size = []
     for r in sized:
         b = bandwidths(r["moves"])
+        for k in BW_KINDS:
+            bw[k]["samples"] += b[k]["samples"]
         per_size.append(
             {
                 "bytes": r["bytes"],
@@ -202,6 +207,8 @@ def run(
                 "restore": b["restore"]["median"],
             }
         )
+    for k in BW_KINDS:
+        bw[k]["median"] = statistics.median(bw[k]["samples"]) if bw[k]["samples"] else None
     restore = bw["restore"]["median"]
     evict_warm = bw["evict_warm"]["median"]
     memory = {

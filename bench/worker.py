@@ -147,6 +147,10 @@ class Worker:
     def train(self, steps: int, warmup: int) -> dict[str, Any]:
         """A small CNN on random 32x32 images; seconds per step after ``warmup`` steps."""
         torch.manual_seed(0)
+        # Deterministic convolutions: plain and shimmed runs must then reach the same loss
+        # (a shim that corrupted memory or launches would show here, not only in the time).
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
         model = torch.nn.Sequential(
             torch.nn.Conv2d(3, 32, 3, padding=1),
             torch.nn.ReLU(),
