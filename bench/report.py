@@ -422,6 +422,17 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
             )
         parts = [text, *rows, ""]
         parts += [f"> Mode {m} did not run to the end: {e}" for m, e in failed_modes.items()]
+        agree = [
+            f"{m} {runs[m]['summary']['slowdown_p95']:.2f}x real vs {sim[m]['slowdown_p95']:.2f}x "
+            "simulated"
+            for m in runs
+            if m in sim and m != "dedicated"
+        ]
+        if agree:
+            parts += [
+                "*Simulator vs real (p95 slowdown, same trace):* " + "; ".join(agree) + ".",
+                "",
+            ]
         g = runs.get("gpushare", {}).get("summary")
         if g:
             gaps = []
