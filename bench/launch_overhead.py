@@ -2,13 +2,14 @@
 
 Builds bench/launch_overhead.c (an empty PTX kernel launched through cuLaunchKernel or
 cuLaunchKernelEx, timed in batches, the device held) and runs it as many short processes,
-alternating without / with the shim (ABAB...), every process pinned to the same CPU core.
-Each pair gives one difference of per-launch medians; the result is the median of the paired
-differences with a distribution-free 95% confidence interval. Alternation and pairing cancel
-slow drift (clocks, thermals); pinning removes most of the process-to-process spread (which
-core, which cache) that hid a few tens of nanoseconds behind a few hundred.
+alternating without / with the shim (ABBA...), every process pinned to the same CPU core and
+started without address-space randomisation. Each pair gives one difference of per-launch
+medians; the result is the median of the paired differences with a distribution-free 95%
+confidence interval. Alternation and pairing cancel slow drift (clocks, thermals); the fixed
+core and address layout take away process-to-process differences (which core, which cache
+sets) that hid a few tens of nanoseconds behind a few hundred in earlier runs.
 
-    python -m bench.launch_overhead [--pairs 40] [--launches 50000] [--out FILE]
+    python -m bench.launch_overhead [--pairs 30] [--launches 50000] [--out FILE]
 
 Without a GPU, ``--driver-dir DIR`` names a directory holding a libcuda.so.1 (the tests'
 stand-in): the number is then the shim's own cost over an almost free launch.
@@ -17,6 +18,8 @@ stand-in): the number is then the shim's own cost over an almost free launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import statistics
@@ -33,6 +36,11 @@ sys.path.insert(0, str(ROOT / "native"))
 import build
 
 TARGET_NS = 50.0
+ADDR_NO_RANDOMIZE = 0x0040000  # <sys/personality.h>
+# Resolved here, not between fork and exec (a dlopen there can deadlock a threaded parent).
+_personality: Any = None
+with contextlib.suppress(OSError, AttributeError):
+    _personality = ctypes.CDLL(None).personality
 
 
 def _core() -> int | None:
@@ -50,6 +58,10 @@ def _one(
     def pin() -> None:
         if core is not None:
             os.sched_setaffinity(0, {core})
+        # The same address layout in every process (no ASLR, as `setarch -R`): layout-dependent
+        # cache and branch-predictor effects then stop varying from process to process.
+        if _personality is not None:
+            _personality(ADDR_NO_RANDOMIZE)
 
     out = subprocess.run(
         [str(program), "--launches", str(launches), "--api", api],
@@ -67,7 +79,7 @@ def _one(
 
 def run(
     workdir: Path,
-    pairs: int = 40,
+    pairs: int = 30,
     launches: int = 50000,
     driver_dir: str | None = None,
     log: Any = print,
@@ -129,7 +141,7 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--launches", type=int, default=50000)
     ap.add_argument(
         "--driver-dir", help="directory of a libcuda.so.1 to use instead of the system's"

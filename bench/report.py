@@ -132,7 +132,8 @@ class Report:
 `cuLaunchKernelEx`, timing batches of 256 launches (synchronising between batches, so the queue
 never fills) while the process holds the device; each process reports its median per-launch
 time. Processes alternate without / with the shim in ABBA order, all pinned to the same CPU
-core, and each pair gives one paired difference. Reported: the median paired difference with a
+core and started without address-space randomisation, and each pair gives one paired
+difference. Reported: the median paired difference with a
 distribution-free 95% confidence interval (binomial order statistics). Target: **at most 50 ns
 added per launch** (met when the upper end of the interval is within it).
 """
