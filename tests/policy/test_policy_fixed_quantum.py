@@ -142,3 +142,22 @@ TestFixedQuantumProperties.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_the_scheduler_configures_the_policy():
+    from traitlets import TraitError
+
+    from jupyter_gpushare.cli import SchedulerApp
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    sched = GPUShareScheduler(
+        scheduling_policy="fixed-quantum", fixed_quantum=12.0, idle_check_interval=2.0
+    )
+    cfg = sched.policy_config()
+    assert (cfg.policy, cfg.fixed_quantum, cfg.idle_check_interval) == ("fixed-quantum", 12, 2)
+    assert GPUShareScheduler().policy_config().policy == "gpushare"
+    with pytest.raises(TraitError):
+        GPUShareScheduler(scheduling_policy="round-robin")
+    app = SchedulerApp()
+    app.initialize(["--policy", "fixed-quantum"])
+    assert GPUShareScheduler(parent=app).policy_config().policy == "fixed-quantum"
