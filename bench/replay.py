@@ -340,9 +340,25 @@ def run(
             tc, CAPACITY_USERS, ("gpushare", "fixed-quantum", "colocate"), sim_cfg, 3
         )
         capacity += [{**r, "think_mean": think, "horizon": tc.horizon} for r in rows]
+    # Where the slowdown comes from (8 users, realistic think time): the same simulation with
+    # one cost taken away at a time.
+    tc = dataclasses.replace(trace_cfg, think_mean=REALISTIC_THINK, horizon=15 * REALISTIC_THINK)
+    what_if = []
+    for label, change in (
+        ("as measured", {}),
+        ("eviction instant", {"evict_bw": 1e18}),
+        ("restore instant", {"restore_bw": 1e18}),
+        ("both instant", {"evict_bw": 1e18, "restore_bw": 1e18}),
+        ("pool holds everyone", {"pool_bytes": 1 << 60, "total_bytes": 1 << 60}),
+    ):
+        (row,) = capacity_sweep(
+            tc, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
+        )
+        what_if.append({"case": label, **row})
     return {
         "trace": to_json(trace_cfg, users),
         "capacity": capacity,
+        "what_if": what_if,
         "pool_bytes": pool,
         "calibration": cal,
         "grace_s": grace,

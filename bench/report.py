@@ -486,6 +486,20 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 cimg,
                 "",
             ]
+        wi = rec.get("what_if")
+        if wi:
+            parts += [
+                f"*Where the slowdown comes from (simulated, {wi[0]['users']} users, gpushare, "
+                f"mean think time {REALISTIC_THINK:g} s):*",
+                "",
+                "| case | p50 slowdown | p95 slowdown |",
+                "| --- | --- | --- |",
+                *[
+                    f"| {w['case']} | {_fmt(w['slowdown_p50'])}x | {_fmt(w['slowdown_p95'])}x |"
+                    for w in wi
+                ],
+                "",
+            ]
         parts += [_meta_line(rec), ""]
         return "\n".join(parts)
 
