@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ROOT, GiB, percentile
+from .replay import REALISTIC_THINK
 
 RUN_PARTS = (
     "python3 -m bench.run_campaign OUT_DIR --only launch,train,handoff,kernel_start\n"
