@@ -114,6 +114,7 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         "metrics-port": "GPUShareScheduler.metrics_port",
         "metrics-address": "GPUShareScheduler.metrics_address",
         "log-format": "SchedulerApp.log_style",
+        "policy": "GPUShareScheduler.scheduling_policy",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (

@@ -69,7 +69,7 @@ from .events import (
     Tick,
 )
 
-__all__ = ["Policy", "PolicyConfig"]
+__all__ = ["POLICIES", "Policy", "PolicyConfig"]
 
 Holding = Literal["running", "revoking"]
 
@@ -93,6 +93,23 @@ class PolicyConfig:
     evict_bandwidth: float = 10e9  # bytes/s, initial estimate (EWMA of Released/Evicted reports)
     restore_bandwidth: float = 50e9  # bytes/s, initial estimate (EWMA of Restored reports)
     usage_half_life: float = 600.0  # seconds: decay of per-user GPU-time usage for fair share
+    # "gpushare" (the rules above) or "fixed-quantum": the baseline of a plain time-sliced lock,
+    # see :meth:`Policy._admit_fixed`. Only the latter reads the two settings below.
+    policy: str = "gpushare"
+    fixed_quantum: float = 30.0  # seconds a holder keeps the lock while others wait
+    idle_check_interval: float = 5.0  # seconds between two timer checks for an idle holder
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r} (one of: {', '.join(POLICIES)})")
+        if self.policy == "fixed-quantum" and not (
+            self.fixed_quantum > 0 and self.idle_check_interval > 0
+        ):
+            raise ValueError("fixed_quantum and idle_check_interval must be positive")
+
+
+#: Policies a PolicyConfig may name.
+POLICIES = ("gpushare", "fixed-quantum")
 
 
 @dataclass
@@ -136,6 +153,7 @@ class _Client:
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
     restore: bool = False  # its managed memory was evicted: the next grant restores it
     idle: bool = False  # Idle seen since the last Busy/Request
+    idle_since: float = 0.0  # when ``idle`` last became True (the fixed-quantum timer reads it)
     run_start: float = 0.0
     grew_at: float = float("-inf")  # when its footprint last increased (growth relief's key)
     last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
@@ -237,6 +255,8 @@ class Policy:
             client.evicted = 0
             return []
         elif isinstance(event, Idle):
+            if not client.idle:
+                client.idle_since = self._clock
             client.idle = True
         elif isinstance(event, Busy):
             client.idle = False
@@ -504,6 +524,12 @@ class Policy:
     def _deadlines(self, dev: _Device) -> Iterable[float]:
         if not any(c.waiting_since is not None for c in dev.clients.values()):
             return
+        if self.config.policy == "fixed-quantum":
+            for c in dev.clients.values():
+                if c.holding == "running":
+                    yield c.run_start + self.config.fixed_quantum
+                    yield self._next_idle_check(c)
+            return
         for c in dev.clients.values():
             if c.holding == "running" and not c.idle:
                 yield self._expires_at(dev, c)
@@ -515,6 +541,8 @@ class Policy:
     # The scheduling pass
 
     def _schedule(self, dev: _Device) -> list[Decision]:
+        if self.config.policy == "fixed-quantum":
+            return self._relieve(dev) + self._admit_fixed(dev)
         return self._relieve(dev) + self._admit(dev)
 
     def _relieve(self, dev: _Device) -> list[Decision]:
@@ -634,6 +662,76 @@ class Policy:
             out += [self._evict(c, f"room for {w.id}") for c in cands]
         elif not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
+
+    def _idle_checks_done(self, c: _Client) -> int:
+        # The epsilon: at the instant next_deadline() named, the division may fall short of k.
+        return int((self._clock - c.run_start) / self.config.idle_check_interval + 1e-9)
+
+    def _next_idle_check(self, c: _Client) -> float:
+        return c.run_start + (self._idle_checks_done(c) + 1) * self.config.idle_check_interval
+
+    def _found_idle(self, c: _Client) -> bool:
+        """The timer's verdict: at its last check, the holder had been idle the whole interval.
+
+        This is what a sampler of GPU utilisation sees (no activity over its last window); it
+        learns of a finished cell between one and two intervals late, never at once.
+        """
+        k = self._idle_checks_done(c)
+        if k < 1 or not c.idle:
+            return False
+        interval = self.config.idle_check_interval
+        return c.idle_since <= c.run_start + (k - 1) * interval
+
+    def _admit_fixed(self, dev: _Device) -> list[Decision]:
+        """An exclusive lock, first come first served, with a fixed time quantum.
+
+        One holder at a time. While others wait, the holder keeps the device for
+        ``fixed_quantum`` seconds unless the timer (every ``idle_check_interval`` seconds from
+        its grant) finds it idle; Jupyter's cell-end signal is not used at once. Memory moves as
+        under the gpushare policy (the holder is evicted when the next one needs the room; idle
+        clients are evicted least recently used first), so the comparison isolates the policy.
+        """
+        queue = sorted(
+            (c for c in dev.clients.values() if c.waiting_since is not None),
+            key=lambda c: (c.waiting_since, c.seq),
+        )
+        dev.turns = False
+        if not queue:
+            return []
+        w = queue[0]
+        need = w.used - w.on_gpu
+        free = dev.pool_bytes - self._resident_bytes(dev)
+        holders = [c for c in dev.clients.values() if c.holding is not None]
+        if holders:
+            dev.turns = True
+            out: list[Decision] = []
+            for h in holders:
+                if h.holding != "running":
+                    continue
+                if self._found_idle(h):
+                    out.append(self._revoke(h, need > free, REASON_IDLE))
+                elif self._clock >= h.run_start + self.config.fixed_quantum:
+                    out.append(self._revoke(h, need > free, REASON_QUANTUM))
+            return out
+        if w.evict_pending:
+            return []  # its own eviction is in flight: grant it (with restore) after Evicted
+        if need <= free:
+            return [self._grant(w)]
+        short = need - free - self._incoming_bytes(dev)
+        if short <= 0:
+            return []  # the evictions in flight make the room
+        out = []
+        for c in self._eviction_candidates(dev, queue[1:]):
+            if short <= 0:
+                break
+            out.append(self._evict(c, f"room for {w.id}"))
+            short -= c.movable
+        if not out and not any(c.evict_pending for c in dev.clients.values()):
+            out.append(self._grant(w))  # nothing left to evict: run it alone (rule 5)
         return out
 
     # ----------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from traitlets import Bool, Float, Int, List, Unicode, Union, default, validate
+from traitlets import Bool, Enum, Float, Int, List, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .._version import __version__
@@ -84,7 +84,7 @@ from ..units import format_size, parse_size
 from . import events as ev
 from .devices import Discovery, UtilizationSampler, discover_devices_async
 from .placement import PlacementError, choose_device, device_loads
-from .policy import Policy, PolicyConfig
+from .policy import POLICIES, Policy, PolicyConfig
 from .users import (
     Identity,
     Limits,
@@ -226,6 +226,21 @@ class GPUShareScheduler(LoggingConfigurable):
         600.0, help="Half-life (seconds) of the GPU usage that fair share remembers per user."
     ).tag(config=True)
 
+    scheduling_policy = Enum(
+        list(POLICIES),
+        default_value="gpushare",
+        help="""The scheduling policy. "gpushare": side by side while footprints fit the pool,
+        turns otherwise, a holder whose cell ended gives the device away at once.
+        "fixed-quantum": a baseline for comparison, an exclusive lock held for fixed_quantum
+        seconds unless a timer every idle_check_interval seconds finds the holder idle.""",
+    ).tag(config=True)
+    fixed_quantum = Float(30.0, help="Turn length (seconds) of the fixed-quantum policy.").tag(
+        config=True
+    )
+    idle_check_interval = Float(
+        5.0, help="Seconds between the fixed-quantum policy's checks for an idle holder."
+    ).tag(config=True)
+
     admin_uids = List(
         Int(),
         help="""Uids that may act on any client (release, evict, set_quota, kernel_state), in
@@ -355,6 +370,9 @@ class GPUShareScheduler(LoggingConfigurable):
             evict_bandwidth=self.evict_bandwidth,
             restore_bandwidth=self.restore_bandwidth,
             usage_half_life=self.usage_half_life,
+            policy=self.scheduling_policy,
+            fixed_quantum=self.fixed_quantum,
+            idle_check_interval=self.idle_check_interval,
         )
 
     def pool_for(self, total_bytes: int) -> int:

@@ -1,0 +1,375 @@
+"""Interactive multi-user replay (benchmark 4): real processes, one GPU, a pool below the card.
+
+Each user of a seeded trace (:mod:`bench.trace`) is a real PyTorch process
+(``python -m bench.worker replay``) that holds its working set on the GPU and plays its cells:
+think, then "busy" to the scheduler (what Jupyter's server extension says when a cell starts),
+the cell's GPU burst (one pass over the working set and bf16 matmuls sized to the cell's GPU
+time), "idle" when it ends. Before the clock starts every user has loaded its working set,
+operands and libraries (a running notebook) and given the device back. Modes:
+
+* ``gpushare``: under the shim, the default policy, pool ``--pool``;
+* ``colocate``: no shim; a plain process first occupies the card beyond the pool size
+  (cudaMalloc, never managed memory), so the users share exactly the pool's room; a cell whose
+  allocation does not fit fails (out of memory) and is counted;
+* ``fixed-quantum``: under the shim, the scheduler's fixed-quantum lock (30 s quantum, idle
+  check every 5 s);
+* ``dedicated`` (one GPU per user, the ideal) is computed, not run: every cell takes its solo
+  time, measured by calibration on the same GPU (seconds per matmul iteration, seconds per GiB
+  of working-set pass), so its slowdown is 1 by construction and its GPU busy fraction is the
+  trace's demand divided by the number of GPUs.
+
+A cell's slowdown is its latency (cell start as the user pressed "run" to its last kernel's
+end) divided by its solo time. The same traces run through the simulator
+(:mod:`bench.simulator`) with the calibrated costs, to compare simulated and real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import GiB, MiB, child_env, memory_moves, shim_env
+from .common import scheduler as start_scheduler
+from .handoff import bandwidths
+from .procs import WorkerProc
+from .simulator import SimConfig, Simulation, capacity_sweep, summarize
+from .trace import TraceConfig, generate, to_json
+from .worker import N
+
+MODES = ("gpushare", "colocate", "fixed-quantum")
+#: Seconds between a notebook user's GPU bursts in real use (the replay compresses it).
+REALISTIC_THINK = 120.0
+CAPACITY_USERS = [2, 4, 6, 8, 12, 16, 24, 32]
+
+
+def calibrate(log: Any) -> dict[str, Any]:
+    w = WorkerProc(child_env(), "calibrate")
+    try:
+        w.read(120)
+        cal = w.call("calibrate", ws_bytes=4 * GiB, timeout=300)
+        free = w.call("meminfo")
+    finally:
+        w.close()
+    log(
+        f"calibration: {cal['t_iter'] * 1e3:.3f} ms per matmul iteration, "
+        f"{cal['touch_s_per_gib'] * 1e3:.3f} ms per GiB of working set; "
+        f"{free['free'] / GiB:.1f} GiB free of {free['total'] / GiB:.1f}"
+    )
+    return {"t_iter": cal["t_iter"], "touch_s_per_gib": cal["touch_s_per_gib"], **free}
+
+
+class UtilizationSampler:
+    """NVML's GPU utilisation, sampled every ``interval`` s on a thread (none without NVML).
+
+    NVML counts a sample period busy when any kernel ran in it, so this is an upper bound of
+    the GPU's busy time; the report's busy fraction (solo GPU time of completed cells over the
+    run's length) is the work done. Both are recorded.
+    """
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            self._nvml = None
+
+    def start(self) -> None:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            except Exception:
+                return
+            self.samples.append((time.monotonic(), int(util)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        xs = [u for t, u in self.samples if t0 <= t <= t1]
+        return sum(xs) / len(xs) / 100.0 if xs else None
+
+
+def _play(
+    mode: str,
+    users: list[Any],
+    trace_cfg: TraceConfig,
+    cal: dict[str, Any],
+    pool: int,
+    grace: float,
+    workdir: Path,
+    log: Any,
+) -> dict[str, Any]:
+    specdir = Path(tempfile.mkdtemp(prefix=f"gsb-{mode}-"))
+    iters_per_s = 1.0 / cal["t_iter"]
+    sched_cm = None
+    ballast = None
+    procs: dict[str, WorkerProc] = {}
+    cells: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+    sampler = UtilizationSampler()
+    t0 = time.monotonic()
+    try:
+        if mode == "colocate":
+            ballast = WorkerProc(child_env(), "ballast")
+            ballast.read(120)
+            ans = ballast.call("ballast", free=pool, timeout=120)
+            extra["ballast_bytes"] = ans["bytes"]
+            socket = ""
+        else:
+            sched_cm = start_scheduler(workdir, "--pool", str(pool), "--policy", mode)
+            sched = sched_cm.__enter__()
+            socket = str(sched.socket)
+        for u in users:
+            spec = {
+                "socket": socket,
+                "client": u.name,
+                "horizon": trace_cfg.horizon,
+                "iters_per_s": iters_per_s,
+                "working_set": u.working_set,
+                "cells": u.cells,
+            }
+            path = specdir / f"{u.name}.json"
+            path.write_text(json.dumps(spec))
+            env = shim_env(Path(socket), u.name) if socket else child_env()
+            procs[u.name] = WorkerProc(env, u.name, ("replay", str(path)))
+        for p in procs.values():
+            p.read(180)  # "ready": context up, device given back
+        if sched_cm is not None:
+            extra["clients_at_start"] = sched.clients()
+        t0 = time.monotonic() + 0.5
+        sampler.start()
+        for p in procs.values():
+            p.write_line(repr(t0))
+        deadline = t0 + trace_cfg.horizon + grace
+        for name, p in procs.items():
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    rec = p.read(max(0.01, left))
+                except (TimeoutError, RuntimeError):
+                    break  # cut at the deadline (or the process ended: all its cells are in)
+                rec["user"] = name
+                cells.append(rec)
+        sampler.stop()
+        for name, p in procs.items():
+            if p.proc.poll() not in (None, 0):  # a user that crashed: say why in the record
+                extra.setdefault("worker_errors", {})[name] = "".join(p.stderr[-20:])
+            p.kill()
+        if sched_cm is not None:
+            extra["moves"] = memory_moves(sched.log_text())
+    finally:
+        sampler.stop()
+        for p in procs.values():
+            p.kill()
+        if ballast is not None:
+            ballast.kill()
+        if sched_cm is not None:
+            sched_cm.__exit__(None, None, None)
+    # Cells that arrived but did not finish by the cut: unfinished (their users' next cell).
+    by_user = {u.name: u for u in users}
+    out: list[dict[str, Any]] = []
+    last_end: dict[str, float] = {}
+    for c in cells:
+        u = by_user[c["user"]]
+        cell = u.cells[c["cell"]]
+        solo = solo_seconds(cell["gpu"], u.working_set, cal)
+        out.append({**c, "solo": solo})
+        last_end[c["user"]] = max(last_end.get(c["user"], 0.0), c["end"])
+    for u in users:
+        done = [c for c in cells if c["user"] == u.name]
+        nxt = len(done)
+        if nxt < len(u.cells):
+            arrival = last_end.get(u.name, 0.0) + u.cells[nxt]["think"]
+            if arrival <= trace_cfg.horizon:
+                out.append(
+                    {
+                        "user": u.name,
+                        "cell": nxt,
+                        "arrival": arrival,
+                        "end": None,
+                        "ok": False,
+                        "error": "unfinished",
+                        "solo": solo_seconds(u.cells[nxt]["gpu"], u.working_set, cal),
+                    }
+                )
+    summary = summarize(out, trace_cfg.horizon)
+    summary["nvml_utilization"] = sampler.mean(t0, t0 + summary["makespan"])
+    log(
+        f"replay {mode}: p50 {summary['slowdown_p50']:.2f}x, p95 {summary['slowdown_p95']:.2f}x, "
+        f"{summary['failed']} failed, {summary['unfinished']} unfinished of {summary['cells']}, "
+        f"GPU busy {summary['gpu_busy_fraction'] * 100:.0f}%"
+    )
+    return {"mode": mode, "summary": summary, "cells": out, **extra}
+
+
+def solo_seconds(gpu: float, working_set: int, cal: dict[str, Any]) -> float:
+    """A cell's time on a dedicated GPU: the whole matmul iterations it runs, plus one pass."""
+    iters = max(1, round(float(gpu) / cal["t_iter"]))
+    return iters * cal["t_iter"] + working_set / GiB * cal["touch_s_per_gib"]
+
+
+def run(
+    workdir: Path,
+    trace_cfg: TraceConfig | None = None,
+    pool_gib: float = 40.0,
+    modes: tuple[str, ...] = MODES,
+    grace: float = 30.0,
+    log: Any = print,
+    checkpoint: Any = None,
+) -> dict[str, Any]:
+    """The replay's record. ``checkpoint(partial)``, if given, receives the record so far after
+    each mode, so that a run cut short (the device's time limit) still leaves results."""
+    trace_cfg = trace_cfg or TraceConfig()
+    users = generate(trace_cfg)
+    pool = int(pool_gib * GiB)
+    cal = calibrate(log)
+    # Never ask for more managed memory than the card has free (all users at once, with a
+    # generous 1.5 GiB each for context, matmul operands and library workspaces).
+    demand = sum(u.working_set for u in users) + int(1.5 * GiB) * len(users)
+    if cal.get("free") and demand > cal["free"]:
+        raise SystemExit(
+            f"the users' memory ({demand / GiB:.1f} GiB) exceeds the card's free memory "
+            f"({cal['free'] / GiB:.1f} GiB): fewer users or smaller working sets"
+        )
+    biggest = max(u.working_set for u in users) + int(1.5 * GiB)
+    if biggest > pool:
+        raise SystemExit(
+            f"a user needs up to {biggest / GiB:.1f} GiB, more than the pool ({pool_gib} GiB): "
+            "the shim would refuse its allocations; choose a larger pool"
+        )
+    if pool >= demand:
+        log(f"note: the pool ({pool_gib} GiB) holds every user at once: no memory pressure")
+    runs: dict[str, Any] = {}
+    for m in modes:
+        try:  # a mode that breaks is reported; the others still run
+            runs[m] = _play(m, users, trace_cfg, cal, pool, grace, workdir, log)
+        except Exception as exc:
+            log(f"replay {m}: FAILED: {type(exc).__name__}: {exc}")
+            runs[m] = {"mode": m, "error": f"{type(exc).__name__}: {exc}"}
+        if checkpoint is not None:
+            checkpoint(
+                {
+                    "partial": True,
+                    "trace": to_json(trace_cfg, users),
+                    "pool_bytes": pool,
+                    "calibration": cal,
+                    "grace_s": grace,
+                    "runs": dict(runs),
+                }
+            )
+    # (d) one dedicated GPU per user: every cell at its solo time (see the module docstring).
+    ded_cells = []
+    for u in users:
+        t = 0.0
+        for i, cell in enumerate(u.cells):
+            arrival = t + cell["think"]
+            if arrival > trace_cfg.horizon:
+                break
+            solo = solo_seconds(cell["gpu"], u.working_set, cal)
+            ded_cells.append(
+                {"user": u.name, "cell": i, "arrival": arrival, "end": arrival + solo, "ok": True,
+                 "error": "", "solo": solo}
+            )  # fmt: skip
+            t = arrival + solo
+    ded = summarize(ded_cells, trace_cfg.horizon)
+    ded["gpu_busy_fraction"] /= trace_cfg.users
+    ded["gpus"] = trace_cfg.users
+    runs["dedicated"] = {"mode": "dedicated", "summary": ded, "cells": ded_cells}
+    # The simulator on the same traces, with the costs measured here.
+    moves = runs.get("gpushare", {}).get("moves", [])
+    bw = bandwidths(moves)
+    ctx = [
+        int(c.get("used_bytes", 0))
+        for c in runs.get("gpushare", {}).get("clients_at_start", {}).values()
+    ]
+    sim_cfg = SimConfig(
+        pool_bytes=pool,
+        context_bytes=int(statistics.median(ctx)) if ctx else 512 * MiB,
+        evict_bw=bw["evict_warm"]["median"] or bw["evict_cold"]["median"] or 10e9,
+        restore_bw=bw["restore"]["median"] or 48e9,
+        touch_s_per_gib=cal["touch_s_per_gib"],
+        grace=grace,
+        # The real workers also hold their matmul operands (bench/worker.py: a, b and the
+        # product, bf16 N x N each) beside their working sets: they move too.
+        extra_bytes=3 * N * N * 2,
+    )
+    sim = {}
+    for m in (*(m for m in modes if "summary" in runs[m]), "dedicated"):
+        cells = Simulation(generate(trace_cfg), m, trace_cfg.horizon, sim_cfg).run()
+        s = summarize(cells, trace_cfg.horizon)
+        if m == "dedicated":
+            s["gpu_busy_fraction"] /= trace_cfg.users
+        sim[m] = s
+        log(
+            f"simulated {m}: p50 {s['slowdown_p50']:.2f}x, p95 {s['slowdown_p95']:.2f}x, "
+            f"{s['failed']} failed"
+        )
+    # The floor of any co-location: the same cells side by side with unlimited memory and free
+    # handoffs, the GPU shared equally (what no scheduler can beat without a second GPU).
+    floor_cfg = dataclasses.replace(sim_cfg, pool_bytes=1 << 60, total_bytes=1 << 60, handoff_s=0)
+    floor = Simulation(generate(trace_cfg), "colocate", trace_cfg.horizon, floor_cfg).run()
+    sim["sharing-floor"] = summarize(floor, trace_cfg.horizon)
+    # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point, at
+    # the replay's compressed think time and at a realistic one (over a longer virtual run).
+    capacity = []
+    for think in (trace_cfg.think_mean, REALISTIC_THINK):
+        tc = dataclasses.replace(
+            trace_cfg, think_mean=think, horizon=max(trace_cfg.horizon, 15 * think)
+        )
+        rows = capacity_sweep(
+            tc, CAPACITY_USERS, ("gpushare", "fixed-quantum", "colocate"), sim_cfg, 3
+        )
+        capacity += [{**r, "think_mean": think, "horizon": tc.horizon} for r in rows]
+    # Where the slowdown comes from (8 users, realistic think time): the same simulation with
+    # one cost taken away at a time.
+    tc = dataclasses.replace(trace_cfg, think_mean=REALISTIC_THINK, horizon=15 * REALISTIC_THINK)
+    what_if = []
+    for label, change in (
+        ("as measured", {}),
+        ("eviction instant", {"evict_bw": 1e18}),
+        ("restore instant", {"restore_bw": 1e18}),
+        ("both instant", {"evict_bw": 1e18, "restore_bw": 1e18}),
+        ("pool holds everyone", {"pool_bytes": 1 << 60, "total_bytes": 1 << 60}),
+    ):
+        (row,) = capacity_sweep(
+            tc, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
+        )
+        what_if.append({"case": label, **row})
+    return {
+        "trace": to_json(trace_cfg, users),
+        "capacity": capacity,
+        "what_if": what_if,
+        "pool_bytes": pool,
+        "calibration": cal,
+        "grace_s": grace,
+        "runs": runs,
+        "sim_config": sim_cfg.__dict__,
+        "simulated": sim,
+        "target": {"users": 8, "p95_slowdown": 1.3, "failed": 0},
+        "met": bool(
+            "summary" in runs.get("gpushare", {})
+            and runs["gpushare"]["summary"]["slowdown_p95"] <= 1.3
+            and runs["gpushare"]["summary"]["failed"] == 0
+            and runs["gpushare"]["summary"]["unfinished"] == 0
+        ),
+    }

@@ -1,0 +1,327 @@
+"""The multi-user replay, simulated: the real scheduling policy on a virtual clock.
+
+The same seeded traces (:mod:`bench.trace`) that real processes replay on the GPU
+(:mod:`bench.replay`) drive the pure :class:`~jupyter_gpushare.scheduler.policy.Policy` here;
+the simulator plays the shims' part (answers revokes, evictions and restores after the time the
+memory takes to move) and the GPU's (cells that run side by side share it equally: processor
+sharing, which is how time-sliced contexts behave for long kernels). Use it for capacity
+planning: ``python -m bench.simulator --sweep 2,4,8,12,16`` prints users per GPU vs slowdown.
+
+Modes: ``gpushare`` and ``fixed-quantum`` (the policy's two settings), ``colocate`` (no shim:
+memory that does not fit the pool makes the cell fail), ``dedicated`` (one GPU per user: every
+cell runs alone; the ideal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jupyter_gpushare.scheduler import events as ev
+from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+
+from .common import GiB, percentile
+from .trace import TraceConfig, User, generate
+
+MODES = ("gpushare", "colocate", "fixed-quantum", "dedicated")
+
+
+@dataclass
+class SimConfig:
+    pool_bytes: int = 40 * GiB
+    total_bytes: int = 80 * GiB
+    context_bytes: int = GiB // 2  # per process (a PyTorch context on an H100 is about this)
+    evict_bw: float = 10e9  # bytes/s: device->host moves of the shim
+    restore_bw: float = 48e9  # bytes/s: host->device
+    touch_s_per_gib: float = 0.0007  # each cell reads and writes its working set once
+    handoff_s: float = 0.002  # fixed cost of a grant (messages, wake-ups)
+    grace: float = 30.0  # seconds after the horizon before unfinished cells are cut
+    base_quantum: float = 5.0
+    fixed_quantum: float = 30.0
+    idle_check_interval: float = 5.0
+    extra_bytes: int = 0  # per user, beside the working set (e.g. matmul operands); movable
+
+
+@dataclass
+class _U:
+    user: User
+    cell: int = -1
+    in_cell: bool = False
+    work: float = 0.0  # solo seconds of work left in the current cell
+    arrival: float = 0.0
+    holding: bool = False
+    blocked_until: float = 0.0  # restoring, or the grant's fixed cost
+    allocated: bool = False  # colocate: its working set is on the card
+
+
+def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
+    """A cell's time on a dedicated GPU: its bursts plus one pass over the working set."""
+    return float(cell["gpu"]) + user.working_set / GiB * cfg.touch_s_per_gib
+
+
+class Simulation:
+    def __init__(self, users: list[User], mode: str, horizon: float, cfg: SimConfig) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (one of: {', '.join(MODES)})")
+        self.mode, self.horizon, self.cfg = mode, horizon, cfg
+        self.users = {u.name: _U(u) for u in users}
+        self.now = 0.0
+        self.heap: list[tuple[float, int, str, str, Any]] = []
+        self._seq = 0
+        self.cells: list[dict[str, Any]] = []
+        self.policy: Policy | None = None
+        if mode in ("gpushare", "fixed-quantum"):
+            self.policy = Policy(
+                PolicyConfig(
+                    base_quantum=cfg.base_quantum,
+                    evict_bandwidth=cfg.evict_bw,
+                    restore_bandwidth=cfg.restore_bw,
+                    policy=mode,
+                    fixed_quantum=cfg.fixed_quantum,
+                    idle_check_interval=cfg.idle_check_interval,
+                )
+            )
+            self.policy.add_device(
+                "GPU-sim", total_bytes=cfg.total_bytes, pool_bytes=cfg.pool_bytes
+            )
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _at(self, t: float, kind: str, name: str, arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, name, arg))
+
+    def _movable(self, u: _U) -> int:
+        return u.user.working_set + self.cfg.extra_bytes
+
+    def _mem(self, u: _U) -> dict[str, int]:
+        ctx, ws = self.cfg.context_bytes, self._movable(u)
+        return {"used": ctx + ws, "managed": ws, "pinned": ctx, "evicted": 0}
+
+    def _send(self, event: ev.Event) -> None:
+        assert self.policy is not None
+        for d in self.policy.handle(event):
+            self._decide(d)
+
+    def _decide(self, d: ev.Decision) -> None:
+        u = self.users[d.client]
+        ws = self._movable(u)
+        if isinstance(d, ev.Grant):
+            u.holding = True
+            move = ws / self.cfg.restore_bw if d.restore else 0.0
+            u.blocked_until = self.now + self.cfg.handoff_s + move
+            if d.restore:
+                self._at(u.blocked_until, "restored", u.user.name, ws)
+        elif isinstance(d, ev.Revoke):
+            u.holding = False  # the shim stops launching at once; its kernels drain (short)
+            self._at(
+                self.now + (ws / self.cfg.evict_bw if d.evict else 0.0),
+                "released",
+                u.user.name,
+                d.evict,
+            )
+        elif isinstance(d, ev.Evict):
+            self._at(self.now + ws / self.cfg.evict_bw, "evicted", u.user.name, ws)
+
+    def _active(self) -> list[_U]:
+        return [
+            u
+            for u in self.users.values()
+            if u.in_cell
+            and u.work > 0
+            and u.blocked_until <= self.now
+            and (u.holding or self.policy is None)
+        ]
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        if self.policy is not None:
+            for name in self.users:
+                self._send(
+                    ev.Join(0.0, name, "GPU-sim", name, context_bytes=self.cfg.context_bytes)
+                )
+        for u in self.users.values():
+            self._next_cell(u, 0.0)
+        end = self.horizon + self.cfg.grace
+        while True:
+            active = self._active()
+            t_next = self.heap[0][0] if self.heap else math.inf
+            if self.policy is not None:
+                deadline = self.policy.next_deadline()
+                if deadline is not None:
+                    t_next = min(t_next, deadline)
+            blocked = [
+                u.blocked_until
+                for u in self.users.values()
+                if u.in_cell and u.holding and u.blocked_until > self.now
+            ]
+            t_next = min([t_next, *blocked])
+            if active:
+                share = len(active) if self.mode != "dedicated" else 1
+                t_done = self.now + min(u.work for u in active) * share
+                t_next = min(t_next, t_done)
+            if t_next == math.inf or t_next > end:
+                break
+            if active:
+                share = len(active) if self.mode != "dedicated" else 1
+                for u in active:
+                    u.work -= (t_next - self.now) / share
+            self.now = t_next
+            for u in active:
+                if u.work <= 1e-9:
+                    self._finish(u, ok=True)
+            while self.heap and self.heap[0][0] <= self.now:
+                _, _, kind, name, arg = heapq.heappop(self.heap)
+                self._on(kind, self.users[name], arg)
+            if self.policy is not None:
+                self._send(ev.Tick(self.now))
+        for u in self.users.values():
+            if u.in_cell:
+                self.cells.append(self._cell_record(u, None, ok=False, error="unfinished"))
+        return sorted(self.cells, key=lambda c: (c["arrival"], c["user"]))
+
+    def _next_cell(self, u: _U, ready: float) -> None:
+        u.cell += 1
+        if u.cell >= len(u.user.cells):
+            return
+        arrival = ready + u.user.cells[u.cell]["think"]
+        if arrival <= self.horizon:
+            self._at(arrival, "arrive", u.user.name)
+
+    def _cell_record(self, u: _U, end: float | None, ok: bool, error: str = "") -> dict[str, Any]:
+        cell = u.user.cells[u.cell]
+        return {
+            "user": u.user.name,
+            "cell": u.cell,
+            "arrival": u.arrival,
+            "end": end,
+            "ok": ok,
+            "error": error,
+            "solo": solo_seconds(u.user, cell, self.cfg),
+        }
+
+    def _finish(self, u: _U, ok: bool, error: str = "") -> None:
+        u.in_cell = False
+        u.work = 0.0
+        self.cells.append(self._cell_record(u, self.now, ok, error))
+        if self.policy is not None:
+            self._send(ev.Idle(self.now, u.user.name))
+        self._next_cell(u, self.now)
+
+    def _on(self, kind: str, u: _U, arg: Any) -> None:
+        name = u.user.name
+        if kind == "arrive":
+            u.in_cell = True
+            u.arrival = self.now
+            u.work = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
+            if self.mode == "colocate" and not u.allocated:
+                used = sum(
+                    self._movable(x) for x in self.users.values() if x.allocated
+                ) + self.cfg.context_bytes * len(self.users)
+                if used + self._movable(u) > self.cfg.pool_bytes:
+                    self._finish(u, ok=False, error="out of memory")
+                    return
+                u.allocated = True
+            if self.policy is not None:
+                self._send(ev.Busy(self.now, name))
+                if not u.holding:
+                    self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "released":
+            ws = self._movable(u)
+            micros = int(ws / self.cfg.evict_bw * 1e6) if arg else 0
+            self._send(ev.Released(self.now, name, bool(arg), ws if arg else 0, micros))
+            if u.in_cell and u.work > 0 and not u.holding:
+                self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "evicted":
+            self._send(ev.Evicted(self.now, name, arg, int(arg / self.cfg.evict_bw * 1e6)))
+        elif kind == "restored":
+            self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
+
+
+def summarize(cells: list[dict[str, Any]], horizon: float) -> dict[str, Any]:
+    """Slowdown (latency / solo time) percentiles, failed and unfinished cells, GPU busy fraction.
+
+    Unfinished cells (cut at the end of the run) enter the slowdown distribution with the lower
+    bound of their latency (cut time - arrival), so a stuck queue cannot look fast.
+    """
+    done = [c for c in cells if c["ok"] and c["end"] is not None]
+    failed = [c for c in cells if not c["ok"] and c.get("error") != "unfinished"]
+    unfinished = [c for c in cells if c.get("error") == "unfinished"]
+    cut = max([horizon, *(c["end"] for c in done)])
+    slow = [(c["end"] - c["arrival"]) / c["solo"] for c in done]
+    slow += [(cut - c["arrival"]) / c["solo"] for c in unfinished]
+    busy = sum(c["solo"] for c in done)
+    return {
+        "cells": len(cells),
+        "completed": len(done),
+        "failed": len(failed),
+        "unfinished": len(unfinished),
+        "slowdown_p50": percentile(slow, 50),
+        "slowdown_p95": percentile(slow, 95),
+        "slowdown_max": max(slow) if slow else float("nan"),
+        "gpu_busy_fraction": busy / cut if cut > 0 else 0.0,
+        "makespan": cut,
+    }
+
+
+def simulate(trace_cfg: TraceConfig, mode: str, cfg: SimConfig | None = None) -> dict[str, Any]:
+    cfg = cfg or SimConfig()
+    cells = Simulation(generate(trace_cfg), mode, trace_cfg.horizon, cfg).run()
+    out = summarize(cells, trace_cfg.horizon)
+    if mode == "dedicated":
+        out["gpu_busy_fraction"] /= trace_cfg.users  # one GPU per user
+        out["gpus"] = trace_cfg.users
+    else:
+        out["gpus"] = 1
+    return {"mode": mode, "users": trace_cfg.users, "summary": out, "cells": cells}
+
+
+def capacity_sweep(
+    base: TraceConfig, users: list[int], modes: tuple[str, ...], cfg: SimConfig, seeds: int = 5
+) -> list[dict[str, Any]]:
+    """Users per GPU vs p95 slowdown, each point pooled over ``seeds`` seeded traces."""
+    rows = []
+    for n in users:
+        for mode in modes:
+            cells: list[dict[str, Any]] = []
+            for s in range(seeds):
+                tc = TraceConfig(**{**base.__dict__, "users": n, "seed": base.seed + 1000 * s})
+                cells += Simulation(generate(tc), mode, tc.horizon, cfg).run()
+            summary = summarize(cells, base.horizon)
+            summary["gpu_busy_fraction"] /= seeds
+            rows.append({"users": n, "mode": mode, **summary})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Simulate the multi-user replay (capacity planning).")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--horizon", type=float, default=100.0)
+    ap.add_argument("--pool-gib", type=float, default=40.0)
+    ap.add_argument("--sweep", help="comma-separated user counts: print a capacity table")
+    args = ap.parse_args()
+    cfg = SimConfig(pool_bytes=int(args.pool_gib * GiB))
+    tc = TraceConfig(users=args.users, seed=args.seed, horizon=args.horizon)
+    if args.sweep:
+        rows = capacity_sweep(tc, [int(x) for x in args.sweep.split(",")], MODES, cfg)
+        for r in rows:
+            print(
+                json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+            )
+        return
+    for mode in MODES:
+        s = simulate(tc, mode, cfg)["summary"]
+        print(
+            mode,
+            json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}),
+        )
+
+
+if __name__ == "__main__":
+    main()

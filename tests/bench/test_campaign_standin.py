@@ -1,0 +1,141 @@
+"""Every benchmark harness end to end against the stand-in driver (no GPU), and the reporter.
+
+The real shim and a real scheduler run; the workers use ctypes on the stand-in libcuda.so.1
+instead of PyTorch (GPUSHARE_BENCH_BACKEND=standin). Tiny sizes: this checks the harnesses'
+plumbing and records, not performance (no timing is asserted).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def campaign(native_build, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("campaign")
+    cmd = [
+        sys.executable, "-m", "bench.run_campaign", str(out),
+        "--driver-dir", str(native_build.fake_dir),
+        "--only", "launch,handoff,kernel_start,replay",
+        "--launch-pairs", "2", "--handoffs", "6", "--handoff-sizes", "1",
+        "--kernel-pairs", "1",
+        "--users", "3", "--horizon", "3", "--think", "0.8", "--gpu-median", "0.05",
+        "--grace", "2", "--pool-gib", "12",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def load(out: Path, name: str) -> dict:
+    rec = json.loads((out / f"{name}.json").read_text())
+    assert rec["benchmark"] == name
+    assert rec["driver"] == "stand-in"
+    for key in ("device", "driver", "cuda", "torch", "date", "command", "git_commit"):
+        assert key in rec["meta"], key
+    assert "bench.run_campaign" in rec["meta"]["command"]
+    return rec
+
+
+def test_launch_record(campaign):
+    rec = load(campaign, "launch_overhead")
+    for api in ("kernel", "kernelex"):
+        r = rec["results"][api]
+        assert len(r["paired_diff_ns"]) == 2
+        lo, hi = r["added_ns_ci95"]
+        assert lo <= r["added_ns_median"] <= hi
+
+
+def test_handoff_and_memory_records(campaign):
+    ho = load(campaign, "handoff")
+    assert len(ho["no_memory"]["latency_s"]) == 6
+    assert all(x > 0 for x in ho["no_memory"]["latency_s"])
+    assert [r["bytes"] for r in ho["with_memory"]] == [1 << 30]
+    mem = load(campaign, "memory")
+    assert mem["pinned_memcpy"]["h2d"] is None  # the stand-in has no memcpy to compare with
+    assert mem["met"] is False
+
+
+def test_kernel_start_record(campaign):
+    rec = load(campaign, "kernel_start")
+    assert len(rec["plain_s"]) == len(rec["gpushare_s"]) == 1
+
+
+def test_replay_record(campaign):
+    rec = load(campaign, "replay")
+    assert set(rec["runs"]) == {"gpushare", "colocate", "fixed-quantum", "dedicated"}
+    assert set(rec["simulated"]) == {*rec["runs"], "sharing-floor"}
+    for mode, run in rec["runs"].items():
+        s = run["summary"]
+        assert s["cells"] == len(run["cells"]) > 0, mode
+        assert s["completed"] + s["failed"] + s["unfinished"] == s["cells"]
+        assert not run.get("worker_errors"), run.get("worker_errors")
+    assert rec["runs"]["gpushare"]["summary"]["failed"] == 0
+    assert {r["think_mean"] for r in rec["capacity"]} == {0.8, 120.0}
+
+
+def test_campaign_log_and_scheduler_logs(campaign):
+    names = sorted(p.name for p in campaign.iterdir())
+    assert len(names) <= 8  # what the device machine gives back
+    assert "campaign.log" in names and "scheduler-logs.txt" in names
+    assert "all parts done" in (campaign / "campaign.log").read_text()
+
+
+def test_report_from_results(campaign, tmp_path):
+    doc = tmp_path / "docs" / "performance.md"
+    doc.parent.mkdir()
+    report.main([str(campaign), "--doc", str(doc), "--images", str(tmp_path / "docs" / "images")])
+    text = doc.read_text()
+    assert "Stand-in driver" in text
+    assert text.count("*No result yet.*") == 1  # training did not run
+    for png in ("launch", "handoff", "memory", "replay", "capacity", "kernel-start"):
+        assert (tmp_path / "docs" / "images" / f"perf-{png}.png").stat().st_size > 1000
+        assert f"](images/perf-{png}.png)" in text
+    assert "| Kernel start |" in text
+
+
+def test_report_without_results_states_methods_only(tmp_path):
+    doc = tmp_path / "performance.md"
+    report.main([str(tmp_path / "none"), "--doc", str(doc), "--images", str(tmp_path / "img")])
+    text = doc.read_text()
+    assert text.count("*No result yet.*") == 6
+    assert "No campaign results yet" in text
+    assert not (tmp_path / "img").exists()
+
+
+def test_training_refuses_the_stand_in_clearly(native_build, tmp_path):
+    cmd = [sys.executable, "-m", "bench.run_campaign", str(tmp_path), "--only", "train",
+           "--driver-dir", str(native_build.fake_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "train needs PyTorch on a GPU" in proc.stdout
+
+
+def test_report_of_a_replay_cut_short(campaign, tmp_path):
+    """A replay stopped by the device's time limit leaves its finished modes (checkpoint)."""
+    rec = json.loads((campaign / "replay.json").read_text())
+    assert "partial" not in rec  # the finished run replaced the checkpoints
+    partial = {k: v for k, v in rec.items() if k not in ("simulated", "capacity", "met")}
+    partial["partial"] = True
+    partial["runs"] = {
+        "gpushare": rec["runs"]["gpushare"],
+        "colocate": {"mode": "colocate", "error": "RuntimeError: ballast exited"},
+    }
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "replay.json").write_text(json.dumps(partial))
+    doc = tmp_path / "performance.md"
+    report.main([str(results), "--doc", str(doc), "--images", str(tmp_path / "img")])
+    text = doc.read_text()
+    assert "Partial result" in text
+    assert "(a) gpushare" in text and "(c) fixed-quantum lock" not in text
+    assert "Mode colocate did not run to the end: RuntimeError: ballast exited" in text
