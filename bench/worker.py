@@ -37,6 +37,11 @@ class Worker:
 
         torch = _torch
         self.dev = torch.device("cuda")
+        # Create the CUDA context now, with no kernel and no allocation: the shim registers with
+        # the scheduler when the process first gets a context, and torch makes contexts lazily.
+        # Without this a worker said "ready" before the scheduler knew it, and the harness's
+        # first control message for it was answered "no client" (seen on the H100).
+        torch.cuda.mem_get_info()
         self.ws: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
