@@ -480,7 +480,7 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
             parts += [
                 "*Capacity planning (simulated with the costs measured above).* Users per GPU "
                 "at p95 ≤ 1.3x with no failed cell under gpushare, with the same working sets "
-                "and a 40 GiB pool:",
+                f"and a {rec.get('pool_bytes', 0) / GiB:g} GiB pool:",
                 "",
                 *lines,
                 "",
