@@ -423,6 +423,14 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 f"{fl['unfinished']} | {_busy(fl)} | 1 | |"
             )
         parts = [text, *rows, ""]
+        ded = runs.get("dedicated", {}).get("summary")
+        if ded:
+            demand = ded["gpu_busy_fraction"] * ded.get("gpus", 1)
+            parts += [
+                f"The trace asks for {demand * 100:.0f}% of one GPU's time "
+                f"({len(rec.get('trace', {}).get('users', []))} users).",
+                "",
+            ]
         parts += [f"> Mode {m} did not run to the end: {e}" for m, e in failed_modes.items()]
         agree = [
             f"{m} {runs[m]['summary']['slowdown_p95']:.2f}x real vs {sim[m]['slowdown_p95']:.2f}x "
