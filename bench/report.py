@@ -77,7 +77,8 @@ def _meta_line(rec: dict[str, Any]) -> str:
     dirty = " (uncommitted changes)" if m.get("git_dirty") else ""
     line = (
         f"<sub>Measured {m.get('date', '?')} on {where}, torch {torch}, commit "
-        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty}, {rec.get('duration_s', '?')} s: "
+        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty} (source digest "
+        f"`{m.get('source_digest', '?')}`), {rec.get('duration_s', '?')} s: "
         f"`{m.get('command', '?')}`</sub>"
     )
     if rec.get("driver") == "stand-in" or rec.get("results_driver") == "stand-in":
