@@ -76,6 +76,7 @@ class Worker:
         one (``torch.cuda._sleep``, a spin of a few cycles): a handoff "with no memory to move"
         then moves none, not even a small tensor."""
         if hasattr(torch.cuda, "_sleep"):
+            torch.cuda.init()  # _sleep may not initialise CUDA by itself
             torch.cuda._sleep(100)
         else:
             if self.tiny is None:
