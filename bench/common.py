@@ -8,6 +8,7 @@ git commit), so that a result file stands on its own.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -69,6 +70,22 @@ def _torch_versions() -> dict[str, str]:
         return {"torch": "not available", "torch_cuda": ""}
 
 
+def source_digest() -> str:
+    """SHA-256 of the code that produces the numbers (bench/, jupyter_gpushare/, native/): it
+    names the code even where the copy on a device machine has no git history."""
+    h = hashlib.sha256()
+    files = [
+        *ROOT.glob("bench/*.py"),
+        *ROOT.glob("bench/*.c"),
+        *ROOT.glob("jupyter_gpushare/**/*.py"),
+        *ROOT.glob("native/src/*"),
+        *ROOT.glob("native/include/*"),
+    ]
+    for f in sorted(p for p in files if p.is_file()):
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 _META: dict[str, Any] | None = None
 
 
@@ -90,7 +107,9 @@ def environment() -> dict[str, Any]:
             "python": platform.python_version(),
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
-            "git_commit": _run_text(["git", "rev-parse", "HEAD"]) or "unknown",
+            "git_commit": _run_text(["git", "rev-parse", "HEAD"])
+            or os.environ.get("GPUSHARE_BENCH_COMMIT", "unknown"),
+            "source_digest": source_digest(),
             "git_dirty": bool(_run_text(["git", "status", "--porcelain", "--untracked-files=no"])),
         }
     return dict(_META)

@@ -77,7 +77,8 @@ def _meta_line(rec: dict[str, Any]) -> str:
     dirty = " (uncommitted changes)" if m.get("git_dirty") else ""
     line = (
         f"<sub>Measured {m.get('date', '?')} on {where}, torch {torch}, commit "
-        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty}, {rec.get('duration_s', '?')} s: "
+        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty} (source digest "
+        f"`{m.get('source_digest', '?')}`), {rec.get('duration_s', '?')} s: "
         f"`{m.get('command', '?')}`</sub>"
     )
     if rec.get("driver") == "stand-in" or rec.get("results_driver") == "stand-in":
@@ -423,6 +424,14 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 f"{fl['unfinished']} | {_busy(fl)} | 1 | |"
             )
         parts = [text, *rows, ""]
+        ded = runs.get("dedicated", {}).get("summary")
+        if ded:
+            demand = ded["gpu_busy_fraction"] * ded.get("gpus", 1)
+            parts += [
+                f"The trace asks for {demand * 100:.0f}% of one GPU's time "
+                f"({len(rec.get('trace', {}).get('users', []))} users).",
+                "",
+            ]
         parts += [f"> Mode {m} did not run to the end: {e}" for m, e in failed_modes.items()]
         agree = [
             f"{m} {runs[m]['summary']['slowdown_p95']:.2f}x real vs {sim[m]['slowdown_p95']:.2f}x "
@@ -480,7 +489,7 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
             parts += [
                 "*Capacity planning (simulated with the costs measured above).* Users per GPU "
                 "at p95 ≤ 1.3x with no failed cell under gpushare, with the same working sets "
-                "and a 40 GiB pool:",
+                f"and a {rec.get('pool_bytes', 0) / GiB:g} GiB pool:",
                 "",
                 *lines,
                 "",

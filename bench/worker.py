@@ -77,9 +77,16 @@ class Worker:
         self._sync()
 
     def launch1(self) -> None:
-        if self.tiny is None:
-            self.tiny = torch.zeros(1, device=self.dev)
-        self.tiny.add_(1.0)
+        """One tiny kernel, then synchronise. A kernel that touches no memory where PyTorch has
+        one (``torch.cuda._sleep``, a spin of a few cycles): a handoff "with no memory to move"
+        then moves none, not even a small tensor."""
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda.init()  # _sleep may not initialise CUDA by itself
+            torch.cuda._sleep(100)
+        else:
+            if self.tiny is None:
+                self.tiny = torch.zeros(1, device=self.dev)
+            self.tiny.add_(1.0)
         self._sync()
 
     def meminfo(self) -> dict[str, int]:

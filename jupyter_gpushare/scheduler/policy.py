@@ -39,6 +39,10 @@ Released(evicted) and Evicted → not resident, restore at the next grant), not 
 resident and ``pinned`` (context, stream-ordered pools, ``cuMemCreate``) otherwise. A client that
 has never held the device is not resident either: managed memory that no kernel touched has no
 pages on the GPU (and needs no restore).
+
+``PolicyConfig(policy="fixed-quantum")`` replaces rules 2-5 with a baseline to measure against
+(:meth:`Policy._admit_fixed`): an exclusive lock, first come first served, held for a fixed
+quantum unless a periodic timer finds the holder idle.
 """
 
 from __future__ import annotations
