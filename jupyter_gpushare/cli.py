@@ -95,6 +95,10 @@ class SchedulerApp(GPUShareBaseApp):
             "Do not ask NVML for devices; learn them from the shims.",
         ),
         "debug": ({"Application": {"log_level": "DEBUG"}}, "Log at DEBUG level."),
+        "mps": (
+            {"GPUShareScheduler": {"mps": True}},
+            "MPS mode: an MPS control daemon per GPU; kernels become its clients (docs/mps.md).",
+        ),
     }
 
     classes = [GPUShareScheduler]
