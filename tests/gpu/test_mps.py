@@ -71,12 +71,15 @@ def mps_binary() -> str | None:
 
 
 def gpu_uuid() -> str:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "0"
     lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
     return lines[0] if out.returncode == 0 and lines else "0"
 
@@ -160,17 +163,47 @@ def rate(windows: list[list[float]], t0: float, t1: float) -> float | None:
     return round((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), 2)
 
 
-def mps_env(manager: MPSManager, extra: dict[str, str] | None = None, **kw: Any) -> dict[str, str]:
-    client = manager.client_env(**kw)
-    env = workload_env(extra)
+def as_client(env: dict[str, str], client: dict[str, Any]) -> dict[str, str]:
+    """``env`` made an MPS client's: what mps_env / client_env said to unset and to set."""
+    env = dict(env)
     for key in client["unset"]:
         env.pop(key, None)
     env.update(client["env"])
     return env
 
 
+def mps_env(manager: MPSManager, **kw: Any) -> dict[str, str]:
+    return as_client(workload_env(), manager.client_env(**kw))
+
+
+def allocations(env: dict[str, str], *gib: str) -> dict[str, Any] | None:
+    """mps_worker.py alloc: which of the sizes could be allocated and filled."""
+    w = Worker("alloc", *gib, env=env)
+    w.finish(120)
+    done = w.wait("done", 1)
+    if done is not None:
+        done["stderr"] = w.stderr_tail(5)
+    return done
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixtures
+
+
+def start_manager(binary: str, device: str) -> tuple[MPSManager, str]:
+    """An MPS daemon for the GPU, in a fresh short directory; a skip (with the reason in the
+    JSON) when it cannot start."""
+    runtime = tempfile.mkdtemp(prefix="gsmps-", dir="/tmp")
+    mgr = MPSManager(runtime, binary=binary, terminate_timeout=30.0)
+    try:
+        asyncio.run(mgr.start([device]))
+    except MPSError as exc:
+        RESULT["available"] = False
+        RESULT["reason"] = f"the MPS control daemon cannot start: {exc}"
+        save()
+        shutil.rmtree(runtime, ignore_errors=True)
+        pytest.skip(RESULT["reason"])
+    return mgr, runtime
 
 
 @pytest.fixture(scope="module")
@@ -185,16 +218,7 @@ def binary() -> str:
         RESULT["reason"] = "nvidia-cuda-mps-control is not installed on this machine"
         save()
         pytest.skip(RESULT["reason"])
-    runtime = tempfile.mkdtemp(prefix="gsmps-", dir="/tmp")
-    mgr = MPSManager(runtime, binary=found)
-    try:
-        asyncio.run(mgr.start([gpu_uuid()]))
-    except MPSError as exc:
-        RESULT["available"] = False
-        RESULT["reason"] = f"the MPS control daemon cannot start: {exc}"
-        save()
-        shutil.rmtree(runtime, ignore_errors=True)
-        pytest.skip(RESULT["reason"])
+    mgr, runtime = start_manager(found, gpu_uuid())
     try:
         first = probe(mps_env(mgr))
         first["mps_state"] = server_state(mgr)
@@ -217,17 +241,8 @@ def binary() -> str:
 @pytest.fixture(scope="module")
 def manager(binary: str) -> Iterator[MPSManager]:
     """The module's MPS daemon (after the scheduler's own, in the first test, has quit)."""
-    runtime = tempfile.mkdtemp(prefix="gsmps-", dir="/tmp")
-    mgr = MPSManager(runtime, binary=binary, terminate_timeout=30.0)
     device = gpu_uuid()
-    try:
-        asyncio.run(mgr.start([device]))
-    except MPSError as exc:
-        RESULT["available"] = False
-        RESULT["reason"] = f"the MPS control daemon cannot start: {exc}"
-        save()
-        shutil.rmtree(runtime, ignore_errors=True)
-        pytest.skip(RESULT["reason"])
+    mgr, runtime = start_manager(binary, device)
     RESULT["available"] = True
     RESULT["daemon"] = mgr.describe()
     save()
@@ -411,15 +426,9 @@ def test_scheduler_mps_mode_end_to_end(binary: str) -> None:
         )
         rec["mps_env"] = reply
         assert reply["enabled"] and reply["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
-        env = workload_env()
-        for key in reply["unset"]:
-            env.pop(key, None)
-        env.update(reply["env"])
+        env = as_client(workload_env(), reply)
         # The hard limit: 1 GiB fits under 4 GiB, 6 GiB must not (plain device memory).
-        w = Worker("alloc", "1", "6", env=env)
-        w.finish(120)
-        rec["alloc"] = w.wait("done", 1)
-        rec["alloc_stderr"] = w.stderr_tail(5)
+        rec["alloc"] = allocations(env, "1", "6")
         victim = Worker("spin", "30", str(VICTIM_GIB), env=env)
         rec["victim_launch"] = victim.wait("launched", 120)
         assert rec["victim_launch"] is not None, victim.stderr_tail()
@@ -461,11 +470,10 @@ def test_sigterm_under_the_shim_synchronises(manager: MPSManager, scheduler: Sch
     """A and B under the shim (managed memory, gated by the scheduler) as MPS clients: SIGTERM
     mid-kernel; the shim waits for the kernel (3 s, ended within its 5 s bound) before the
     process ends."""
-    client = manager.client_env(compute_share=SHARE)
-    env = shimmed_env(scheduler.socket, {"GPUSHARE_LOG": "info"})
-    for key in client["unset"]:
-        env.pop(key, None)
-    env.update(client["env"])
+    env = as_client(
+        shimmed_env(scheduler.socket, {"GPUSHARE_LOG": "info"}),
+        manager.client_env(compute_share=SHARE),
+    )
     # The victim logs at debug: "said goodbye to the scheduler" shows its quit path ran.
     victim_env = {**env, "GPUSHARE_LOG": "debug"}
     rec = kill_scenario(
@@ -485,21 +493,14 @@ def test_pinned_memory_limit(manager: MPSManager, scheduler: Scheduler) -> None:
     managed memory. Recorded, asserted only for device memory."""
     rec: dict[str, Any] = {}
     RESULT["pinned_limit"] = rec
-    plain = mps_env(manager, quota_bytes=2 << 30)
-    w = Worker("alloc", "1", "3", env=plain)
-    w.finish(120)
-    rec["device_memory"] = w.wait("done", 1)
     client = manager.client_env(quota_bytes=2 << 30)
-    shim = shimmed_env(scheduler.socket)
-    for key in client["unset"]:
-        shim.pop(key, None)
-    shim.update(client["env"])
-    w = Worker("alloc", "1", "3", env=shim)
-    w.finish(120)
-    rec["managed_memory_under_shim"] = w.wait("done", 1)
-    rec["managed_stderr"] = w.stderr_tail(5)
+    rec["device_memory"] = allocations(as_client(workload_env(), client), "1", "3")
+    rec["managed_memory_under_shim"] = allocations(
+        as_client(shimmed_env(scheduler.socket), client), "1", "3"
+    )
     save()
     print(json.dumps(rec, indent=1, default=str))
+    assert rec["device_memory"] is not None, "the allocation probe did not finish"
     results = rec["device_memory"]["results"]
     assert results[0]["ok"] and not results[1]["ok"], results
 

@@ -47,6 +47,24 @@ def sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
 
+def with_child(**popen: Any) -> tuple[subprocess.Popen[str], int]:
+    """A process standing for a kernel, and the pid of a subprocess it started (both MPS clients
+    in the tests: a kernel's subprocesses inherit its MPS environment)."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)']); print(p.pid, flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+    assert parent.stdout is not None
+    return parent, int(parent.stdout.readline())
+
+
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from mps_helpers import command_names, commands, set_clients, sleeper, wait_gone
+from mps_helpers import command_names, commands, set_clients, sleeper, wait_gone, with_child
 
 from jupyter_gpushare.scheduler.mps import (
     MPSError,
@@ -106,24 +106,8 @@ async def test_daemon_per_gpu_env_terminate_and_quit(
         children.append(kernel)
         other = sleeper()
         children.append(other)
-        import subprocess
-        import sys
-
-        # A child of the kernel: spawned through a shell that the "kernel" stands for is not
-        # possible with a sleeper, so the kernel's child is a python started by a python.
-        parent = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-                "'import time; time.sleep(120)']); print(p.pid, flush=True); time.sleep(120)",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        parent, grandchild = with_child()
         children.append(parent)
-        assert parent.stdout is not None
-        grandchild = int(parent.stdout.readline())
         set_clients(d1.pipe_dir, {4242: [kernel.pid, other.pid, parent.pid, grandchild]})
         assert await manager.server_pids(d1) == [4242]
         assert await manager.client_pids(d1, 4242) == [

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mps_helpers import commands, set_clients, sleeper
+from mps_helpers import commands, set_clients, sleeper, with_child
 from test_mps_scheduler import GPU0, start
 
 from jupyter_gpushare.provisioner import GPUShareProvisioner
@@ -84,20 +82,8 @@ async def test_terminate_client_before_sigkill(
     assert mps_scheduler._mps is not None
     daemon = mps_scheduler._mps.daemons[GPU0]
     # The kernel, and a subprocess of it (both MPS clients), in their own process group.
-    kernel = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(120)']); print(p.pid, flush=True); time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    kernel, child = with_child(start_new_session=True)
     children.append(kernel)
-    assert kernel.stdout is not None
-    child = int(kernel.stdout.readline())
     bystander = sleeper()
     children.append(bystander)
     set_clients(daemon.pipe_dir, {900: [kernel.pid, child, bystander.pid]})
