@@ -12,16 +12,29 @@ running back to back. Times are CLOCK_MONOTONIC on both sides.
 from __future__ import annotations
 
 import json
+import resource
 import signal
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 KERNEL_US = 2_500_000
+
+
+@pytest.fixture(autouse=True)
+def no_core_dumps() -> Iterator[None]:
+    """SIGQUIT's default action dumps core: not into the working tree (children inherit this)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
 
 
 def syncs(trace: Path) -> list[dict[str, Any]]:
