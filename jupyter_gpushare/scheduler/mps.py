@@ -97,9 +97,9 @@ def thread_percentage(
         share = compute_share
     else:
         share = default_percentage * weight
-    if not share > 0:
+    if not share > 0:  # NaN too
         raise ValueError(f"compute share must be positive, got {share!r}")
-    pct = min(100, max(1, math.ceil(share - 1e-9)))
+    pct = max(1, math.ceil(min(share, 100.0) - 1e-9))
     # 100 needs no variable, unless the daemon's default is lower (a client without the
     # variable gets that default).
     return None if pct >= 100 and default_percentage >= 100 and not compute_share else pct

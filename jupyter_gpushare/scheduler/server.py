@@ -1165,7 +1165,11 @@ class GPUShareScheduler(LoggingConfigurable):
         )
         device = body.get("device")
         try:
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not 0 < weight < float("inf")  # NaN fails this too
+            ):
                 raise ValueError(f"'weight' must be a positive number, got {weight!r}")
             if share is not None and (
                 isinstance(share, bool)

@@ -70,10 +70,14 @@ async def test_mps_mode_env_terminate_and_stop(
             },
             "unset": ["CUDA_VISIBLE_DEVICES"],
         }
+        # A huge weight is simply the whole GPU.
+        reply = await client.control("mps_env", weight=1e300)
+        assert reply["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
         reply = await client.control("mps_env", weight=1.0, compute_share=25)
         assert reply["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in reply["env"]
-        for bad in ({"weight": 0}, {"weight": "x"}, {"compute_share": 150}, {"quota": "lots"},
+        for bad in ({"weight": 0}, {"weight": "x"}, {"weight": 1e999}, {"weight": True},
+                    {"compute_share": 150}, {"compute_share": "x"}, {"quota": "lots"},
                     {"device": 3}):  # fmt: skip
             with pytest.raises(SchedulerError) as exc:
                 await client.control("mps_env", **bad)
