@@ -270,9 +270,15 @@ def server_state(manager: MPSManager) -> dict[str, Any]:
     async def query() -> dict[str, Any]:
         daemon = next(iter(manager.daemons.values()))
         servers = await manager.server_pids(daemon)
+        status = {}
+        for s in servers:
+            # ACTIVE, or FAULT after a client broke the server (newer drivers; recorded raw).
+            res = await manager.control(daemon, f"get_server_status {s}")
+            status[s] = (res.stdout + res.stderr).strip()[:200]
         return {
             "servers": servers,
             "clients": {s: await manager.client_pids(daemon, s) for s in servers},
+            "status": status,
         }
 
     return asyncio.run(query())
