@@ -947,9 +947,16 @@ static void at_exit(void) { quit_and_wait(); }
  * runs on the GPU is what leaves an MPS server (and its other clients) in an undefined state, so
  * the shim synchronises first. SIGTERM: Jupyter's shutdown after its timeout, `kill`; SIGHUP: the
  * terminal or the server went away; SIGQUIT: Ctrl-\; SIGINT: Ctrl-C of a program that does not
- * handle it (Python does, and then leaves through exit(), i.e. at_exit). SIGKILL cannot be caught:
- * there the provisioner asks the scheduler for MPS's terminate_client first. */
-static const int quit_signals[] = {SIGTERM, SIGHUP, SIGQUIT, SIGINT};
+ * handle it (Python does, and then leaves through exit(), i.e. at_exit); SIGXCPU: a batch
+ * system's CPU limit, before its SIGKILL; SIGPIPE, SIGALRM, SIGUSR1/2: unhandled, they kill too.
+ * Crashes (SIGABRT from abort(), SIGSEGV, SIGBUS, SIGFPE, SIGILL) as well: the crashed thread runs
+ * the handler and only waits; the shim's thread, which has every signal blocked, does the work (a
+ * fault on the shim's thread itself cannot be handled and ends the process at once). If the crash
+ * left the driver unusable the wait runs out after QUIT_WAIT_MS. SIGKILL cannot be caught: there
+ * the provisioner asks the scheduler for MPS's terminate_client first. */
+static const int quit_signals[] = {SIGTERM, SIGHUP,  SIGQUIT, SIGINT,  SIGXCPU,
+                                   SIGPIPE, SIGALRM, SIGUSR1, SIGUSR2, SIGABRT,
+                                   SIGSEGV, SIGBUS,  SIGFPE,  SIGILL};
 
 static void on_quit_signal(int sig)
 {

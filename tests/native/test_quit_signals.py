@@ -1,6 +1,7 @@
-"""Quitting in the middle of a kernel: on SIGTERM, SIGHUP, SIGQUIT and (for a program that does
-not handle it) SIGINT, the shim synchronises the process's outstanding GPU work and says GOODBYE
-to the scheduler before the signal ends the process. Under MPS a client that dies with work in
+"""Quitting in the middle of a kernel: on every signal whose default action ends the process
+(SIGTERM, SIGHUP, SIGQUIT, an unhandled SIGINT, SIGXCPU, a crash's SIGABRT or SIGSEGV, ...), the
+shim synchronises the process's outstanding GPU work and says GOODBYE to the scheduler before the
+signal ends the process. Under MPS a client that dies with work in
 flight can leave the server and its other clients undefined; this is the shim's part of avoiding
 that (docs/mps.md).
 
@@ -45,8 +46,13 @@ def syncs(trace: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name
-)
+    "sig",
+    [
+        signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT, signal.SIGXCPU,
+        signal.SIGABRT, signal.SIGSEGV,
+    ],
+    ids=lambda s: s.name,
+)  # fmt: skip
 def test_a_fatal_signal_mid_kernel_synchronises_then_ends_the_process(
     harness: Any, tmp_path: Path, sig: signal.Signals
 ) -> None:
