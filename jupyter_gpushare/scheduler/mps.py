@@ -234,7 +234,11 @@ class MPSManager:
         await loop.run_in_executor(None, _make_dirs, pipe_dir, log_dir)
         daemon = MPSDaemon(device, pipe_dir, log_dir)
         stale = await loop.run_in_executor(None, _read_text, os.path.join(pipe_dir, PID_FILE))
-        if stale and stale.strip().isdigit() and _alive(int(stale.strip())):
+        if (
+            stale
+            and stale.strip().isdigit()
+            and await loop.run_in_executor(None, _alive, int(stale.strip()))
+        ):
             # A daemon left by a scheduler that died: it is ours (our directory), and a second
             # `-d` on the same pipes would fail. Quit it and start afresh.
             self.log.warning("MPS %s: quitting the daemon left running (pid %s)", device, stale)
@@ -268,9 +272,10 @@ class MPSManager:
             ) from None
         if proc.returncode != 0:
             said = (await loop.run_in_executor(None, _read_text, err_path) or "").strip()
+            tail = await loop.run_in_executor(None, self._log_tail, daemon)
             raise MPSError(
                 f"the MPS control daemon for {device} did not start (exit {proc.returncode}): "
-                f"{said}{self._log_tail(daemon)}"
+                f"{said}{tail}"
             )
         daemon.pid = await self._wait_pid(daemon)
         daemon.started_at = time.monotonic()
@@ -278,15 +283,20 @@ class MPSManager:
         # The daemon answers once its control pipe is up; a failure here means it died.
         probe = await self.control(daemon, "get_server_list")
         deadline = time.monotonic() + self.command_timeout
-        while not probe.ok and time.monotonic() < deadline and _alive_or_unknown(daemon.pid):
+        while (
+            not probe.ok
+            and time.monotonic() < deadline
+            and await loop.run_in_executor(None, _alive_or_unknown, daemon.pid)
+        ):
             await asyncio.sleep(0.1)
             probe = await self.control(daemon, "get_server_list")
         if not probe.ok:
             self.daemons.pop(device, None)
             await self._kill_daemon(daemon)
+            tail = await loop.run_in_executor(None, self._log_tail, daemon)
             raise MPSError(
                 f"the MPS control daemon for {device} does not answer: "
-                f"{(probe.stderr or probe.stdout).strip()}{self._log_tail(daemon)}"
+                f"{(probe.stderr or probe.stdout).strip()}{tail}"
             )
         if self.default_percentage < 100:
             pct = max(1, math.ceil(self.default_percentage))
@@ -346,12 +356,13 @@ class MPSManager:
     async def _wait_gone(pid: int | None, timeout: float) -> bool:
         if pid is None:
             return True
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not await loop.run_in_executor(None, _alive, pid):
                 return True
             await asyncio.sleep(0.05)
-        return not _alive(pid)
+        return not await loop.run_in_executor(None, _alive, pid)
 
     # -- commands -------------------------------------------------------------------------------
 
