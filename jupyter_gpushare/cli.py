@@ -122,6 +122,10 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
             "Do not ask NVML for devices; learn them from the shims.",
         ),
         "debug": ({"Application": {"log_level": "DEBUG"}}, "Log at DEBUG level."),
+        "mps": (
+            {"GPUShareScheduler": {"mps": True}},
+            "MPS mode: an MPS control daemon per GPU; kernels become its clients (docs/mps.md).",
+        ),
     }
 
     classes = [GPUShareScheduler]

@@ -62,6 +62,17 @@ synchronisation), so the provisioner makes sure each of the two phases lasts lon
 immediate kill (``shutdown_kernel(now=True)``) is preceded by a SIGTERM and a short grace period
 (:attr:`GPUShareProvisioner.kill_grace_seconds`).
 
+MPS mode
+--------
+When the scheduler runs in MPS mode (``c.GPUShareScheduler.mps = True``, docs/mps.md), the
+provisioner asks it at launch for the kernel's MPS environment (the ``mps_env`` control action:
+``CUDA_MPS_PIPE_DIRECTORY`` of the GPU's MPS daemon, the compute share from
+:attr:`GPUShareProvisioner.compute_share` or the weight, the hard memory limit from the quota), so
+the kernel is an MPS client from its first CUDA call. A kernel of an MPS server must not be killed
+with work in flight: before any SIGKILL (``kill()``, a restart, ``shutdown_kernel(now=True)``) the
+provisioner asks the scheduler to ``terminate_client`` the kernel and its subprocesses (the
+``mps_terminate`` action), and only then sends the signal.
+
 A restarted kernel keeps its kernel id. The scheduler gives a second live connection announcing
 an id already in use the name ``<id>#<pid>``, which would leave the server extension's
 ``kernel_state`` reports pointing at nothing. Before launching, the provisioner therefore waits
@@ -85,6 +96,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, validate
 
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
 from .protocol import ErrorCode
 from .scheduler.devices import discover_devices_async
@@ -223,6 +235,32 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
     #: Where the kernel was placed: {"device": uuid or pin, "index": ..., "source": ...}, or None.
     placement: dict[str, Any] | None = None
 
+    mps = Bool(
+        True,
+        help="""When the scheduler runs in MPS mode, start the kernel as a client of its GPU's
+        MPS server (and terminate_client it before any SIGKILL). False: never an MPS client.""",
+    ).tag(config=True)
+
+    compute_share = Float(
+        0.0,
+        help="""In MPS mode, the percentage of the GPU's SMs the kernel may use
+        (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 1-100. 0: from the weight (the scheduler's
+        mps_default_thread_percentage times the weight).""",
+    ).tag(config=True)
+
+    mps_terminate_timeout = Float(
+        35.0,
+        help="""Seconds to wait for the scheduler's terminate_client before a SIGKILL goes ahead
+        anyway.""",
+    ).tag(config=True)
+
+    @validate("compute_share")
+    def _validate_compute_share(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0 <= value <= 100:
+            raise TraitError(f"GPUShareProvisioner.compute_share must be 0-100, got {value!r}")
+        return value
+
     @default("socket")
     def _socket_default(self) -> str:
         return default_socket_path()
@@ -312,6 +350,8 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             library=library,
         )
         kwargs["cmd"] = self._kernel_command(list(kwargs["cmd"]))
+        self._launch_env = kwargs["env"]
+        await self._mps_environment(kwargs["env"])
         await self._wait_for_stale_client()
         await self._place(kwargs["env"])
         self._term_sent = False
@@ -325,11 +365,104 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         return kwargs
 
+    _launch_env: dict[str, str] | None = None
+
+    def _scheduler(self, timeout: float) -> SchedulerClient:
+        """A scheduler client that speaks for the kernel's user: with the user and token that
+        the kernel itself sends in its HELLO. On a uid that many users share (JupyterHub with one
+        system user, Kubernetes) the scheduler refuses a control message without them."""
+        env = self._launch_env or {}
+        return SchedulerClient(
+            self.socket,
+            timeout=timeout,
+            user=env.get(ENV_USER) or None,
+            token=env.get(ENV_TOKEN) or None,
+        )
+
+    # -- MPS mode ------------------------------------------------------------------------------
+
+    _mps_device: str | None = None
+
+    async def _mps_environment(self, env: dict[str, str]) -> None:
+        """Make the kernel an MPS client when the scheduler runs in MPS mode (see module doc)."""
+        self._mps_device = None
+        if not self.mps:
+            return
+        quota = env.get("GPUSHARE_MEMORY_LIMIT") or 0
+        client = self._scheduler(5.0)
+        try:
+            reply = await client.control(
+                "mps_env",
+                client=self.kernel_id,
+                weight=self.weight,
+                quota=parse_size(quota) if quota else 0,
+                compute_share=self.compute_share or None,
+            )
+        except SchedulerUnavailable as exc:
+            self.log.debug("gpushare: no MPS environment: %s", exc)
+            return
+        except SchedulerError as exc:
+            if exc.name == "bad_request" and "unknown action" in exc.message:
+                return  # a scheduler from before MPS mode
+            raise RuntimeError(f"cannot start the kernel as an MPS client: {exc}") from exc
+        if not reply.get("enabled"):
+            return
+        for key in reply.get("unset", []):
+            env.pop(key, None)
+        env.update({str(k): str(v) for k, v in reply.get("env", {}).items()})
+        self._mps_device = str(reply.get("device"))
+        self.log.info(
+            "gpushare: kernel %s is an MPS client of %s (%s)",
+            self.kernel_id,
+            self._mps_device,
+            ", ".join(f"{k}={v}" for k, v in sorted(reply.get("env", {}).items())),
+        )
+
+    async def _mps_terminate(self) -> None:
+        """Ask the scheduler to terminate_client the kernel (and its subprocesses) so that the
+        SIGKILL that follows finds no work of it on the GPU. Failures are logged: the kill goes
+        ahead regardless (a kernel must always be killable)."""
+        assert self.process is not None
+        pid = self.process.pid
+        client = self._scheduler(self.mps_terminate_timeout)
+        t0 = time.monotonic()
+        try:
+            reply = await client.control("mps_terminate", pid=pid, tree=True)
+        except (SchedulerUnavailable, SchedulerError) as exc:
+            self.log.warning(
+                "gpushare: terminate_client for kernel %s (pid %d) failed: %s; killing it anyway",
+                self.kernel_id,
+                pid,
+                exc,
+            )
+            return
+        done = reply.get("terminated", [])
+        log = self.log.info if reply.get("ok", False) else self.log.warning
+        log(
+            "gpushare: terminate_client for kernel %s (pid %d): %d client(s), %s, %.0f ms",
+            self.kernel_id,
+            pid,
+            len(done),
+            "ok" if reply.get("ok", False) else "FAILED",
+            (time.monotonic() - t0) * 1000,
+        )
+
+    async def send_signal(self, signum: int) -> None:
+        """In MPS mode a SIGKILL is preceded by terminate_client (see module doc)."""
+        if (
+            signum == getattr(signal, "SIGKILL", None)
+            and self._mps_device is not None
+            and self.process is not None
+            and self.process.poll() is None
+        ):
+            await self._mps_terminate()
+        await super().send_signal(signum)
+
     async def _wait_for_stale_client(self) -> None:
         """Wait until the scheduler lists no client named after this kernel (see module doc)."""
         if not self.kernel_id or self.stale_client_timeout <= 0:
             return
-        client = SchedulerClient(self.socket, timeout=2.0)
+        client = self._scheduler(2.0)
         deadline = time.monotonic() + self.stale_client_timeout
         stale: dict[str, Any] | None = None
         while True:
@@ -376,7 +509,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             self.placement = {"device": env["CUDA_VISIBLE_DEVICES"], "source": "environment"}
             return
         pin = self._pinned_device()
-        client = SchedulerClient(self.socket, timeout=5.0)
+        client = self._scheduler(5.0)
         reachable = await _reachable_gpus()
         try:
             answer = await client.place(

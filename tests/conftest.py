@@ -506,7 +506,14 @@ class Harness:
         **gpushare: Any,
     ) -> Proc:
         argv = [self.program(direct), *map(str, args)]
-        proc = Proc(argv, env if env is not None else self.env(shim=shim, extra=extra, **gpushare))
+        return self.spawn_command(
+            argv, env if env is not None else self.env(shim=shim, extra=extra, **gpushare)
+        )
+
+    def spawn_command(self, argv: list[str], env: dict[str, str]) -> Proc:
+        """Start any program in the background (killed at the test's end), e.g. a Python kernel
+        stand-in; ``spawn`` runs the test program."""
+        proc = Proc(argv, env)
         self.procs.append(proc)
         return proc
 

@@ -83,6 +83,7 @@ from ..protocol import (
 from ..units import format_size, parse_size
 from . import events as ev
 from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .mps import MPSError, MPSManager, process_uid
 from .placement import PlacementError, choose_device, device_loads
 from .policy import POLICIES, Policy, PolicyConfig
 from .users import (
@@ -315,6 +316,51 @@ class GPUShareScheduler(LoggingConfigurable):
         same moment spread over the GPUs instead of all choosing the emptiest one.""",
     ).tag(config=True)
 
+    mps = Bool(
+        False,
+        help="""MPS mode: run one NVIDIA MPS control daemon per GPU and make every kernel the
+        provisioner starts a client of its GPU's MPS server, so kernels admitted side by side
+        run concurrently, each with a compute share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and a
+        hard memory limit (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) from its weight and quota. See
+        docs/mps.md.""",
+    ).tag(config=True)
+
+    mps_control_binary = Unicode(
+        "",
+        help="""The nvidia-cuda-mps-control to run. Default: the one on PATH, else
+        /usr/local/nvidia/bin or /usr/bin.""",
+    ).tag(config=True)
+
+    mps_devices = List(
+        Unicode(),
+        help="""GPUs (UUIDs or indices, as CUDA_VISIBLE_DEVICES takes them) that get an MPS
+        daemon. Default: every GPU NVML discovers.""",
+    ).tag(config=True)
+
+    mps_default_thread_percentage = Float(
+        100.0,
+        help="""Compute share (percent of the SMs) of a weight-1 kernel in MPS mode; a kernel
+        gets this times its weight (at most 100), unless its provisioner sets compute_share.
+        Below 100 it is also the daemon's default (set_default_active_thread_percentage).""",
+    ).tag(config=True)
+
+    mps_runtime_dir = Unicode(
+        "",
+        help="""Where each MPS daemon's pipe and log directories go (mps-<n>/pipe, mps-<n>/log).
+        Default: the socket's directory.""",
+    ).tag(config=True)
+
+    mps_terminate_timeout = Float(
+        30.0, help="Seconds a terminate_client may take before it counts as failed."
+    ).tag(config=True)
+
+    @validate("mps_default_thread_percentage")
+    def _validate_mps_percentage(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0 < value <= 100:
+            raise ValueError(f"mps_default_thread_percentage must be in (0, 100], got {value!r}")
+        return value
+
     @validate("pool_size", "pool_reserve", "placement_estimate")
     def _validate_size(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -354,6 +400,7 @@ class GPUShareScheduler(LoggingConfigurable):
         self._groups: dict[tuple[str, int], frozenset[str]] = {}  # (user, gid) -> system groups
         self.metrics: Any = None  # a .metrics.SchedulerMetrics when metrics_port is set
         self._metrics_task: asyncio.Future[None] | None = None
+        self._mps: MPSManager | None = None
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -418,6 +465,8 @@ class GPUShareScheduler(LoggingConfigurable):
             except BaseException:
                 await self.stop()  # no half-started scheduler: the socket goes too
                 raise
+        if self.mps:
+            await self._start_mps()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -566,6 +615,9 @@ class GPUShareScheduler(LoggingConfigurable):
                 conn.writer.close()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self._mps is not None:
+            mps, self._mps = self._mps, None
+            await mps.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 2.0)
         await asyncio.get_running_loop().run_in_executor(None, self._remove_socket)
@@ -985,6 +1037,9 @@ class GPUShareScheduler(LoggingConfigurable):
                     self._error(conn, ErrorCode.FORBIDDEN, ident)
                     return
                 conn.identity = ident
+            if _mps_action(msg):
+                await self._on_mps_control(conn, msg)
+                return
             if mtype == MsgType.STATUS_REQUEST:
                 self._on_status_request(conn, msg)
             else:
@@ -1327,6 +1382,8 @@ class GPUShareScheduler(LoggingConfigurable):
             "nvml": True if self.discovery.error is None else self.discovery.error,
             "devices": devices,
         }
+        if self._mps is not None:
+            doc["mps"] = self._mps.describe()
         return doc if viewer is None else filter_status(doc, viewer)
 
     def _on_status_request(self, conn: Connection, msg: Message) -> None:
@@ -1447,6 +1504,137 @@ class GPUShareScheduler(LoggingConfigurable):
         log("control %s client=%s by %s %s", action, client, who.describe(), body)
         self._handle(event)
         self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
+
+    # ----------------------------------------------------------------------------------------
+    # MPS mode (scheduler/mps.py does the work; docs/mps.md)
+
+    async def _start_mps(self) -> None:
+        devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]
+        self._mps = MPSManager(
+            runtime_dir=self.mps_runtime_dir or os.path.dirname(self.socket_path) or ".",
+            binary=self.mps_control_binary,
+            default_percentage=self.mps_default_thread_percentage,
+            terminate_timeout=self.mps_terminate_timeout,
+            log=self.log,
+        )
+        try:
+            await self._mps.start(devices)
+        except MPSError as exc:
+            self._mps = None
+            await self.stop()
+            raise SchedulerStartError(f"MPS mode: {exc}") from exc
+
+    async def _on_mps_control(self, conn: Connection, msg: Message) -> None:
+        """The ``mps_env`` and ``mps_terminate`` control actions (docs/protocol.md)."""
+        body = msg.get("body")
+        assert isinstance(body, dict)
+        action = body["action"]
+        reply: dict[str, Any] = {"ok": True, "action": action, "enabled": self._mps is not None}
+        if action == "mps_env":
+            error = self._mps_env(body, reply)
+        else:
+            error = await self._mps_terminate(conn, body, reply)
+        if error is not None:
+            self._error(conn, error[0], f"{action}: {error[1]}")
+            return
+        self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
+
+    def _may_terminate(self, conn: Connection, pid: int, owner_uid: int) -> bool:
+        """May this control peer have process ``pid`` (of ``owner_uid``) terminate_client'ed?
+
+        By uid: the process's owner or an admin. On a uid that many users share (token_uids),
+        the uid says nothing about the user, so the process must be a kernel of the asking
+        user's identity (or the asker an admin): else one hub user could end another's kernel.
+        """
+        who = conn.identity
+        if who is not None and who.admin:
+            return True
+        if conn.peer.uid in self._token_uids:
+            return who is not None and any(
+                c.peer.pid == pid and c.identity is not None and c.identity.user == who.user
+                for c in self._clients.values()
+            )
+        return self.authorize(conn.peer.uid, owner_uid)
+
+    def _mps_env(self, body: dict[str, Any], reply: dict[str, Any]) -> tuple[ErrorCode, str] | None:
+        weight, quota, share = (
+            body.get("weight", 1.0),
+            body.get("quota", 0),
+            body.get("compute_share"),
+        )
+        device = body.get("device")
+        try:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not 0 < weight < float("inf")  # NaN fails this too
+            ):
+                raise ValueError(f"'weight' must be a positive number, got {weight!r}")
+            if share is not None and (
+                isinstance(share, bool)
+                or not isinstance(share, (int, float))
+                or not 0 <= share <= 100
+            ):
+                raise ValueError(f"'compute_share' must be a percentage, got {share!r}")
+            if device is not None and not isinstance(device, str):
+                raise ValueError("'device' must be a device UUID or index string")
+            quota_bytes = 0 if quota in (None, "", 0) else parse_size(quota)
+        except ValueError as exc:
+            return ErrorCode.BAD_REQUEST, str(exc)
+        if self._mps is None:
+            return None
+        if device is None:
+            device = self._least_loaded_mps_device()
+        try:
+            reply.update(
+                self._mps.client_env(
+                    device,
+                    weight=float(weight),
+                    compute_share=float(share) if share else None,
+                    quota_bytes=quota_bytes,
+                )
+            )
+        except MPSError as exc:
+            return ErrorCode.NOT_FOUND, str(exc)
+        self.log.info(
+            "mps_env client=%s device=%s env=%s", body.get("client"), reply["device"],
+            reply["env"],
+        )  # fmt: skip
+        return None
+
+    def _least_loaded_mps_device(self) -> str | None:
+        assert self._mps is not None
+        counts = {
+            str(dev.get("uuid", "")).lower(): len(dev.get("clients", []))
+            for dev in (self.policy.snapshot(time.monotonic()) if self.policy else [])
+        }
+        daemons = list(self._mps.daemons)
+        if not daemons:
+            return None
+        return min(daemons, key=lambda d: counts.get(d.lower(), 0))
+
+    async def _mps_terminate(
+        self, conn: Connection, body: dict[str, Any], reply: dict[str, Any]
+    ) -> tuple[ErrorCode, str] | None:
+        pid = body.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+            return ErrorCode.BAD_REQUEST, "'pid' (a process id) is needed"
+        reply["pid"] = pid
+        reply["terminated"] = []
+        if self._mps is None:
+            return None
+        owner = await asyncio.get_running_loop().run_in_executor(None, process_uid, pid)
+        if owner is None:
+            return ErrorCode.NOT_FOUND, f"no process {pid}"
+        if not self._may_terminate(conn, pid, owner):
+            self.log.warning(
+                "forbidden: uid %d asked mps_terminate of pid %d (uid %d)",
+                conn.peer.uid, pid, owner,
+            )  # fmt: skip
+            return ErrorCode.FORBIDDEN, f"uid {conn.peer.uid} may not terminate pid {pid}"
+        reply["terminated"] = await self._mps.terminate_process(pid, tree=body.get("tree", True))
+        reply["ok"] = all(r["ok"] for r in reply["terminated"])
+        return None
 
     # ----------------------------------------------------------------------------------------
     # Placement (several GPUs): see placement.py for the rule
@@ -1578,3 +1766,12 @@ class GPUShareScheduler(LoggingConfigurable):
         task = asyncio.ensure_future(run())
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+
+
+def _mps_action(msg: Message) -> bool:
+    body = msg.get("body")
+    return (
+        msg.type == MsgType.CONTROL
+        and isinstance(body, dict)
+        and body.get("action") in ("mps_env", "mps_terminate")
+    )

@@ -91,6 +91,7 @@ class _Watch:
         default_factory=collections.OrderedDict
     )
     state: str = "idle"
+    heard_busy: bool = False  # any busy status seen since the subscription opened
     on_dead: Callable[[], None] | None = None
 
 
@@ -238,7 +239,15 @@ class KernelWatcher:
         if not parent_id or parent_type in self.ignored_parents:
             return
         opened = w.open_requests
+        if execution_state == "idle" and parent_id not in opened and not w.heard_busy:
+            # This request's busy came before the subscription was connected (ZMQ's slow
+            # joiner: a cell run just after the kernel started). Its idle still says that a cell
+            # ended, and that is what hands the GPU over at once: say it, once.
+            w.heard_busy = True
+            self._enqueue(w.kernel_id, "idle", time.time())
+            return
         if execution_state == "busy":
+            w.heard_busy = True
             opened[parent_id] = None
             while len(opened) > MAX_OPEN_REQUESTS:
                 opened.popitem(last=False)

@@ -924,10 +924,14 @@ static void *client_main(void *arg)
     return NULL;
 }
 
-/* ---- quitting: atexit and SIGTERM ---- */
+/* ---- quitting: atexit and the fatal signals ---- */
 
 /* Ask the thread to synchronise and say GOODBYE; wait for it at most QUIT_WAIT_MS.
- * Async-signal-safe (atomics, write, poll). */
+ * Async-signal-safe (atomics, write, poll): the signal handlers below call it. The work itself
+ * (cuCtxSynchronize, the socket) happens on the shim's thread, never in the handler: neither the
+ * driver nor our locks may be entered from a handler that interrupted a thread holding them. If
+ * the interrupted thread does hold something the shim's thread then needs (a driver lock, C.mu),
+ * the wait runs out after QUIT_WAIT_MS and the process ends anyway: bounded, never a hang. */
 static void quit_and_wait(void)
 {
     if (!C.thread_running || done_pipe[0] < 0)
@@ -944,33 +948,57 @@ static void quit_and_wait(void)
 
 static void at_exit(void) { quit_and_wait(); }
 
-static void on_sigterm(int sig)
+/* The signals whose default action ends the process: a kernel ended by one of them while its work
+ * runs on the GPU is what leaves an MPS server (and its other clients) in an undefined state, so
+ * the shim synchronises first. SIGTERM: Jupyter's shutdown after its timeout, `kill`; SIGHUP: the
+ * terminal or the server went away; SIGQUIT: Ctrl-\; SIGINT: Ctrl-C of a program that does not
+ * handle it (Python does, and then leaves through exit(), i.e. at_exit); SIGXCPU: a batch
+ * system's CPU limit, before its SIGKILL; SIGPIPE, SIGALRM, SIGUSR1/2: unhandled, they kill too.
+ * Crashes (SIGABRT from abort(), SIGSEGV, SIGBUS, SIGFPE, SIGILL) as well: the crashed thread runs
+ * the handler and only waits; the shim's thread, which has every signal blocked, does the work (a
+ * fault on the shim's thread itself cannot be handled and ends the process at once). If the crash
+ * left the driver unusable the wait runs out after QUIT_WAIT_MS. SIGKILL cannot be caught: there
+ * the provisioner asks the scheduler for MPS's terminate_client first. */
+static const int quit_signals[] = {SIGTERM, SIGHUP,  SIGQUIT, SIGINT,  SIGXCPU,
+                                   SIGPIPE, SIGALRM, SIGUSR1, SIGUSR2, SIGABRT,
+                                   SIGSEGV, SIGBUS,  SIGFPE,  SIGILL};
+
+static void on_quit_signal(int sig)
 {
     int saved = errno;
     /* The work happens on the shim's thread; the handler only asks and waits (bounded). */
     quit_and_wait();
+    /* Then what the default action would have done: ours was only installed over SIG_DFL. */
     struct sigaction dfl;
     memset(&dfl, 0, sizeof dfl);
     dfl.sa_handler = SIG_DFL;
     sigemptyset(&dfl.sa_mask);
     sigaction(sig, &dfl, NULL);
     errno = saved;
-    raise(sig); /* delivered when the handler returns: the process ends as SIGTERM would end it */
+    raise(sig); /* blocked while the handler runs: delivered as it returns, and the process ends
+                   as that signal would have ended it (status, core dump for SIGQUIT) */
 }
 
-static void install_sigterm(void)
+static void install_quit_handlers(void)
 {
-    struct sigaction cur;
-    if (sigaction(SIGTERM, NULL, &cur) != 0)
-        return;
-    /* Only where nobody else handles it: a program's own handler decides how it quits. */
-    if ((cur.sa_flags & SA_SIGINFO) || cur.sa_handler != SIG_DFL)
-        return;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_sigterm;
+    sa.sa_handler = on_quit_signal;
+    /* One quit at a time: a second fatal signal waits until the first one's handler is done. */
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
+    for (size_t i = 0; i < sizeof quit_signals / sizeof quit_signals[0]; i++)
+        sigaddset(&sa.sa_mask, quit_signals[i]);
+    for (size_t i = 0; i < sizeof quit_signals / sizeof quit_signals[0]; i++) {
+        struct sigaction cur;
+        if (sigaction(quit_signals[i], NULL, &cur) != 0)
+            continue;
+        /* Only where the signal would simply kill the process. A program's own handler decides
+         * how it quits (it usually leaves through exit(), where at_exit synchronises), and an
+         * ignored signal stays ignored. So nothing of the program's is replaced or lost. */
+        if ((cur.sa_flags & SA_SIGINFO) || cur.sa_handler != SIG_DFL)
+            continue;
+        sigaction(quit_signals[i], &sa, NULL);
+    }
 }
 
 /* ---- fork ---- */
@@ -1047,7 +1075,7 @@ static void start_client(CUdevice dev)
         atfork_registered = 1;
         pthread_atfork(fork_prepare, fork_parent, fork_child);
     }
-    install_sigterm();
+    install_quit_handlers();
 
     char why[160] = "";
     int fd = handshake(why, sizeof why);

@@ -37,8 +37,8 @@
  * (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx; comma-separated per device; a device without one gets
  * the default UUID with its last byte plus the device's index), GPUSHARE_FAKE_DRIVER_VERSION
  * (default 13000), GPUSHARE_FAKE_PREFETCH_GBPS (model prefetch time on the stream; default 0 =
- * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch), GPUSHARE_FAKE_STATS_FILE
- * (the stats document is written there at exit).
+ * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch and per
+ * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit).
  *
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed) and
  * fakecuda_call_count(name).
@@ -782,10 +782,26 @@ CUresult cuCtxGetDevice(CUdevice *device) {
     return CUDA_SUCCESS;
 }
 
+/* With GPUSHARE_FAKE_TRACE, each synchronisation leaves a line saying which thread waited, from
+ * when to when, and until when the device was busy as it began: what the quit tests read to see
+ * that a process killed mid-kernel waited for its work (the line is out before the process dies). */
 CUresult cuCtxSynchronize(void) {
     COUNT();
     NEED_CTX();
+    uint64_t begin = now_ns();
+    pthread_mutex_lock(&g_lock);
+    uint64_t until = g_device_busy_until;
+    pthread_mutex_unlock(&g_lock);
     wait_device();
+    FILE *f = trace_file();
+    if (f) {
+        char name[32] = "";
+        pthread_getname_np(pthread_self(), name, sizeof(name));
+        fprintf(f,
+                "{\"op\":\"ctx_sync\",\"pid\":%d,\"thread\":\"%s\",\"t_begin\":%.6f,"
+                "\"t_end\":%.6f,\"busy_until\":%.6f}\n",
+                (int)getpid(), name, begin / 1e9, now_ns() / 1e9, until / 1e9);
+    }
     return CUDA_SUCCESS;
 }
 

@@ -178,6 +178,11 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
     log = hub_setup["scheduler"].log
     assert "forbidden" not in log, log
     sched = hub_setup["scheduler"]
+    # A second cell each: the first one's busy can reach the server before the kernel's shim
+    # has said HELLO (the shim registers on the cell's first CUDA call), and be answered
+    # "no client"; by now both kernels are registered.
+    for user in (alice, bob):
+        user.execute(kernels[user.name], "1 + 1")
     for user in ("alice", "bob"):  # each server tells the scheduler its kernel's cell ended
         # The server's watcher sends busy/idle from a queue of its own: the line may come a
         # moment after the cell's reply (it once came after this check, so wait for it).
