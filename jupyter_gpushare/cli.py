@@ -26,7 +26,7 @@ from traitlets.config import Application
 
 from ._version import __version__
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
-from .scheduler.server import GPUShareScheduler, SchedulerStartError
+from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .units import format_size, parse_size
 
 __all__ = ["GPUShareApp", "RunApp", "SchedulerApp", "StatusApp", "format_status", "main"]
@@ -114,6 +114,9 @@ class SchedulerApp(GPUShareBaseApp):
             self.exit(2)
         try:
             asyncio.run(self._serve(scheduler))
+        except SchedulerConfigError as exc:
+            self.log.critical("invalid configuration: %s", exc)
+            self.exit(2)
         except SchedulerStartError as exc:
             self.log.critical("%s", exc)
             self.exit(1)

@@ -139,6 +139,10 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     23: ("version", FieldType.STR),
     24: ("idle_ms", FieldType.U64),
     25: ("context_bytes", FieldType.U64),
+    # Reconnecting after the scheduler was lost (docs/protocol.md, "Scheduler restarts").
+    39: ("resume", FieldType.U64),
+    40: ("since_ms", FieldType.U64),
+    41: ("gpu_ms", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from traitlets import Bool, Float, Int, List, Unicode, Union, default, validate
+from traitlets import Bool, Float, Int, List, TraitError, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .._version import __version__
@@ -74,7 +74,13 @@ from . import events as ev
 from .devices import Discovery, UtilizationSampler, discover_devices_async
 from .policy import Policy, PolicyConfig
 
-__all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
+__all__ = [
+    "Connection",
+    "GPUShareScheduler",
+    "PeerCred",
+    "SchedulerConfigError",
+    "SchedulerStartError",
+]
 
 #: A peer that leaves this much unread data in its socket is not reading: it is dropped.
 MAX_WRITE_BUFFER = 1 << 20
@@ -86,6 +92,11 @@ MAX_DEVICE_NAME = 256
 
 class SchedulerStartError(RuntimeError):
     """The scheduler cannot listen (another one runs, a bad directory, a path too long, ...)."""
+
+
+class SchedulerConfigError(SchedulerStartError):
+    """The configuration cannot work (a socket path or directory, a group): the operator must
+    change it (``gpushare scheduler`` exits with 2, as for an invalid value)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,41 @@ class GPUShareScheduler(LoggingConfigurable):
         status for people to read; scheduling never depends on it). 0 turns the readings off.""",
     ).tag(config=True)
 
+    recovery_seconds = Float(
+        3.0,
+        help="""After a crash (the scheduler found its own stale socket at start), how long to
+        hold back grants so that the kernels that outlived it can reconnect and say what they
+        held: shims retry within 2.5 s. 0 turns the window off. See docs/reliability.md.""",
+    ).tag(config=True)
+
+    @validate("base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth")
+    def _validate_positive(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if not value > 0 or value == float("inf"):
+            raise TraitError(f"{proposal['trait'].name} must be a positive number, not {value!r}")
+        return value
+
+    @validate("usage_half_life", "utilization_interval", "recovery_seconds")
+    def _validate_non_negative(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if not value >= 0 or value == float("inf"):
+            raise TraitError(f"{proposal['trait'].name} must be 0 or more, not {value!r}")
+        return value
+
+    @validate("admin_uids")
+    def _validate_uids(self, proposal: Any) -> Any:
+        bad = [uid for uid in proposal["value"] if uid < 0]
+        if bad:
+            raise TraitError(f"admin_uids: {bad[0]} is not a uid")
+        return proposal["value"]
+
+    @validate("socket_mode", "socket_dir_mode")
+    def _validate_mode(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if value is not None and not 0 <= value <= 0o777:
+            raise TraitError(f"{proposal['trait'].name} must be permission bits (0 to 0o777)")
+        return value
+
     @validate("pool_size", "pool_reserve")
     def _validate_size(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -245,6 +291,7 @@ class GPUShareScheduler(LoggingConfigurable):
         self._tasks: set[asyncio.Task[None]] = set()
         self._utilization: dict[str, int] = {}  # device uuid -> percent, from the sampler task
         self._sampler: asyncio.Future[None] | None = None
+        self._found_stale_socket = False  # set by _prepare_socket_dir: the last run crashed
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -257,7 +304,8 @@ class GPUShareScheduler(LoggingConfigurable):
         return PolicyConfig(
             base_quantum=self.base_quantum,
             move_factor=self.move_factor,
-            max_quantum=self.max_quantum,
+            # A base quantum above the bound raises the bound (said once at start, in start()).
+            max_quantum=max(self.max_quantum, self.base_quantum),
             evict_bandwidth=self.evict_bandwidth,
             restore_bandwidth=self.restore_bandwidth,
             usage_half_life=self.usage_half_life,
@@ -285,6 +333,13 @@ class GPUShareScheduler(LoggingConfigurable):
         self._stopping = False
         self._stop_requested = asyncio.Event()
         self.policy = Policy(self.policy_config())
+        if self.max_quantum < self.base_quantum:
+            self.log.warning(
+                "gpushare: max_quantum %.1f s is below base_quantum %.1f s: using %.1f s for both",
+                self.max_quantum,
+                self.base_quantum,
+                self.base_quantum,
+            )
         if self.use_nvml:
             self.discovery = await discover_devices_async()
         else:
@@ -298,7 +353,17 @@ class GPUShareScheduler(LoggingConfigurable):
             self.log.warning("gpushare: NVML found no GPU; devices will be learnt from the shims")
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
+        self._found_stale_socket = False
         await self._listen()
+        if self._found_stale_socket and self.recovery_seconds > 0:
+            self.policy.recover_until(time.monotonic() + self.recovery_seconds)
+            self.log.info(
+                "gpushare: the last scheduler on %s did not stop cleanly; holding grants back "
+                "for %.1f s while its clients reconnect",
+                self.socket_path,
+                self.recovery_seconds,
+            )
+            self._reschedule()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -323,11 +388,20 @@ class GPUShareScheduler(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         path = self.socket_path
         if len(os.fsencode(path)) > 107:
-            raise SchedulerStartError(
+            raise SchedulerConfigError(
                 f"socket path is too long for a Unix socket (max 107 bytes): {path}"
             )
-        await loop.run_in_executor(None, self._prepare_socket_dir, path)
-        sock, tmp = await loop.run_in_executor(None, self._bind, path)
+        try:
+            await loop.run_in_executor(None, self._prepare_socket_dir, path)
+            sock, tmp = await loop.run_in_executor(None, self._bind, path)
+        except SchedulerStartError:
+            raise
+        except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
+            # A directory that cannot be made or written (or a file in its way): one clear line.
+            raise SchedulerConfigError(
+                f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
+                "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
+            ) from None
         try:
             self._server = await asyncio.start_unix_server(self._on_connection, sock=sock)
             self._socket_ino = await loop.run_in_executor(None, self._publish, tmp, path)
@@ -386,7 +460,7 @@ class GPUShareScheduler(LoggingConfigurable):
         try:
             return grp.getgrnam(group).gr_gid
         except KeyError:
-            raise SchedulerStartError(f"socket_group {group!r}: no such group") from None
+            raise SchedulerConfigError(f"socket_group {group!r}: no such group") from None
 
     def _prepare_socket_dir(self, path: str) -> None:
         """Create the socket's directory; remove a stale socket; refuse a live or foreign one."""
@@ -403,7 +477,7 @@ class GPUShareScheduler(LoggingConfigurable):
                 os.chown(directory, -1, self._gid(self.socket_group))
         st = os.stat(directory)
         if uid != 0 and st.st_uid not in (uid, 0):
-            raise SchedulerStartError(
+            raise SchedulerConfigError(
                 f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
                 "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
             )
@@ -412,13 +486,14 @@ class GPUShareScheduler(LoggingConfigurable):
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise SchedulerStartError(f"{path} exists and is not a socket; refusing to replace it")
+            raise SchedulerConfigError(f"{path} exists and is not a socket; refusing to replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
             self.log.info("removing the stale socket %s", path)
+            self._found_stale_socket = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             return
@@ -712,6 +787,7 @@ class GPUShareScheduler(LoggingConfigurable):
         quota = int(msg.get("quota") or 0)
         label = str(msg.get("label") or "")
         pid = conn.peer.pid or int(msg.get("pid") or 0)
+        resume = _resume_fields(msg)
         join = ev.Join(
             time.monotonic(),
             client,
@@ -723,6 +799,7 @@ class GPUShareScheduler(LoggingConfigurable):
             uid=conn.peer.uid,
             pid=pid,
             label=label,
+            **resume,
         )
         self.log.info(
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
@@ -736,11 +813,21 @@ class GPUShareScheduler(LoggingConfigurable):
             label,
             msg.get("version", "?"),
         )
+        if resume:
+            self.log.info("resume client=%s %s", client, resume)
+            if "used" in resume:
+                self._memory_from(conn, msg)
         decisions = self._policy_handle(join)
         rest: list[ev.Decision] = []
+        resumed = 0
         for decision in decisions:
             if isinstance(decision, ev.QuotaChanged) and decision.client == client:
                 quota = decision.quota
+            elif isinstance(decision, ev.Grant) and decision.client == client:
+                # A resumed grant: the WELCOME says so (resume = 1); no GRANT follows.
+                resumed = 1
+                conn.granted_at = time.monotonic()
+                self.log.info("grant client=%s resumed", client)
             else:
                 rest.append(decision)
         dev = self._device_snapshot(device)
@@ -755,6 +842,7 @@ class GPUShareScheduler(LoggingConfigurable):
                     "quota": quota,
                     "quantum_ms": quantum_ms or int(self.base_quantum * 1000),
                     "version": __version__,
+                    **({"resume": resumed} if "resume" in resume else {}),
                 },
             ),
         )
@@ -1064,6 +1152,26 @@ class GPUShareScheduler(LoggingConfigurable):
         log("control %s client=%s by uid %d %s", action, client, conn.peer.uid, body)
         self._handle(event)
         self._send(conn, Message(MsgType.CONTROL_REPLY, {"body": reply}))
+
+
+def _resume_fields(msg: Message) -> dict[str, Any]:
+    """The Join fields of a reconnecting shim's HELLO (docs/protocol.md, "Scheduler restarts").
+
+    ``resume``: 1 = it held the device when the scheduler was lost, 2 = it waited for it; its
+    memory (``used_bytes`` ...) rides along, so the pool's accounting is right from the start.
+    """
+    out: dict[str, Any] = {}
+    if "used_bytes" in msg:
+        out["used"] = int(msg["used_bytes"])
+        out["managed"] = int(msg.get("managed_bytes") or 0)
+        out["pinned"] = int(msg.get("pinned_bytes") or 0)
+        out["evicted"] = int(msg.get("evicted_bytes") or 0)
+    state = {1: "holding", 2: "waiting"}.get(int(msg.get("resume") or 0), "")
+    if "resume" in msg:
+        out["resume"] = state
+        out["since"] = int(msg.get("since_ms") or 0) / 1000.0
+        out["gpu_seconds"] = int(msg.get("gpu_ms") or 0) / 1000.0
+    return out
 
 
 def _lookup_user(uid: int) -> str:
