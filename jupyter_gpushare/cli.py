@@ -365,7 +365,67 @@ def format_status(doc: dict[str, Any]) -> str:
                 ]
             )
         lines.extend(_table(rows))
+        lines.extend(_explanations(clients))
     return "\n".join(lines)
+
+
+def _explanations(clients: list[dict[str, Any]]) -> list[str]:
+    """Why each waiter waits, and holders whose revoke goes unanswered (docs/reliability.md)."""
+    out = []
+    for c in clients:
+        wait = c.get("wait")
+        if isinstance(wait, dict) and wait.get("text"):
+            out.append(f"  {c.get('id', '?')}: {wait['text']}")
+        revoking = c.get("revoking_seconds")
+        if isinstance(revoking, (int, float)) and revoking >= 1.0:
+            out.append(
+                f"  {c.get('id', '?')}: asked to release {revoking:.0f}s ago, its GPU work still "
+                f"runs (gpushare evict, or interrupt the kernel)"
+            )
+    return out
+
+
+class ControlApp(GPUShareBaseApp):
+    """``gpushare release CLIENT`` and ``gpushare evict CLIENT``: the operator's levers."""
+
+    action = "release"
+    socket = Unicode("", help="The scheduler's socket (default: as the shim computes it).").tag(
+        config=True
+    )
+    aliases: dict[Any, Any] = {**GPUShareBaseApp.aliases, "socket": "ControlApp.socket"}
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        self.load_gpushare_config()
+
+    def start(self) -> None:
+        if len(self.extra_args) != 1:
+            print(f"gpushare {self.action}: one client id is needed", file=sys.stderr)
+            self.exit(2)
+        client = SchedulerClient(self.socket or None)
+        try:
+            reply = client.control_sync(self.action, client=self.extra_args[0])
+        except SchedulerUnavailable as exc:
+            print(f"gpushare {self.action}: {exc}", file=sys.stderr)
+            self.exit(1)
+        except SchedulerError as exc:
+            print(f"gpushare {self.action}: the scheduler refused: {exc}", file=sys.stderr)
+            self.exit(1)
+        print(json.dumps(reply))
+
+
+class ReleaseApp(ControlApp):
+    name = "gpushare-release"
+    description = """Take the GPU back from a client (its running GPU work finishes first)."""
+    examples = "gpushare release 6f1c2a0e-..."
+    action = "release"
+
+
+class EvictApp(ControlApp):
+    name = "gpushare-evict"
+    description = """Take the GPU back from a client and move its memory to the host."""
+    examples = "gpushare evict 6f1c2a0e-..."
+    action = "evict"
 
 
 class GPUShareApp(GPUShareBaseApp):
@@ -380,6 +440,8 @@ gpushare status"""
         "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
         "run": (RunApp, RunApp.description.splitlines()[0]),
         "status": (StatusApp, StatusApp.description.splitlines()[0]),
+        "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
+        "evict": (EvictApp, EvictApp.description.splitlines()[0]),
     }
 
     def start(self) -> None:

@@ -164,7 +164,8 @@ describe('holders, waiters and idle kernels', () => {
 
   it("says why a waiter waits and how far a long holder is past its quantum", () => {
     const s = turns();
-    const [ka, kb] = s.devices[0].clients;
+    const [dev] = s.devices ?? [];
+    const [ka, kb] = dev.clients;
     ka.held_seconds = 300;
     ka.quantum_seconds = 60;
     ka.revoking_seconds = 200;
@@ -183,10 +184,11 @@ describe('holders, waiters and idle kernels', () => {
 
   it('does not call a holder long when nobody waits for it', () => {
     const s = turns();
-    const [ka] = s.devices[0].clients;
+    const [dev] = s.devices ?? [];
+    const [ka] = dev.clients;
     ka.held_seconds = 300;
     ka.quantum_seconds = 60;
-    s.devices[0].queue = [];
+    dev.queue = [];
     expect(vm(s).devices[0].holders[0].pastQuantum).toBeNull();
   });
 
