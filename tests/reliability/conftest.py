@@ -4,9 +4,10 @@ fake shims, tests/scheduler/sched_helpers.py) next to the native harness of test
 import sys
 from pathlib import Path
 
-_SCHED = str(Path(__file__).resolve().parents[1] / "scheduler")
-if _SCHED not in sys.path:
-    sys.path.insert(0, _SCHED)
+for _dir in ("scheduler", "jupyter"):
+    _path = str(Path(__file__).resolve().parents[1] / _dir)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from sched_helpers import (  # noqa: E402, F401
     connect,
