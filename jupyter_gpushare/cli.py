@@ -263,19 +263,25 @@ class StatusApp(GPUShareBaseApp):
         self.load_gpushare_config()
 
     def start(self) -> None:
-        client = SchedulerClient(self.socket or None)
-        try:
-            doc = client.status_sync(self.device or None)
-        except SchedulerUnavailable as exc:
-            print(f"gpushare status: {exc}", file=sys.stderr)
-            self.exit(1)
-        except SchedulerError as exc:
-            print(f"gpushare status: the scheduler refused: {exc}", file=sys.stderr)
-            self.exit(1)
+        doc = _ask_scheduler(
+            self, "status", self.socket, lambda client: client.status_sync(self.device or None)
+        )
         if self.json:
             print(json.dumps(doc, indent=2))
         else:
             print(format_status(doc))
+
+
+def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
+    """``call(client)`` on the scheduler; a missing or refusing scheduler exits with 1."""
+    try:
+        return call(SchedulerClient(socket or None))
+    except SchedulerUnavailable as exc:
+        print(f"gpushare {command}: {exc}", file=sys.stderr)
+        app.exit(1)
+    except SchedulerError as exc:
+        print(f"gpushare {command}: the scheduler refused: {exc}", file=sys.stderr)
+        app.exit(1)
 
 
 def _size(value: Any) -> str:
@@ -402,15 +408,10 @@ class ControlApp(GPUShareBaseApp):
         if len(self.extra_args) != 1:
             print(f"gpushare {self.action}: one client id is needed", file=sys.stderr)
             self.exit(2)
-        client = SchedulerClient(self.socket or None)
-        try:
-            reply = client.control_sync(self.action, client=self.extra_args[0])
-        except SchedulerUnavailable as exc:
-            print(f"gpushare {self.action}: {exc}", file=sys.stderr)
-            self.exit(1)
-        except SchedulerError as exc:
-            print(f"gpushare {self.action}: the scheduler refused: {exc}", file=sys.stderr)
-            self.exit(1)
+        target = self.extra_args[0]
+        reply = _ask_scheduler(
+            self, self.action, self.socket, lambda c: c.control_sync(self.action, client=target)
+        )
         print(json.dumps(reply))
 
 

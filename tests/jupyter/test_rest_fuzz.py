@@ -70,21 +70,16 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
     path = ext.backend.socket_path
     holder = await FakeShim.join(path, "k-holder", used=700 * 1024 * 1024)
     waiter = await FakeShim.join(path, "k-waiter", used=700 * 1024 * 1024)
-    await holder.send(
-        MsgType.REQUEST,
-        used_bytes=700 << 20,
-        managed_bytes=700 << 20,
-        pinned_bytes=0,
-        evicted_bytes=0,
-    )
-    await holder.expect(MsgType.GRANT)
-    await waiter.send(
-        MsgType.REQUEST,
-        used_bytes=700 << 20,
-        managed_bytes=700 << 20,
-        pinned_bytes=0,
-        evicted_bytes=0,
-    )
+    for shim in (holder, waiter):
+        await shim.send(
+            MsgType.REQUEST,
+            used_bytes=700 << 20,
+            managed_bytes=700 << 20,
+            pinned_bytes=0,
+            evicted_bytes=0,
+        )
+        if shim is holder:
+            await holder.expect(MsgType.GRANT)
 
     schema = schemathesis.openapi.from_path(SPEC)
     base_url = f"http://localhost:{jp_http_port}{jp_base_url.rstrip('/')}"
