@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,12 +110,9 @@ def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.P
     )
 
 
-@pytest.fixture
-def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
-    """A node scheduler with a 24 GiB pool and a 2 s base quantum."""
-    sock = tmp_path / "gpushare.sock"
-    log = tmp_path / "scheduler.log"
-    with log.open("w") as log_file:
+def start_scheduler(sock: Path, log: Path, quantum: float = 2.0) -> Scheduler:
+    """A node scheduler (24 GiB pool, 2 s base quantum) on ``sock``, appending to ``log``."""
+    with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -126,7 +124,7 @@ def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
                 "--pool",
                 "24GiB",
                 "--quantum",
-                "2",
+                str(quantum),
                 "--log-level",
                 "INFO",
             ],
@@ -134,12 +132,31 @@ def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
             stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 30
-    while not sock.exists():
+    # Connectable, not only there: a killed scheduler leaves its socket file behind.
+    while not _listening(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"scheduler did not start:\n{log.read_text()}")
         time.sleep(0.05)
-    sched = Scheduler(sock, log, proc)
+    return Scheduler(sock, log, proc)
+
+
+def _listening(sock: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
+    """A node scheduler with a 24 GiB pool and a 2 s base quantum."""
+    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log")
     yield sched
+    proc = sched.process  # a test that restarts the scheduler swaps it
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=10)
