@@ -535,6 +535,7 @@ static void connected_locked(int fd, int reconnect)
         GS_INFO("connected to the scheduler at %s", C.socket_path);
     C.warned = 0;
     C.mem_gen_sent = (uint64_t)-1;
+    C.idle_sent = 0; /* a new scheduler must hear it too: an idle holder is revoked at once */
     C.unshare_at = 0;
     if (C.resume == RESUME_HOLDING) {
         /* The new scheduler gave the grant back (WELCOME resume = 1): keep running. */

@@ -116,3 +116,22 @@ def test_waiter_runs_unshared_after_the_reconnect_bound(harness):
     assert b.finish(30).ok().event("hold_end")["data_ok"]
     assert "did not come back within 1.5 s" in b.stderr
     a.kill()
+
+
+def test_an_idle_holder_is_still_known_idle_after_the_restart(harness):
+    """The shim's idle report is said again to the new scheduler: a resumed holder whose work
+    has ended hands the GPU over at once, not after its quantum."""
+    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+    a = harness.spawn("idle", 40.0, 0.3, BIG, **common(client_id="A", idle_seconds=1))
+    a.wait_event("idle_start", 30)
+    sched.wait_log("idle client=A")
+    sched.kill()
+    log_size = len(sched.log)
+    sched.start()
+    sched.wait_log("grant client=A resumed", after=log_size)
+    b = harness.spawn("hold", 0.3, BIG, 20000, **common(client_id="B"))
+    first = b.wait_event("first_copy", 30)
+    assert first["waited"] < 10.0, "B waited for A's quantum: A's idleness was lost"
+    assert b.finish(60).ok().event("hold_end")["data_ok"]
+    assert "idle client=A" in sched.log[log_size:]
+    a.kill()
