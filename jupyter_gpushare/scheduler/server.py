@@ -125,6 +125,7 @@ class Connection:
     )
     requested_at: float | None = None
     granted_at: float | None = None
+    revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
 
     @property
     def name(self) -> str:
@@ -232,6 +233,12 @@ class GPUShareScheduler(LoggingConfigurable):
         held: shims retry within 2.5 s. 0 turns the window off. See docs/reliability.md.""",
     ).tag(config=True)
 
+    revoke_warning_seconds = Float(
+        60.0,
+        help="""Log a warning when a holder has not answered a revoke for this long (its GPU work
+        still runs while others wait; docs/reliability.md). 0 turns the warning off.""",
+    ).tag(config=True)
+
     @validate("base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth")
     def _validate_positive(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -239,7 +246,9 @@ class GPUShareScheduler(LoggingConfigurable):
             raise TraitError(f"{proposal['trait'].name} must be a positive number, not {value!r}")
         return value
 
-    @validate("usage_half_life", "utilization_interval", "recovery_seconds")
+    @validate(
+        "usage_half_life", "utilization_interval", "recovery_seconds", "revoke_warning_seconds"
+    )
     def _validate_non_negative(self, proposal: Any) -> Any:
         value = proposal["value"]
         if not value >= 0 or value == float("inf"):
@@ -895,6 +904,7 @@ class GPUShareScheduler(LoggingConfigurable):
                     micros / 1000.0,
                 )  # fmt: skip
             conn.granted_at = None
+            conn.revoked_at = None
             event = ev.Released(now, client, evicted, moved, micros)
         elif mtype == MsgType.IDLE:
             self.log.debug("idle client=%s idle_ms=%s", client, msg.get("idle_ms", 0))
@@ -967,6 +977,7 @@ class GPUShareScheduler(LoggingConfigurable):
                         MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason}
                     ),
                 )
+                self._watch_revoke(conn, now)
             elif isinstance(decision, ev.Evict):
                 self.log.info(
                     "evict client=%s %s reason=%r", decision.client, _bytes(mem["managed"]),
@@ -981,6 +992,26 @@ class GPUShareScheduler(LoggingConfigurable):
                 self._send(conn, Message(MsgType.SET_QUOTA, {"quota": decision.quota}))
             else:  # pragma: no cover - the Decision union is closed
                 self.log.error("unknown decision %r", decision)
+
+    def _watch_revoke(self, conn: Connection, sent: float) -> None:
+        """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a
+        GPU kernel that runs that long keeps the device from everyone who waits."""
+        conn.revoked_at = sent
+        if self.revoke_warning_seconds <= 0:
+            return
+
+        def check() -> None:
+            if conn.closed or conn.left or conn.revoked_at != sent or self._stopping:
+                return
+            self.log.warning(
+                "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
+                "its GPU work still runs while others wait (interrupt or end the kernel)",
+                conn.client,
+                conn.peer.pid,
+                time.monotonic() - sent,
+            )
+
+        asyncio.get_running_loop().call_later(self.revoke_warning_seconds, check)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -8,6 +8,8 @@ says why they wait (``wait.reason`` / ``wait.text``).
 
 from __future__ import annotations
 
+import asyncio
+
 from jupyter_gpushare.scheduler.events import Grant, Join, Released, Request, Revoke, Tick
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
@@ -123,3 +125,35 @@ def test_waiters_are_told_why_they_wait():
     )
     assert w["holders"][0]["past_quantum_seconds"] == 240.0
     assert st["h"]["revoking_seconds"] == 240.0 and st["h"]["held_seconds"] == 300.0
+
+
+async def test_the_operator_is_warned_of_an_unanswered_revoke(
+    make_scheduler, connect, caplog
+) -> None:
+    """A holder that does not answer its revoke (a long GPU kernel) is logged once, with its pid,
+    after revoke_warning_seconds; one that answers in time is not."""
+    import logging
+
+    from jupyter_gpushare.protocol import MsgType
+
+    await make_scheduler(base_quantum=0.2, max_quantum=0.2, revoke_warning_seconds=0.5)
+    a, b = await connect(), await connect()
+    await a.hello("a")
+    await b.hello("b")
+    await a.request(700 << 20)
+    await a.expect(MsgType.GRANT)
+    with caplog.at_level(logging.WARNING):
+        await b.request(700 << 20)
+        await a.expect(MsgType.REVOKE, timeout=5)
+        await asyncio.sleep(0.8)
+        warned = [r.getMessage() for r in caplog.records if "has not released" in r.getMessage()]
+        assert len(warned) == 1 and "client a (pid" in warned[0], warned
+        await a.send(MsgType.RELEASED, flag=1)
+        await b.expect(MsgType.GRANT)
+        await a.request(700 << 20)  # a waits in turn: b's quantum ends, b answers at once
+        await b.expect(MsgType.REVOKE, timeout=5)
+        await b.send(MsgType.RELEASED, flag=1)
+        await a.expect(MsgType.GRANT)
+        await asyncio.sleep(0.8)
+    warned = [r.getMessage() for r in caplog.records if "has not released" in r.getMessage()]
+    assert len(warned) == 1, warned
