@@ -363,6 +363,10 @@ class Policy:
         (the first to reconnect always does: it held the device before, and nobody else holds
         it yet); one that does not fit loses the grant and queues first among its peers, from
         the moment of its old grant. A waiter queues from the moment it began to wait.
+
+        Claims to a grant or to an old place in the queue are believed only during a recovery
+        window (:meth:`recover_until`, opened when the scheduler restarts with clients to take
+        back): at any other time they would let a new client jump the queue.
         """
         if evt.used >= 0:
             c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
@@ -372,6 +376,8 @@ class Policy:
             if evt.evicted > 0:
                 self._set_evicted(c)
         c.gpu_seconds = max(0.0, evt.gpu_seconds)
+        if not self.recovering(self._clock):
+            return []
         since = self._clock - max(0.0, evt.since)
         if evt.resume == "holding":
             held = sum(h.used for h in dev.clients.values() if h.holding is not None)

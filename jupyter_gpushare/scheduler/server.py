@@ -300,7 +300,9 @@ class GPUShareScheduler(LoggingConfigurable):
         self._tasks: set[asyncio.Task[None]] = set()
         self._utilization: dict[str, int] = {}  # device uuid -> percent, from the sampler task
         self._sampler: asyncio.Future[None] | None = None
-        self._found_stale_socket = False  # set by _prepare_socket_dir: the last run crashed
+        # Set by _prepare_socket_dir: the last scheduler on this socket crashed (its socket is
+        # left), or stopped with clients connected (its marker is left): they may come back.
+        self._found_stale_socket = False
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -367,8 +369,8 @@ class GPUShareScheduler(LoggingConfigurable):
         if self._found_stale_socket and self.recovery_seconds > 0:
             self.policy.recover_until(time.monotonic() + self.recovery_seconds)
             self.log.info(
-                "gpushare: the last scheduler on %s did not stop cleanly; holding grants back "
-                "for %.1f s while its clients reconnect",
+                "gpushare: the last scheduler on %s had clients; holding grants back for %.1f s "
+                "while they reconnect",
                 self.socket_path,
                 self.recovery_seconds,
             )
@@ -490,6 +492,9 @@ class GPUShareScheduler(LoggingConfigurable):
                 f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
                 "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
             )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._resume_marker)
+            self._found_stale_socket = True
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -525,6 +530,11 @@ class GPUShareScheduler(LoggingConfigurable):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
             self._sampler = None
+        shims = any(c.kind == "shim" and not c.left for c in self._connections.values())
+        if shims and self.recovery_seconds > 0:
+            # The shims keep running and will reconnect to the next scheduler on this socket:
+            # tell it to take them back (a restart by the service manager, not only a crash).
+            await asyncio.get_running_loop().run_in_executor(None, self._write_resume_marker)
         for conn in list(self._connections.values()):
             if conn.writer is not None:
                 conn.writer.close()
@@ -538,6 +548,14 @@ class GPUShareScheduler(LoggingConfigurable):
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
+
+    @property
+    def _resume_marker(self) -> str:
+        return f"{self.socket_path}.clients"
+
+    def _write_resume_marker(self) -> None:
+        with contextlib.suppress(OSError), open(self._resume_marker, "w") as f:
+            f.write(f"{os.getpid()}\n")
 
     def _remove_socket(self) -> None:
         path = self.socket_path

@@ -72,11 +72,12 @@ def test_resumed_holder_keeps_its_turn_and_waiters_their_order():
 
 def test_two_resumed_holders_that_do_not_fit_first_back_keeps_the_device():
     p = make_policy()
+    p.recover_until(0.15)
     assert rejoin(p, "a", 0.0, 60, "holding", since=3) == [Grant("a")]
     assert rejoin(p, "b", 0.1, 60, "holding", since=8) == []  # 120 GB do not fit 100 GB
     st = status(p, 0.2)
     assert st["dev"]["holders"] == ["a"] and st["b"]["state"] == "idle"
-    # b's memory was on the GPU: the pool is over, and b (not holding) is evicted for a.
+    # After the window: b's memory was on the GPU and the pool is over: b is evicted for a.
     assert [type(d).__name__ for d in req(p, "b", 0.3, 60)] in (["Evict"], [])
     st = status(p, 0.4)
     # b queues from its old grant (8 s ago).
@@ -86,9 +87,26 @@ def test_two_resumed_holders_that_do_not_fit_first_back_keeps_the_device():
 
 def test_resumed_holders_that_fit_both_keep_the_device():
     p = make_policy()
+    p.recover_until(3.0)
     assert rejoin(p, "a", 0.0, 40, "holding", since=3) == [Grant("a")]
     assert rejoin(p, "b", 0.1, 40, "holding", since=3) == [Grant("b")]
     assert status(p, 0.2)["dev"]["holders"] == ["a", "b"]
+
+
+def test_claims_are_not_believed_outside_a_recovery_window():
+    """A client that says it held the device, or waited since long ago, when the scheduler did
+    not just restart: a new client, queued as any other."""
+    p = make_policy(base_quantum=5, max_quantum=60)
+    p.handle(Join(0.0, "h", DEV, "h"))
+    assert req(p, "h", 0.0, 70) == [Grant("h")]
+    p.handle(Join(1.0, "w", DEV, "w"))
+    assert req(p, "w", 1.0, 70) == []
+    assert rejoin(p, "liar", 2.0, 10, "holding", since=500) == []
+    assert rejoin(p, "liar2", 2.0, 70, "waiting", since=500) == []
+    assert req(p, "liar2", 2.1, 70) == []
+    st = status(p, 2.2)
+    assert st["dev"]["holders"] == ["h"] and st["dev"]["queue"] == ["w", "liar2"], st["dev"]
+    assert st["liar"]["used_bytes"] == 10 * GB  # its memory is taken as reported
 
 
 def test_no_grant_during_recovery_window():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 MiB = 1 << 20
 CONTEXT = 64 * MiB
 BIG = 640 * MiB  # two of these do not fit the 1 GiB pool: they take turns
@@ -47,7 +49,10 @@ def snapshot(doc):
     }
 
 
-def test_scheduler_restart_keeps_holder_waiter_and_memory(harness):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_scheduler_restart_keeps_holder_waiter_and_memory(harness, how):
+    """A crash (SIGKILL: the socket is left behind) or a restart by a service manager (SIGTERM:
+    the scheduler stops cleanly, leaving a marker that it had clients)."""
     sched = harness.scheduler(pool="1GiB", quantum=60.0)
     a = harness.spawn("hold", 40.0, BIG, 20000, **common(client_id="A", weight=2))
     a.wait_event("first_launch", 30)
@@ -65,7 +70,10 @@ def test_scheduler_restart_keeps_holder_waiter_and_memory(harness):
     assert before["holders"] == ["A"] and before["queue"] == ["B"], before
 
     killed_at = time.monotonic()
-    sched.kill()
+    if how == "SIGKILL":
+        sched.kill()
+    else:
+        sched.stop()
     # The holder runs on, unshared; the waiter keeps waiting for the scheduler.
     lost = a.wait_event("tick", 30, where=lambda e: e["t_mono"] > killed_at + 0.3)
     assert lost["status"]["connected"] == 0 and lost["status"]["state"] == "unshared", lost
@@ -74,7 +82,7 @@ def test_scheduler_restart_keeps_holder_waiter_and_memory(harness):
 
     log_size = len(sched.log)
     sched.start()
-    assert "did not stop cleanly" in sched.wait_log("resume client=B", after=log_size)
+    assert "had clients; holding grants back" in sched.wait_log("resume client=B", after=log_size)
     after = snapshot(
         wait_status(
             sched,
