@@ -424,6 +424,8 @@ static int handshake(char *why, size_t whylen)
     pthread_mutex_lock(&C.mu);
     int reconnect = C.started && C.thread_running;
     int resume = C.resume;
+    if (resume == RESUME_WAITING && C.waiters == 0)
+        resume = 0; /* the call that waited was interrupted meanwhile */
     double since = C.resume_since;
     double gpu = C.holding_seconds;
     pthread_mutex_unlock(&C.mu);
@@ -896,6 +898,7 @@ static void *client_main(void *arg)
             if (C.state == GPUSHARE_STATE_IDLE) {
                 GS_WARN("the scheduler did not come back within %.1f s: running unshared",
                         gs_config()->reconnect_wait);
+                C.resume = 0; /* it runs now: no place in a queue to claim back */
                 set_state_locked(GPUSHARE_STATE_UNSHARED);
             }
         }
