@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from traitlets import TraitError
 
+from jupyter_gpushare.client import SchedulerUnavailable
 from jupyter_gpushare.provisioner import GPUShareProvisioner
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerConfigError
 from jupyter_gpushare.serverextension.backend import SchedulerBackend
@@ -133,3 +134,24 @@ def test_scheduler_config_error_is_a_start_error() -> None:
     from jupyter_gpushare.scheduler.server import SchedulerStartError
 
     assert issubclass(SchedulerConfigError, SchedulerStartError)
+
+
+def test_server_extension_with_an_invalid_mode_runs_no_scheduler(sock_dir: str) -> None:
+    """jupyter_server logs a trait that fails validation at link time and loads the extension
+    anyway, with the bad value: the backend must then refuse to guess (it used to take any
+    unknown mode for 'node')."""
+    logged: list[str] = []
+
+    class Log:
+        def __getattr__(self, level: str):
+            return lambda msg, *a: logged.append(f"{level}: {msg % a}")
+
+    async def run() -> None:
+        backend = SchedulerBackend("bogus", os.path.join(sock_dir, "s.sock"), log=Log())
+        await backend.ensure_started()
+        assert backend.error and "GPUShareExtension.scheduler = 'bogus'" in backend.error
+        with pytest.raises(SchedulerUnavailable, match="invalid configuration"):
+            await backend.status()
+
+    asyncio.run(run())
+    assert [line for line in logged if line.startswith("error")], logged
