@@ -100,6 +100,19 @@ def run_workload(script: str, *args: str, env: dict[str, str], timeout: float = 
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def kill_holder(holder: subprocess.Popen, waiter: subprocess.Popen) -> tuple[dict, float]:
+    """SIGKILL the holder; the waiter's record once it ends (it must end well and correct), and
+    the time of the kill (time.time())."""
+    holder.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    holder.wait(timeout=30)
+    out, err = waiter.communicate(timeout=300)
+    assert waiter.returncode == 0, err
+    record = Result(0, out, err).record
+    assert record["correct"], record
+    return record, killed_at
+
+
 def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(WORKLOADS / script), *args],

@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Result, Scheduler, shimmed_env, start_scheduler, start_workload
+from conftest import (
+    Result,
+    Scheduler,
+    kill_holder,
+    shimmed_env,
+    start_scheduler,
+    start_workload,
+)
 
 GIB = 1 << 30
 
@@ -105,13 +112,7 @@ def test_killed_holder_handover_time(long_turns: Scheduler) -> None:
         )
         b = start_workload("memory_hog.py", "14", "0.5", f"B{i}", env=shimmed_env(scheduler.socket))
         wait_for(scheduler, lambda st: any(d["queue"] for d in st["devices"]), "B never waited")
-        a.send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        a.wait(timeout=30)
-        out_b, err_b = b.communicate(timeout=300)
-        assert b.returncode == 0, err_b
-        rb = Result(0, out_b, err_b).record
-        assert rb["correct"], rb
+        rb, killed_at = kill_holder(a, b)
         times.append(rb["first_compute"] - killed_at)
         wait_for(scheduler, lambda st: not clients(st), "clients left behind", timeout=30)
     ms = sorted(round(t * 1000, 1) for t in times)
