@@ -228,9 +228,11 @@ class GPUShareScheduler(LoggingConfigurable):
 
     recovery_seconds = Float(
         3.0,
-        help="""After a crash (the scheduler found its own stale socket at start), how long to
-        hold back grants so that the kernels that outlived it can reconnect and say what they
-        held: shims retry within 2.5 s. 0 turns the window off. See docs/reliability.md.""",
+        help="""When the last scheduler on this socket left clients behind (it crashed: its
+        socket is still there; or it stopped with clients connected: it left <socket>.clients),
+        how long to hold back grants so that those clients can reconnect and say what they held
+        (shims retry within 2.5 s). Only in this window are such claims believed. 0 turns the
+        window off. See docs/reliability.md.""",
     ).tag(config=True)
 
     revoke_warning_seconds = Float(
