@@ -28,7 +28,7 @@ from traitlets.config import Application
 
 from ._version import __version__
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
-from .scheduler.server import GPUShareScheduler, SchedulerStartError
+from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .units import format_size, parse_size
 
 __all__ = [
@@ -150,6 +150,9 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
             self.exit(2)
         try:
             asyncio.run(self._serve(scheduler))
+        except SchedulerConfigError as exc:
+            self.log.critical("invalid configuration: %s", exc)
+            self.exit(2)
         except SchedulerStartError as exc:
             self.log.critical("%s", exc)
             self.exit(1)
@@ -300,19 +303,25 @@ class StatusApp(GPUShareBaseApp):
         self.load_gpushare_config()
 
     def start(self) -> None:
-        client = SchedulerClient(self.socket or None)
-        try:
-            doc = client.status_sync(self.device or None)
-        except SchedulerUnavailable as exc:
-            print(f"gpushare status: {exc}", file=sys.stderr)
-            self.exit(1)
-        except SchedulerError as exc:
-            print(f"gpushare status: the scheduler refused: {exc}", file=sys.stderr)
-            self.exit(1)
+        doc = _ask_scheduler(
+            self, "status", self.socket, lambda client: client.status_sync(self.device or None)
+        )
         if self.json:
             print(json.dumps(doc, indent=2))
         else:
             print(format_status(doc))
+
+
+def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
+    """``call(client)`` on the scheduler; a missing or refusing scheduler exits with 1."""
+    try:
+        return call(SchedulerClient(socket or None))
+    except SchedulerUnavailable as exc:
+        print(f"gpushare {command}: {exc}", file=sys.stderr)
+        app.exit(1)
+    except SchedulerError as exc:
+        print(f"gpushare {command}: the scheduler refused: {exc}", file=sys.stderr)
+        app.exit(1)
 
 
 def _size(value: Any) -> str:
@@ -416,6 +425,7 @@ def format_status(doc: dict[str, Any]) -> str:
                 ]
             )
         lines.extend(_table(rows))
+        lines.extend(_explanations(clients))
     return "\n".join(lines)
 
 
@@ -459,6 +469,60 @@ gpushare keygen /etc/gpushare/user.key --token-for alice"""
         print(f"gpushare keygen: wrote a new key to {path} (mode 0600)")
 
 
+def _explanations(clients: list[dict[str, Any]]) -> list[str]:
+    """Why each waiter waits, and holders whose revoke goes unanswered (docs/reliability.md)."""
+    out = []
+    for c in clients:
+        wait = c.get("wait")
+        if isinstance(wait, dict) and wait.get("text"):
+            out.append(f"  {c.get('id', '?')}: {wait['text']}")
+        revoking = c.get("revoking_seconds")
+        if isinstance(revoking, (int, float)) and revoking >= 1.0:
+            out.append(
+                f"  {c.get('id', '?')}: asked to release {revoking:.0f}s ago, its GPU work still "
+                f"runs (gpushare evict, or interrupt the kernel)"
+            )
+    return out
+
+
+class ControlApp(GPUShareBaseApp):
+    """``gpushare release CLIENT`` and ``gpushare evict CLIENT``: the operator's levers."""
+
+    action = "release"
+    socket = Unicode("", help="The scheduler's socket (default: as the shim computes it).").tag(
+        config=True
+    )
+    aliases: dict[Any, Any] = {**GPUShareBaseApp.aliases, "socket": "ControlApp.socket"}
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        self.load_gpushare_config()
+
+    def start(self) -> None:
+        if len(self.extra_args) != 1:
+            print(f"gpushare {self.action}: one client id is needed", file=sys.stderr)
+            self.exit(2)
+        target = self.extra_args[0]
+        reply = _ask_scheduler(
+            self, self.action, self.socket, lambda c: c.control_sync(self.action, client=target)
+        )
+        print(json.dumps(reply))
+
+
+class ReleaseApp(ControlApp):
+    name = "gpushare-release"
+    description = """Take the GPU back from a client (its running GPU work finishes first)."""
+    examples = "gpushare release 6f1c2a0e-..."
+    action = "release"
+
+
+class EvictApp(ControlApp):
+    name = "gpushare-evict"
+    description = """Take the GPU back from a client and move its memory to the host."""
+    examples = "gpushare evict 6f1c2a0e-..."
+    action = "evict"
+
+
 class GPUShareApp(GPUShareBaseApp):
     name = "gpushare"
     description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
@@ -472,6 +536,8 @@ gpushare status"""
         "run": (RunApp, RunApp.description.splitlines()[0]),
         "status": (StatusApp, StatusApp.description.splitlines()[0]),
         "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
+        "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
+        "evict": (EvictApp, EvictApp.description.splitlines()[0]),
     }
 
     def start(self) -> None:

@@ -140,6 +140,10 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     24: ("idle_ms", FieldType.U64),
     25: ("context_bytes", FieldType.U64),
     26: ("token", FieldType.STR),
+    # Reconnecting after the scheduler was lost (docs/protocol.md, "Scheduler restarts").
+    39: ("resume", FieldType.U64),
+    40: ("since_ms", FieldType.U64),
+    41: ("gpu_ms", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

@@ -28,6 +28,16 @@ class Join:
     uid: int = -1
     pid: int = 0
     label: str = ""
+    # A shim reconnecting after the scheduler was lost (docs/reliability.md) says what it had:
+    # its memory (used < 0: not said; the context estimate stands for it), whether it held the
+    # device or waited for it ("holding" / "waiting" / ""), for how long (seconds) and its GPU time.
+    used: int = -1
+    managed: int = 0
+    pinned: int = 0
+    evicted: int = 0
+    resume: str = ""
+    since: float = 0.0
+    gpu_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

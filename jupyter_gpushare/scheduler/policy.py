@@ -161,6 +161,8 @@ class _Client:
     run_start: float = 0.0
     grew_at: float = float("-inf")  # when its footprint last increased (growth relief's key)
     last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
+    resume_since: float | None = None  # reconnected: its next Request queues from this time
+    revoked_at: float = 0.0  # when the pending Revoke was decided (how long it goes unanswered)
     # accounting
     gpu_seconds: float = 0.0
     wait_seconds: float = 0.0
@@ -212,6 +214,7 @@ class Policy:
         self._clients: dict[str, _Client] = {}
         self._now: float | None = None
         self._seq = 0
+        self._recover_until: float | None = None  # see recover_until()
 
     # ----------------------------------------------------------------------------------------
     # Public API
@@ -275,6 +278,19 @@ class Policy:
             client.weight = event.weight if event.weight > 0 else client.weight
         return self._schedule(dev)
 
+    def recover_until(self, until: float) -> None:
+        """Hold back every grant and eviction until ``until`` (the scheduler restarted).
+
+        After a crash the clients reconnect one by one (the shims retry within ~2.5 s). A waiter
+        that came back first must not be granted the device while the holder, still running
+        unshared, has not said so yet; during the window only resumed holders are accepted
+        (:meth:`_resume`), and the first pass after it sees everyone.
+        """
+        self._recover_until = until
+
+    def recovering(self, now: float) -> bool:
+        return self._recover_until is not None and now < self._recover_until
+
     def next_deadline(self) -> float | None:
         """The earliest future time at which a Tick may change a decision, or None.
 
@@ -287,6 +303,8 @@ class Policy:
             return None
         now = self._now
         best: float | None = None
+        if self._recover_until is not None and self._recover_until > now:
+            best = self._recover_until
         for dev in self._devices.values():
             for t in self._deadlines(dev):
                 if t > now and (best is None or t < best):
@@ -360,7 +378,45 @@ class Policy:
         c.set_memory(evt.context_bytes, 0, evt.context_bytes, 0)
         dev.clients[c.id] = c
         self._clients[c.id] = c
+        if evt.used >= 0 or evt.resume:
+            out += self._resume(dev, c, evt)
         return out
+
+    def _resume(self, dev: _Device, c: _Client, evt: Join) -> list[Decision]:
+        """A shim reconnecting after the scheduler was lost: take back what it says it had.
+
+        Its memory is taken as reported; managed memory not on the host is resident if it ever
+        held the device. A holder keeps the device when it fits beside the holders already resumed
+        (the first to reconnect always does: it held the device before, and nobody else holds
+        it yet); one that does not fit loses the grant and queues first among its peers, from
+        the moment of its old grant. A waiter queues from the moment it began to wait.
+
+        Claims to a grant or to an old place in the queue are believed only during a recovery
+        window (:meth:`recover_until`, opened when the scheduler restarts with clients to take
+        back): at any other time they would let a new client jump the queue.
+        """
+        if evt.used >= 0:
+            c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
+            # Resident if it ever ran (memory nobody touched has no pages on the GPU).
+            ran = evt.gpu_seconds > 0 or evt.resume == "holding"
+            c.resident = ran and c.managed > 0 and evt.evicted == 0
+            if evt.evicted > 0:
+                self._set_evicted(c)
+        c.gpu_seconds = max(0.0, evt.gpu_seconds)
+        if not self.recovering(self._clock):
+            return []
+        since = self._clock - max(0.0, evt.since)
+        if evt.resume == "holding":
+            held = sum(h.used for h in dev.clients.values() if h.holding is not None)
+            if held == 0 or held + c.used <= dev.pool_bytes:
+                c.holding = "running"
+                c.run_start = since
+                c.resident = True
+                c.restore = False
+                return [Grant(c.id, restore=False)]
+        if evt.resume in ("holding", "waiting"):
+            c.resume_since = since
+        return []
 
     def _on_request(self, c: _Client, evt: Request) -> None:
         """The client wants the device; a Request from a holder only updates its footprint."""
@@ -369,7 +425,9 @@ class Policy:
             return
         c.idle = False
         if c.waiting_since is None:
-            c.waiting_since = self._clock
+            since = c.resume_since
+            c.waiting_since = self._clock if since is None else min(since, self._clock)
+        c.resume_since = None
         if evt.evicted > 0 and not c.evict_pending:
             self._set_evicted(c)  # some of its memory is on the host: the grant restores it
 
@@ -441,6 +499,7 @@ class Policy:
     def _revoke(self, c: _Client, evict: bool, reason: str) -> Revoke:
         c.holding = "revoking"
         c.revoke_evict = evict
+        c.revoked_at = self._clock
         return Revoke(c.id, evict=evict, reason=reason)
 
     def _evict(self, c: _Client, reason: str) -> Evict:
@@ -545,6 +604,8 @@ class Policy:
     # The scheduling pass
 
     def _schedule(self, dev: _Device) -> list[Decision]:
+        if self.recovering(self._clock):
+            return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
         return self._relieve(dev) + self._admit(dev)
@@ -757,8 +818,84 @@ class Policy:
             "quantum_ms": round(quantum * 1000),
             "holders": [c.id for c in holders],
             "queue": [c.id for c in queue],
-            "clients": [self._client_status(c, dt, position) for c in dev.clients.values()],
+            "clients": [
+                {**self._client_status(c, dt, position), **self._explain(dev, c, now, position)}
+                for c in dev.clients.values()
+            ],
         }
+
+    def _explain(
+        self, dev: _Device, c: _Client, now: float, position: dict[str, int]
+    ) -> dict[str, Any]:
+        """Why a waiter waits, and how long a holder has held (docs/reliability.md).
+
+        Holders get ``held_seconds`` (this turn), ``quantum_seconds`` and, once a revoke is
+        pending, ``revoking_seconds``. Waiters get ``wait``: a machine-readable ``reason``, the
+        ``holders`` in its way and a ``text`` for people, e.g. "waiting for alice's kernel:
+        asked to release the GPU 4 min ago, 3 min past its 60 s quantum".
+        """
+        if c.holding is not None:
+            out: dict[str, Any] = {
+                "held_seconds": max(0.0, now - c.run_start),
+                "quantum_seconds": self._quantum(dev, c),
+                "revoking_seconds": None,
+            }
+            if c.holding == "revoking":
+                out["revoking_seconds"] = max(0.0, now - c.revoked_at)
+            return out
+        if c.waiting_since is None:
+            return {"wait": None}
+        holders = sorted(
+            (h for h in dev.clients.values() if h.holding is not None),
+            key=lambda h: (h.holding != "revoking", -(now - h.run_start), h.seq),
+        )
+        ahead = position.get(c.id, 1) - 1
+        about = [
+            {
+                "id": h.id,
+                "user": h.user,
+                "state": h.holding,
+                "held_seconds": max(0.0, now - h.run_start),
+                "quantum_seconds": self._quantum(dev, h),
+                "past_quantum_seconds": max(0.0, now - self._expires_at(dev, h)),
+                "revoking_seconds": max(0.0, now - h.revoked_at)
+                if h.holding == "revoking"
+                else None,
+            }
+            for h in holders
+        ]
+        if self.recovering(now):
+            reason, text = "recovering", "the scheduler restarted: waiting for kernels to reconnect"
+        elif about and about[0]["state"] == "revoking":
+            h = about[0]
+            reason = "releasing"
+            text = (
+                f"waiting for {h['user']}'s kernel to finish its GPU work: asked to release "
+                f"{_dur(h['revoking_seconds'])} ago"
+            )
+            if h["past_quantum_seconds"] > 0:
+                text += (
+                    f", {_dur(h['past_quantum_seconds'])} past its "
+                    f"{_dur(h['quantum_seconds'])} quantum"
+                )
+        elif ahead > 0:
+            reason = "queue"
+            text = f"waiting behind {ahead} other kernel{'s' if ahead > 1 else ''}"
+        elif about:
+            h = about[0]
+            left = h["quantum_seconds"] - h["held_seconds"]
+            if left > 0:
+                reason = "turn"
+                text = f"waiting for {h['user']}'s kernel: its turn ends in {_dur(left)}"
+            else:
+                reason = "past_quantum"
+                text = (
+                    f"waiting for {h['user']}'s kernel, holding {_dur(-left)} past its "
+                    f"{_dur(h['quantum_seconds'])} quantum"
+                )
+        else:
+            reason, text = "memory", "waiting for memory to be moved to the host"
+        return {"wait": {"reason": reason, "text": text, "holders": about}}
 
     @staticmethod
     def _client_status(c: _Client, dt: float, position: dict[str, int]) -> dict[str, Any]:
@@ -780,3 +917,13 @@ class Policy:
             "waiting_since": c.waiting_since,
             "queue_position": position.get(c.id),
         }
+
+
+def _dur(seconds: float | None) -> str:
+    """A short duration for the status texts: "45 s", "4 min", "2 h 5 min"."""
+    s = max(0, round(seconds or 0.0))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h {s % 3600 // 60} min"

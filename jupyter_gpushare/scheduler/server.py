@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from traitlets import Bool, Enum, Float, Int, List, Unicode, Union, default, validate
+from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .._version import __version__
@@ -99,7 +99,13 @@ from .users import (
 )
 from .views import filter_status
 
-__all__ = ["Connection", "GPUShareScheduler", "PeerCred", "SchedulerStartError"]
+__all__ = [
+    "Connection",
+    "GPUShareScheduler",
+    "PeerCred",
+    "SchedulerConfigError",
+    "SchedulerStartError",
+]
 
 #: A peer that leaves this much unread data in its socket is not reading: it is dropped.
 MAX_WRITE_BUFFER = 1 << 20
@@ -111,6 +117,11 @@ MAX_DEVICE_NAME = 256
 
 class SchedulerStartError(RuntimeError):
     """The scheduler cannot listen (another one runs, a bad directory, a path too long, ...)."""
+
+
+class SchedulerConfigError(SchedulerStartError):
+    """The configuration cannot work (a socket path or directory, a group): the operator must
+    change it (``gpushare scheduler`` exits with 2, as for an invalid value)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,7 @@ class Connection:
     quota_by_admin: bool = False  # an admin set it: the users config's ceiling does not apply
     revoking: bool = False  # a REVOKE is out: its RELEASED answer is a handoff (metrics)
     accounted_at: float | None = None  # GPU time of the current hold counted up to here
+    revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
 
     @property
     def name(self) -> str:
@@ -361,6 +373,51 @@ class GPUShareScheduler(LoggingConfigurable):
             raise ValueError(f"mps_default_thread_percentage must be in (0, 100], got {value!r}")
         return value
 
+    recovery_seconds = Float(
+        3.0,
+        help="""When the last scheduler on this socket left clients behind (it crashed: its
+        socket is still there; or it stopped with clients connected: it left <socket>.clients),
+        how long to hold back grants so that those clients can reconnect and say what they held
+        (shims retry within 2.5 s). Only in this window are such claims believed. 0 turns the
+        window off. See docs/reliability.md.""",
+    ).tag(config=True)
+
+    revoke_warning_seconds = Float(
+        60.0,
+        help="""Log a warning when a holder has not answered a revoke for this long (its GPU work
+        still runs while others wait; docs/reliability.md). 0 turns the warning off.""",
+    ).tag(config=True)
+
+    @validate("base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth")
+    def _validate_positive(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if not value > 0 or value == float("inf"):
+            raise TraitError(f"{proposal['trait'].name} must be a positive number, not {value!r}")
+        return value
+
+    @validate(
+        "usage_half_life", "utilization_interval", "recovery_seconds", "revoke_warning_seconds"
+    )
+    def _validate_non_negative(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if not value >= 0 or value == float("inf"):
+            raise TraitError(f"{proposal['trait'].name} must be 0 or more, not {value!r}")
+        return value
+
+    @validate("admin_uids")
+    def _validate_uids(self, proposal: Any) -> Any:
+        bad = [uid for uid in proposal["value"] if uid < 0]
+        if bad:
+            raise TraitError(f"admin_uids: {bad[0]} is not a uid")
+        return proposal["value"]
+
+    @validate("socket_mode", "socket_dir_mode")
+    def _validate_mode(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if value is not None and not 0 <= value <= 0o777:
+            raise TraitError(f"{proposal['trait'].name} must be permission bits (0 to 0o777)")
+        return value
+
     @validate("pool_size", "pool_reserve", "placement_estimate")
     def _validate_size(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -401,6 +458,9 @@ class GPUShareScheduler(LoggingConfigurable):
         self.metrics: Any = None  # a .metrics.SchedulerMetrics when metrics_port is set
         self._metrics_task: asyncio.Future[None] | None = None
         self._mps: MPSManager | None = None
+        # Set by _prepare_socket_dir: the last scheduler on this socket crashed (its socket is
+        # left), or stopped with clients connected (its marker is left): they may come back.
+        self._found_stale_socket = False
 
     # ----------------------------------------------------------------------------------------
     # Lifecycle
@@ -413,7 +473,8 @@ class GPUShareScheduler(LoggingConfigurable):
         return PolicyConfig(
             base_quantum=self.base_quantum,
             move_factor=self.move_factor,
-            max_quantum=self.max_quantum,
+            # A base quantum above the bound raises the bound (said once at start, in start()).
+            max_quantum=max(self.max_quantum, self.base_quantum),
             evict_bandwidth=self.evict_bandwidth,
             restore_bandwidth=self.restore_bandwidth,
             usage_half_life=self.usage_half_life,
@@ -445,6 +506,13 @@ class GPUShareScheduler(LoggingConfigurable):
         self._stop_requested = asyncio.Event()
         await self._load_access(initial=True)
         self.policy = Policy(self.policy_config())
+        if self.max_quantum < self.base_quantum:
+            self.log.warning(
+                "gpushare: max_quantum %.1f s is below base_quantum %.1f s: using %.1f s for both",
+                self.max_quantum,
+                self.base_quantum,
+                self.base_quantum,
+            )
         if self.use_nvml:
             self.discovery = await discover_devices_async()
         else:
@@ -458,6 +526,7 @@ class GPUShareScheduler(LoggingConfigurable):
             self.log.warning("gpushare: NVML found no GPU; devices will be learnt from the shims")
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
+        self._found_stale_socket = False
         await self._listen()
         if self.metrics_port:
             try:
@@ -467,6 +536,15 @@ class GPUShareScheduler(LoggingConfigurable):
                 raise
         if self.mps:
             await self._start_mps()
+        if self._found_stale_socket and self.recovery_seconds > 0:
+            self.policy.recover_until(time.monotonic() + self.recovery_seconds)
+            self.log.info(
+                "gpushare: the last scheduler on %s had clients; holding grants back for %.1f s "
+                "while they reconnect",
+                self.socket_path,
+                self.recovery_seconds,
+            )
+            self._reschedule()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -491,11 +569,20 @@ class GPUShareScheduler(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         path = self.socket_path
         if len(os.fsencode(path)) > 107:
-            raise SchedulerStartError(
+            raise SchedulerConfigError(
                 f"socket path is too long for a Unix socket (max 107 bytes): {path}"
             )
-        await loop.run_in_executor(None, self._prepare_socket_dir, path)
-        sock, tmp = await loop.run_in_executor(None, self._bind, path)
+        try:
+            await loop.run_in_executor(None, self._prepare_socket_dir, path)
+            sock, tmp = await loop.run_in_executor(None, self._bind, path)
+        except SchedulerStartError:
+            raise
+        except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
+            # A directory that cannot be made or written (or a file in its way): one clear line.
+            raise SchedulerConfigError(
+                f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
+                "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
+            ) from None
         try:
             self._server = await asyncio.start_unix_server(self._on_connection, sock=sock)
             self._socket_ino = await loop.run_in_executor(None, self._publish, tmp, path)
@@ -554,7 +641,7 @@ class GPUShareScheduler(LoggingConfigurable):
         try:
             return grp.getgrnam(group).gr_gid
         except KeyError:
-            raise SchedulerStartError(f"socket_group {group!r}: no such group") from None
+            raise SchedulerConfigError(f"socket_group {group!r}: no such group") from None
 
     def _prepare_socket_dir(self, path: str) -> None:
         """Create the socket's directory; remove a stale socket; refuse a live or foreign one."""
@@ -571,22 +658,26 @@ class GPUShareScheduler(LoggingConfigurable):
                 os.chown(directory, -1, self._gid(self.socket_group))
         st = os.stat(directory)
         if uid != 0 and st.st_uid not in (uid, 0):
-            raise SchedulerStartError(
+            raise SchedulerConfigError(
                 f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
                 "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
             )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._resume_marker)
+            self._found_stale_socket = True
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise SchedulerStartError(f"{path} exists and is not a socket; refusing to replace it")
+            raise SchedulerConfigError(f"{path} exists and is not a socket; refusing to replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
             self.log.info("removing the stale socket %s", path)
+            self._found_stale_socket = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             return
@@ -610,6 +701,11 @@ class GPUShareScheduler(LoggingConfigurable):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
             self._sampler = None
+        shims = any(c.kind == "shim" and not c.left for c in self._connections.values())
+        if shims and self.recovery_seconds > 0:
+            # The shims keep running and will reconnect to the next scheduler on this socket:
+            # tell it to take them back (a restart by the service manager, not only a crash).
+            await asyncio.get_running_loop().run_in_executor(None, self._write_resume_marker)
         for conn in list(self._connections.values()):
             if conn.writer is not None:
                 conn.writer.close()
@@ -626,6 +722,14 @@ class GPUShareScheduler(LoggingConfigurable):
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
+
+    @property
+    def _resume_marker(self) -> str:
+        return f"{self.socket_path}.clients"
+
+    def _write_resume_marker(self) -> None:
+        with contextlib.suppress(OSError), open(self._resume_marker, "w") as f:
+            f.write(f"{os.getpid()}\n")
 
     def _remove_socket(self) -> None:
         path = self.socket_path
@@ -1113,6 +1217,7 @@ class GPUShareScheduler(LoggingConfigurable):
         weight_milli = round(limits.effective_weight(conn.requested_weight) * 1000)
         label = str(msg.get("label") or "")
         pid = conn.peer.pid or int(msg.get("pid") or 0)
+        resume = _resume_fields(msg)
         join = ev.Join(
             time.monotonic(),
             client,
@@ -1124,6 +1229,7 @@ class GPUShareScheduler(LoggingConfigurable):
             uid=conn.peer.uid,
             pid=pid,
             label=label,
+            **resume,
         )
         self.log.info(
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
@@ -1137,11 +1243,21 @@ class GPUShareScheduler(LoggingConfigurable):
             label,
             msg.get("version", "?"),
         )
+        if resume:
+            self.log.info("resume client=%s %s", client, resume)
+            if "used" in resume:
+                self._memory_from(conn, msg)
         decisions = self._policy_handle(join)
         rest: list[ev.Decision] = []
+        resumed = 0
         for decision in decisions:
             if isinstance(decision, ev.QuotaChanged) and decision.client == client:
                 quota = decision.quota
+            elif isinstance(decision, ev.Grant) and decision.client == client:
+                # A resumed grant: the WELCOME says so (resume = 1); no GRANT follows.
+                resumed = 1
+                conn.granted_at = time.monotonic()
+                self.log.info("grant client=%s resumed", client)
             else:
                 rest.append(decision)
         conn.quota = quota
@@ -1157,6 +1273,7 @@ class GPUShareScheduler(LoggingConfigurable):
                     "quota": quota,
                     "quantum_ms": quantum_ms or int(self.base_quantum * 1000),
                     "version": __version__,
+                    **({"resume": resumed} if "resume" in resume else {}),
                 },
             ),
         )
@@ -1214,6 +1331,7 @@ class GPUShareScheduler(LoggingConfigurable):
             conn.granted_at = None
             conn.accounted_at = None
             conn.revoking = False
+            conn.revoked_at = None
             event = ev.Released(now, client, evicted, moved, micros)
         elif mtype == MsgType.IDLE:
             self.log.debug("idle client=%s idle_ms=%s", client, msg.get("idle_ms", 0))
@@ -1294,6 +1412,7 @@ class GPUShareScheduler(LoggingConfigurable):
                         MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason}
                     ),
                 )
+                self._watch_revoke(conn, now)
             elif isinstance(decision, ev.Evict):
                 self.log.info(
                     "evict client=%s %s reason=%r", decision.client, _bytes(mem["managed"]),
@@ -1309,6 +1428,26 @@ class GPUShareScheduler(LoggingConfigurable):
                 self._send(conn, Message(MsgType.SET_QUOTA, {"quota": decision.quota}))
             else:  # pragma: no cover - the Decision union is closed
                 self.log.error("unknown decision %r", decision)
+
+    def _watch_revoke(self, conn: Connection, sent: float) -> None:
+        """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a
+        GPU kernel that runs that long keeps the device from everyone who waits."""
+        conn.revoked_at = sent
+        if self.revoke_warning_seconds <= 0:
+            return
+
+        def check() -> None:
+            if conn.closed or conn.left or conn.revoked_at != sent or self._stopping:
+                return
+            self.log.warning(
+                "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
+                "its GPU work still runs while others wait (interrupt or end the kernel)",
+                conn.client,
+                conn.peer.pid,
+                time.monotonic() - sent,
+            )
+
+        asyncio.get_running_loop().call_later(self.revoke_warning_seconds, check)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -1775,3 +1914,23 @@ def _mps_action(msg: Message) -> bool:
         and isinstance(body, dict)
         and body.get("action") in ("mps_env", "mps_terminate")
     )
+
+
+def _resume_fields(msg: Message) -> dict[str, Any]:
+    """The Join fields of a reconnecting shim's HELLO (docs/protocol.md, "Scheduler restarts").
+
+    ``resume``: 1 = it held the device when the scheduler was lost, 2 = it waited for it; its
+    memory (``used_bytes`` ...) rides along, so the pool's accounting is right from the start.
+    """
+    out: dict[str, Any] = {}
+    if "used_bytes" in msg:
+        out["used"] = int(msg["used_bytes"])
+        out["managed"] = int(msg.get("managed_bytes") or 0)
+        out["pinned"] = int(msg.get("pinned_bytes") or 0)
+        out["evicted"] = int(msg.get("evicted_bytes") or 0)
+    state = {1: "holding", 2: "waiting"}.get(int(msg.get("resume") or 0), "")
+    if "resume" in msg:
+        out["resume"] = state
+        out["since"] = int(msg.get("since_ms") or 0) / 1000.0
+        out["gpu_seconds"] = int(msg.get("gpu_ms") or 0) / 1000.0
+    return out

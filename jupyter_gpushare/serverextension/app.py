@@ -151,7 +151,9 @@ class GPUShareExtension(ExtensionApp):
         return path
 
     def _make_scheduler(self, socket_path: str) -> NotifyingScheduler:
-        return NotifyingScheduler(parent=self, socket_path=socket_path)
+        # No recovery window: an embedded scheduler ends with its server, and so do the server's
+        # kernels (docs/reliability.md), so there is never anyone to take back.
+        return NotifyingScheduler(parent=self, socket_path=socket_path, recovery_seconds=0)
 
     def initialize_settings(self) -> None:
         mode = "node" if self.scheduler.startswith("/") else self.scheduler

@@ -120,6 +120,13 @@ class SchedulerBackend:
 
     async def _start(self) -> None:
         try:
+            if self.mode not in ("auto", "embedded", "node"):
+                # A value that failed validation when jupyter_server linked the extension: it
+                # logs that and loads the extension anyway. Run nothing; every request says why.
+                raise ValueError(
+                    f"invalid configuration: GPUShareExtension.scheduler = {self.mode!r} is not "
+                    "one of embedded, node, auto or an absolute socket path"
+                )
             if self.mode == "auto":
                 loop = asyncio.get_running_loop()
                 node = self.socket_path

@@ -32,8 +32,29 @@ export interface IClientStatus {
   wait_seconds?: number;
   waiting_since?: number | null;
   queue_position?: number | null;
+  /** Holders: this turn so far, its quantum, and how long a pending revoke is unanswered. */
+  held_seconds?: number;
+  quantum_seconds?: number;
+  revoking_seconds?: number | null;
+  /** Waiters: why they wait (docs/reliability.md). */
+  wait?: IWaitReason | null;
   redacted?: boolean;
   jupyter?: IJupyterView;
+}
+
+export interface IWaitReason {
+  /** recovering | releasing | queue | turn | past_quantum | memory */
+  reason: string;
+  text: string;
+  holders?: {
+    id: string;
+    user?: string;
+    state?: string;
+    held_seconds?: number;
+    quantum_seconds?: number;
+    past_quantum_seconds?: number;
+    revoking_seconds?: number | null;
+  }[];
 }
 
 export interface IDeviceStatus {
@@ -94,6 +115,11 @@ export interface IKernelRow {
   queuePosition: number | null;
   /** Seconds this client has been waiting now (waiters only). */
   waitingFor: number | null;
+  /** Why it waits, as the scheduler says (waiters only): machine-readable code and text. */
+  waitReason: string | null;
+  waitText: string | null;
+  /** Holders: seconds past the quantum while others wait for it, else null. */
+  pastQuantum: number | null;
   usedBytes: number;
   residentBytes: number;
   evictedBytes: number;
@@ -325,6 +351,9 @@ function deviceView(
       state: c.state,
       queuePosition,
       waitingFor,
+      waitReason: role === 'waiter' ? (c.wait?.reason ?? null) : null,
+      waitText: role === 'waiter' ? (c.wait?.text ?? null) : null,
+      pastQuantum: pastQuantumOf(c, dev),
       usedBytes: used,
       residentBytes: Math.max(0, used - evicted),
       evictedBytes: evicted,
@@ -472,6 +501,15 @@ function deviceView(
  * The view model of what the panel has fetched. ``now`` is the Unix time in seconds (for how
  * long waiters have waited).
  */
+/** Seconds a holder is past its quantum while someone waits (a long holder), else null. */
+export function pastQuantumOf(c: IClientStatus, dev: IDeviceStatus): number | null {
+  if (typeof c.held_seconds !== 'number' || typeof c.quantum_seconds !== 'number') {
+    return null;
+  }
+  const past = c.held_seconds - c.quantum_seconds;
+  return past > 0 && (dev.queue ?? []).length > 0 ? past : null;
+}
+
 export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000): IViewModel {
   const empty = {
     devices: [] as IDeviceView[],

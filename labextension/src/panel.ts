@@ -506,6 +506,8 @@ export class GPUSharePanel extends Widget {
         details.push(`#${row.queuePosition} in queue`);
       }
       details.push(`waiting ${formatDuration(row.waitingFor)}`);
+    } else if (row.pastQuantum !== null) {
+      details.push(`${formatDuration(row.pastQuantum)} past its turn`);
     } else if (row.state !== 'running' && row.state !== 'idle') {
       details.push(row.state);
     }
@@ -534,7 +536,14 @@ export class GPUSharePanel extends Widget {
         { className: 'jp-gpushare-kernel-text' },
         el('span', { className: 'jp-gpushare-kernel-name', text: row.name }),
         row.mine ? el('span', { className: 'jp-gpushare-badge', text: 'mine' }) : null,
-        el('span', { className: 'jp-gpushare-kernel-meta', text: details.join(' · ') })
+        el('span', { className: 'jp-gpushare-kernel-meta', text: details.join(' · ') }),
+        row.waitText
+          ? el('span', {
+              className: 'jp-gpushare-kernel-why',
+              'data-reason': row.waitReason ?? '',
+              text: row.waitText
+            })
+          : null
       )
     );
     const actions = el('span', { className: 'jp-gpushare-actions' });

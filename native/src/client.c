@@ -35,6 +35,8 @@
 #define MEMORY_REPORT_MIN_S 0.05
 #define WAIT_SLICE_NS 20000000L /* 20 ms: how quickly a waiter notices SIGINT */
 #define QUIT_WAIT_MS 5000
+#define RESUME_HOLDING 1
+#define RESUME_WAITING 2
 
 static struct client {
     pthread_mutex_t mu;
@@ -72,6 +74,11 @@ static struct client {
     struct gs_mem_totals mem_sent;
     double mem_sent_at;
     double next_connect_at, backoff;
+    /* Losing the scheduler (docs/reliability.md): what to say when it comes back, and when a
+     * non-holder stops waiting for it and runs unshared. */
+    int resume;          /* RESUME_HOLDING or RESUME_WAITING: said in the next HELLO */
+    double resume_since; /* when that grant or that wait began */
+    double unshare_at;   /* > 0: the gate stays closed until then, waiting for the scheduler */
     /* socket buffers: used only by whoever does the socket I/O (start, then the thread) */
     uint8_t rx[GS_PROTO_HEADER + GS_PROTO_MAX_PAYLOAD + 4096];
     size_t rx_len;
@@ -415,8 +422,26 @@ static int handshake(char *why, size_t whylen)
     gs_w_str(&w, GS_TAG_DEVICE_UUID, C.device_uuid);
     gs_w_str(&w, GS_TAG_DEVICE_NAME, C.device_name);
     gs_w_u64(&w, GS_TAG_DEVICE_TOTAL, C.device_total);
-    gs_w_u64(&w, GS_TAG_QUOTA, cfg->quota);
+    struct gs_mem_totals mem;
+    gs_mem_totals(&mem);
+    pthread_mutex_lock(&C.mu);
+    int reconnect = C.started && C.thread_running;
+    int resume = C.resume;
+    if (resume == RESUME_WAITING && C.waiters == 0)
+        resume = 0; /* the call that waited was interrupted meanwhile */
+    double since = C.resume_since;
+    double gpu = C.holding_seconds;
+    pthread_mutex_unlock(&C.mu);
+    /* A reconnect keeps the quota in force (an operator may have changed it) and tells the new
+     * scheduler what this process holds, so that its state equals the one the old one had. */
+    gs_w_u64(&w, GS_TAG_QUOTA, reconnect ? mem.quota : cfg->quota);
     gs_w_u64(&w, GS_TAG_WEIGHT_MILLI, cfg->weight_milli);
+    if (reconnect) {
+        put_memory(&w, &mem);
+        gs_w_u64(&w, GS_TAG_RESUME, (uint64_t)resume);
+        gs_w_u64(&w, GS_TAG_SINCE_MS, resume ? (uint64_t)(ms(gs_now() - since) + 0.5) : 0);
+        gs_w_u64(&w, GS_TAG_GPU_MS, (uint64_t)(ms(gpu) + 0.5));
+    }
     gs_w_str(&w, GS_TAG_USER, C.user);
     if (C.token[0])
         gs_w_str(&w, GS_TAG_TOKEN, C.token);
@@ -440,8 +465,13 @@ static int handshake(char *why, size_t whylen)
         }
         if (pr == GS_PARSE_OK) {
             int type = m.type;
-            if (type == GS_MSG_WELCOME)
+            if (type == GS_MSG_WELCOME) {
                 apply_welcome(&m);
+                pthread_mutex_lock(&C.mu);
+                if (C.resume == RESUME_HOLDING && gs_msg_u64(&m, GS_TAG_RESUME, 0) != 1)
+                    C.resume = 0; /* the scheduler did not give the grant back */
+                pthread_mutex_unlock(&C.mu);
+            }
             else if (type == GS_MSG_ERROR) {
                 char msg[128];
                 gs_msg_str(&m, GS_TAG_MESSAGE, msg, sizeof msg);
@@ -512,8 +542,18 @@ static void connected_locked(int fd, int reconnect)
         GS_INFO("connected to the scheduler at %s", C.socket_path);
     C.warned = 0;
     C.mem_gen_sent = (uint64_t)-1;
-    set_state_locked(GPUSHARE_STATE_IDLE);
-    if (C.waiters > 0)
+    C.idle_sent = 0; /* a new scheduler must hear it too: an idle holder is revoked at once */
+    C.unshare_at = 0;
+    if (C.resume == RESUME_HOLDING) {
+        /* The new scheduler gave the grant back (WELCOME resume = 1): keep running. */
+        C.hold_since = gs_now();
+        GS_INFO("kept the device across the scheduler's restart");
+        set_state_locked(GPUSHARE_STATE_HOLDING);
+    } else {
+        set_state_locked(GPUSHARE_STATE_IDLE);
+    }
+    C.resume = 0;
+    if (C.waiters > 0 && C.state != GPUSHARE_STATE_HOLDING)
         C.want_request = 1;
 }
 
@@ -529,11 +569,29 @@ static void connection_lost(const char *why)
     C.connected = 0;
     C.requested = 0;
     C.rx_len = 0;
-    if (C.state == GPUSHARE_STATE_HOLDING)
+    int was_holding = C.state == GPUSHARE_STATE_HOLDING;
+    if (was_holding)
         C.holding_seconds += gs_now() - C.hold_since;
     if (!C.quitting) {
-        /* Run unshared rather than block the program on a scheduler that is gone. */
-        set_state_locked(GPUSHARE_STATE_UNSHARED);
+        /* The holder runs on (unshared) and asks for its grant back when the scheduler returns.
+         * Others keep waiting for it, at most GPUSHARE_RECONNECT_WAIT seconds, then run unshared
+         * rather than block the program on a scheduler that is gone (docs/reliability.md). */
+        double wait = gs_config()->reconnect_wait;
+        if (was_holding) {
+            C.resume = RESUME_HOLDING;
+            C.resume_since = C.hold_since;
+        } else if (C.waiters > 0) {
+            C.resume = RESUME_WAITING;
+            C.resume_since = C.wait_began;
+        } else {
+            C.resume = 0;
+        }
+        if (was_holding || wait <= 0 || C.state == GPUSHARE_STATE_UNSHARED) {
+            set_state_locked(GPUSHARE_STATE_UNSHARED);
+        } else {
+            C.unshare_at = gs_now() + wait;
+            set_state_locked(GPUSHARE_STATE_IDLE);
+        }
         unreachable_locked(why, 1);
     }
     pthread_mutex_unlock(&C.mu);
@@ -840,6 +898,15 @@ static void *client_main(void *arg)
         double now = gs_now();
         pthread_mutex_lock(&C.mu);
         int reconnect = !C.connected && !C.quitting && now >= C.next_connect_at;
+        if (!C.connected && C.unshare_at > 0 && now >= C.unshare_at) {
+            C.unshare_at = 0;
+            if (C.state == GPUSHARE_STATE_IDLE) {
+                GS_WARN("the scheduler did not come back within %.1f s: running unshared",
+                        gs_config()->reconnect_wait);
+                C.resume = 0; /* it runs now: no place in a queue to claim back */
+                set_state_locked(GPUSHARE_STATE_UNSHARED);
+            }
+        }
         pthread_mutex_unlock(&C.mu);
         if (reconnect)
             try_reconnect();
@@ -887,8 +954,14 @@ static void *client_main(void *arg)
 
         /* Sleep until a message, a wake-up, or the next thing to do. */
         int timeout_ms;
-        if (!connected)
-            timeout_ms = (int)((next_connect - now) * 1000) + 1;
+        if (!connected) {
+            double until = next_connect;
+            pthread_mutex_lock(&C.mu);
+            if (C.unshare_at > 0 && C.unshare_at < until)
+                until = C.unshare_at;
+            pthread_mutex_unlock(&C.mu);
+            timeout_ms = (int)((until - now) * 1000) + 1;
+        }
         else if (mem_dirty)
             timeout_ms = (int)(MEMORY_REPORT_MIN_S * 1000);
         else if (holding && gs_config()->idle_seconds > 0)

@@ -4,7 +4,6 @@
  */
 #include <ctype.h>
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,6 +124,7 @@ static void load_config(void)
     c->context_bytes = 536870912ull;
     c->weight_milli = 1000;
     c->idle_seconds = 2.0;
+    c->reconnect_wait = 10.0;
     c->real_libcuda = "libcuda.so.1";
 
     const char *v;
@@ -155,7 +155,9 @@ static void load_config(void)
         char *end;
         double w = strtod(v, &end);
         if (end != v && !*end && w > 0 && w < 1e6)
-            c->weight_milli = (uint64_t)llround(w * 1000.0);
+            /* w > 0: adding 0.5 rounds. Not llround(): the shim does not link libm, and a
+             * program without it died of an undefined symbol when GPUSHARE_WEIGHT was set. */
+            c->weight_milli = (uint64_t)(w * 1000.0 + 0.5);
         else
             GS_WARN("ignoring GPUSHARE_WEIGHT=%s: expected a positive number", v);
     }
@@ -166,6 +168,15 @@ static void load_config(void)
             c->idle_seconds = s;
         else
             GS_WARN("ignoring GPUSHARE_IDLE_SECONDS=%s: expected seconds (0 = off)", v);
+    }
+    if ((v = env("GPUSHARE_RECONNECT_WAIT"))) {
+        char *end;
+        double s = strtod(v, &end);
+        if (end != v && !*end && s >= 0 && s < 1e6)
+            c->reconnect_wait = s;
+        else
+            GS_WARN("ignoring GPUSHARE_RECONNECT_WAIT=%s: expected seconds (0 = unshared at once)",
+                    v);
     }
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;

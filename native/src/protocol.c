@@ -20,6 +20,8 @@ static const uint8_t tag_type[GS_TAG_MAX + 1] = {
     [GS_TAG_MESSAGE] = T_STR,        [GS_TAG_BODY] = T_STR,
     [GS_TAG_VERSION] = T_STR,        [GS_TAG_IDLE_MS] = T_U64,
     [GS_TAG_CONTEXT_BYTES] = T_U64,  [GS_TAG_TOKEN] = T_STR,
+    [GS_TAG_RESUME] = T_U64,         [GS_TAG_SINCE_MS] = T_U64,
+    [GS_TAG_GPU_MS] = T_U64,
 };
 
 static void put_le(uint8_t *p, uint64_t v, int n)
@@ -146,11 +148,11 @@ int gs_parse(const uint8_t *buf, size_t len, struct gs_msg *msg, size_t *frame_l
             if (n != 8)
                 return GS_PARSE_ERROR;
             msg->u64[tag] = get_le(v, 8);
-            msg->have |= 1u << tag;
+            msg->have |= (uint64_t)1 << tag;
         } else if (type == T_STR) {
             msg->str[tag] = v;
             msg->str_len[tag] = (uint16_t)n;
-            msg->have |= 1u << tag;
+            msg->have |= (uint64_t)1 << tag;
         } /* unknown tags are skipped: either side may add fields */
         p += 4 + n;
         left -= 4 + n;

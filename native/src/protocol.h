@@ -65,7 +65,11 @@ enum gs_tag {
     GS_TAG_IDLE_MS = 24,
     GS_TAG_CONTEXT_BYTES = 25,
     GS_TAG_TOKEN = 26,
-    GS_TAG_MAX = 26
+    /* Reconnecting after the scheduler was lost (docs/protocol.md, "Scheduler restarts"). */
+    GS_TAG_RESUME = 39,
+    GS_TAG_SINCE_MS = 40,
+    GS_TAG_GPU_MS = 41,
+    GS_TAG_MAX = 41
 };
 
 /* ---- encoding ---- */
@@ -89,7 +93,7 @@ size_t gs_w_finish(struct gs_writer *w);
 
 struct gs_msg {
     uint8_t type;
-    uint32_t have;                    /* bit t set: tag t present (t <= GS_TAG_MAX) */
+    uint64_t have;                    /* bit t set: tag t present (t <= GS_TAG_MAX) */
     uint64_t u64[GS_TAG_MAX + 1];     /* values of u64 tags */
     const uint8_t *str[GS_TAG_MAX + 1]; /* str/json tags: pointers into the frame, not terminated */
     uint16_t str_len[GS_TAG_MAX + 1];

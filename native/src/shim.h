@@ -81,6 +81,8 @@ struct gs_config {
     uint64_t context_bytes; /* GPUSHARE_CONTEXT_BYTES */
     uint64_t weight_milli;  /* GPUSHARE_WEIGHT x 1000 */
     double idle_seconds;    /* GPUSHARE_IDLE_SECONDS, 0 = off */
+    double reconnect_wait;  /* GPUSHARE_RECONNECT_WAIT: seconds a non-holder waits for a lost
+                               scheduler before it runs unshared */
     const char *real_libcuda;
 };
 

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,6 +105,19 @@ def run_workload(script: str, *args: str, env: dict[str, str], timeout: float = 
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def kill_holder(holder: subprocess.Popen, waiter: subprocess.Popen) -> tuple[dict, float]:
+    """SIGKILL the holder; the waiter's record once it ends (it must end well and correct), and
+    the time of the kill (time.time())."""
+    holder.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    holder.wait(timeout=30)
+    out, err = waiter.communicate(timeout=300)
+    assert waiter.returncode == 0, err
+    record = Result(0, out, err).record
+    assert record["correct"], record
+    return record, killed_at
+
+
 def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(WORKLOADS / script), *args],
@@ -114,14 +128,10 @@ def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.P
     )
 
 
-@contextlib.contextmanager
-def running_scheduler(
-    tmp_path: Path, pool: str = "24GiB", quantum: float = 2.0
-) -> Iterator[Scheduler]:
-    """A node scheduler (NVML discovery: every GPU of the machine), stopped on exit."""
-    sock = tmp_path / "gpushare.sock"
-    log = tmp_path / "scheduler.log"
-    with log.open("w") as log_file:
+def start_scheduler(sock: Path, log: Path, quantum: float = 2.0, pool: str = "24GiB") -> Scheduler:
+    """A node scheduler (NVML discovery: every GPU of the machine) on ``sock``, appending to
+    ``log``; the caller stops it (``running_scheduler`` does)."""
+    with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -141,14 +151,36 @@ def running_scheduler(
             stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 30
-    while not sock.exists():
+    # Connectable, not only there: a killed scheduler leaves its socket file behind.
+    while not _listening(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"scheduler did not start:\n{log.read_text()}")
         time.sleep(0.05)
-    sched = Scheduler(sock, log, proc)
+    return Scheduler(sock, log, proc)
+
+
+def _listening(sock: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+@contextlib.contextmanager
+def running_scheduler(
+    tmp_path: Path, pool: str = "24GiB", quantum: float = 2.0
+) -> Iterator[Scheduler]:
+    """A node scheduler, stopped on exit (the one in ``sched.process`` then: a test that
+    restarts the scheduler swaps it)."""
+    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum, pool)
     try:
         yield sched
     finally:
+        proc = sched.process
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=10)

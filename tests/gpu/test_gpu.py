@@ -6,7 +6,6 @@ argument wrong corrupts silently, so "it ran" proves nothing.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from conftest import (
     Result,
     Scheduler,
+    kill_holder,
     run_workload,
     shimmed_env,
     start_workload,
@@ -184,13 +184,7 @@ def test_killed_holder_does_not_stop_the_other(scheduler: Scheduler) -> None:
         if any(d["queue"] for d in st["devices"]):
             break
         time.sleep(0.2)
-    a.send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    a.wait(timeout=30)
-    out_b, err_b = b.communicate(timeout=300)
-    assert b.returncode == 0, err_b
-    rb = Result(0, out_b, err_b).record
-    assert rb["correct"], rb
+    rb, killed_at = kill_holder(a, b)
     assert rb["end"] - killed_at < 60
     st = scheduler.status()
     assert all(not d["clients"] for d in st["devices"]), st

@@ -369,6 +369,9 @@ def test_snapshot_shape():
         "wait_seconds": 0.0,
         "waiting_since": None,
         "queue_position": None,
+        "held_seconds": 4.0,
+        "quantum_seconds": 5.0,
+        "revoking_seconds": None,
     }
 
 

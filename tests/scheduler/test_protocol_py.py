@@ -41,7 +41,10 @@ def test_constants_match_the_contract() -> None:
     assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6]
     assert p.FIELD_TAGS["client_id"] == 1 and p.FIELD_TAGS["context_bytes"] == 25
     assert p.FIELDS[26] == ("token", p.FieldType.STR)
-    assert len(p.FIELDS) == 26
+    assert set(range(1, 26)) <= set(p.FIELDS)
+    assert [p.FIELDS[t] for t in (39, 40, 41)] == [
+        ("resume", p.FieldType.U64), ("since_ms", p.FieldType.U64), ("gpu_ms", p.FieldType.U64),
+    ]  # fmt: skip
     assert p.FIELDS[22] == ("body", p.FieldType.JSON)
     assert p.FIELDS[14] == ("flag", p.FieldType.U64)
 

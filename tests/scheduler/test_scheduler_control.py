@@ -47,8 +47,13 @@ async def test_status_document_shape(scheduler: Any, connect: Any, sock_path: st
     assert dev["resident_bytes"] == 800 * MiB
     clients = {c["id"]: c for c in dev["clients"]}
     assert set(clients) == {"a", "b"}
+    holder_keys = {"held_seconds", "quantum_seconds", "revoking_seconds"}
+    assert set(clients["a"]) == CLIENT_KEYS | holder_keys
+    assert set(clients["b"]) == CLIENT_KEYS | {"wait"}
+    assert clients["a"]["quantum_seconds"] == 30.0 and clients["a"]["revoking_seconds"] is None
+    assert clients["b"]["wait"]["reason"] == "turn", clients["b"]["wait"]
+    assert [h["id"] for h in clients["b"]["wait"]["holders"]] == ["a"]
     for c in clients.values():
-        assert set(c) == CLIENT_KEYS
         assert c["uid"] == os.getuid() and c["pid"] == os.getpid()
     assert clients["a"]["weight"] == 2.5 and clients["b"]["weight"] == 1.0
     assert clients["a"]["state"] == "running" and clients["a"]["queue_position"] is None

@@ -133,6 +133,10 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             expect(waiters.first).to_contain_text("b.ipynb")
             expect(waiters.first).to_contain_text("#1 in queue")
             expect(waiters.first).to_contain_text("waiting")
+            # Why B waits, as the scheduler says it (docs/reliability.md).
+            expect(waiters.first.locator(".jp-gpushare-kernel-why")).to_contain_text(
+                "'s kernel: its turn ends in"
+            )
             expect(device.locator(".jp-gpushare-summary")).to_have_text(
                 "a.ipynb holds the GPU; 1 waiting."
             )

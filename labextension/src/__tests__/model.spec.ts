@@ -162,6 +162,36 @@ describe('holders, waiters and idle kernels', () => {
     expect(d.quantumSeconds).toBe(5);
   });
 
+  it("says why a waiter waits and how far a long holder is past its quantum", () => {
+    const s = turns();
+    const [dev] = s.devices ?? [];
+    const [ka, kb] = dev.clients;
+    ka.held_seconds = 300;
+    ka.quantum_seconds = 60;
+    ka.revoking_seconds = 200;
+    kb.wait = {
+      reason: 'releasing',
+      text: "waiting for alice's kernel to finish its GPU work: asked to release 3 min ago, 4 min past its 60 s quantum",
+      holders: [{ id: 'ka', user: 'alice', state: 'revoking', past_quantum_seconds: 240 }]
+    };
+    const [d] = vm(s).devices;
+    expect(d.waiters[0].waitReason).toBe('releasing');
+    expect(d.waiters[0].waitText).toContain('4 min past its 60 s quantum');
+    expect(d.holders[0].pastQuantum).toBe(240);
+    expect(d.holders[0].waitText).toBeNull();
+    expect(d.idle[0].pastQuantum).toBeNull();
+  });
+
+  it('does not call a holder long when nobody waits for it', () => {
+    const s = turns();
+    const [dev] = s.devices ?? [];
+    const [ka] = dev.clients;
+    ka.held_seconds = 300;
+    ka.quantum_seconds = 60;
+    dev.queue = [];
+    expect(vm(s).devices[0].holders[0].pastQuantum).toBeNull();
+  });
+
   it('orders waiters by queue position', () => {
     const s = status([
       device(
