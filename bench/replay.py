@@ -374,7 +374,7 @@ def run(
         (row,) = capacity_sweep(
             trace_cfg, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
         )
-        what_if_replay.append({"case": label, **row})
+        what_if_replay.append({"case": label, "think_mean": trace_cfg.think_mean, **row})
     return {
         "trace": to_json(trace_cfg, users),
         "capacity": capacity,
