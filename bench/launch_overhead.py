@@ -101,7 +101,9 @@ def _in_process(
     )
     if out.returncode != 0:
         raise RuntimeError(f"launch_ab --api {api} failed ({out.returncode}): {out.stderr}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    res = dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    res["shim_log"] = out.stderr.strip().splitlines()[-20:]
+    return res
 
 
 def summarise(real: list[float], under: list[float]) -> dict[str, Any]:
@@ -149,12 +151,23 @@ def run(
     process_pairs: dict[str, Any] = {}
     with start_scheduler(workdir, log_level="WARN", no_nvml=bool(driver_dir)) as sched:
         # The shim, dlopen()ed, loads the very driver object the program loaded.
-        ab_env = {**base, "GPUSHARE_SOCKET": str(sched.socket), "GPUSHARE_REAL_LIBCUDA": driver}
+        # GPUSHARE_LOG=debug: the shim says that it registered and was granted the device (the
+        # record keeps it as proof of the measured path); the gate's fast path logs nothing.
+        ab_env = {
+            **base,
+            "GPUSHARE_SOCKET": str(sched.socket),
+            "GPUSHARE_REAL_LIBCUDA": driver,
+            "GPUSHARE_LOG": "debug",
+        }
         for api in ("kernel", "kernelex"):
             name = "cuLaunchKernel" if api == "kernel" else "cuLaunchKernelEx"
             res = _in_process(ab, shim, api, rounds, sub, ab_env, driver, core)
             r = summarise([float(x) for x in res["real_ns"]], [float(x) for x in res["shim_ns"]])
             r["launches_per_side_round"] = res["launches_per_side_round"]
+            r["shim_log"] = res["shim_log"]
+            r["device_granted"] = any("granted the device" in x for x in res["shim_log"])
+            if not r["device_granted"]:
+                log(f"{name}: WARNING: the shim did not report a grant: {res['shim_log']}")
             results[api] = r
             lo, hi = r["added_ns_ci95"]
             log(

@@ -56,6 +56,8 @@ def test_launch_record(campaign):
         assert len(r["paired_diff_ns"]) == 6
         assert len(r["plain_ns"]) == len(r["shim_ns"]) == 6
         assert all(x > 0 for x in r["plain_ns"] + r["shim_ns"])
+        # Measured with the device held under the scheduler (the gate's fast path).
+        assert r["device_granted"], r["shim_log"]
         lo, hi = r["added_ns_ci95"]
         assert lo <= r["added_ns_median"] <= hi
         # The older process pairs, when asked for.
