@@ -130,6 +130,11 @@ def _play(
     t0 = time.monotonic()
     try:
         if mode == "colocate":
+            # The ballast leaves exactly the pool free: the users' real CUDA contexts come out of
+            # it, as under gpushare the pool counts each client's context (GPUSHARE_CONTEXT_BYTES,
+            # 512 MiB; a PyTorch context on an H100 is about that). Every user creates its
+            # context before any loads data (worker.replay), so a context always fits and what
+            # fails is a cell's memory.
             ballast = WorkerProc(child_env(), "ballast")
             ballast.read(120)
             ans = ballast.call("ballast", free=pool, timeout=120)
