@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -52,6 +53,10 @@ def calibrate(log: Any) -> dict[str, Any]:
     w = WorkerProc(child_env(), "calibrate")
     try:
         w.read(120)
+        # A fresh process's context alone (the card otherwise empty): what a user's CUDA
+        # context really takes, for co-location's ballast.
+        w.call("init", timeout=120)
+        first = w.call("meminfo")
         cal = w.call("calibrate", ws_bytes=4 * GiB, timeout=300)
         free = w.call("meminfo")
     finally:
@@ -61,7 +66,25 @@ def calibrate(log: Any) -> dict[str, Any]:
         f"{cal['touch_s_per_gib'] * 1e3:.3f} ms per GiB of working set; "
         f"{free['free'] / GiB:.1f} GiB free of {free['total'] / GiB:.1f}"
     )
-    return {"t_iter": cal["t_iter"], "touch_s_per_gib": cal["touch_s_per_gib"], **free}
+    ctx = max(0, int(first["total"]) - int(first["free"]))
+    log(f"calibration: a fresh CUDA context takes {ctx / MiB:.0f} MiB on the card")
+    return {
+        "t_iter": cal["t_iter"],
+        "touch_s_per_gib": cal["touch_s_per_gib"],
+        "context_bytes_real": ctx,
+        **free,
+    }
+
+
+def _shim_context_bytes() -> int:
+    """What the shim counts for a context (GPUSHARE_CONTEXT_BYTES: bytes or a size)."""
+    from jupyter_gpushare.units import parse_size
+
+    v = os.environ.get("GPUSHARE_CONTEXT_BYTES")
+    try:
+        return int(parse_size(v)) if v else 512 * MiB
+    except ValueError:
+        return 512 * MiB
 
 
 class UtilizationSampler:
@@ -130,14 +153,18 @@ def _play(
     t0 = time.monotonic()
     try:
         if mode == "colocate":
-            # The ballast leaves exactly the pool free: the users' real CUDA contexts come out of
-            # it, as under gpushare the pool counts each client's context (GPUSHARE_CONTEXT_BYTES,
-            # 512 MiB; a PyTorch context on an H100 is about that). Every user creates its
-            # context before any loads data (worker.replay), so a context always fits and what
-            # fails is a cell's memory.
+            # The ballast leaves the pool free, plus what each user's real CUDA context takes
+            # beyond the shim's count of one (under gpushare the pool holds each client's
+            # context as GPUSHARE_CONTEXT_BYTES): both modes give the users the same room for
+            # data. Every user creates its context before any loads data (worker.replay), so a
+            # context always fits and what fails is a cell's memory.
+            counted = _shim_context_bytes()
+            extra_ctx = max(0, int(cal.get("context_bytes_real", 0)) - counted)
+            free = pool + len(users) * extra_ctx
+            extra["context_allowance_bytes"] = extra_ctx
             ballast = WorkerProc(child_env(), "ballast")
             ballast.read(120)
-            ans = ballast.call("ballast", free=pool, timeout=120)
+            ans = ballast.call("ballast", free=free, timeout=120)
             extra["ballast_bytes"] = ans["bytes"]
             socket = ""
         else:

@@ -352,8 +352,9 @@ notebook), and given the device back. The pool is 40 GiB on the 80 GB card, belo
 GiB of working sets (never oversubscribing the card). Modes, in one run: (a) **gpushare**; (b)
 **plain co-location** without the shim, with a plain allocation holding the card beyond 40 GiB
 so the users share the same room: the 40 GiB hold the users' CUDA contexts as the shim's pool
-counts one per client, every user creates its context before any loads data, and a cell whose
-memory does not fit fails; (c) a **fixed-quantum
+counts one per client (the ballast leaves each user more where calibration measures a real
+context above that count), every user creates its context before any loads data, and a cell
+whose memory does not fit fails; (c) a **fixed-quantum
 lock**, the same scheduler with `--policy fixed-quantum` (30 s quantum, idle check every 5 s:
 the holder is let go when a check finds it idle for a whole interval); (d) **one dedicated GPU
 per user**, computed: each cell at its solo time, measured on the same GPU by calibration

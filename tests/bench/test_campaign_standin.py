@@ -95,6 +95,8 @@ def test_replay_record(campaign):
     # The simulator's context is the shim's count of one (pinned, GPUSHARE_CONTEXT_BYTES,
     # 512 MiB by default), not a client's whole use with its working set.
     assert rec["sim_config"]["context_bytes"] == 512 << 20
+    assert rec["runs"]["colocate"]["context_allowance_bytes"] >= 0
+    assert "context_bytes_real" in rec["calibration"]
     assert 0 < rec["trace"]["duty_cycle"] < 1
 
 
