@@ -62,7 +62,11 @@ def context_bytes(workdir: Path, log: Any) -> int:
                 w.call("launch1")
                 sched.control("kernel_state", client=w.name, state="idle")
             clients = sched.clients()
-            ctx = max(int(clients[n]["used_bytes"]) for n in ("A", "B"))
+            # What the scheduler counts for a client with no allocation: its context, pinned
+            # (GPUSHARE_CONTEXT_BYTES). The pools below are sized in the scheduler's bytes.
+            ctx = max(
+                int(clients[n].get("pinned_bytes") or clients[n]["used_bytes"]) for n in ("A", "B")
+            )
         finally:
             a.close()
             b.close()

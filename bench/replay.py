@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -39,12 +40,12 @@ from .common import scheduler as start_scheduler
 from .handoff import bandwidths
 from .procs import WorkerProc
 from .simulator import SimConfig, Simulation, capacity_sweep, summarize
-from .trace import TraceConfig, generate, to_json
+from .trace import TIME_SCALE, TraceConfig, generate, scaled, to_json
 from .worker import N
 
 MODES = ("gpushare", "colocate", "fixed-quantum")
 #: Seconds between a notebook user's GPU bursts in real use (the replay compresses it).
-REALISTIC_THINK = 120.0
+REALISTIC_THINK = 4.0 * TIME_SCALE
 CAPACITY_USERS = [2, 4, 6, 8, 12, 16, 24, 32]
 
 
@@ -52,6 +53,10 @@ def calibrate(log: Any) -> dict[str, Any]:
     w = WorkerProc(child_env(), "calibrate")
     try:
         w.read(120)
+        # A fresh process's context alone (the card otherwise empty): what a user's CUDA
+        # context really takes, for co-location's ballast.
+        w.call("init", timeout=120)
+        first = w.call("meminfo")
         cal = w.call("calibrate", ws_bytes=4 * GiB, timeout=300)
         free = w.call("meminfo")
     finally:
@@ -61,7 +66,25 @@ def calibrate(log: Any) -> dict[str, Any]:
         f"{cal['touch_s_per_gib'] * 1e3:.3f} ms per GiB of working set; "
         f"{free['free'] / GiB:.1f} GiB free of {free['total'] / GiB:.1f}"
     )
-    return {"t_iter": cal["t_iter"], "touch_s_per_gib": cal["touch_s_per_gib"], **free}
+    ctx = max(0, int(first["total"]) - int(first["free"]))
+    log(f"calibration: a fresh CUDA context takes {ctx / MiB:.0f} MiB on the card")
+    return {
+        "t_iter": cal["t_iter"],
+        "touch_s_per_gib": cal["touch_s_per_gib"],
+        "context_bytes_real": ctx,
+        **free,
+    }
+
+
+def _shim_context_bytes() -> int:
+    """What the shim counts for a context (GPUSHARE_CONTEXT_BYTES: bytes or a size)."""
+    from jupyter_gpushare.units import parse_size
+
+    v = os.environ.get("GPUSHARE_CONTEXT_BYTES")
+    try:
+        return int(parse_size(v)) if v else 512 * MiB
+    except ValueError:
+        return 512 * MiB
 
 
 class UtilizationSampler:
@@ -130,9 +153,18 @@ def _play(
     t0 = time.monotonic()
     try:
         if mode == "colocate":
+            # The ballast leaves the pool free, plus what each user's real CUDA context takes
+            # beyond the shim's count of one (under gpushare the pool holds each client's
+            # context as GPUSHARE_CONTEXT_BYTES): both modes give the users the same room for
+            # data. Every user creates its context before any loads data (worker.replay), so a
+            # context always fits and what fails is a cell's memory.
+            counted = _shim_context_bytes()
+            extra_ctx = max(0, int(cal.get("context_bytes_real", 0)) - counted)
+            free = pool + len(users) * extra_ctx
+            extra["context_allowance_bytes"] = extra_ctx
             ballast = WorkerProc(child_env(), "ballast")
             ballast.read(120)
-            ans = ballast.call("ballast", free=pool, timeout=120)
+            ans = ballast.call("ballast", free=free, timeout=120)
             extra["ballast_bytes"] = ans["bytes"]
             socket = ""
         else:
@@ -152,6 +184,11 @@ def _play(
             path.write_text(json.dumps(spec))
             env = shim_env(Path(socket), u.name) if socket else child_env()
             procs[u.name] = WorkerProc(env, u.name, ("replay", str(path)))
+        if mode == "colocate":
+            for p in procs.values():
+                p.read(180)  # "context": every user has its CUDA context ...
+            for p in procs.values():
+                p.write_line("load")  # ... before any loads its data
         for p in procs.values():
             p.read(180)  # "ready": context up, device given back
         if sched_cm is not None:
@@ -298,9 +335,13 @@ def run(
     # The simulator on the same traces, with the costs measured here.
     moves = runs.get("gpushare", {}).get("moves", [])
     bw = bandwidths(moves)
+    # A context as the shim counts it (GPUSHARE_CONTEXT_BYTES): the pinned, never-evicted part
+    # of each client. Not used_bytes: that holds the working set and operands too (the first
+    # campaign took it, and simulated 6.6 GiB "contexts").
     ctx = [
-        int(c.get("used_bytes", 0))
+        int(c.get("pinned_bytes", 0))
         for c in runs.get("gpushare", {}).get("clients_at_start", {}).values()
+        if c.get("pinned_bytes")
     ]
     sim_cfg = SimConfig(
         pool_bytes=pool,
@@ -331,18 +372,18 @@ def run(
     sim["sharing-floor"] = summarize(floor, trace_cfg.horizon)
     # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point, at
     # the replay's compressed think time and at a realistic one (over a longer virtual run).
+    # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point, at
+    # the replay's time scale and at real time (think and GPU times both TIME_SCALE x longer:
+    # the same duty cycle, while eviction and restore keep their measured cost).
+    real_time = scaled(trace_cfg, TIME_SCALE, horizon=15 * trace_cfg.think_mean * TIME_SCALE)
     capacity = []
-    for think in (trace_cfg.think_mean, REALISTIC_THINK):
-        tc = dataclasses.replace(
-            trace_cfg, think_mean=think, horizon=max(trace_cfg.horizon, 15 * think)
-        )
+    for tc in (trace_cfg, real_time):
         rows = capacity_sweep(
             tc, CAPACITY_USERS, ("gpushare", "fixed-quantum", "colocate"), sim_cfg, 3
         )
-        capacity += [{**r, "think_mean": think, "horizon": tc.horizon} for r in rows]
-    # Where the slowdown comes from (8 users, realistic think time): the same simulation with
-    # one cost taken away at a time.
-    tc = dataclasses.replace(trace_cfg, think_mean=REALISTIC_THINK, horizon=15 * REALISTIC_THINK)
+        capacity += [{**r, "think_mean": tc.think_mean, "horizon": tc.horizon} for r in rows]
+    # Where the slowdown comes from (8 users, real time): the same simulation with one cost
+    # taken away at a time.
     what_if = []
     for label, change in (
         ("as measured", {}),
@@ -352,13 +393,26 @@ def run(
         ("pool holds everyone", {"pool_bytes": 1 << 60, "total_bytes": 1 << 60}),
     ):
         (row,) = capacity_sweep(
-            tc, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
+            real_time, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
         )
         what_if.append({"case": label, **row})
+    # The same at the replay's time scale, to explain the replay's own numbers.
+    what_if_replay = []
+    for label, change in (
+        ("as measured", {}),
+        ("both instant", {"evict_bw": 1e18, "restore_bw": 1e18}),
+        ("pool holds everyone", {"pool_bytes": 1 << 60, "total_bytes": 1 << 60}),
+    ):
+        (row,) = capacity_sweep(
+            trace_cfg, [trace_cfg.users], ("gpushare",), dataclasses.replace(sim_cfg, **change), 3
+        )
+        what_if_replay.append({"case": label, "think_mean": trace_cfg.think_mean, **row})
     return {
         "trace": to_json(trace_cfg, users),
         "capacity": capacity,
         "what_if": what_if,
+        "what_if_replay_scale": what_if_replay,
+        "time_scale": TIME_SCALE,
         "pool_bytes": pool,
         "calibration": cal,
         "grace_s": grace,

@@ -41,7 +41,7 @@ campaign; reproduce it on a machine with an NVIDIA GPU and PyTorch (the shim bui
 {RUN_PARTS}
 ```
 
-(The two campaign commands take about 6 and 8 minutes on an H100; `bench/README.md` lists the
+(The two campaign commands take about 7 and 7.5 minutes on an H100; `bench/README.md` lists the
 parts and their options.)
 """
 
@@ -129,15 +129,23 @@ class Report:
     def launch(self) -> str:
         text = """## 1a. Launch-path overhead
 
-*Method.* `bench/launch_overhead.c` resolves the driver as the CUDA runtime does
-(`cuGetProcAddress_v2`) and launches an empty PTX kernel through `cuLaunchKernel` or
-`cuLaunchKernelEx`, timing batches of 256 launches (synchronising between batches, so the queue
-never fills) while the process holds the device; each process reports its median per-launch
-time. Processes alternate without / with the shim in ABBA order, all pinned to the same CPU
-core and started without address-space randomisation, and each pair gives one paired
-difference. Reported: the median paired difference with a
-distribution-free 95% confidence interval (binomial order statistics). Target: **at most 50 ns
-added per launch** (met when the upper end of the interval is within it).
+*Method.* An in-process A/B (`bench/launch_ab.c`). One process, without LD_PRELOAD,
+dlopen()s the real driver and the shim (both `RTLD_NOW | RTLD_LOCAL`) and takes
+`cuLaunchKernel` / `cuLaunchKernelEx` from each handle: the driver's entry point and the shim's
+exported wrapper (gate check, call counter, stream note, then the same driver function: the
+shim, loaded this way, finds the driver itself and never resolves its "real" functions to its
+own wrappers). The context comes from the shim's `cuDevicePrimaryCtxRetain`, so the shim's
+client registers with a running scheduler and the first shim launch is granted the device:
+every measured shim launch takes the gate's fast path, the device held under a scheduler. An
+empty PTX kernel is launched in rounds: in each, both pointers launch 40 batches of 256 in the
+same context and stream (synchronising after every batch, so the queue never fills; only the
+launch calls are timed), the order alternating every round (ABBA), on one pinned core; 200
+rounds per API. Each round gives one paired difference (shim minus driver, ns per launch);
+reported: the median with a distribution-free 95% confidence interval (binomial order
+statistics), and the absolute ns per launch. Separate processes (the earlier method, still
+available with `--launch-pairs`) differed from one another by hundreds of nanoseconds, which
+hid the tens being measured. Target: **at most 50 ns added per launch** (met when the upper
+end of the interval is within it).
 """
         rec = self.recs.get("launch_overhead")
         if rec is None:
@@ -175,11 +183,16 @@ added per launch** (met when the upper end of the interval is within it).
     def train(self) -> str:
         text = """## 1b. A real training loop
 
-*Method.* A small CNN (two convolutions, two linear layers, batch 256 of 32x32 images, SGD
-with momentum) trains 400 steps after 30 warm-up steps in a fresh process, alone on the GPU;
-processes alternate plain / under the shim (holding the device) in ABBA order. Per pair, the
-relative difference of seconds per step; reported: the median and its 95% interval, and
-whether the final losses are bit-identical. Target: **at most 1% slower**.
+*Method.* A small ResNet (stem and four stages of one basic block, 64 to 512 channels, batch
+512 of 32x32 images, SGD with momentum; GPU-bound, so a step is convolutions, not launches)
+trains in four long-lived processes: two plain, two under the shim, each of those the only
+client of its own scheduler (holding the device). After the same warm-up in each, segments of
+the same number of steps (about 2 s) alternate between a plain and a shimmed process, the order
+flipping every two pairs and the two process pairs taking turns; a segment's time is the median
+step time from CUDA events around each step (steady state; no process start, no host timer).
+Per pair, the relative difference; reported: the median over 8 pairs with its 95% interval,
+and whether the final losses of processes given the same calls are bit-identical. Target: **at
+most 1% slower**.
 """
         rec = self.recs.get("train_overhead")
         if rec is None:
@@ -324,28 +337,38 @@ pinned host→device memcpy**; eviction is reported against pinned device→host
 
 *Method.* `bench/trace.py` generates seeded notebook users: each holds a working set on the GPU
 (2 to 10 GiB, 45 GiB for 8 users) and runs cells in a closed loop: an exponential think time
-(mean 20 s: real think times are minutes, compressed here so that a 100 s replay holds several
-cells per user) then a GPU burst (log-normal, median 0.5 s, clipped to 0.05-6 s) made of one
-pass over the working set and bf16 8192² matmuls. Each user is a real PyTorch process on one
-GPU, and tells the scheduler `busy`/`idle` around each cell as Jupyter's server extension does.
+(mean 4 s, at least 1 s) then a GPU burst (log-normal, median 0.12 s, clipped to 0.02-3 s) made
+of one pass over the working set and bf16 8192² matmuls. Assumed: an interactive notebook user
+keeps the GPU busy about 4% of wall time (e.g. a few seconds of GPU every two minutes), so 8
+users ask for about 30% of one GPU. The trace keeps that duty cycle but runs 30x faster than
+real use (think and GPU times both scaled), so that a 100 s replay holds about 180 cells (a
+stable p95). Eviction, restore and handoff are not scaled: against bursts 30x shorter they
+weigh 30x more than in real use, which makes the replay pessimistic for gpushare; the
+simulator's real-time rows below show the same trace at real time. Each user is a real
+PyTorch process on one GPU, and tells the scheduler `busy`/`idle` around each cell as Jupyter's
+server extension does.
 Before the clock starts each user has loaded its working set, operands and libraries (a running
 notebook), and given the device back. The pool is 40 GiB on the 80 GB card, below the users' 45
 GiB of working sets (never oversubscribing the card). Modes, in one run: (a) **gpushare**; (b)
 **plain co-location** without the shim, with a plain allocation holding the card beyond 40 GiB
-so the users share the same room (a cell whose memory does not fit fails); (c) a **fixed-quantum
+so the users share the same room: the 40 GiB hold the users' CUDA contexts as the shim's pool
+counts one per client (the ballast leaves each user more where calibration measures a real
+context above that count), every user creates its context before any loads data, and a cell
+whose memory does not fit fails; (c) a **fixed-quantum
 lock**, the same scheduler with `--policy fixed-quantum` (30 s quantum, idle check every 5 s:
 the holder is let go when a check finds it idle for a whole interval); (d) **one dedicated GPU
 per user**, computed: each cell at its solo time, measured on the same GPU by calibration
 (seconds per matmul iteration, seconds per GiB of working-set pass). Slowdown: cell latency
 (from the moment the user ran it to its last kernel's end) divided by its solo time. Cells still
-unfinished 30 s after the last arrival (the grace time) count with their latency so far. GPU
+unfinished 20 s after the last arrival (the grace time) count with their latency so far. GPU
 busy fraction: the solo GPU time of completed cells over the run's length (per GPU); in
 brackets, NVML's utilisation sampled every 0.5 s (an upper bound: a sample counts busy if any
 kernel ran). Target: **8 users on one GPU, p95 slowdown ≤ 1.3x, no failed cell**.
 
 *Simulator.* `bench/simulator.py` replays the same traces through the same pure policy on a
 virtual clock: the shims' part (revokes, evictions and restores taking bytes / bandwidth, with
-the bandwidths and context size measured in the gpushare run) and the GPU's (cells side by side
+the bandwidths measured in the gpushare run and the context as the shim counts it, the clients'
+pinned bytes) and the GPU's (cells side by side
 share it equally). It is the capacity planner: users per GPU vs slowdown. The *sharing floor*
 row is the same cells side by side with unlimited memory and free handoffs: the slowdown that
 comes from sharing one GPU's time at all, which no scheduler avoids without more GPUs.
@@ -510,6 +533,20 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
                 ],
                 "",
             ]
+        wr = rec.get("what_if_replay_scale")
+        if wr:
+            parts += [
+                f"*The same at the replay's time scale (think {wr[0].get('think_mean', 0):g} s; "
+                "what dominates the replay's own numbers):*",
+                "",
+                "| case | p50 slowdown | p95 slowdown |",
+                "| --- | --- | --- |",
+                *[
+                    f"| {w['case']} | {_fmt(w['slowdown_p50'])}x | {_fmt(w['slowdown_p95'])}x |"
+                    for w in wr
+                ],
+                "",
+            ]
         parts += [_meta_line(rec), ""]
         return "\n".join(parts)
 
@@ -520,9 +557,9 @@ comes from sharing one GPU's time at all, which no scheduler avoids without more
 names the gpushare provisioner (the kernel runs under the shim, with a running scheduler) or
 not, or only preloads the shim through the kernelspec's `env` (no provisioner, no magic: where
 any cost sits); the time runs from `start_kernel()` to the kernel's `kernel_info` reply
-(`wait_for_ready`). Starts rotate (ABC CBA ...) after one warm-up start; reported: the medians
-and the median paired difference (gpushare minus plain) with its 95% interval. Target: **at
-most +50 ms**.
+(`wait_for_ready`). Starts rotate (ABC CBA ...) after one warm-up start, 20 rotations;
+reported: the medians and the median paired difference (gpushare minus plain, and shim alone
+minus plain) with its 95% interval. Target: **at most +50 ms**.
 """
         rec = self.recs.get("kernel_start")
         if rec is None:

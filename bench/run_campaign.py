@@ -7,11 +7,11 @@ replay) and OUT_DIR/campaign.log (everything printed). Each record carries the d
 CUDA, torch version, date, git commit and the exact command. ``python -m bench.report OUT_DIR``
 turns them into docs/performance.md and its plots. Parts and their time on an H100:
 
-    launch        ~1.5 min   empty-kernel launches, ABBA processes (launch_overhead.py)
-    train         ~1.5 min   a small CNN, plain vs shim (train_overhead.py)
+    launch        ~1 min     empty kernels, in-process A/B, driver vs shim (launch_overhead.py)
+    train         ~1.5 min   a small ResNet, plain vs shim, alternating (train_overhead.py)
     handoff       ~2.5 min   handoff latency; memory movement vs pinned memcpy (handoff.py)
-    kernel_start  ~1 min     Jupyter kernel start-to-ready, provisioner vs plain
-    replay        ~8 min     8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
+    kernel_start  ~1.5 min   Jupyter kernel start-to-ready, provisioner vs plain, 20 rotations
+    replay        ~7.5 min   8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
 directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
@@ -42,19 +42,26 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default=",".join(PARTS), help=f"comma-separated parts of: {', '.join(PARTS)}"
     )
     ap.add_argument("--driver-dir", help="a directory holding a stand-in libcuda.so.1 (no GPU)")
-    ap.add_argument("--launch-pairs", type=int, default=30)
-    ap.add_argument("--train-pairs", type=int, default=6)
+    ap.add_argument(
+        "--launch-rounds", type=int, default=200, help="in-process A/B rounds per launch API"
+    )
+    ap.add_argument(
+        "--launch-pairs", type=int, default=0, help="also the older process pairs (0: no)"
+    )
+    ap.add_argument("--train-pairs", type=int, default=8)
     ap.add_argument("--handoffs", type=int, default=200, help="handoffs without memory to move")
     ap.add_argument(
         "--handoff-sizes", default="1,2,4,8,16", help="GiB per process, comma-separated"
     )
-    ap.add_argument("--kernel-pairs", type=int, default=10)
+    ap.add_argument("--kernel-pairs", type=int, default=20)
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--horizon", type=float, default=100.0, help="replay length (seconds)")
-    ap.add_argument("--think", type=float, default=20.0, help="mean think time (seconds)")
-    ap.add_argument("--gpu-median", type=float, default=0.5, help="median GPU s per cell")
-    ap.add_argument("--grace", type=float, default=30.0, help="seconds before cutting cells")
+    ap.add_argument(
+        "--think", type=float, default=4.0, help="mean think time (seconds; time-scaled trace)"
+    )
+    ap.add_argument("--gpu-median", type=float, default=0.12, help="median GPU s per cell")
+    ap.add_argument("--grace", type=float, default=20.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
     args = ap.parse_args(argv)
@@ -112,7 +119,11 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
 
         return {
             "launch_overhead": launch_overhead.run(
-                work / part, args.launch_pairs, driver_dir=args.driver_dir, log=log
+                work / part,
+                args.launch_pairs,
+                driver_dir=args.driver_dir,
+                log=log,
+                rounds=args.launch_rounds,
             )
         }
     if part == "kernel_start":

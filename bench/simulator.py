@@ -5,8 +5,9 @@ The same seeded traces (:mod:`bench.trace`) that real processes replay on the GP
 the simulator plays the shims' part (answers revokes, evictions and restores after the time the
 memory takes to move) and the GPU's (cells that run side by side share it equally: processor
 sharing, which is how time-sliced contexts behave for long kernels). Use it for capacity
-planning: ``python -m bench.simulator --sweep 2,4,8,12,16 --think 120 --horizon 1800`` prints
-users per GPU vs slowdown.
+planning: ``python -m bench.simulator --sweep 2,4,8,12,16 --real-time --horizon 1800`` prints
+users per GPU vs slowdown for the default trace at real time (think and GPU times
+``TIME_SCALE`` x the replay's: the same duty cycle).
 
 Modes: ``gpushare`` and ``fixed-quantum`` (the policy's two settings), ``colocate`` (no shim:
 memory that does not fit the pool makes the cell fail), ``dedicated`` (one GPU per user: every
@@ -26,7 +27,7 @@ from jupyter_gpushare.scheduler import events as ev
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
 from .common import GiB, percentile
-from .trace import TraceConfig, User, generate
+from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
 MODES = ("gpushare", "colocate", "fixed-quantum", "dedicated")
 
@@ -305,7 +306,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--horizon", type=float, default=100.0)
     ap.add_argument("--pool-gib", type=float, default=40.0)
-    ap.add_argument("--think", type=float, default=20.0, help="mean think time (seconds)")
+    ap.add_argument(
+        "--think", type=float, default=TraceConfig.think_mean, help="mean think time (seconds)"
+    )
+    ap.add_argument(
+        "--real-time",
+        action="store_true",
+        help="scale think and GPU times by TIME_SCALE (the trace at real time, same duty cycle)",
+    )
     ap.add_argument("--evict-gbps", type=float, default=10.0, help="eviction bandwidth, GB/s")
     ap.add_argument("--restore-gbps", type=float, default=48.0, help="restore bandwidth, GB/s")
     ap.add_argument("--sweep", help="comma-separated user counts: print a capacity table")
@@ -316,6 +324,8 @@ def main() -> None:
         restore_bw=args.restore_gbps * 1e9,
     )
     tc = TraceConfig(users=args.users, seed=args.seed, horizon=args.horizon, think_mean=args.think)
+    if args.real_time:
+        tc = scaled(tc, TIME_SCALE, horizon=args.horizon)
     if args.sweep:
         rows = capacity_sweep(tc, [int(x) for x in args.sweep.split(",")], MODES, cfg)
         for r in rows:

@@ -3,7 +3,9 @@
     python -m bench.worker serve          # JSON commands on stdin, one JSON answer per line
     python -m bench.worker replay FILE    # play one user's cells (bench/replay.py writes FILE)
 
-``serve`` commands (``{"op": ...}``): ``alloc`` (bytes: a persistent working set), ``touch``
+``serve`` commands (``{"op": ...}``): ``init`` (create the CUDA context; done at start when
+GPUSHARE_SOCKET is set, so that the shim registers before "ready"), ``alloc`` (bytes: a
+persistent working set), ``touch``
 (read and write the whole working set once), ``compute`` (iters: matmul iterations), ``launch1``
 (one tiny kernel, then synchronise: "my first kernel ran"), ``calibrate``, ``memcpy`` (pinned
 host<->device bandwidth), ``train`` (a small CNN, fixed steps), ``exit``. Every answer carries
@@ -37,11 +39,14 @@ class Worker:
 
         torch = _torch
         self.dev = torch.device("cuda")
-        # Create the CUDA context now, with no kernel and no allocation: the shim registers with
-        # the scheduler when the process first gets a context, and torch makes contexts lazily.
-        # Without this a worker said "ready" before the scheduler knew it, and the harness's
-        # first control message for it was answered "no client" (seen on the H100).
-        torch.cuda.mem_get_info()
+        # Under the shim, create the CUDA context now, with no kernel and no allocation: the
+        # shim registers with the scheduler when the process first gets a context, and torch
+        # makes contexts lazily. Without this a worker said "ready" before the scheduler knew
+        # it, and the harness's first control message for it was answered "no client". Not
+        # without a scheduler: a plain process (co-location) must make its context when the
+        # harness says so (``init_context``), not wherever torch.cuda is first touched.
+        if os.environ.get("GPUSHARE_SOCKET"):
+            self.init_context()
         self.ws: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
@@ -50,6 +55,10 @@ class Worker:
 
     def _sync(self) -> None:
         torch.cuda.synchronize()
+
+    def init_context(self) -> None:
+        """Create the CUDA context (no kernel, no allocation)."""
+        torch.cuda.mem_get_info()
 
     def alloc(self, nbytes: int) -> None:
         if self.ws is not None and self.ws.numel() * 4 >= nbytes:
@@ -156,40 +165,100 @@ class Worker:
         del host, dev
         return res
 
-    def train(self, steps: int, warmup: int) -> dict[str, Any]:
-        """A small CNN on random 32x32 images; seconds per step after ``warmup`` steps."""
+    def _train_state(self) -> Any:
+        """A small ResNet (stem + four stages of one basic block, 64..512 channels) on a fixed
+        batch of random 32x32 images, SGD with momentum. GPU-bound on purpose: convolutions of
+        tens of milliseconds per step, so the launch path is a small part of a step and what is
+        measured is what the shim does to a real training loop."""
+        if getattr(self, "_train", None) is not None:
+            return self._train
+        nn = torch.nn
         torch.manual_seed(0)
         # Deterministic convolutions: plain and shimmed runs must then reach the same loss
         # (a shim that corrupted memory or launches would show here, not only in the time).
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(32, 64, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(),
-            torch.nn.Linear(64 * 8 * 8, 256),
-            torch.nn.ReLU(),
-            torch.nn.Linear(256, 10),
+
+        def block(cin: int, cout: int, stride: int) -> Any:
+            class Basic(nn.Module):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.body = nn.Sequential(
+                        nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+                        nn.BatchNorm2d(cout),
+                        nn.ReLU(inplace=True),
+                        nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                        nn.BatchNorm2d(cout),
+                    )
+                    self.skip = (
+                        nn.Identity()
+                        if stride == 1 and cin == cout
+                        else nn.Sequential(
+                            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+                        )
+                    )
+
+                def forward(self, x: Any) -> Any:
+                    return torch.relu(self.body(x) + self.skip(x))
+
+            return Basic()
+
+        class GlobalMean(nn.Module):
+            # Not AdaptiveAvgPool2d: its CUDA backward uses atomics (not bit-reproducible), and
+            # the plain and shimmed losses must be identical.
+            def forward(self, x: Any) -> Any:
+                return x.mean((2, 3))
+
+        model = nn.Sequential(
+            nn.Conv2d(3, 64, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            block(64, 64, 1),
+            block(64, 128, 2),
+            block(128, 256, 2),
+            block(256, 512, 2),
+            GlobalMean(),
+            nn.Linear(512, 10),
         ).to(self.dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        x = torch.randn(256, 3, 32, 32, device=self.dev)
-        y = torch.randint(0, 10, (256,), device=self.dev)
-        loss_fn = torch.nn.CrossEntropyLoss()
-        t0 = 0.0
-        for i in range(warmup + steps):
-            if i == warmup:
-                self._sync()
-                t0 = time.perf_counter()
+        x = torch.randn(self.TRAIN_BATCH, 3, 32, 32, device=self.dev)
+        y = torch.randint(0, 10, (self.TRAIN_BATCH,), device=self.dev)
+        self._train = (model, opt, x, y, nn.CrossEntropyLoss())
+        return self._train
+
+    TRAIN_BATCH = 512
+
+    def train(self, steps: int, warmup: int) -> dict[str, Any]:
+        """Train ``steps`` steps (after ``warmup`` untimed ones) of the persistent model: the
+        median step time from CUDA events around every step (steady state, no host timer, no
+        process start), the mean, and the loss. Successive calls continue the same training, so
+        two processes given the same sequence of calls must report bit-identical losses."""
+        model, opt, x, y, loss_fn = self._train_state()
+        loss = None
+
+        def step() -> Any:
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            out = loss_fn(model(x), y)
+            out.backward()
             opt.step()
+            return out
+
+        for _ in range(warmup):
+            loss = step()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         self._sync()
-        return {"step_s": (time.perf_counter() - t0) / steps, "loss": float(loss.item())}
+        events[0].record()
+        for i in range(steps):
+            loss = step()
+            events[i + 1].record()
+        self._sync()
+        per = sorted(events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps))
+        assert loss is not None
+        return {
+            "step_s": per[len(per) // 2],
+            "step_s_mean": events[0].elapsed_time(events[-1]) / 1e3 / steps,
+            "loss": float(loss.item()),
+        }
 
 
 class StandinWorker:
@@ -258,6 +327,9 @@ class StandinWorker:
     def compute(self, iters: int) -> None:
         self._sleep(int(iters * self.T_ITER * 1e6))
 
+    def init_context(self) -> None:
+        """The stand-in makes its context in __init__."""
+
     def launch1(self) -> None:
         self._sleep(1)
 
@@ -306,7 +378,9 @@ def serve() -> None:
         op = cmd["op"]
         ans: dict[str, Any] = {"op": op}
         try:
-            if op == "alloc":
+            if op == "init":
+                w.init_context()
+            elif op == "alloc":
                 w.alloc(int(cmd["bytes"]))
             elif op == "touch":
                 w.touch()
@@ -366,6 +440,14 @@ def replay(path: str) -> None:
             print(f"control {action} failed: {exc}", file=sys.stderr, flush=True)
 
     w = make_worker()
+    if not spec.get("socket"):
+        # Plain co-location: every user makes its context first, and only when all have one
+        # does anyone load data (the harness sends a line). Otherwise a late starter's context
+        # could find the card already filled by the others' working sets, and fail to start:
+        # not the "did not fit" a co-located user meets in its cells.
+        w.init_context()
+        print(json.dumps({"context": True}), flush=True)
+        sys.stdin.readline()
     # Before the clock starts, the user is a running notebook kernel that has loaded its data:
     # context, working set, matmul operands and library handles exist (first-use costs are
     # not cells' costs). Then it gives the device back at once, so that under an exclusive

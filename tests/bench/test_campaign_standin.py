@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
+from bench.trace import TIME_SCALE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,8 @@ def campaign(native_build, tmp_path_factory) -> Path:
         sys.executable, "-m", "bench.run_campaign", str(out),
         "--driver-dir", str(native_build.fake_dir),
         "--only", "launch,handoff,kernel_start,replay",
-        "--launch-pairs", "2", "--handoffs", "6", "--handoff-sizes", "1",
+        "--launch-rounds", "6", "--launch-pairs", "2",
+        "--handoffs", "6", "--handoff-sizes", "1",
         "--kernel-pairs", "1",
         "--users", "3", "--horizon", "3", "--think", "0.8", "--gpu-median", "0.05",
         "--grace", "2", "--pool-gib", "12",
@@ -50,9 +52,16 @@ def test_launch_record(campaign):
     rec = load(campaign, "launch_overhead")
     for api in ("kernel", "kernelex"):
         r = rec["results"][api]
-        assert len(r["paired_diff_ns"]) == 2
+        # The in-process A/B: one paired difference per round, both sides really launched.
+        assert len(r["paired_diff_ns"]) == 6
+        assert len(r["plain_ns"]) == len(r["shim_ns"]) == 6
+        assert all(x > 0 for x in r["plain_ns"] + r["shim_ns"])
+        # Measured with the device held under the scheduler (the gate's fast path).
+        assert r["device_granted"], r["shim_log"]
         lo, hi = r["added_ns_ci95"]
         assert lo <= r["added_ns_median"] <= hi
+        # The older process pairs, when asked for.
+        assert len(rec["process_pairs"][api]["paired_diff_ns"]) == 2
 
 
 def test_handoff_and_memory_records(campaign):
@@ -80,7 +89,15 @@ def test_replay_record(campaign):
         assert s["completed"] + s["failed"] + s["unfinished"] == s["cells"]
         assert not run.get("worker_errors"), run.get("worker_errors")
     assert rec["runs"]["gpushare"]["summary"]["failed"] == 0
-    assert {r["think_mean"] for r in rec["capacity"]} == {0.8, 120.0}
+    # The replay's time scale, and real time (think and GPU both TIME_SCALE x longer).
+    thinks = sorted({r["think_mean"] for r in rec["capacity"]})
+    assert thinks == pytest.approx([0.8, 0.8 * TIME_SCALE])
+    # The simulator's context is the shim's count of one (pinned, GPUSHARE_CONTEXT_BYTES,
+    # 512 MiB by default), not a client's whole use with its working set.
+    assert rec["sim_config"]["context_bytes"] == 512 << 20
+    assert rec["runs"]["colocate"]["context_allowance_bytes"] >= 0
+    assert "context_bytes_real" in rec["calibration"]
+    assert 0 < rec["trace"]["duty_cycle"] < 1
 
 
 def test_campaign_log_and_scheduler_logs(campaign):

@@ -39,3 +39,15 @@ def test_memory_moves_reads_each_move_once():
         {"kind": "restore", "client": "B", "bytes": 1 << 30, "seconds": 0.025},
         {"kind": "evict", "client": "C", "bytes": 1 << 30, "seconds": 0.1},
     ]
+
+
+def test_launch_summary_pairs_rounds():
+    from bench.launch_overhead import summarise
+
+    real = [100.0 + i % 3 for i in range(40)]
+    shim = [x + 12.0 for x in real]
+    r = summarise(real, shim)
+    assert r["paired_diff_ns"] == [12.0] * 40
+    assert r["added_ns_median"] == 12.0 and r["added_ns_ci95"] == [12.0, 12.0]
+    assert r["met"] and r["plain_median_ns"] == 101.0
+    assert not summarise(real, [x + 80.0 for x in real])["met"]

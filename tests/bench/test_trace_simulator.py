@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from bench.simulator import MODES, SimConfig, Simulation, capacity_sweep, simulate, summarize
-from bench.trace import GiB, TraceConfig, generate, to_json
+from bench.trace import TIME_SCALE, GiB, TraceConfig, duty_cycle, generate, scaled, to_json
 from jupyter_gpushare.scheduler import events as ev
 
 SMALL = TraceConfig(users=4, seed=7, horizon=60.0, think_mean=6.0, gpu_median=0.4)
@@ -112,3 +112,34 @@ def test_simulation_is_deterministic_and_capacity_sweep_is_shaped():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode"):
         Simulation([], "round-robin", 10.0, SimConfig())
+
+
+def test_default_trace_has_a_notebook_duty_cycle_and_enough_cells():
+    """The stated assumptions: ~4% GPU per user (8 users ~30% of a GPU), and enough cells in
+    one replay horizon for a stable p95 (>= 150 at solo speed)."""
+    cfg = TraceConfig()
+    assert 0.03 <= duty_cycle(cfg, 50_000) <= 0.05
+    cells = 0
+    for u in generate(cfg):
+        t = 0.0
+        for c in u.cells:
+            t += c["think"]
+            if t > cfg.horizon:
+                break
+            cells += 1
+            t += c["gpu"]
+    assert cells >= 150
+    # Memory pressure, not absurd: the working sets exceed the replay's 40 GiB pool, by little.
+    assert 40 < sum(cfg.working_sets_gib) <= 60
+
+
+def test_scaling_keeps_the_duty_cycle_and_scales_every_time():
+    cfg = TraceConfig()
+    real = scaled(cfg, TIME_SCALE)
+    assert real.think_mean == pytest.approx(cfg.think_mean * TIME_SCALE)
+    assert real.gpu_median == pytest.approx(cfg.gpu_median * TIME_SCALE)
+    assert real.horizon == pytest.approx(cfg.horizon * TIME_SCALE)
+    assert duty_cycle(real, 50_000) == pytest.approx(duty_cycle(cfg, 50_000), rel=1e-6)
+    a, b = generate(cfg), generate(real)
+    assert [u.working_set for u in a] == [u.working_set for u in b]  # memory is not scaled
+    assert scaled(cfg, 2.0, horizon=7.0).horizon == 7.0
