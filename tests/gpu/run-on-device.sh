@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run the GPU suite on a machine with an NVIDIA GPU and keep everything it printed.
-#   tests/gpu/run-on-device.sh OUTPUT_DIR
+#   tests/gpu/run-on-device.sh OUTPUT_DIR [PYTEST ARGS...]   (e.g. --ignore=tests/gpu/test_mps.py)
 # Writes OUTPUT_DIR/environment.txt (date, device, driver, versions) and OUTPUT_DIR/pytest.log;
 # docs/gpu-verification.md is written from those two files.
 set -uo pipefail
-out=${1:?usage: tests/gpu/run-on-device.sh OUTPUT_DIR}
+out=${1:?usage: tests/gpu/run-on-device.sh OUTPUT_DIR [PYTEST ARGS...]}
+shift
 mkdir -p "$out"
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -23,5 +24,5 @@ for name in ("torch", "cupy", "jax", "jupyter_gpushare"):
 PY
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
-PYTHONUNBUFFERED=1 python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$out/pytest.log"
+PYTHONUNBUFFERED=1 python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"
