@@ -58,6 +58,28 @@ function el<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
+/** A titled group of the device's kernels ("Waiting (2)"); "—" when it has none. */
+function groupOf(kind: string, title: string, count: number): HTMLElement {
+  const group = el(
+    'div',
+    { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
+    el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${count})` })
+  );
+  if (!count) {
+    group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
+  }
+  return group;
+}
+
+/** A kernel's colour in the bar, beside its row; uncoloured for a negative index. */
+function swatch(color: number): HTMLElement {
+  return el('span', {
+    className: 'jp-gpushare-swatch',
+    'data-color': color >= 0 ? color % 8 : null,
+    'aria-hidden': 'true'
+  });
+}
+
 export class GPUSharePanel extends Widget {
   constructor(options: IPanelOptions = {}) {
     super();
@@ -492,13 +514,8 @@ export class GPUSharePanel extends Widget {
     others: IPlace[] = []
   ): HTMLElement {
     const count = rows.length + others.length;
-    const group = el(
-      'div',
-      { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
-      el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${count})` })
-    );
+    const group = groupOf(kind, title, count);
     if (!count) {
-      group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
       return group;
     }
     const list = el('ul', { className: 'jp-gpushare-kernels' });
@@ -518,13 +535,8 @@ export class GPUSharePanel extends Widget {
     // The viewer's waiters the queue does not name (e.g. waiting but not queued yet) go last.
     const rest = waiters.filter(r => !listed.has(r.id));
     const count = queue.length + rest.length;
-    const group = el(
-      'div',
-      { className: 'jp-gpushare-group jp-gpushare-waiters', 'aria-label': 'Waiting' },
-      el('h3', { className: 'jp-gpushare-group-title', text: `Waiting (${count})` })
-    );
+    const group = groupOf('waiters', 'Waiting', count);
     if (!count) {
-      group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
       return group;
     }
     const list = el('ul', { className: 'jp-gpushare-kernels' });
@@ -553,11 +565,7 @@ export class GPUSharePanel extends Widget {
         title: `A kernel of ${place.user}`,
         'aria-label': `${place.name}: ${where}`
       },
-      el('span', {
-        className: 'jp-gpushare-swatch',
-        'data-color': place.color >= 0 ? place.color % 8 : null,
-        'aria-hidden': 'true'
-      }),
+      swatch(place.color),
       el(
         'span',
         { className: 'jp-gpushare-kernel-text' },
@@ -575,13 +583,8 @@ export class GPUSharePanel extends Widget {
 
   /** Other users' kernels, one row per user (filtered documents). */
   private _renderOthers(others: IOtherUserRow[]): HTMLElement {
-    const group = el(
-      'div',
-      { className: 'jp-gpushare-group jp-gpushare-others', 'aria-label': 'Other users' },
-      el('h3', { className: 'jp-gpushare-group-title', text: `Other users (${others.length})` })
-    );
+    const group = groupOf('others', 'Other users', others.length);
     if (!others.length) {
-      group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
       return group;
     }
     const list = el('ul', { className: 'jp-gpushare-kernels' });
@@ -609,11 +612,7 @@ export class GPUSharePanel extends Widget {
             title: `${o.name}: ${formatBytes(o.residentBytes)} on the GPU`,
             'aria-label': `${o.name}: ${details.join(', ')}`
           },
-          el('span', {
-            className: 'jp-gpushare-swatch',
-            'data-color': o.color % 8,
-            'aria-hidden': 'true'
-          }),
+          swatch(o.color),
           el(
             'span',
             { className: 'jp-gpushare-kernel-text' },
@@ -663,11 +662,7 @@ export class GPUSharePanel extends Widget {
         title: row.title,
         'aria-label': `${row.name}${row.mine ? ' (mine)' : ''}: ${roleText}`
       },
-      el('span', {
-        className: 'jp-gpushare-swatch',
-        'data-color': row.color % 8,
-        'aria-hidden': 'true'
-      }),
+      swatch(row.color),
       el(
         'span',
         { className: 'jp-gpushare-kernel-text' },
