@@ -73,6 +73,28 @@ export interface IDeviceStatus {
   clients_truncated?: number;
   /** The device's utilisation as NVML last reported it (percent); null without NVML. */
   utilization_percent?: number | null;
+  /**
+   * Filtered documents only (a node scheduler's view for a non-admin, docs/protocol.md "Who
+   * sees what"): `clients`, `holders` and `queue` list the viewer's own clients; these say the
+   * rest: the user of each holder and of each waiter in order, and other users' clients summed.
+   */
+  holder_users?: string[];
+  queue_users?: string[];
+  others?: IOtherUserStatus[];
+}
+
+/** Another user's clients on a device, summed (filtered documents only). */
+export interface IOtherUserStatus {
+  user: string;
+  clients: number;
+  running: number;
+  waiting: number;
+  used_bytes: number;
+  resident_bytes: number;
+  evicted_bytes?: number;
+  gpu_seconds?: number;
+  wait_seconds?: number;
+  weight?: number;
 }
 
 export interface IStatus {
@@ -82,6 +104,8 @@ export interface IStatus {
   truncated?: boolean;
   devices?: IDeviceStatus[];
   viewer?: { name: string | null; admin: boolean };
+  /** With a node scheduler: whom it took this server for (the document is filtered for it). */
+  identity?: { user: string; admin: boolean; by: string };
   scheduler?: {
     mode: string;
     requested?: string;
@@ -138,12 +162,50 @@ export interface IKernelRow {
 
 export interface ISegment {
   kind: 'resident' | 'free' | 'evicted';
+  /** A client id; for another user's summed clients (filtered documents) null. */
   id: string | null;
+  /** Another user whose kernels the segment sums (filtered documents), else null. */
+  user: string | null;
   label: string;
   bytes: number;
   /** Fraction of the bar (0..1). */
   fraction: number;
   mine: boolean;
+  color: number;
+}
+
+/** Another user's kernels on a device, summed (from a filtered document's `others`). */
+export interface IOtherUserRow {
+  user: string;
+  /** "bob's kernel" or "bob's 3 kernels". */
+  name: string;
+  kernels: number;
+  running: number;
+  waiting: number;
+  /** How many of the GPU's holders are this user's. */
+  holding: number;
+  /** This user's places in the queue (from 1), in order. */
+  queuePositions: number[];
+  usedBytes: number;
+  residentBytes: number;
+  evictedBytes: number;
+  gpuSeconds: number;
+  /** This user's share of the GPU time used on the device so far (0..1). */
+  gpuShare: number | null;
+  /** Index into the panel's palette, after the viewer's own kernels' colours. */
+  color: number;
+}
+
+/** A holder or a place in the queue of a filtered document: the viewer's kernel or a user's. */
+export interface IPlace {
+  /** Queue position from 1 (waiters), else null. */
+  position: number | null;
+  user: string;
+  /** The viewer's own kernel (``row`` is it), or another user's (``row`` is null). */
+  mine: boolean;
+  row: IKernelRow | null;
+  /** What to call it: the kernel's name, or "bob's kernel". */
+  name: string;
   color: number;
 }
 
@@ -174,6 +236,14 @@ export interface IDeviceView {
   waiters: IKernelRow[];
   idle: IKernelRow[];
   mine: IKernelRow[];
+  /** True when the document is filtered for the viewer (others' kernels only summed). */
+  filtered: boolean;
+  /** Filtered documents: other users' kernels, one row per user (else empty). */
+  others: IOtherUserRow[];
+  /** Filtered documents: other users holding the GPU, one place per holder (else empty). */
+  otherHolders: IPlace[];
+  /** Filtered documents: the whole queue in order, the viewer's kernels and others' (else empty). */
+  queue: IPlace[];
   /** The viewer's kernels' share of the GPU time used on this device (0..1), if any. */
   myShare: number | null;
   /** What the weights entitle the viewer's kernels to: their weights over all weights (0..1). */
@@ -303,18 +373,39 @@ const MODES: Record<string, [string, string]> = {
   ]
 };
 
+/** "bob's kernel", "bob's 3 kernels". */
+export function kernelsOf(user: string, count: number): string {
+  return count === 1 ? `${user}'s kernel` : `${user}'s ${count} kernels`;
+}
+
 function deviceView(
   dev: IDeviceStatus,
   viewer: { name: string | null; admin: boolean },
   now: number,
   warnings: IWarning[],
-  several = false
+  several = false,
+  self: string | null = null
 ): IDeviceView {
   const clients = dev.clients ?? [];
-  const totalGpu = clients.reduce((sum, c) => sum + num(c.gpu_seconds), 0);
+  // A filtered document (docs/protocol.md "Who sees what") sums other users' clients per user.
+  const filtered =
+    Array.isArray(dev.others) || Array.isArray(dev.holder_users) || Array.isArray(dev.queue_users);
+  const otherStats = (dev.others ?? []).filter(o => o && typeof o.user === 'string');
+  const otherNames = new Set(otherStats.map(o => o.user));
+  // Whether a holder or waiter of user ``u`` is someone else's: ``others`` names every other
+  // user with clients on the device; the identity covers a user the sums may have missed.
+  const isOther = (u: string) => otherNames.has(u) || (self !== null && u !== self);
+  const totalGpu =
+    clients.reduce((sum, c) => sum + num(c.gpu_seconds), 0) +
+    otherStats.reduce((sum, o) => sum + num(o.gpu_seconds), 0);
   // Fair share is weighted: a kernel without a weight counts as 1, as the scheduler does.
   const weightOf = (c: IClientStatus) => (typeof c.weight === 'number' ? c.weight : 1);
-  const totalWeight = clients.reduce((sum, c) => sum + weightOf(c), 0);
+  const totalWeight =
+    clients.reduce((sum, c) => sum + weightOf(c), 0) +
+    otherStats.reduce(
+      (sum, o) => sum + (typeof o.weight === 'number' ? o.weight : num(o.clients)),
+      0
+    );
   const myWeight = clients.filter(c => c.jupyter?.local).reduce((s, c) => s + weightOf(c), 0);
   const rows: IKernelRow[] = clients.map((c, i) => {
     const mine = !!c.jupyter?.local;
@@ -378,10 +469,82 @@ function deviceView(
     return row;
   });
 
+  // Other users' kernels (filtered documents), after the viewer's in the palette.
+  const colorOf = new Map<string, number>();
+  const others: IOtherUserRow[] = otherStats.map((o, j) => {
+    const used = num(o.used_bytes);
+    const evictedBytes = Math.min(num(o.evicted_bytes), used);
+    colorOf.set(o.user, rows.length + j);
+    return {
+      user: o.user,
+      name: kernelsOf(o.user, num(o.clients)),
+      kernels: num(o.clients),
+      running: num(o.running),
+      waiting: num(o.waiting),
+      holding: 0,
+      queuePositions: [],
+      usedBytes: used,
+      residentBytes:
+        typeof o.resident_bytes === 'number'
+          ? Math.max(0, o.resident_bytes)
+          : Math.max(0, used - evictedBytes),
+      evictedBytes,
+      gpuSeconds: num(o.gpu_seconds),
+      gpuShare: totalGpu > 0 ? num(o.gpu_seconds) / totalGpu : null,
+      color: rows.length + j
+    };
+  });
+  const otherRow = (u: string) => others.find(o => o.user === u);
+  const otherPlace = (u: string, position: number | null): IPlace => ({
+    position,
+    user: u,
+    mine: false,
+    row: null,
+    name: `${u}'s kernel`,
+    color: colorOf.get(u) ?? -1
+  });
+  const otherHolders: IPlace[] = [];
+  for (const u of dev.holder_users ?? []) {
+    if (isOther(u)) {
+      otherHolders.push(otherPlace(u, null));
+      const o = otherRow(u);
+      if (o) {
+        o.holding++;
+      }
+    }
+  }
+  // The whole queue in order: the viewer's own waiters are ``dev.queue``, in the same order.
+  const queue: IPlace[] = [];
+  const ownQueue = [...(dev.queue ?? [])];
+  (dev.queue_users ?? []).forEach((u, i) => {
+    if (isOther(u)) {
+      queue.push(otherPlace(u, i + 1));
+      otherRow(u)?.queuePositions.push(i + 1);
+      return;
+    }
+    const id = ownQueue.shift();
+    const k = id === undefined ? -1 : clients.findIndex(c => c.id === id);
+    const row = k >= 0 ? rows[k] : null;
+    if (row && typeof clients[k].queue_position !== 'number') {
+      // ``dev.queue`` holds the viewer's waiters only: their place counts everyone's.
+      row.queuePosition = i + 1;
+    }
+    queue.push({
+      position: i + 1,
+      user: u,
+      mine: true,
+      row,
+      name: row ? row.name : `${u}'s kernel`,
+      color: row ? row.color : -1
+    });
+  });
+
   // The scheduler counts a client that is not resident (a waiter not yet granted, or evicted)
   // by its pinned memory only: when its accounting says less is on the GPU than the clients'
   // own numbers, the waiters' managed memory is off the GPU.
-  const claimed = rows.reduce((s, r) => s + r.residentBytes, 0);
+  const claimed =
+    rows.reduce((s, r) => s + r.residentBytes, 0) +
+    others.reduce((s, o) => s + o.residentBytes, 0);
   if (typeof dev.resident_bytes === 'number' && claimed > dev.resident_bytes) {
     clients.forEach((c, i) => {
       const r = rows[i];
@@ -401,8 +564,11 @@ function deviceView(
   const mineRows = rows.filter(r => r.mine);
 
   const pool = num(dev.pool_bytes);
-  const resident = rows.reduce((s, r) => s + r.residentBytes, 0);
-  const evicted = rows.reduce((s, r) => s + r.evictedBytes, 0);
+  const resident =
+    rows.reduce((s, r) => s + r.residentBytes, 0) +
+    others.reduce((s, o) => s + o.residentBytes, 0);
+  const evicted =
+    rows.reduce((s, r) => s + r.evictedBytes, 0) + others.reduce((s, o) => s + o.evictedBytes, 0);
   const residentBytes = typeof dev.resident_bytes === 'number' ? dev.resident_bytes : resident;
   const free = Math.max(0, pool - Math.max(resident, residentBytes));
   const denominator = Math.max(pool, resident) + evicted;
@@ -413,6 +579,7 @@ function deviceView(
       segments.push({
         kind: 'resident',
         id: r.id,
+        user: null,
         label: `${r.name}: ${formatBytes(r.residentBytes)} on the GPU`,
         bytes: r.residentBytes,
         fraction: frac(r.residentBytes),
@@ -421,10 +588,25 @@ function deviceView(
       });
     }
   }
+  for (const o of others) {
+    if (o.residentBytes > 0) {
+      segments.push({
+        kind: 'resident',
+        id: null,
+        user: o.user,
+        label: `${o.name}: ${formatBytes(o.residentBytes)} on the GPU`,
+        bytes: o.residentBytes,
+        fraction: frac(o.residentBytes),
+        mine: false,
+        color: o.color
+      });
+    }
+  }
   if (free > 0) {
     segments.push({
       kind: 'free',
       id: null,
+      user: null,
       label: `free: ${formatBytes(free)}`,
       bytes: free,
       fraction: frac(free),
@@ -437,11 +619,26 @@ function deviceView(
       segments.push({
         kind: 'evicted',
         id: r.id,
+        user: null,
         label: `${r.name}: ${formatBytes(r.evictedBytes)} off the GPU (host memory)`,
         bytes: r.evictedBytes,
         fraction: frac(r.evictedBytes),
         mine: r.mine,
         color: r.color
+      });
+    }
+  }
+  for (const o of others) {
+    if (o.evictedBytes > 0) {
+      segments.push({
+        kind: 'evicted',
+        id: null,
+        user: o.user,
+        label: `${o.name}: ${formatBytes(o.evictedBytes)} off the GPU (host memory)`,
+        bytes: o.evictedBytes,
+        fraction: frac(o.evictedBytes),
+        mine: false,
+        color: o.color
       });
     }
   }
@@ -451,20 +648,30 @@ function deviceView(
   const util =
     typeof dev.utilization_percent === 'number' ? dev.utilization_percent : null;
 
+  // Other users' holders, by user: "bob's 2 kernels".
+  const holdingUsers = new Map<string, number>();
+  for (const p of otherHolders) {
+    holdingUsers.set(p.user, (holdingUsers.get(p.user) ?? 0) + 1);
+  }
+  const holderNames = [
+    ...holders.map(h => h.name),
+    ...[...holdingUsers].map(([u, n]) => kernelsOf(u, n))
+  ];
+  const holderCount = holders.length + otherHolders.length;
+  const waiting = Math.max(waiters.length, queue.length);
   let summary: string;
-  if (!rows.length) {
+  if (!rows.length && !others.length) {
     summary = dev.clients_truncated
       ? `${dev.clients_truncated} kernels (too many to list)`
       : 'No kernel uses this GPU.';
-  } else if (holders.length) {
-    const who = holders.map(h => h.name).join(', ');
-    summary = `${who} ${holders.length > 1 ? 'hold' : 'holds'} the GPU`;
-    if (waiters.length) {
-      summary += `; ${waiters.length} waiting`;
+  } else if (holderCount) {
+    summary = `${holderNames.join(', ')} ${holderCount > 1 ? 'hold' : 'holds'} the GPU`;
+    if (waiting) {
+      summary += `; ${waiting} waiting`;
     }
     summary += '.';
-  } else if (waiters.length) {
-    summary = `${waiters.length} waiting for the GPU.`;
+  } else if (waiting) {
+    summary = `${waiting} waiting for the GPU.`;
   } else {
     summary = 'The GPU is free: every kernel is idle.';
   }
@@ -490,6 +697,10 @@ function deviceView(
     waiters,
     idle,
     mine: mineRows,
+    filtered,
+    others,
+    otherHolders,
+    queue,
     myShare: mineRows.length && totalGpu > 0 ? myGpu / totalGpu : null,
     myWeightShare: mineRows.length && totalWeight > 0 ? myWeight / totalWeight : null,
     truncated: num(dev.clients_truncated),
@@ -551,8 +762,9 @@ export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000
   };
   const warnings: IWarning[] = [];
   const several = (status.devices ?? []).length > 1;
+  const self = typeof status.identity?.user === 'string' ? status.identity.user : null;
   const devices = (status.devices ?? []).map(d =>
-    deviceView(d, viewer, now, warnings, several)
+    deviceView(d, viewer, now, warnings, several, self)
   );
   const schedError = status.scheduler?.error ?? null;
   const nvml = status.nvml;

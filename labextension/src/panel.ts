@@ -15,6 +15,8 @@ import {
   formatPercent,
   IDeviceView,
   IKernelRow,
+  IOtherUserRow,
+  IPlace,
   IStatus,
   IViewModel
 } from './model';
@@ -54,6 +56,28 @@ function el<K extends keyof HTMLElementTagNameMap>(
     node.append(child);
   }
   return node;
+}
+
+/** A titled group of the device's kernels ("Waiting (2)"); "—" when it has none. */
+function groupOf(kind: string, title: string, count: number): HTMLElement {
+  const group = el(
+    'div',
+    { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
+    el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${count})` })
+  );
+  if (!count) {
+    group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
+  }
+  return group;
+}
+
+/** A kernel's colour in the bar, beside its row; uncoloured for a negative index. */
+function swatch(color: number): HTMLElement {
+  return el('span', {
+    className: 'jp-gpushare-swatch',
+    'data-color': color >= 0 ? color % 8 : null,
+    'aria-hidden': 'true'
+  });
 }
 
 export class GPUSharePanel extends Widget {
@@ -403,6 +427,7 @@ export class GPUSharePanel extends Widget {
       const node = el('div', {
         className: `jp-gpushare-seg jp-gpushare-seg-${seg.kind}`,
         'data-mine': seg.mine,
+        'data-user': seg.user,
         'data-color': seg.color >= 0 ? seg.color % 8 : null,
         title: seg.label
       });
@@ -440,11 +465,21 @@ export class GPUSharePanel extends Widget {
       );
     }
 
-    section.append(
-      this._renderGroup('holders', 'Holding the GPU', dev.holders),
-      this._renderGroup('waiters', 'Waiting', dev.waiters),
-      this._renderGroup('idle', 'Idle', dev.idle)
-    );
+    if (dev.filtered) {
+      // Other users' kernels are only summed: their holders and places in the queue by user.
+      section.append(
+        this._renderGroup('holders', 'Holding the GPU', dev.holders, dev.otherHolders),
+        this._renderQueue(dev.queue, dev.waiters),
+        this._renderGroup('idle', 'Idle', dev.idle),
+        this._renderOthers(dev.others)
+      );
+    } else {
+      section.append(
+        this._renderGroup('holders', 'Holding the GPU', dev.holders),
+        this._renderGroup('waiters', 'Waiting', dev.waiters),
+        this._renderGroup('idle', 'Idle', dev.idle)
+      );
+    }
 
     if (dev.mine.length) {
       const mine = el(
@@ -472,19 +507,120 @@ export class GPUSharePanel extends Widget {
     return section;
   }
 
-  private _renderGroup(kind: string, title: string, rows: IKernelRow[]): HTMLElement {
-    const group = el(
-      'div',
-      { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
-      el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${rows.length})` })
-    );
-    if (!rows.length) {
-      group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
+  private _renderGroup(
+    kind: string,
+    title: string,
+    rows: IKernelRow[],
+    others: IPlace[] = []
+  ): HTMLElement {
+    const count = rows.length + others.length;
+    const group = groupOf(kind, title, count);
+    if (!count) {
       return group;
     }
     const list = el('ul', { className: 'jp-gpushare-kernels' });
     for (const row of rows) {
       list.append(this._renderKernel(row));
+    }
+    for (const place of others) {
+      list.append(this._renderPlace(place, 'holder'));
+    }
+    group.append(list);
+    return group;
+  }
+
+  /** A filtered document's queue, in order: the viewer's waiters and other users' places. */
+  private _renderQueue(queue: IPlace[], waiters: IKernelRow[]): HTMLElement {
+    const listed = new Set(queue.map(p => p.row?.id).filter(id => id !== undefined));
+    // The viewer's waiters the queue does not name (e.g. waiting but not queued yet) go last.
+    const rest = waiters.filter(r => !listed.has(r.id));
+    const count = queue.length + rest.length;
+    const group = groupOf('waiters', 'Waiting', count);
+    if (!count) {
+      return group;
+    }
+    const list = el('ul', { className: 'jp-gpushare-kernels' });
+    for (const place of queue) {
+      list.append(place.row ? this._renderKernel(place.row) : this._renderPlace(place, 'waiter'));
+    }
+    for (const row of rest) {
+      list.append(this._renderKernel(row));
+    }
+    group.append(list);
+    return group;
+  }
+
+  /** Another user's holder or waiter: the user and the place, nothing of what runs. */
+  private _renderPlace(place: IPlace, role: 'holder' | 'waiter'): HTMLElement {
+    const where =
+      role === 'holder'
+        ? 'holds the GPU'
+        : `waits${place.position !== null ? ` (#${place.position} in the queue)` : ''}`;
+    return el(
+      'li',
+      {
+        className: 'jp-gpushare-kernel jp-gpushare-other',
+        'data-role': role,
+        'data-user': place.user,
+        title: `A kernel of ${place.user}`,
+        'aria-label': `${place.name}: ${where}`
+      },
+      swatch(place.color),
+      el(
+        'span',
+        { className: 'jp-gpushare-kernel-text' },
+        el('span', { className: 'jp-gpushare-kernel-name', text: place.name }),
+        el('span', {
+          className: 'jp-gpushare-kernel-meta',
+          text:
+            role === 'holder'
+              ? place.user
+              : `${place.user}${place.position !== null ? ` · #${place.position} in queue` : ''}`
+        })
+      )
+    );
+  }
+
+  /** Other users' kernels, one row per user (filtered documents). */
+  private _renderOthers(others: IOtherUserRow[]): HTMLElement {
+    const group = groupOf('others', 'Other users', others.length);
+    if (!others.length) {
+      return group;
+    }
+    const list = el('ul', { className: 'jp-gpushare-kernels' });
+    for (const o of others) {
+      const details = [`${o.kernels} ${o.kernels === 1 ? 'kernel' : 'kernels'}`];
+      if (o.holding) {
+        details.push('holds the GPU');
+      }
+      if (o.queuePositions.length) {
+        details.push(`#${o.queuePositions.join(', #')} in queue`);
+      }
+      details.push(formatBytes(o.usedBytes));
+      if (o.evictedBytes) {
+        details.push(`${formatBytes(o.evictedBytes)} on host`);
+      }
+      if (o.gpuShare !== null) {
+        details.push(`GPU time ${formatPercent(o.gpuShare)}`);
+      }
+      list.append(
+        el(
+          'li',
+          {
+            className: 'jp-gpushare-kernel jp-gpushare-other-user',
+            'data-user': o.user,
+            title: `${o.name}: ${formatBytes(o.residentBytes)} on the GPU`,
+            'aria-label': `${o.name}: ${details.join(', ')}`
+          },
+          swatch(o.color),
+          el(
+            'span',
+            { className: 'jp-gpushare-kernel-text' },
+            el('span', { className: 'jp-gpushare-kernel-name', text: o.user }),
+            el('span', { className: 'jp-gpushare-kernel-meta', text: details.join(' · ') })
+          )
+        )
+      );
     }
     group.append(list);
     return group;
@@ -526,11 +662,7 @@ export class GPUSharePanel extends Widget {
         title: row.title,
         'aria-label': `${row.name}${row.mine ? ' (mine)' : ''}: ${roleText}`
       },
-      el('span', {
-        className: 'jp-gpushare-swatch',
-        'data-color': row.color % 8,
-        'aria-hidden': 'true'
-      }),
+      swatch(row.color),
       el(
         'span',
         { className: 'jp-gpushare-kernel-text' },

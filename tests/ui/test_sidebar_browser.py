@@ -5,6 +5,12 @@ pool together and the quantum is long, so they take turns: A's cell holds the GP
 lets it end, B's cell waits, and then the GPU passes to B. Last, the theme changes to JupyterLab
 Dark, and the panel's text must stay readable (light on dark).
 
+A second test shows the panel a node scheduler's document filtered for a non-admin
+(docs/protocol.md "Who sees what"): made by the scheduler's own filter and the server extension's
+enrichment, and served to the page in place of the server's status (REST and websocket), since
+this server's embedded scheduler sends the full document. Other users must appear summed: their
+memory in the bar, who holds the GPU, everyone's place in the queue, a row per user.
+
 Chromium is Debian's (`apt-get install chromium`; .ci/run installs it), driven by Playwright's
 Python API; Playwright's own browser downloads are not used (ui_helpers.py has what this test
 shares with test_sidebar_notebook7.py). Screenshots of the panel (sidebar.png, and
@@ -15,9 +21,13 @@ when set (docs/images/sidebar.png is made so:
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,6 +47,10 @@ from ui_helpers import (
     save_screenshot,
     text_colors,
 )
+
+from jupyter_gpushare.scheduler.users import Identity
+from jupyter_gpushare.scheduler.views import filter_status
+from jupyter_gpushare.serverextension.status import enrich
 
 FOOTPRINT = 700 * MiB
 
@@ -211,5 +225,155 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
                 assert dark[part]["contrast"] >= 4.5, dark
                 assert light[part]["contrast"] >= 4.5, light
             save_screenshot(page, tmp_path, "sidebar-dark.png")
+        finally:
+            browser.close()
+
+
+def _client(cid: str, user: str, uid: int, state: str, used: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "pid": 100 + uid,
+        "uid": uid,
+        "user": user,
+        "label": f"/home/{user}/secret-{cid}.ipynb",
+        "state": state,
+        "used_bytes": used,
+        "evicted_bytes": 0,
+        "quota_bytes": 0,
+        "weight": 1,
+        "gpu_seconds": 0.0,
+        "wait_seconds": 0.0,
+        **extra,
+    }
+
+
+def filtered_document() -> dict[str, Any]:
+    """What the REST status says to alice (a token identity, not an admin) when bob holds the
+    GPU and carol, alice's kernel "ka" (a.ipynb) and bob wait, in that order."""
+    full = {
+        "version": "0.1.0",
+        "nvml": True,
+        "devices": [
+            {
+                "uuid": "GPU-filtered",
+                "index": 0,
+                "name": "Stand-in GPU",
+                "total_bytes": 4 << 30,
+                "pool_bytes": 1 << 30,
+                "resident_bytes": 600 * MiB,
+                "mode": "turns",
+                "quantum_ms": 60000,
+                "holders": ["kbob1#7"],
+                "queue": ["kcarol#9", "ka", "kbob2#8"],
+                "clients": [
+                    _client("kbob1#7", "bob", 1001, "running", 300 * MiB, gpu_seconds=30.0),
+                    _client("kbob2#8", "bob", 1001, "waiting", 200 * MiB, evicted_bytes=150 * MiB),
+                    _client("kcarol#9", "carol", 1002, "waiting", 100 * MiB),
+                    _client("ka", "alice", 1000, "waiting", 150 * MiB, queue_position=2),
+                ],
+            }
+        ],
+    }
+    doc = filter_status(full, Identity(user="alice", uid=1000, token=True))
+    kernels = SimpleNamespace(
+        list_kernel_ids=lambda: ["ka"],
+        get_kernel=lambda kid: SimpleNamespace(kernel_name="gpushare-test", execution_state="busy"),
+    )
+
+    class Sessions:
+        async def list_sessions(self) -> list[dict[str, Any]]:
+            return [
+                {
+                    "id": "s",
+                    "path": "a.ipynb",
+                    "name": "a.ipynb",
+                    "type": "notebook",
+                    "kernel": {"id": "ka"},
+                }
+            ]
+
+    out = asyncio.run(
+        enrich(doc, kernel_manager=kernels, session_manager=Sessions(), viewer="alice", admin=False)
+    )
+    out["scheduler"] = {"mode": "node", "requested": "node", "socket": "/tmp/x", "error": None}
+    # The filter kept other users' labels (notebook paths) out.
+    assert "/home/bob" not in json.dumps(out) and "/home/carol" not in json.dumps(out)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_sidebar_shows_other_users_of_a_filtered_document(
+    lab: Lab, chromium: str, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    doc = filtered_document()
+    message = json.dumps({"type": "status", "status": doc})
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
+            page.route(re.compile(r".*/gpushare/api/status(\?.*)?$"), lambda r: r.fulfill(json=doc))
+            page.route_web_socket(
+                re.compile(r".*/gpushare/api/events.*"), lambda ws: ws.send(message)
+            )
+            page.goto(f"{lab.url}lab?token={TOKEN}", wait_until="domcontentloaded")
+            tab = page.locator('.jp-SideBar li.lm-TabBar-tab[data-id="jupyter-gpushare-sidebar"]')
+            expect(tab).to_be_visible(timeout=60_000)
+            tab.click()
+            panel = page.locator("#jupyter-gpushare-sidebar")
+            device = panel.locator(".jp-gpushare-device")
+            expect(device).to_have_count(1, timeout=15_000)
+            expect(device.locator(".jp-gpushare-summary")).to_have_text(
+                "bob's kernel holds the GPU; 3 waiting."
+            )
+            holders = panel.locator(".jp-gpushare-holders .jp-gpushare-kernel")
+            expect(holders).to_have_count(1)
+            expect(holders.first).to_have_attribute("aria-label", "bob's kernel: holds the GPU")
+            waiters = panel.locator(".jp-gpushare-waiters .jp-gpushare-kernel")
+            expect(waiters).to_have_count(3)
+            expect(waiters.nth(0)).to_have_attribute(
+                "aria-label", "carol's kernel: waits (#1 in the queue)"
+            )
+            expect(waiters.nth(1)).to_have_attribute(
+                "aria-label", "a.ipynb (mine): waits (#2 in the queue)"
+            )
+            expect(waiters.nth(2)).to_have_attribute(
+                "aria-label", "bob's kernel: waits (#3 in the queue)"
+            )
+            others = panel.locator(".jp-gpushare-others .jp-gpushare-other-user")
+            expect(others).to_have_count(2)
+            expect(others.nth(0)).to_have_attribute("data-user", "bob")
+            expect(others.nth(0)).to_contain_text(
+                "2 kernels · holds the GPU · #3 in queue · 500 MiB · 150 MiB on host"
+            )
+            expect(others.nth(1)).to_have_attribute("data-user", "carol")
+            expect(others.nth(1)).to_contain_text("1 kernel · #1 in queue · 100 MiB")
+            # The memory bar: a segment per other user, marked apart from alice's own.
+            bar = device.get_by_role("progressbar", name="Memory pool of")
+            expect(bar.locator('.jp-gpushare-seg-resident[data-user="bob"]')).to_have_attribute(
+                "title", "bob's 2 kernels: 350 MiB on the GPU"
+            )
+            expect(bar.locator('.jp-gpushare-seg-resident[data-user="carol"]')).to_have_count(1)
+            expect(bar.locator('.jp-gpushare-seg-evicted[data-user="bob"]')).to_have_count(1)
+            expect(bar.locator(".jp-gpushare-seg-resident[data-mine]")).to_have_count(1)
+            shown = panel.inner_text()
+            assert "secret-kbob" not in shown and "secret-kcarol" not in shown, shown
+            save_screenshot(page, tmp_path, "sidebar-others.png")
+
+            # Readable in both themes, as the rest of the panel.
+            name = others.nth(0).locator(".jp-gpushare-kernel-name")
+            place = waiters.nth(0).locator(".jp-gpushare-kernel-name")
+            light = {"name": text_colors(name), "place": text_colors(place)}
+            change_theme(page, "JupyterLab Dark")
+            dark = {
+                part: text_colors(loc, until=lambda c: c["backgroundLuminance"] < 0.2)
+                for part, loc in (("name", name), ("place", place))
+            }
+            print(f"light: {light}\ndark: {dark}")
+            for part in ("name", "place"):
+                assert light[part]["contrast"] >= 4.5, light
+                assert dark[part]["contrast"] >= 4.5, dark
+                assert dark[part]["colorLuminance"] > dark[part]["backgroundLuminance"], dark
         finally:
             browser.close()

@@ -455,3 +455,196 @@ describe('no GPU, no scheduler', () => {
     expect(m.devices[0].truncated).toBe(300);
   });
 });
+
+/**
+ * A node scheduler's document filtered for alice (docs/protocol.md "Who sees what"): her own
+ * clients in full; bob (holding, and third in the queue) and carol (first in the queue) summed.
+ */
+function filtered(extra: Partial<IStatus> = {}): IStatus {
+  return status(
+    [
+      device(
+        [
+          mine('ka', 'a.ipynb', { state: 'waiting', used_bytes: 200 * MiB, waiting_since: NOW - 5 }),
+          mine('kb', 'b.ipynb', { state: 'idle', used_bytes: 50 * MiB, gpu_seconds: 10 })
+        ],
+        {
+          holders: [],
+          queue: ['ka'],
+          resident_bytes: 550 * MiB,
+          holder_users: ['bob'],
+          queue_users: ['carol', 'alice', 'bob'],
+          others: [
+            {
+              user: 'bob',
+              clients: 2,
+              running: 1,
+              waiting: 1,
+              used_bytes: 300 * MiB,
+              resident_bytes: 200 * MiB,
+              evicted_bytes: 100 * MiB,
+              gpu_seconds: 40,
+              wait_seconds: 3,
+              weight: 2
+            },
+            {
+              user: 'carol',
+              clients: 1,
+              running: 0,
+              waiting: 1,
+              used_bytes: 100 * MiB,
+              resident_bytes: 100 * MiB,
+              evicted_bytes: 0,
+              gpu_seconds: 0,
+              wait_seconds: 9,
+              weight: 1
+            }
+          ]
+        }
+      )
+    ],
+    {
+      identity: { user: 'alice', admin: false, by: 'token' },
+      scheduler: { mode: 'node', requested: 'node', socket: '/run/gpushare.sock', error: null },
+      ...extra
+    }
+  );
+}
+
+describe("other users' kernels in a filtered document", () => {
+  it('says which other user holds the GPU and how many wait', () => {
+    const d = vm(filtered()).devices[0];
+    expect(d.filtered).toBe(true);
+    expect(d.holders).toEqual([]);
+    expect(d.otherHolders.map(p => [p.user, p.name, p.mine])).toEqual([
+      ['bob', "bob's kernel", false]
+    ]);
+    expect(d.summary).toBe("bob's kernel holds the GPU; 3 waiting.");
+  });
+
+  it('lists the whole queue in order, other users by name, my kernel at its real place', () => {
+    const d = vm(filtered()).devices[0];
+    expect(d.queue.map(p => [p.position, p.user, p.mine, p.name])).toEqual([
+      [1, 'carol', false, "carol's kernel"],
+      [2, 'alice', true, 'a.ipynb'],
+      [3, 'bob', false, "bob's kernel"]
+    ]);
+    // dev.queue lists only alice's waiter; without the client's own queue_position her place
+    // counts everyone's queue.
+    expect(d.queue[1].row?.id).toBe('ka');
+    expect(d.waiters.map(r => [r.id, r.queuePosition])).toEqual([['ka', 2]]);
+    expect(d.idle.map(r => r.id)).toEqual(['kb']);
+  });
+
+  it("keeps the scheduler's own queue_position for my waiters", () => {
+    const doc = filtered();
+    doc.devices![0].clients[0].queue_position = 2;
+    expect(vm(doc).devices[0].waiters[0].queuePosition).toBe(2);
+  });
+
+  it('has a row per other user with kernel count, memory, place and GPU time', () => {
+    const d = vm(filtered()).devices[0];
+    expect(d.others.map(o => o.user)).toEqual(['bob', 'carol']);
+    const [bob, carol] = d.others;
+    expect(bob).toMatchObject({
+      name: "bob's 2 kernels",
+      kernels: 2,
+      running: 1,
+      waiting: 1,
+      holding: 1,
+      queuePositions: [3],
+      usedBytes: 300 * MiB,
+      residentBytes: 200 * MiB,
+      evictedBytes: 100 * MiB,
+      gpuSeconds: 40
+    });
+    expect(bob.gpuShare).toBeCloseTo(0.8);
+    expect(carol).toMatchObject({ name: "carol's kernel", holding: 0, queuePositions: [1] });
+    // Colours after alice's two kernels, distinct from hers.
+    expect([bob.color, carol.color]).toEqual([2, 3]);
+    expect(d.otherHolders[0].color).toBe(2);
+    // My share counts everyone's GPU time and weights, not just mine.
+    expect(d.myShare).toBeCloseTo(10 / 50);
+    expect(d.myWeightShare).toBeCloseTo(2 / 5);
+  });
+
+  it("stacks other users' memory per user in the bar, apart from mine", () => {
+    const d = vm(filtered()).devices[0];
+    const kinds = d.segments.map(s => `${s.kind}:${s.id ?? s.user ?? ''}`);
+    expect(kinds).toEqual([
+      'resident:ka',
+      'resident:kb',
+      'resident:bob',
+      'resident:carol',
+      'free:',
+      'evicted:bob'
+    ]);
+    const bob = d.segments[2];
+    expect(bob).toMatchObject({ mine: false, user: 'bob', id: null, bytes: 200 * MiB, color: 2 });
+    expect(bob.label).toBe("bob's 2 kernels: 200 MiB on the GPU");
+    expect(d.segments[5].label).toBe("bob's 2 kernels: 100 MiB off the GPU (host memory)");
+    expect(d.segments.filter(s => s.mine).map(s => s.id)).toEqual(['ka', 'kb']);
+    expect(d.freeBytes).toBe(GiB - 550 * MiB);
+    expect(d.evictedBytes).toBe(100 * MiB);
+    expect(d.segments.reduce((s, x) => s + x.fraction, 0)).toBeCloseTo(1);
+  });
+
+  it('names my own holder first when another user holds too', () => {
+    const doc = filtered();
+    const dev = doc.devices![0];
+    dev.clients[0] = mine('ka', 'a.ipynb', { state: 'running', used_bytes: 200 * MiB });
+    dev.holders = ['ka'];
+    dev.queue = [];
+    dev.holder_users = ['alice', 'bob'];
+    dev.queue_users = ['carol', 'bob'];
+    const d = vm(doc).devices[0];
+    expect(d.holders.map(r => r.id)).toEqual(['ka']);
+    expect(d.otherHolders.map(p => p.user)).toEqual(['bob']);
+    expect(d.queue.map(p => [p.position, p.user])).toEqual([
+      [1, 'carol'],
+      [2, 'bob']
+    ]);
+    expect(d.summary).toBe("a.ipynb, bob's kernel hold the GPU; 2 waiting.");
+  });
+
+  it('tells other users apart by the summed users when the identity is missing', () => {
+    const doc = filtered({ identity: undefined });
+    const d = vm(doc).devices[0];
+    expect(d.queue.map(p => p.mine)).toEqual([false, true, false]);
+    expect(d.otherHolders.map(p => p.user)).toEqual(['bob']);
+  });
+
+  it('shows a GPU used only by other users', () => {
+    const doc = filtered();
+    const dev = doc.devices![0];
+    dev.clients = [];
+    dev.queue = [];
+    dev.queue_users = ['carol', 'bob'];
+    const d = vm(doc).devices[0];
+    expect(d.summary).toBe("bob's kernel holds the GPU; 2 waiting.");
+    expect(d.mine).toEqual([]);
+    expect(d.myShare).toBeNull();
+    expect(d.others.map(o => o.color)).toEqual([0, 1]);
+  });
+
+  it('leaves the unfiltered (embedded or admin) document as it was', () => {
+    for (const doc of [turns(), { ...turns(), identity: { user: 'root', admin: true, by: 'uid' } }]) {
+      const d = vm(doc).devices[0];
+      expect(d.filtered).toBe(false);
+      expect(d.others).toEqual([]);
+      expect(d.otherHolders).toEqual([]);
+      expect(d.queue).toEqual([]);
+      expect(d.segments.every(s => s.user === null)).toBe(true);
+      expect(d.segments.map(s => `${s.kind}:${s.id ?? ''}`)).toEqual([
+        'resident:ka',
+        'resident:kb',
+        'resident:kc',
+        'free:',
+        'evicted:kb'
+      ]);
+      expect(d.summary).toBe('a.ipynb holds the GPU; 1 waiting.');
+      expect(d.waiters[0].queuePosition).toBe(1);
+      expect(d.myShare).toBeCloseTo(40 / 100);
+    }
+  });
+});
