@@ -107,8 +107,11 @@ def environment() -> dict[str, Any]:
             "python": platform.python_version(),
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
-            "git_commit": _run_text(["git", "rev-parse", "HEAD"])
-            or os.environ.get("GPUSHARE_BENCH_COMMIT", "unknown"),
+            # GPUSHARE_BENCH_COMMIT wins when set: a copy of the tree (a GPU machine that was
+            # sent the working tree) may carry an older .git than the code it runs.
+            "git_commit": os.environ.get("GPUSHARE_BENCH_COMMIT")
+            or _run_text(["git", "rev-parse", "HEAD"])
+            or "unknown",
             "source_digest": source_digest(),
             "git_dirty": bool(_run_text(["git", "status", "--porcelain", "--untracked-files=no"])),
         }
