@@ -19,24 +19,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "cuda_abi.h"
+#define BENCH_NAME "launch_overhead"
+#include "launch_common.h"
 
 typedef CUresult (*get_proc_t)(const char *, void **, int, cuuint64_t,
                                CUdriverProcAddressQueryResult *);
-typedef CUresult (*init_t)(unsigned int);
-typedef CUresult (*device_get_t)(CUdevice *, int);
-typedef CUresult (*retain_t)(CUcontext *, CUdevice);
-typedef CUresult (*set_current_t)(CUcontext);
-typedef CUresult (*module_load_t)(void **, const void *);
-typedef CUresult (*get_function_t)(CUfunction *, void *, const char *);
-typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             unsigned, CUstream, void **, void **);
-typedef CUresult (*launch_ex_t)(const CUlaunchConfig *, CUfunction, void **, void **);
-typedef CUresult (*sync_t)(void);
-
-/* An empty kernel named "noop" (the stand-in driver knows the same name). */
-static const char PTX[] = ".version 7.0\n.target sm_50\n.address_size 64\n"
-                          ".visible .entry noop()\n{\n\tret;\n}\n";
 
 static get_proc_t get_proc;
 
@@ -49,21 +36,6 @@ static void *resolve(const char *name)
         exit(2);
     }
     return fn;
-}
-
-static void check(CUresult r, const char *what)
-{
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "launch_overhead: %s failed with CUresult %d\n", what, r);
-        exit(3);
-    }
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static int by_value(const void *a, const void *b)
