@@ -55,6 +55,16 @@ from jupyter_gpushare.serverextension.status import enrich
 FOOTPRINT = 700 * MiB
 
 
+def _measured(c: dict[str, Any]) -> bool:
+    """The element gave its colours: the panel re-renders on every status update, and a
+    measurement that caught it mid-render read none (once, in CI)."""
+    return len(c["color"]) == 3 and len(c["background"]) == 3
+
+
+def _dark(c: dict[str, Any]) -> bool:
+    return _measured(c) and c["backgroundLuminance"] < 0.2
+
+
 @pytest.fixture
 def chromium() -> str:
     return require_chromium()
@@ -202,18 +212,18 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             holder = holders.first.locator(".jp-gpushare-kernel-name").first
             warning = panel.locator(".jp-gpushare-warning").first
             light = {
-                "title": text_colors(title),
-                "holder": text_colors(holder),
-                "warning": text_colors(warning),
+                "title": text_colors(title, until=_measured),
+                "holder": text_colors(holder, until=_measured),
+                "warning": text_colors(warning, until=_measured),
             }
             change_theme(page, "JupyterLab Dark")
             expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
             expect(holders.first).to_contain_text("b.ipynb")
             # The theme's stylesheet is in, but colours may still be on their way (transitions).
             dark = {
-                "title": text_colors(title, until=lambda c: c["backgroundLuminance"] < 0.2),
-                "holder": text_colors(holder, until=lambda c: c["backgroundLuminance"] < 0.2),
-                "warning": text_colors(warning, until=lambda c: c["backgroundLuminance"] < 0.2),
+                "title": text_colors(title, until=_dark),
+                "holder": text_colors(holder, until=_dark),
+                "warning": text_colors(warning, until=_dark),
             }
             print(f"light: {light}\ndark: {dark}")
             for part in ("title", "holder", "warning"):
@@ -367,7 +377,7 @@ def test_sidebar_shows_other_users_of_a_filtered_document(
             light = {"name": text_colors(name), "place": text_colors(place)}
             change_theme(page, "JupyterLab Dark")
             dark = {
-                part: text_colors(loc, until=lambda c: c["backgroundLuminance"] < 0.2)
+                part: text_colors(loc, until=_dark)
                 for part, loc in (("name", name), ("place", place))
             }
             print(f"light: {light}\ndark: {dark}")
