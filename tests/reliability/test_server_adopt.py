@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 from provisioner_helpers import GPU_PRELUDE
-from test_server_crash import ROOT, TOKEN, MiB, Server, pid_alive, run_cell
+from test_server_crash import TOKEN, MiB, Server, kernelspec_and_env, pid_alive, run_cell
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -80,38 +79,11 @@ def _clients(sched: Any) -> dict[str, dict[str, Any]]:
 @pytest.mark.timeout(240)
 def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
     sched = harness.scheduler(pool="1GiB", quantum=30.0)
-    shim = harness.build.require_shim()
-    data = tmp_path / "data"
-    spec_dir = data / "kernels" / "gpushare-adopt"
-    spec_dir.mkdir(parents=True)
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "gpushare adopt",
-        "language": "python",
-        "env": {
-            "LD_LIBRARY_PATH": str(harness.build.fake_dir),
-            "GPUSHARE_CONTEXT_BYTES": str(16 * MiB),
-            "GPUSHARE_IDLE_SECONDS": "0",
-            "PYTHONPATH": str(ROOT),
-        },
-        "metadata": {"kernel_provisioner": {"provisioner_name": "gpushare-provisioner"}},
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    config = tmp_path / "config"
-    config.mkdir()
-    (config / "jupyter_server_config.py").write_text(
+    env, runtime = kernelspec_and_env(harness, tmp_path, "gpushare-adopt")
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "jupyter_server_config.py").write_text(
         "c.GPUShareProvisioner.survive_server_restart = True\n"
     )
-    runtime = tmp_path / "runtime"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSHARE_", "JUPYTER"))}
-    env.pop("LD_PRELOAD", None)
-    env |= {
-        "GPUSHARE_LIBRARY": str(shim),
-        "JUPYTER_PATH": str(data),
-        "JUPYTER_RUNTIME_DIR": str(runtime),
-        "JUPYTER_CONFIG_DIR": str(config),
-        "PYTHONPATH": str(ROOT),
-    }
     sock = str(harness.socket_path)
     first = Server(tmp_path, env, sock).start()
     second: Server | None = None
@@ -186,13 +158,60 @@ def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
             os.kill(kernel_pid, 9)
 
 
+def _adopt_without_server(runtime: Path, embedded: bool) -> dict[str, list[str]]:
+    """adopt_kernels on ``runtime`` with no kernel manager and no scheduler: what it does
+    before it would need either."""
+    import logging
+
+    from jupyter_gpushare.adoption import adopt_kernels
+
+    async def no_status() -> dict[str, Any]:
+        raise AssertionError("no scheduler needed")
+
+    return asyncio.run(
+        adopt_kernels(
+            {},
+            str(runtime),
+            embedded=embedded,
+            scheduler_status=no_status,
+            log=logging.getLogger("test"),
+        )
+    )
+
+
+@pytest.mark.timeout(60)
+def test_embedded_scheduler_survivors_are_ended(tmp_path):
+    """With an embedded scheduler the survivor's scheduler died with its server: the new server
+    ends it (SIGTERM to its process group) instead of adopting it, and removes its record."""
+    import subprocess
+
+    from jupyter_gpushare.adoption import process_start_time
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        doc = {
+            "kernel_id": "orphan",
+            "server_pid": 999999999,
+            "provisioner_info": {"pid": proc.pid, "pgid": proc.pid},
+            "start_time": process_start_time(proc.pid),
+        }
+        (tmp_path / "gpushare-kernel-orphan.json").write_text(json.dumps(doc))
+        (tmp_path / "kernel-orphan.json").write_text("{}")
+        outcome = _adopt_without_server(tmp_path, embedded=True)
+        assert outcome["ended"] == ["orphan"], outcome
+        assert proc.wait(10) == -15
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.timeout(60)
 def test_records_of_gone_kernels_are_removed_and_live_servers_left_alone(tmp_path):
     """adopt_kernels' bookkeeping without a server: a record whose kernel process is gone is
     removed (with its connection file); one of a server that still runs is left alone."""
-    import logging
-
-    from jupyter_gpushare.adoption import adopt_kernels, process_start_time
+    from jupyter_gpushare.adoption import process_start_time
 
     runtime = tmp_path
     gone = {
@@ -213,18 +232,7 @@ def test_records_of_gone_kernels_are_removed_and_live_servers_left_alone(tmp_pat
     (runtime / "kernel-gone.json").write_text("{}")
     (runtime / "gpushare-kernel-broken.json").write_text("{not json")
 
-    async def no_status() -> dict[str, Any]:
-        raise AssertionError("no scheduler needed")
-
-    outcome = asyncio.run(
-        adopt_kernels(
-            {},
-            str(runtime),
-            embedded=False,
-            scheduler_status=no_status,
-            log=logging.getLogger("test"),
-        )
-    )
+    outcome = _adopt_without_server(runtime, embedded=False)
     assert outcome == {"adopted": [], "ended": [], "gone": ["gone"], "skipped": []}
     left = sorted(p.name for p in Path(runtime).iterdir())
     assert left == ["gpushare-kernel-other-server.json"], left
