@@ -140,6 +140,15 @@ def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
         assert client["id"] == kid and client["jupyter"]["local"] is True, client
         print(f"new server up and kernel adopted in {started:.2f} s")
 
+        # A restart in the new server starts a child of its own under the same id and record.
+        second.request("POST", f"api/kernels/{kid}/restart")
+        assert not pid_alive(kernel_pid), "the adopted process outlived its restart"
+        restarted = json.loads(record.read_text())["provisioner_info"]["pid"]
+        assert restarted != kernel_pid and pid_alive(restarted)
+        run_cell(runtime, kid, GPU_PRELUDE + f"\nassert alloc({10 * MiB})[0] == 0\n")
+        assert _clients(sched)[kid]["pid"] == restarted
+        kernel_pid = restarted
+
         # Shut down in the new server: the process ends, the scheduler and the runtime dir
         # keep nothing of it.
         second.request("DELETE", f"api/kernels/{kid}")
