@@ -95,6 +95,13 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, default, validate
 
+from .adoption import (
+    AdoptedProcess,
+    process_start_time,
+    remove_record,
+    same_process,
+    write_record,
+)
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
@@ -248,6 +255,15 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         mps_default_thread_percentage times the weight).""",
     ).tag(config=True)
 
+    survive_server_restart = Bool(
+        False,
+        help="""Let kernels outlive a crashed or restarted Jupyter server, for the next server
+        on the same runtime directory to adopt (same kernel id, state and scheduler client;
+        docs/reliability.md). Meant for a node scheduler. The trade-off: a kernel whose server
+        died keeps its GPU memory (and its process) until a new server adopts it and it is
+        shut down or culled there, or until someone ends it (`gpushare evict`, kill).""",
+    ).tag(config=True)
+
     mps_terminate_timeout = Float(
         35.0,
         help="""Seconds to wait for the scheduler's terminate_client before a SIGKILL goes ahead
@@ -299,16 +315,20 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             return self.label
         session = env.get("JPY_SESSION_NAME", "")
         if session:
-            root = self._server_root_dir()
-            if root and os.path.isabs(session):
-                try:
-                    rel = os.path.relpath(session, root)
-                except ValueError:
-                    rel = session
-                if not rel.startswith(".."):
-                    return rel
-            return session
+            return self._session_api_path(session) or session
         return str(cwd) if cwd else os.getcwd()
+
+    def _session_api_path(self, session: str) -> str | None:
+        """The notebook path of a session (JPY_SESSION_NAME) relative to the server's root."""
+        root = self._server_root_dir()
+        if root and os.path.isabs(session):
+            try:
+                rel = os.path.relpath(session, root)
+            except ValueError:
+                return None
+            if not rel.startswith(".."):
+                return rel
+        return None
 
     def _server_root_dir(self) -> str | None:
         # KernelManager -> MappingKernelManager (jupyter_server) has root_dir.
@@ -350,6 +370,11 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             library=library,
         )
         kwargs["cmd"] = self._kernel_command(list(kwargs["cmd"]))
+        if self.survive_server_restart:
+            # No parent poller: the kernel outlives its server (jupyter_client's launcher sets
+            # JPY_PARENT_PID unless independent; an inherited one would arm it as well).
+            kwargs["independent"] = True
+            kwargs["env"].pop("JPY_PARENT_PID", None)
         self._launch_env = kwargs["env"]
         await self._mps_environment(kwargs["env"])
         await self._wait_for_stale_client()
@@ -561,11 +586,58 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
         info["gpushare_device"] = self.placement
+        info["gpushare_mps_device"] = self._mps_device
+        info["gpushare_user"] = (self._launch_env or {}).get(ENV_USER)
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        """Also takes over the kernel's running process (pid), as adoption by a new server
+        does (:mod:`jupyter_gpushare.adoption`)."""
         await super().load_provisioner_info(provisioner_info)
         self.placement = provisioner_info.get("gpushare_device")
+        self._mps_device = provisioner_info.get("gpushare_mps_device")
+        if provisioner_info.get("gpushare_user"):
+            self._launch_env = {ENV_USER: str(provisioner_info["gpushare_user"])}
+        pid = provisioner_info.get("pid")
+        if self.process is None and pid and same_process(pid, provisioner_info.get("start_time")):
+            self.process = AdoptedProcess(int(pid), provisioner_info.get("start_time"))
+
+    # -- surviving the server (see jupyter_gpushare.adoption) ----------------------------------
+
+    def _runtime_dir(self) -> str:
+        connection_file = getattr(self.parent, "connection_file", "") or ""
+        return os.path.dirname(connection_file) if connection_file else ""
+
+    async def post_launch(self, **kwargs: Any) -> None:
+        await super().post_launch(**kwargs)
+        runtime = self._runtime_dir()
+        if not self.survive_server_restart or not runtime or self.pid is None or not self.kernel_id:
+            return
+        info = await self.get_provisioner_info()
+        info.pop("connection_info", None)  # the connection file has it (with the key)
+        info["start_time"] = process_start_time(self.pid)
+        session = (self._launch_env or {}).get("JPY_SESSION_NAME", "")
+        doc = {
+            "kernel_name": getattr(self.parent, "kernel_name", ""),
+            "cwd": str(kwargs.get("cwd") or ""),
+            "notebook": self._session_api_path(session) if session else None,
+            "provisioner_info": info,
+            "start_time": info["start_time"],
+        }
+        try:
+            await write_record(runtime, self.kernel_id, doc)
+        except OSError as exc:
+            self.log.warning(
+                "gpushare: kernel %s will not be found again after a server restart: %s",
+                self.kernel_id,
+                exc,
+            )
+
+    async def cleanup(self, restart: bool = False) -> None:
+        await super().cleanup(restart=restart)
+        runtime = self._runtime_dir()
+        if not restart and runtime and self.kernel_id:
+            await remove_record(runtime, self.kernel_id)
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Float, List, Unicode, Union, default, validate
 
 from .._version import __version__
+from ..adoption import adopt_kernels
 from ..hub import SCHEDULER_ENV
 from ..paths import SYSTEM_SOCKET
 from .backend import NotifyingScheduler, SchedulerBackend
@@ -214,6 +215,32 @@ class GPUShareExtension(ExtensionApp):
         )
         self.watcher.start()
         self.broadcaster.start()
+        await self._adopt_kernels()
+
+    async def _adopt_kernels(self) -> None:
+        """Take in the kernels that outlived an earlier server of this runtime directory
+        (``GPUShareProvisioner.survive_server_restart``, :mod:`jupyter_gpushare.adoption`)."""
+        assert self.serverapp is not None
+        try:
+            outcome = await adopt_kernels(
+                self.serverapp.kernel_manager,
+                str(getattr(self.serverapp, "runtime_dir", "") or ""),
+                embedded=self.backend.embedded,
+                scheduler_status=self.backend.status,
+                log=self.log,
+                session_manager=getattr(self.serverapp, "session_manager", None),
+            )
+        except Exception:  # never keep the server from starting
+            self.log.exception("gpushare: adopting the kernels of a former server failed")
+            return
+        for kernel_id in outcome["adopted"]:
+            if self.watcher is not None:
+                self.watcher.watch(kernel_id)
+        if any(outcome.values()):
+            self.log.info(
+                "gpushare: kernels of former servers: %s",
+                ", ".join(f"{k} {len(v)}" for k, v in outcome.items()),
+            )
 
     async def stop_extension(self) -> None:
         if self.watcher is not None:

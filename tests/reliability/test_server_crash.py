@@ -4,10 +4,11 @@ scheduler, then started again.
 What happens, and what this test holds on to (docs/reliability.md): jupyter_client starts each
 kernel with JPY_PARENT_PID, and ipykernel's parent poller ends the kernel (``os._exit(1)``) within
 about a second of its server's death: a crashed server's kernels do not outlive it (Jupyter's own
-behaviour, with or without gpushare; there is no API to adopt a running kernel into a new
-server). The shim's socket closes with the process, so the node scheduler drops the kernel's
-grant and memory at once: nothing stays attributed to it, and the new server starts cleanly,
-sees no stale kernel, and runs new kernels under the same scheduler.
+behaviour by default, with or without gpushare; test_server_adopt.py covers the opt-in where
+kernels survive and the new server adopts them). The shim's socket closes with the process, so
+the node scheduler drops the kernel's grant and memory at once: nothing stays attributed to it,
+and the new server starts cleanly, sees no stale kernel, and runs new kernels under the same
+scheduler.
 """
 
 from __future__ import annotations
@@ -119,16 +120,16 @@ def run_cell(runtime: Path, kid: str, code: str) -> None:
         kc.stop_channels()
 
 
-@pytest.mark.timeout(240)
-def test_server_killed_its_kernels_end_and_nothing_stays_attributed(harness, tmp_path):
-    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+def kernelspec_and_env(harness: Any, tmp_path: Path, name: str) -> tuple[dict[str, str], Path]:
+    """A kernelspec ``name`` under the gpushare provisioner and the stand-in driver, and the
+    environment of a server that finds it (its runtime directory returned with it)."""
     shim = harness.build.require_shim()
     data = tmp_path / "data"
-    spec_dir = data / "kernels" / "gpushare-crash"
+    spec_dir = data / "kernels" / name
     spec_dir.mkdir(parents=True)
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "gpushare crash",
+        "display_name": name,
         "language": "python",
         "env": {
             "LD_LIBRARY_PATH": str(harness.build.fake_dir),
@@ -149,6 +150,13 @@ def test_server_killed_its_kernels_end_and_nothing_stays_attributed(harness, tmp
         "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
         "PYTHONPATH": str(ROOT),
     }
+    return env, runtime
+
+
+@pytest.mark.timeout(240)
+def test_server_killed_its_kernels_end_and_nothing_stays_attributed(harness, tmp_path):
+    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+    env, runtime = kernelspec_and_env(harness, tmp_path, "gpushare-crash")
     sock = str(harness.socket_path)
     first = Server(tmp_path, env, sock).start()
     try:
