@@ -574,34 +574,29 @@ function deviceView(
   const denominator = Math.max(pool, resident) + evicted;
   const frac = (b: number) => (denominator > 0 ? b / denominator : 0);
   const segments: ISegment[] = [];
-  for (const r of rows) {
-    if (r.residentBytes > 0) {
-      segments.push({
-        kind: 'resident',
-        id: r.id,
-        user: null,
-        label: `${r.name}: ${formatBytes(r.residentBytes)} on the GPU`,
-        bytes: r.residentBytes,
-        fraction: frac(r.residentBytes),
-        mine: r.mine,
-        color: r.color
-      });
+  // Who owns memory on the bar: my kernels and visible ones row by row, other users summed.
+  const owners = [
+    ...rows.map(r => ({ ...r, user: null as string | null })),
+    ...others.map(o => ({ ...o, id: null as string | null, mine: false }))
+  ];
+  const ownerParts = (kind: 'resident' | 'evicted', where: string) => {
+    for (const w of owners) {
+      const bytes = kind === 'resident' ? w.residentBytes : w.evictedBytes;
+      if (bytes > 0) {
+        segments.push({
+          kind,
+          id: w.id,
+          user: w.user,
+          label: `${w.name}: ${formatBytes(bytes)} ${where}`,
+          bytes,
+          fraction: frac(bytes),
+          mine: w.mine,
+          color: w.color
+        });
+      }
     }
-  }
-  for (const o of others) {
-    if (o.residentBytes > 0) {
-      segments.push({
-        kind: 'resident',
-        id: null,
-        user: o.user,
-        label: `${o.name}: ${formatBytes(o.residentBytes)} on the GPU`,
-        bytes: o.residentBytes,
-        fraction: frac(o.residentBytes),
-        mine: false,
-        color: o.color
-      });
-    }
-  }
+  };
+  ownerParts('resident', 'on the GPU');
   if (free > 0) {
     segments.push({
       kind: 'free',
@@ -614,34 +609,7 @@ function deviceView(
       color: -1
     });
   }
-  for (const r of rows) {
-    if (r.evictedBytes > 0) {
-      segments.push({
-        kind: 'evicted',
-        id: r.id,
-        user: null,
-        label: `${r.name}: ${formatBytes(r.evictedBytes)} off the GPU (host memory)`,
-        bytes: r.evictedBytes,
-        fraction: frac(r.evictedBytes),
-        mine: r.mine,
-        color: r.color
-      });
-    }
-  }
-  for (const o of others) {
-    if (o.evictedBytes > 0) {
-      segments.push({
-        kind: 'evicted',
-        id: null,
-        user: o.user,
-        label: `${o.name}: ${formatBytes(o.evictedBytes)} off the GPU (host memory)`,
-        bytes: o.evictedBytes,
-        fraction: frac(o.evictedBytes),
-        mine: false,
-        color: o.color
-      });
-    }
-  }
+  ownerParts('evicted', 'off the GPU (host memory)');
 
   const myGpu = mineRows.reduce((s, r) => s + r.gpuSeconds, 0);
   const [modeLabel, modeDescription] = MODES[dev.mode] ?? [dev.mode || '?', ''];
