@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id
+from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode
 from ..units import parse_size
 from . import events as ev
 
@@ -34,6 +34,8 @@ __all__ = [
     "check_place",
     "check_status_request",
     "control_action",
+    "decision_message",
+    "encode_status",
     "free_client_id",
     "memory_after",
     "shim_event",
@@ -198,6 +200,38 @@ def shim_event(msg: Message, client_id: str, now: float, memory: Mapping[str, in
     if mtype == MsgType.GOODBYE:
         return ev.Leave(now, client_id)
     raise ValueError(f"{msg.type_name} is not a shim message")  # the dispatcher checked
+
+
+def decision_message(decision: ev.Decision) -> Message:
+    """The frame that carries a policy decision to its shim."""
+    if isinstance(decision, ev.Grant):
+        return Message(MsgType.GRANT, {"flag": int(decision.restore)})
+    if isinstance(decision, ev.Revoke):
+        return Message(MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason})
+    return Message(MsgType.EVICT, {"reason": decision.reason})
+
+
+def encode_status(doc: dict[str, Any]) -> bytes:
+    """The STATUS frame of ``doc``, cut down to fit the 64 KiB frame (and saying so).
+
+    Over the limit (hundreds of clients) the devices stay and the per-client detail goes; still
+    over (devices learnt from HELLOs with long names), the devices go too. Without this the
+    encoding raised and STATUS failed for every peer (found by test_protocol_fuzz.py).
+    """
+    try:
+        return encode(Message(MsgType.STATUS, {"body": doc}))
+    except ValueError:
+        pass
+    for dev in doc["devices"]:
+        dev["clients_truncated"] = len(dev.get("clients", []))
+        dev["clients"] = []
+    doc["truncated"] = True
+    try:
+        return encode(Message(MsgType.STATUS, {"body": doc}))
+    except ValueError:
+        doc["devices_truncated"] = len(doc["devices"])
+        doc["devices"] = []
+        return encode(Message(MsgType.STATUS, {"body": doc}))
 
 
 # -- control peers -----------------------------------------------------------------------------

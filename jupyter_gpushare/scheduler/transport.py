@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
-import logging
 import os
 import socket
 import stat
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..protocol import ErrorCode, FrameDecoder, Message, ProtocolError, encode, error_message
 from .users import Identity
@@ -29,6 +29,7 @@ __all__ = [
     "SchedulerConfigError",
     "SchedulerStartError",
     "SocketFile",
+    "listen",
     "read_peer_credentials",
 ]
 
@@ -37,6 +38,8 @@ MAX_WRITE_BUFFER = 1 << 20
 #: The longest path a Unix socket address holds (sun_path minus its terminating NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: The scheduler's logger (a traitlets logger: a Logger or a LoggerAdapter).
+Log = Any
 
 
 class SchedulerStartError(RuntimeError):
@@ -103,10 +106,10 @@ class Connection:
         who = self.client_id or self.kind
         return f"{who} (conn {self.serial}, pid {self.peer.pid}, uid {self.peer.uid})"
 
-    def send(self, msg: Message, log: logging.Logger | logging.LoggerAdapter) -> bool:  # type: ignore[type-arg]
+    def send(self, msg: Message, log: Log) -> bool:
         return self.write_frame(encode(msg), log)
 
-    def write_frame(self, frame: bytes, log: logging.Logger | logging.LoggerAdapter) -> bool:  # type: ignore[type-arg]
+    def write_frame(self, frame: bytes, log: Log) -> bool:
         """Queue ``frame``; a peer whose unread data passes MAX_WRITE_BUFFER is dropped."""
         writer = self.writer
         if writer is None or self.closed or writer.is_closing():
@@ -127,7 +130,7 @@ class Connection:
         self,
         code: ErrorCode,
         text: str,
-        log: logging.Logger | logging.LoggerAdapter,  # type: ignore[type-arg]
+        log: Log,
     ) -> None:
         log.debug("error %s to %s: %s", code.name.lower(), self.name, text)
         self.send(error_message(code, text), log)
@@ -137,7 +140,7 @@ async def serve_frames(
     conn: Connection,
     reader: asyncio.StreamReader,
     on_message: Callable[[Connection, Message], Awaitable[None]],
-    log: logging.Logger | logging.LoggerAdapter,  # type: ignore[type-arg]
+    log: Log,
 ) -> None:
     """Read frames off ``conn`` and hand each message to ``on_message`` until the peer closes,
     sends something undecodable (answered with an ERROR), or ``conn`` is closed."""
@@ -203,7 +206,7 @@ class SocketFile:
                 f"{self.path}"
             )
 
-    def prepare_directory(self, log: logging.Logger | logging.LoggerAdapter) -> bool:  # type: ignore[type-arg]
+    def prepare_directory(self, log: Log) -> bool:
         """Create the socket's directory; remove a stale socket; refuse a live or foreign one.
 
         Returns whether the last scheduler here left clients behind (a stale socket: it crashed;
@@ -299,3 +302,38 @@ class SocketFile:
         if self.published == (st.st_dev, st.st_ino):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+async def listen(
+    sock_file: SocketFile,
+    on_connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    log: Log,
+) -> tuple[asyncio.AbstractServer, bool]:
+    """Serve ``on_connection`` on the socket; the server and whether the last scheduler there
+    left clients behind (see :meth:`SocketFile.prepare_directory`)."""
+    loop = asyncio.get_running_loop()
+    sock_file.check_length()
+    path = sock_file.path
+    try:
+        left_clients = await loop.run_in_executor(None, sock_file.prepare_directory, log)
+        sock, tmp = await loop.run_in_executor(None, sock_file.bind)
+    except SchedulerStartError:
+        raise
+    except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
+        # A directory that cannot be made or written (or a file in its way): one clear line.
+        raise SchedulerConfigError(
+            f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
+            "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
+        ) from None
+    server: asyncio.AbstractServer | None = None
+    try:
+        server = await asyncio.start_unix_server(on_connection, sock=sock)
+        await loop.run_in_executor(None, sock_file.publish, tmp)
+    except BaseException:
+        if server is not None:
+            server.close()
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return server, left_clients
