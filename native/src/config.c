@@ -41,9 +41,10 @@ int gs_parse_size(const char *text, uint64_t *out)
     uint64_t whole = 0, frac_num = 0, frac_den = 1;
     int digits = 0;
     while (isdigit((unsigned char)*p)) {
-        if (whole > (UINT64_MAX - 9) / 10)
+        uint64_t digit = (uint64_t)(*p++ - '0');
+        if (whole > (UINT64_MAX - digit) / 10) /* exact: 18446744073709551615 still fits */
             return -1;
-        whole = whole * 10 + (uint64_t)(*p++ - '0');
+        whole = whole * 10 + digit;
         digits++;
     }
     if (*p == '.') {
