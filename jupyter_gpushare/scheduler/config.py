@@ -260,8 +260,13 @@ class SchedulerConfig(LoggingConfigurable):
     @validate("socket_mode", "socket_dir_mode")
     def _validate_mode(self, proposal: Any) -> Any:
         value = proposal["value"]
+        name = proposal["trait"].name
         if value is not None and not 0 <= value <= 0o777:
-            raise TraitError(f"{proposal['trait'].name} must be permission bits (0 to 0o777)")
+            raise TraitError(f"{name} must be permission bits (0 to 0o777)")
+        if name == "socket_dir_mode" and value is not None and value & 0o022:
+            # Shims and the CLI refuse a socket in a directory others may write (they could swap
+            # the socket): such a mode would lock every client out.
+            raise TraitError(f"{name} must not let the group or others write (got {value:#o})")
         return value
 
     @validate("pool_size", "pool_reserve", "placement_estimate")

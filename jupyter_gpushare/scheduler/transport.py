@@ -224,10 +224,17 @@ class SocketFile:
             if self.group:
                 os.chown(directory, -1, group_id(self.group))
         st = os.stat(directory)
-        if uid != 0 and st.st_uid not in (uid, 0):
+        if st.st_uid not in (uid, 0):
+            # Another user made it (first, in /tmp): they could swap the socket for theirs.
             raise SchedulerConfigError(
                 f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
                 "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "everyone" if st.st_mode & stat.S_IWOTH else "its group"
+            raise SchedulerConfigError(
+                f"refusing to put the socket in {directory}: it is writable by {who}, who could "
+                "replace the socket with their own (use a directory only its owner may write)"
             )
         stale = False
         with contextlib.suppress(FileNotFoundError):
