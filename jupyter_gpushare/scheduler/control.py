@@ -149,15 +149,13 @@ class ControlActions:
             conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
         if not self.access.may_act(who, target.identity):
+            # Another user's client is not found, as one that does not exist: the answer must
+            # not confirm that an id guessed or leaked is live (docs/protocol.md).
             owner = target.identity.user if target.identity is not None else "?"
             self.log.warning(
                 "forbidden: %s asked %s on %s (user %s)", who.describe(), action, client_id, owner
             )
-            text = (
-                f"{who.user} may not {action} client {client_id!r}: it belongs to another user "
-                "(only its owner or an admin may)"
-            )
-            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+            conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
         log = self.log.debug if action == "kernel_state" else self.log.info
         log("control %s client=%s by %s %s", action, client_id, who.describe(), body)

@@ -82,6 +82,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._connections: dict[int, Connection] = {}
         #: client id -> the shim's connection (each shim client the policy knows by this id)
         self._shims: dict[str, Connection] = {}
+        self._id_owners: dict[str, str] = {}
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
         self._serial = 0
         self._timer: asyncio.TimerHandle | None = None

@@ -46,6 +46,8 @@ class ShimSessions:
     revoke_warning_seconds: float
     _stopping: bool
     _shims: dict[str, Connection]
+    #: client id -> the user whose client last had it (oldest first; see _remember_owner)
+    _id_owners: dict[str, str]
     _metrics_feed: MetricsFeed
     _handle: Callable[[ev.Event], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
@@ -82,8 +84,32 @@ class ShimSessions:
         )
         self._handle(ev.Leave(now, conn.client_id))
 
+    #: How many ids the scheduler remembers the owner of after their clients leave.
+    ID_OWNERS_KEPT = 16384
+
+    def _remember_owner(self, client_id: str, user: str) -> None:
+        self._id_owners.pop(client_id, None)
+        self._id_owners[client_id] = user
+        while len(self._id_owners) > self.ID_OWNERS_KEPT:
+            del self._id_owners[next(iter(self._id_owners))]
+
     def _assign_client_id(self, requested: str, conn: Connection) -> str:
         existing = self._shims.get(requested)
+        user = conn.identity.user if conn.identity is not None else ""
+        owner = self._id_owners.get(requested)
+        if existing is None and owner not in (None, user):
+            # The id was last another user's (a kernel restarting, a leaked id): bound to that
+            # user, so the newcomer gets its own id and the owner's control actions stay its own.
+            client_id = tr.free_client_id(requested, conn.peer.pid, {requested: None})
+            self.log.warning(
+                "client id %s belongs to user %s: the client of %s (pid %d) is %s",
+                requested,
+                owner,
+                user,
+                conn.peer.pid,
+                client_id,
+            )
+            return client_id
         if existing is None:
             return requested
         if existing.peer.pid > 0 and existing.peer == conn.peer:
@@ -121,6 +147,7 @@ class ShimSessions:
         device = self._device_for_hello(hello)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         self._shims[client_id] = conn
+        self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
         quota = conn.quota = limits.effective_quota(hello.quota)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode
+from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
 from ..units import parse_size
 from . import events as ev
 
@@ -44,8 +44,11 @@ __all__ = [
 #: The longest device UUID and name a HELLO may carry ("GPU-" or "MIG-" UUIDs have 40 characters).
 MAX_DEVICE_UUID = 64
 MAX_DEVICE_NAME = 256
-#: The longest client id a control action may name.
+#: The longest client id a shim may ask for or a control action name.
 MAX_CLIENT_ID = 256
+#: Labels (a notebook path, a command line) are cut to this many characters: one client's label
+#: must not fill the status frame and hide everyone else.
+MAX_LABEL = 512
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
 SCHEDULER_ACTIONS = ("reload", "place")
@@ -142,17 +145,26 @@ def check_hello(msg: Message, peer_pid: int) -> Hello | Refusal:
         )
     pid = peer_pid or int(msg.get("pid") or 0)
     requested = str(msg.get("client_id") or "") or f"pid-{msg.get('pid') or peer_pid}"
+    if len(requested) > MAX_CLIENT_ID or not requested.isprintable():
+        # Ids are shown in status tables and logs and named by control actions: printable, short.
+        return Refusal(
+            ErrorCode.BAD_REQUEST,
+            f"HELLO: client_id must be at most {MAX_CLIENT_ID} printable characters",
+        )
+    label = printable(str(msg.get("label") or ""))
+    if len(label) > MAX_LABEL:
+        label = label[: MAX_LABEL - 1] + "\u2026"
     return Hello(
         requested_id=requested,
         user=str(msg.get("user") or ""),
         token=str(msg.get("token") or ""),
         device_uuid=uuid,
-        device_name=name,
+        device_name=printable(name),
         device_total=int(msg.get("device_total") or 0),
         weight=int(msg.get("weight_milli") or 1000) / 1000.0,
         quota=int(msg.get("quota") or 0),
         context_bytes=int(msg.get("context_bytes") or 0),
-        label=str(msg.get("label") or ""),
+        label=label,
         pid=pid,
         version=str(msg.get("version", "?")),
         resume=_resume_fields(msg),
@@ -214,10 +226,20 @@ def decision_message(decision: ev.Decision) -> Message:
 def encode_status(doc: dict[str, Any]) -> bytes:
     """The STATUS frame of ``doc``, cut down to fit the 64 KiB frame (and saying so).
 
-    Over the limit (hundreds of clients) the devices stay and the per-client detail goes; still
+    Over the limit the labels go first; then (hundreds of clients) the devices stay and the
+    per-client detail goes; still
     over (devices learnt from HELLOs with long names), the devices go too. Without this the
     encoding raised and STATUS failed for every peer (found by test_protocol_fuzz.py).
     """
+    try:
+        return encode(Message(MsgType.STATUS, {"body": doc}))
+    except ValueError:
+        pass
+    # Labels first: every client stays listed, none can hide the others by its size.
+    for dev in doc["devices"]:
+        for client in dev.get("clients", []):
+            client.pop("label", None)
+    doc["labels_truncated"] = True
     try:
         return encode(Message(MsgType.STATUS, {"body": doc}))
     except ValueError:

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from local_users import kill, run_as, spawn_as
 
+from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
+
 # -- what the processes of the other users run (module level: the forked child calls them) ----
 
 
@@ -155,3 +157,164 @@ async def test_2_a_world_writable_socket_directory_is_refused(
     os.chown(own, victim.uid, victim.gid)
     assert await run_as(victim, _start_scheduler, os.path.join(own, "s.sock"), {}) == ""
     assert stat.S_IMODE(os.stat(own).st_mode) == 0o700
+
+
+# -- shims and control peers of other users, speaking the protocol from their own uid ---------
+
+
+def _shim(path: str, fields: dict[str, Any], request: int, hold: float) -> list[Any]:
+    """A shim: HELLO (and a REQUEST of ``request`` bytes when not 0), then keep the connection
+    ``hold`` seconds; the answers."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10.0)
+    sock.connect(path)
+    sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
+    got = [read_message_sync(sock)]
+    if request and got[0] is not None and got[0].type == MsgType.WELCOME:
+        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request})))
+        sock.settimeout(max(hold, 0.1))
+        with contextlib.suppress(TimeoutError, OSError):
+            got.append(read_message_sync(sock))
+    time.sleep(hold)
+    sock.close()
+    return [None if m is None else (int(m.type), dict(m.fields)) for m in got]
+
+
+def _control(path: str, mtype: int, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+    """A control peer's one request and the answer."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10.0)
+    sock.connect(path)
+    sock.sendall(encode(Message(MsgType(mtype), {} if body is None else {"body": body})))
+    reply = read_message_sync(sock)
+    sock.close()
+    assert reply is not None
+    return int(reply.type), dict(reply.fields)
+
+
+async def _until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def _clients(sched: Any) -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for d in sched.status_document()["devices"] for c in d["clients"]}
+
+
+DEVICE = {"device_uuid": "GPU-hostile-0", "device_total": 8 << 30}
+
+
+@pytest.fixture
+async def node(make_scheduler: Any) -> Any:
+    """The node scheduler, run by root (this process), peers identified by SO_PEERCRED."""
+    sched = await make_scheduler(pool_size="4GiB")
+    os.chmod(os.path.dirname(sched.socket_path), 0o755)
+    os.chmod(sched.socket_path, 0o666)
+    return sched
+
+
+# -- 8. One huge label hides every client ------------------------------------------------------
+
+
+async def test_8_labels_and_ids_are_bounded(local_users: Any, node: Any) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    path = node.socket_path
+    big = {**DEVICE, "client_id": "a-big", "label": "A" * 60000}
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, big, 0, 60.0)
+    pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": "v1"}, 0, 60.0)
+    try:
+        await _until(lambda: {"a-big", "v1"} <= set(_clients(node)))
+        clients = _clients(node)
+        assert len(clients["a-big"]["label"]) <= 512
+        # The admin's status, through the socket, lists every client with its label.
+        doc = await asyncio.to_thread(_control, path, MsgType.STATUS_REQUEST, None)
+        listed = {c["id"]: c for d in doc[1]["body"]["devices"] for c in d["clients"]}
+        assert {"a-big", "v1"} <= set(listed) and "labels_truncated" not in doc[1]["body"]
+        # An id past 256 characters is refused outright.
+        long_id = {**DEVICE, "client_id": "x" * 300}
+        got = await run_as(attacker, _shim, path, long_id, 0, 0.0)
+        assert got[0][0] == MsgType.ERROR and got[0][1]["error_code"] == ErrorCode.BAD_REQUEST
+    finally:
+        for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
+            kill(pid)
+            os.close(rfd)
+
+
+# -- 9. Other users' ids: not shown, not squatted, not acted on -------------------------------
+
+
+async def test_9_client_ids_are_bound_to_their_user(local_users: Any, node: Any) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    path = node.socket_path
+    kernel = "3f1c0b9e-victim-kernel"
+    pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": kernel}, 3 << 30, 60.0)
+    try:
+        await _until(lambda: _clients(node).get(kernel, {}).get("state") == "running")
+        # The attacker waits behind the victim's kernel and reads its own status.
+        pid_a, rfd_a = spawn_as(attacker, _shim, path, {**DEVICE, "client_id": "a1"}, 2 << 30, 60.0)
+        await _until(lambda: _clients(node).get("a1", {}).get("state") == "waiting")
+        _, reply = await run_as(attacker, _control, path, MsgType.STATUS_REQUEST, None)
+        text = repr(reply)
+        assert "a1" in text and kernel not in text, text  # not in wait.holders, nowhere
+        # Acting on it: not found, as for an id that does not exist.
+        kind, reply = await run_as(
+            attacker, _control, path, MsgType.CONTROL, {"action": "release", "client": kernel}
+        )
+        assert kind == MsgType.ERROR and reply["error_code"] == ErrorCode.NOT_FOUND
+        kill(pid_a)
+        os.close(rfd_a)
+    finally:
+        kill(pid_v)
+        os.close(rfd_v)
+    # The victim's kernel restarts; the attacker, who learnt the id, connects first under it.
+    await _until(lambda: kernel not in _clients(node))
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, {**DEVICE, "client_id": kernel}, 0, 60.0)
+    pid_v = rfd_v = -1
+    try:
+        await _until(lambda: any(c.startswith(kernel + "#") for c in _clients(node)))
+        assert kernel not in _clients(node)  # the id stays the victim's
+        pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": kernel}, 0, 60.0)
+        await _until(lambda: kernel in _clients(node))
+        assert _clients(node)[kernel]["user"] == victim.name
+        kind, reply = await run_as(
+            victim, _control, path, MsgType.CONTROL, {"action": "release", "client": kernel}
+        )
+        assert kind == MsgType.CONTROL_REPLY and reply["body"]["ok"] is True
+    finally:
+        for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
+            if pid > 0:
+                kill(pid)
+                os.close(rfd)
+
+
+# -- 10. Terminal and log injection ------------------------------------------------------------
+
+
+async def test_10_ids_and_labels_cannot_reach_a_terminal_or_forge_log_lines(
+    local_users: Any, node: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from jupyter_gpushare.cli import format_status
+
+    attacker = local_users("attack")
+    path = node.socket_path
+    evil = "\x1b]0;owned\x07\x1b[2J\nERROR gpushare: forged line\u202e"
+    bad_id = {**DEVICE, "client_id": "k\x1b[31m\nforged"}
+    got = await run_as(attacker, _shim, path, bad_id, 0, 0.0)
+    assert got[0][0] == MsgType.ERROR and got[0][1]["error_code"] == ErrorCode.BAD_REQUEST
+    pid, rfd = spawn_as(
+        attacker, _shim, path, {**DEVICE, "client_id": "k2", "label": evil}, 0, 60.0
+    )
+    try:
+        await _until(lambda: "k2" in _clients(node))
+        shown = format_status(node.status_document())
+        assert "k2" in shown and "\\x1b]0;owned" in shown
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+        assert not any(line.startswith("ERROR gpushare: forged") for line in shown.splitlines())
+        for record in caplog.records:
+            message = record.getMessage()
+            assert "\x1b" not in message and "\nERROR" not in message, message
+    finally:
+        kill(pid)
+        os.close(rfd)
