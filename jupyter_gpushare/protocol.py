@@ -336,7 +336,7 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
         else:
             try:
                 fields[name] = json.loads(text)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 raise ProtocolError(
                     ErrorCode.BAD_FRAME, f"field {name!r} is not a JSON document: {exc}"
                 ) from exc

@@ -96,6 +96,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
         self._mps: MPSManager | None = None
+        self._access_error = ""  # why the last load of the access configuration failed
 
     # ----------------------------------------------------------------------------------------
     # The public surface besides start/stop: status listeners and the access rules
@@ -369,6 +370,10 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             )
         except (UsersConfigError, KeyFileError) as exc:
             self._access_error = str(exc)
+            return False
+        except Exception as exc:  # a reload must always answer, whatever the file holds
+            self.log.exception("gpushare: reading the access configuration failed")
+            self._access_error = f"{type(exc).__name__}: {exc}"
             return False
         self.access.load(files)
         self.log.info(

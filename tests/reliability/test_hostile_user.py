@@ -318,3 +318,65 @@ async def test_10_ids_and_labels_cannot_reach_a_terminal_or_forge_log_lines(
     finally:
         kill(pid)
         os.close(rfd)
+
+
+# -- 11. Configuration edge cases --------------------------------------------------------------
+
+
+async def test_11_users_config_edge_cases_are_refused_and_answered(
+    local_users: Any, make_scheduler: Any, tmp_path: Any
+) -> None:
+    from jupyter_gpushare.client import SchedulerClient, SchedulerError
+
+    attacker = local_users("attack")
+    users = tmp_path / "users.toml"
+    users.write_text('[defaults]\nquota = "1GiB"\n')
+    node = await make_scheduler(users_config=str(users), pool_size="4GiB")
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    admin = SchedulerClient(node.socket_path, timeout=5)
+    assert node.users.limits("anyone", frozenset()).quota == 1 << 30
+
+    async def reload_refused(match: str) -> None:
+        with pytest.raises(SchedulerError) as info:
+            await admin.control("reload")
+        assert info.value.message.startswith("reload failed")
+        assert node.users.limits("anyone", frozenset()).quota == 1 << 30  # the old one stays
+        assert match in node._access_error
+
+    # Not UTF-8: refused with the file's error (no traceback), the admin's reload is answered.
+    users.write_bytes(b'[defaults]\nquota = "\xff\xfe"\n')
+    await reload_refused("not UTF-8")
+    # Empty (an editor's half-written file): refused, the ceilings stay.
+    users.write_text("")
+    await reload_refused("is empty")
+    # A FIFO: refused at once, not a worker blocked until someone writes to it.
+    users.unlink()
+    os.mkfifo(users)
+    started = time.monotonic()
+    await reload_refused("not a regular file")
+    assert time.monotonic() - started < 2.0
+    # A reload with no change in between still works (the scheduler is not wedged).
+    users.unlink()
+    users.write_text('[defaults]\nquota = "2GiB"\n')
+    assert (await admin.control("reload"))["ok"] is True
+    assert node.users.limits("anyone", frozenset()).quota == 2 << 30
+    # A deeply nested JSON body from another user: bad_frame, not an internal error.
+    deep = "[" * 30000 + "]" * 30000
+
+    def send_deep(path: str) -> tuple[int, dict[str, Any]]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10.0)
+        sock.connect(path)
+        payload = deep.encode()
+        field = (22).to_bytes(2, "little") + len(payload).to_bytes(2, "little") + payload
+        header = b"GPSH" + bytes([1, MsgType.CONTROL]) + b"\0\0" + len(field).to_bytes(4, "little")
+        sock.sendall(header + field)
+        reply = read_message_sync(sock)
+        sock.close()
+        assert reply is not None
+        return int(reply.type), dict(reply.fields)
+
+    kind, fields = await run_as(attacker, send_deep, node.socket_path)
+    assert kind == MsgType.ERROR and fields["error_code"] == ErrorCode.BAD_FRAME, fields
+    assert (await admin.status())["devices"] == []  # and the scheduler still answers
