@@ -147,6 +147,8 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     39: ("resume", FieldType.U64),
     40: ("since_ms", FieldType.U64),
     41: ("gpu_ms", FieldType.U64),
+    # GRANT -> HELLO with resume = 1: proof that the shim is the process that was granted.
+    42: ("resume_secret", FieldType.STR),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

@@ -47,6 +47,7 @@ from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
 from .reservations import Reservations
+from .resume import ResumeKey
 from .shims import ShimSessions
 from .transport import (
     Connection,
@@ -97,6 +98,8 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._metrics_feed = MetricsFeed(self.log)
         self._mps: MPSManager | None = None
         self._access_error = ""  # why the last load of the access configuration failed
+        # Replaced at start by the key kept beside the socket (see .resume).
+        self._resume_key = ResumeKey.generate()
 
     # ----------------------------------------------------------------------------------------
     # The public surface besides start/stop: status listeners and the access rules
@@ -195,6 +198,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
+        await self._load_resume_key()
         self.log.info(
             "gpushare scheduler %s listening on %s (%d device(s), policy: quantum %.1fs)",
             __version__,
@@ -275,6 +279,20 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
+
+    async def _load_resume_key(self) -> None:
+        """The key resume secrets come from, kept in a private directory beside the socket so
+        that the next scheduler on this socket can check the secrets this one gave."""
+        directory = os.path.join(self.socket_file.directory, ".gpushare-private")
+        loop = asyncio.get_running_loop()
+        try:
+            self._resume_key = await loop.run_in_executor(None, ResumeKey.load_or_create, directory)
+        except OSError as exc:
+            self.log.warning(
+                "gpushare: no resume key in %s (%s): after a restart, holders will wait",
+                directory,
+                exc,
+            )
 
     async def _start_mps(self) -> None:
         devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]

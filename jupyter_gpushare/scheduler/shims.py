@@ -10,6 +10,7 @@ each decision one GRANT/REVOKE/EVICT frame.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,7 @@ from . import events as ev
 from . import translate as tr
 from .access import Access
 from .metrics_feed import MetricsFeed
+from .resume import ResumeKey
 from .transport import Connection, PeerCred
 from .users import Identity, Limits
 
@@ -46,6 +48,7 @@ class ShimSessions:
     revoke_warning_seconds: float
     _stopping: bool
     _shims: dict[str, Connection]
+    _resume_key: ResumeKey
     #: client id -> the user whose client last had it (oldest first; see _remember_owner)
     _id_owners: dict[str, str]
     _metrics_feed: MetricsFeed
@@ -93,11 +96,20 @@ class ShimSessions:
         while len(self._id_owners) > self.ID_OWNERS_KEPT:
             del self._id_owners[next(iter(self._id_owners))]
 
-    def _assign_client_id(self, requested: str, conn: Connection) -> str:
+    def _resume_secret(self, conn: Connection) -> str:
+        """The secret a GRANT gives ``conn``'s shim (bound to the id it asked for and its uid)."""
+        return self._resume_key.secret(conn.requested_id, conn.peer.uid)
+
+    def _resume_proven(self, conn: Connection, hello: tr.Hello) -> bool:
+        return self._resume_key.verify(hello.requested_id, conn.peer.uid, hello.resume_secret)
+
+    def _assign_client_id(self, requested: str, conn: Connection, proven: bool = False) -> str:
+        """The id of a new shim asking for ``requested``; ``proven``: its resume secret proves
+        that the id was granted to its uid (it wins over whoever took the id since)."""
         existing = self._shims.get(requested)
         user = conn.identity.user if conn.identity is not None else ""
         owner = self._id_owners.get(requested)
-        if existing is None and owner not in (None, user):
+        if existing is None and owner not in (None, user) and not proven:
             # The id was last another user's (a kernel restarting, a leaked id): bound to that
             # user, so the newcomer gets its own id and the owner's control actions stay its own.
             client_id = tr.free_client_id(requested, conn.peer.pid, {requested: None})
@@ -143,9 +155,11 @@ class ShimSessions:
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
         conn.identity = ident
-        client_id = self._assign_client_id(hello.requested_id, conn)
+        proven = bool(hello.resume_secret) and self._resume_proven(conn, hello)
+        client_id = self._assign_client_id(hello.requested_id, conn, proven)
         device = self._device_for_hello(hello)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
+        conn.requested_id = hello.requested_id
         self._shims[client_id] = conn
         self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
@@ -176,6 +190,16 @@ class ShimSessions:
             hello.label,
             hello.version,
         )
+        if hello.resume.get("resume") == "holding" and not proven:
+            # Unproven, a holding claim would let anyone take the grant during the recovery
+            # window (docs/reliability.md): it waits like any other client instead.
+            self.log.warning(
+                "resume client=%s uid=%d: its claim to hold the device has no valid "
+                "resume_secret; it waits",
+                client_id,
+                conn.peer.uid,
+            )
+            join = dataclasses.replace(join, resume="waiting")
         if hello.resume:
             self.log.info("resume client=%s %s", client_id, hello.resume)
         rest: list[ev.Decision] = []
@@ -199,6 +223,8 @@ class ShimSessions:
         }
         if "resume" in hello.resume:
             welcome["resume"] = resumed
+        if resumed:
+            welcome["resume_secret"] = self._resume_secret(conn)
         self._send(conn, Message(MsgType.WELCOME, welcome))
         self._execute(rest)
         self._reschedule()
@@ -304,7 +330,10 @@ class ShimSessions:
                     _bytes(mem["managed"]),
                     decision.reason,
                 )
-            self._send(conn, tr.decision_message(decision))
+            message = tr.decision_message(decision)
+            if isinstance(decision, ev.Grant):
+                message.fields["resume_secret"] = self._resume_secret(conn)
+            self._send(conn, message)
 
     def _watch_revoke(self, conn: Connection, sent: float) -> None:
         """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a

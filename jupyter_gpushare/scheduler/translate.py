@@ -91,6 +91,8 @@ class Hello:
     #: The Join fields of a reconnecting shim (docs/protocol.md, "Scheduler restarts").
     resume: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
+    #: What a reconnecting holder sends back of its last GRANT ('' when nothing).
+    resume_secret: str = ""
 
     def join(
         self,
@@ -169,6 +171,7 @@ def check_hello(msg: Message, peer_pid: int) -> Hello | Refusal:
         version=str(msg.get("version", "?")),
         resume=_resume_fields(msg),
         memory=memory_after({}, msg) if "used_bytes" in msg else {},
+        resume_secret=str(msg.get("resume_secret") or ""),
     )
 
 

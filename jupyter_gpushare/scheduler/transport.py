@@ -84,6 +84,8 @@ class Connection:
     kind: str = "new"  # "new" | "shim" | "control"
     #: The id the scheduler knows this shim by (after disambiguation); None before HELLO.
     client_id: str | None = None
+    #: The id its HELLO asked for (its resume secret is bound to it).
+    requested_id: str = ""
     device: str | None = None
     left: bool = False  # a Leave for this client went to the policy already
     closed: bool = False

@@ -42,7 +42,7 @@ int gs_parse_size(const char *text, uint64_t *out)
     int digits = 0;
     while (isdigit((unsigned char)*p)) {
         uint64_t digit = (uint64_t)(*p++ - '0');
-        if (whole > (UINT64_MAX - digit) / 10) /* exact: 18446744073709551615 still fits */
+        if (whole > (UINT64_MAX - digit) / 10) /* exact: 18446744073709551615 still parses */
             return -1;
         whole = whole * 10 + digit;
         digits++;

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from local_users import kill, run_as, spawn_as
+from local_users import collect, kill, run_as, spawn_as
 
 from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
 
@@ -380,3 +380,42 @@ async def test_11_users_config_edge_cases_are_refused_and_answered(
     kind, fields = await run_as(attacker, send_deep, node.socket_path)
     assert kind == MsgType.ERROR and fields["error_code"] == ErrorCode.BAD_FRAME, fields
     assert (await admin.status())["devices"] == []  # and the scheduler still answers
+
+
+# -- 3. Stealing a grant at a restart ---------------------------------------------------------
+
+
+async def test_3_a_resume_claim_must_prove_itself(local_users: Any, make_scheduler: Any) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    first = await make_scheduler(pool_size="4GiB")
+    path = first.socket_path
+    os.chmod(os.path.dirname(path), 0o755)
+    os.chmod(path, 0o666)
+    kernel = "k-victim"
+    pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": kernel}, 1 << 20, 4.0)
+    await _until(lambda: _clients(first).get(kernel, {}).get("state") == "running")
+    await first.stop()  # with the victim connected: the next scheduler expects it back
+    got = await asyncio.get_running_loop().run_in_executor(None, collect, pid_v, rfd_v, 30)
+    grant = got[1][1]
+    assert got[1][0] == MsgType.GRANT and len(grant["resume_secret"]) == 32
+    second = await make_scheduler(pool_size="4GiB", socket_path=path)
+    os.chmod(path, 0o666)
+    claim = {**DEVICE, "resume": 1, "since_ms": 1000, "used_bytes": 1 << 20}
+    # The attacker reconnects first and claims to hold the device: without the secret, or with
+    # a made-up one, or with the victim's id, the claim is not believed.
+    for fields in (
+        {"client_id": "a1"},
+        {"client_id": "a1", "resume_secret": "0" * 32},
+        {"client_id": kernel, "resume_secret": "f" * 32},
+    ):
+        answer = await run_as(attacker, _shim, path, {**claim, **fields}, 0, 0.0)
+        assert answer[0][0] == MsgType.WELCOME and answer[0][1]["resume"] == 0, (fields, answer)
+    # The victim's shim, with the secret its GRANT carried, resumes its hold.
+    proof = {**claim, "client_id": kernel, "resume_secret": grant["resume_secret"]}
+    pid_v, rfd_v = spawn_as(victim, _shim, path, proof, 0, 2.0)
+    # It gets its own id back, although the attacker used it since this scheduler started.
+    await _until(lambda: _clients(second).get(kernel, {}).get("user") == victim.name)
+    answer = await asyncio.get_running_loop().run_in_executor(None, collect, pid_v, rfd_v, 30)
+    assert answer[0][0] == MsgType.WELCOME and answer[0][1]["resume"] == 1, answer
+    assert answer[0][1]["resume_secret"] == grant["resume_secret"]
+    await second.stop()
