@@ -228,6 +228,20 @@ class SchedulerConfig(LoggingConfigurable):
         window off. See docs/reliability.md.""",
     ).tag(config=True)
 
+    max_connections_per_uid = Int(
+        256,
+        help="""Connections one uid may hold open at once (every kernel, and each of its
+        subprocesses that use CUDA, holds one; so do control requests while they run). A uid
+        past it is refused with an error, so one user cannot take every descriptor and lock out
+        the others. Root and the scheduler's own uid are not limited. 0 = no limit.""",
+    ).tag(config=True)
+
+    handshake_seconds = Float(
+        10.0,
+        help="""Seconds a new connection has to send its first whole message (HELLO, or a
+        control request); one that does not is closed, so half-sent frames cannot pile up.""",
+    ).tag(config=True)
+
     revoke_warning_seconds = Float(
         60.0,
         help="""Log a warning when a holder has not answered a revoke for this long (its GPU work
@@ -242,7 +256,11 @@ class SchedulerConfig(LoggingConfigurable):
         return value
 
     @validate(
-        "usage_half_life", "utilization_interval", "recovery_seconds", "revoke_warning_seconds"
+        "usage_half_life",
+        "utilization_interval",
+        "recovery_seconds",
+        "revoke_warning_seconds",
+        "handshake_seconds",
     )
     def _validate_non_negative(self, proposal: Any) -> Any:
         value = proposal["value"]

@@ -51,6 +51,7 @@ from .resume import ResumeKey
 from .shims import ShimSessions
 from .transport import (
     Connection,
+    LogLimiter,
     PeerCred,
     SchedulerConfigError,
     SchedulerStartError,
@@ -96,6 +97,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._reservations = Reservations()
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
+        self._log_limit = LogLimiter(self.log)
         self._mps: MPSManager | None = None
         self._access_error = ""  # why the last load of the access configuration failed
         # Replaced at start by the key kept beside the socket (see .resume).
@@ -476,21 +478,54 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._serial += 1
         peer = self.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(self._serial, peer, writer)
+        if self._over_connection_limit(peer.uid):
+            self._log_limit.warning(
+                peer.uid,
+                "refused a connection of uid %d: it holds %d already (max_connections_per_uid)",
+                peer.uid,
+                self.max_connections_per_uid,
+            )
+            text = f"uid {peer.uid} has too many connections open to the scheduler"
+            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+            writer.close()
+            return
         self._connections[conn.serial] = conn
         self.log.debug("connection %d from pid %d uid %d", conn.serial, peer.pid, peer.uid)
+        deadline = asyncio.get_running_loop().call_later(
+            self.handshake_seconds, self._handshake_expired, conn
+        )
         try:
-            await serve_frames(conn, reader, self._dispatch, self.log)
+            await serve_frames(conn, reader, self._dispatch, self._log_limit.log_for(peer.uid))
         except asyncio.CancelledError:
             raise
         except Exception:
-            self.log.exception("internal error on %s; closing it", conn.name)
+            self._log_limit.exception(peer.uid, "internal error on %s; closing it", conn.name)
         finally:
+            deadline.cancel()
             self._shim_gone(conn, "connection closed")
             conn.closed = True
             self._connections.pop(conn.serial, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    def _over_connection_limit(self, uid: int) -> bool:
+        limit = self.max_connections_per_uid
+        if limit <= 0 or uid in (0, self.own_uid):
+            return False
+        return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+
+    def _handshake_expired(self, conn: Connection) -> None:
+        """A connection that has not finished its first message in time is closed."""
+        if conn.kind == "new" and not conn.closed and conn.writer is not None:
+            self._log_limit.warning(
+                conn.peer.uid,
+                "closing %s: no whole message in %.0f s (handshake_seconds)",
+                conn.name,
+                self.handshake_seconds,
+            )
+            conn.closed = True
+            conn.writer.transport.abort()
 
     async def _dispatch(self, conn: Connection, msg: Message) -> None:
         mtype = msg.type

@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from .users import Identity
 __all__ = [
     "MAX_WRITE_BUFFER",
     "Connection",
+    "LogLimiter",
     "PeerCred",
     "SchedulerConfigError",
     "SchedulerStartError",
@@ -49,6 +51,60 @@ class SchedulerStartError(RuntimeError):
 class SchedulerConfigError(SchedulerStartError):
     """The configuration cannot work (a socket path or directory, a group): the operator must
     change it (``gpushare scheduler`` exits with 2, as for an invalid value)."""
+
+
+class LogLimiter:
+    """Warnings about peers, at most ``burst`` per uid and ``period`` seconds.
+
+    A peer that opens a thousand bad connections must not grow the log by megabytes a second
+    (nor push everyone else's lines out of it): past its budget its lines are counted, and the
+    count is logged when its next period starts.
+    """
+
+    def __init__(self, log: Log, burst: int = 20, period: float = 60.0) -> None:
+        self.log = log
+        self.burst = burst
+        self.period = period
+        self._budget: dict[int, tuple[float, int, int]] = {}  # uid -> (period start, used, held)
+
+    def allow(self, uid: int) -> bool:
+        now = time.monotonic()
+        start, used, held = self._budget.get(uid, (now, 0, 0))
+        if now - start >= self.period:
+            if held:
+                self.log.warning("uid %d: %d more warning(s) about it were not logged", uid, held)
+            start, used, held = now, 0, 0
+        if used < self.burst:
+            self._budget[uid] = (start, used + 1, held)
+            return True
+        self._budget[uid] = (start, used, held + 1)
+        if len(self._budget) > 4096:  # bounded: forget the oldest periods
+            for key in sorted(self._budget, key=lambda k: self._budget[k][0])[:1024]:
+                del self._budget[key]
+        return False
+
+    def warning(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid):
+            self.log.warning(msg, *args)
+
+    def exception(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid):
+            self.log.exception(msg, *args)
+
+    def log_for(self, uid: int) -> _LimitedLog:
+        """A logger whose warnings about ``uid`` go through the limit (debug lines do not)."""
+        return _LimitedLog(self, uid)
+
+
+class _LimitedLog:
+    def __init__(self, limiter: LogLimiter, uid: int) -> None:
+        self._limiter, self._uid = limiter, uid
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._limiter.warning(self._uid, msg, *args)
+
+    def debug(self, msg: str, *args: Any) -> None:
+        self._limiter.log.debug(msg, *args)
 
 
 @dataclass(frozen=True)

@@ -419,3 +419,56 @@ async def test_3_a_resume_claim_must_prove_itself(local_users: Any, make_schedul
     assert answer[0][0] == MsgType.WELCOME and answer[0][1]["resume"] == 1, answer
     assert answer[0][1]["resume_secret"] == grant["resume_secret"]
     await second.stop()
+
+
+# -- 5. Connection exhaustion ------------------------------------------------------------------
+
+
+def _half_frames(path: str, n: int, hold: float) -> tuple[int, int]:
+    """Open ``n`` connections that each send half a frame; (refused at once, closed later)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.sendall(b"GPSH\x01")
+        socks.append(s)
+
+    def answered(s: socket.socket) -> bool:  # without waiting: an ERROR or a close is there
+        s.setblocking(False)
+        try:
+            return s.recv(65536) is not None
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    time.sleep(0.5)
+    refused = [s for s in socks if answered(s)]
+    time.sleep(hold)
+    waiting = [s for s in socks if s not in refused]
+    closed = sum(1 for s in waiting if answered(s))
+    for s in socks:
+        s.close()
+    return len(refused), closed
+
+
+async def test_5_connection_exhaustion_is_bounded_per_uid(
+    local_users: Any, make_scheduler: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    node = await make_scheduler(max_connections_per_uid=20, handshake_seconds=1.0)
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path = node.socket_path
+    pid, rfd = spawn_as(attacker, _half_frames, path, 60, 2.0)
+    await _until(lambda: len(node._connections) >= 20)
+    # While the attacker holds all it may, the victim's status answers at once.
+    started = time.monotonic()
+    kind, _ = await run_as(victim, _control, path, MsgType.STATUS_REQUEST, None)
+    assert kind == MsgType.STATUS and time.monotonic() - started < 3.0
+    refused, closed = await asyncio.get_running_loop().run_in_executor(None, collect, pid, rfd, 30)
+    assert refused == 40  # past its 20 connections, each further one is refused
+    assert closed == 20  # and the 20 half-sent frames are closed after handshake_seconds
+    assert len(node._connections) == 0
+    about_attacker = [r for r in caplog.records if f"uid {attacker.uid}" in r.getMessage()]
+    assert 20 <= len(about_attacker) <= 21, len(about_attacker)  # the log is bounded per uid
