@@ -86,6 +86,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._shims: dict[str, Connection] = {}
         self._id_owners: dict[str, str] = {}
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
+        self._learnt_devices: dict[str, int] = {}  # lower-case uuid -> uid of the HELLO
         self._serial = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline: float | None = None
@@ -353,7 +354,13 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         )
         return uuid
 
-    def _device_for_hello(self, hello: tr.Hello) -> str:
+    #: Devices a uid may make the scheduler learn from its HELLOs (without NVML), and in all:
+    #: each is kept forever and shown to everyone, so one user must not be able to add many.
+    MAX_LEARNT_DEVICES_PER_UID = 16
+    MAX_LEARNT_DEVICES = 64
+
+    def _device_for_hello(self, hello: tr.Hello, uid: int) -> str | tr.Refusal:
+        """The device a HELLO names: a known one, or one learnt from it when NVML knows none."""
         known = self._devices.get(hello.device_uuid.lower())
         if known is not None:
             return known
@@ -362,8 +369,19 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             if len(self._devices) == 1:
                 return next(iter(self._devices.values()))
             uuid = "GPU-unknown"
+        if self.discovery.devices:
+            # NVML knows this node's GPUs: a HELLO does not add one (nor say its size).
+            text = f"HELLO: device {uuid!r} is not one of this node's GPUs (NVML)"
+            return tr.Refusal(ErrorCode.NOT_FOUND, text)
+        mine = sum(1 for owner in self._learnt_devices.values() if owner == uid)
+        if len(self._learnt_devices) >= self.MAX_LEARNT_DEVICES or (
+            mine >= self.MAX_LEARNT_DEVICES_PER_UID and uid not in (0, self.own_uid)
+        ):
+            text = f"HELLO: too many devices learnt from shims; {uuid!r} is not added"
+            return tr.Refusal(ErrorCode.BAD_REQUEST, text)
         if not hello.device_total:
             self.log.warning("device %s: HELLO did not say its memory size", uuid)
+        self._learnt_devices[uuid.lower()] = uid
         return self._register_device(uuid, hello.device_name, hello.device_total)
 
     @property

@@ -23,7 +23,7 @@ from . import translate as tr
 from .access import Access
 from .metrics_feed import MetricsFeed
 from .resume import ResumeKey
-from .transport import Connection, PeerCred
+from .transport import Connection, LogLimiter, PeerCred
 from .users import Identity, Limits
 
 __all__ = ["ShimSessions"]
@@ -55,7 +55,8 @@ class ShimSessions:
     _handle: Callable[[ev.Event], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _reschedule: Callable[[], None]
-    _device_for_hello: Callable[[tr.Hello], str]
+    _device_for_hello: Callable[[tr.Hello, int], str | tr.Refusal]
+    _log_limit: LogLimiter
     _device_snapshot: Callable[[str], dict[str, Any] | None]
     limits_for: Callable[[Identity], Limits]
     identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
@@ -154,10 +155,16 @@ class ShimSessions:
             conn.error(ErrorCode.FORBIDDEN, ident, self.log)
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
+        device = self._device_for_hello(hello, conn.peer.uid)
+        if isinstance(device, tr.Refusal):
+            self._log_limit.warning(
+                conn.peer.uid, "refused HELLO of %s: %s", conn.name, device.text
+            )
+            self._refuse(conn, device)
+            return
         conn.identity = ident
         proven = bool(hello.resume_secret) and self._resume_proven(conn, hello)
         client_id = self._assign_client_id(hello.requested_id, conn, proven)
-        device = self._device_for_hello(hello)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         conn.requested_id = hello.requested_id
         self._shims[client_id] = conn

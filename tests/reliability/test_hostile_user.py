@@ -472,3 +472,60 @@ async def test_5_connection_exhaustion_is_bounded_per_uid(
     assert len(node._connections) == 0
     about_attacker = [r for r in caplog.records if f"uid {attacker.uid}" in r.getMessage()]
     assert 20 <= len(about_attacker) <= 21, len(about_attacker)  # the log is bounded per uid
+
+
+# -- 6. Unbounded device registrations ---------------------------------------------------------
+
+
+def _many_devices(path: str, n: int) -> list[int]:
+    """HELLO from ``n`` made-up devices, one connection each; the answers' types."""
+    out = []
+    for i in range(n):
+        fields = {"client_id": f"d{i}", "device_uuid": f"GPU-fake-{i:04d}", "device_total": 1 << 40}
+        out.append(_shim(path, fields, 0, 0.0)[0][0])
+    return out
+
+
+async def test_6_devices_learnt_from_hellos_are_bounded(
+    local_users: Any, make_scheduler: Any
+) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    node = await make_scheduler()  # no NVML: devices are learnt from the shims
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    answers = await run_as(attacker, _many_devices, node.socket_path, 30)
+    limit = node.MAX_LEARNT_DEVICES_PER_UID
+    assert answers[:limit] == [MsgType.WELCOME] * limit
+    assert set(answers[limit:]) == {MsgType.ERROR}
+    # The victim's own GPU is still learnt and shown.
+    mine = {**DEVICE, "client_id": "v1"}
+    assert (await run_as(victim, _shim, node.socket_path, mine, 0, 0.0))[0][0] == MsgType.WELCOME
+    uuids = {d["uuid"] for d in node.status_document()["devices"]}
+    assert DEVICE["device_uuid"] in uuids and len(uuids) == limit + 1
+
+
+async def test_6_with_nvml_a_hello_cannot_add_or_size_a_device(
+    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jupyter_gpushare.scheduler import server as server_module
+    from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
+
+    real = DeviceInfo(0, "GPU-real-0", "Real GPU", 16 << 30)
+
+    async def discover() -> Discovery:
+        return Discovery([real])
+
+    monkeypatch.setattr(server_module, "discover_devices_async", discover)
+    attacker = local_users("attack")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0, pool_size="")
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    fake = {"client_id": "a1", "device_uuid": "GPU-fake-0", "device_total": 1 << 50}
+    got = await run_as(attacker, _shim, node.socket_path, fake, 0, 0.0)
+    assert got[0][0] == MsgType.ERROR and got[0][1]["error_code"] == ErrorCode.NOT_FOUND
+    lie = {"client_id": "a2", "device_uuid": real.uuid, "device_total": 1 << 50, "device_name": "x"}
+    got = await run_as(attacker, _shim, node.socket_path, lie, 0, 0.0)
+    assert got[0][0] == MsgType.WELCOME
+    (dev,) = node.status_document()["devices"]
+    assert dev["uuid"] == real.uuid and dev["total_bytes"] == real.total_bytes
+    assert dev["name"] == "Real GPU"
