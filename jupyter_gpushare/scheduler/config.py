@@ -7,6 +7,7 @@ keep writing ``c.GPUShareScheduler.pool_size = "24GiB"``.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
@@ -242,6 +243,33 @@ class SchedulerConfig(LoggingConfigurable):
         control request); one that does not is closed, so half-sent frames cannot pile up.""",
     ).tag(config=True)
 
+    revoke_deadline_seconds = Float(
+        120.0,
+        help="""Seconds a holder has to answer a revoke. Past it the scheduler stops waiting
+        (docs/reliability.md): it counts the holder as released with its memory still on the
+        GPU, so waiters that fit beside it run; in MPS mode it has the holder's processes
+        terminate_client'ed; with revoke_signal set it signals the holder's process
+        revoke_signal_grace seconds later if it still has not answered. 0 = wait forever.""",
+    ).tag(config=True)
+
+    revoke_signal = Unicode(
+        "",
+        help="""Signal for a holder still silent revoke_signal_grace seconds after its revoke
+        deadline (e.g. 'SIGINT' interrupts a notebook cell, 'SIGKILL' ends the kernel); '' sends
+        none. Only a scheduler that may signal the process (root, or its owner) can.""",
+    ).tag(config=True)
+
+    revoke_signal_grace = Float(
+        30.0, help="Seconds after the revoke deadline before revoke_signal is sent."
+    ).tag(config=True)
+
+    @validate("revoke_signal")
+    def _validate_signal(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if value and not hasattr(signal, value.upper()):
+            raise TraitError(f"revoke_signal: {value!r} is not a signal name (e.g. 'SIGINT')")
+        return value.upper()
+
     revoke_warning_seconds = Float(
         60.0,
         help="""Log a warning when a holder has not answered a revoke for this long (its GPU work
@@ -261,6 +289,8 @@ class SchedulerConfig(LoggingConfigurable):
         "recovery_seconds",
         "revoke_warning_seconds",
         "handshake_seconds",
+        "revoke_deadline_seconds",
+        "revoke_signal_grace",
     )
     def _validate_non_negative(self, proposal: Any) -> Any:
         value = proposal["value"]

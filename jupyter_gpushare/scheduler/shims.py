@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +24,7 @@ from . import events as ev
 from . import translate as tr
 from .access import Access
 from .metrics_feed import MetricsFeed
+from .mps import MPSManager
 from .resume import ResumeKey
 from .transport import Connection, LogLimiter, PeerCred
 from .users import Identity, Limits
@@ -46,6 +49,11 @@ class ShimSessions:
     metrics: Any
     base_quantum: float
     revoke_warning_seconds: float
+    revoke_deadline_seconds: float
+    revoke_signal: str
+    revoke_signal_grace: float
+    _mps: MPSManager | None
+    _spawn: Callable[[Any], None]
     _stopping: bool
     _shims: dict[str, Connection]
     _resume_key: ResumeKey
@@ -269,7 +277,7 @@ class ShimSessions:
                     conn.device or "", conn.revoking, moved if event.evicted else 0
                 )
             conn.granted_at = conn.accounted_at = conn.revoked_at = None
-            conn.revoking = False
+            conn.revoking = conn.overdue = False
         elif isinstance(event, ev.Idle):
             self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
         elif isinstance(event, (ev.Evicted, ev.Restored)):
@@ -328,7 +336,7 @@ class ShimSessions:
                     _ms(held),
                     decision.reason,
                 )
-                conn.revoking = True
+                conn.revoking, conn.overdue = True, False
                 self._watch_revoke(conn, now)
             else:
                 self.log.info(
@@ -346,12 +354,17 @@ class ShimSessions:
         """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a
         GPU kernel that runs that long keeps the device from everyone who waits."""
         conn.revoked_at = sent
-        if self.revoke_warning_seconds <= 0:
-            return
+        loop = asyncio.get_running_loop()
+        if self.revoke_warning_seconds > 0:
+            loop.call_later(self.revoke_warning_seconds, self._revoke_unanswered, conn, sent)
+        if self.revoke_deadline_seconds > 0:
+            loop.call_later(self.revoke_deadline_seconds, self._revoke_overdue, conn, sent)
 
-        def check() -> None:
-            if conn.closed or conn.left or conn.revoked_at != sent or self._stopping:
-                return
+    def _still_revoking(self, conn: Connection, sent: float) -> bool:
+        return not (conn.closed or conn.left or conn.revoked_at != sent or self._stopping)
+
+    def _revoke_unanswered(self, conn: Connection, sent: float) -> None:
+        if self._still_revoking(conn, sent):
             self.log.warning(
                 "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
                 "its GPU work still runs while others wait (interrupt or end the kernel)",
@@ -360,4 +373,41 @@ class ShimSessions:
                 time.monotonic() - sent,
             )
 
-        asyncio.get_running_loop().call_later(self.revoke_warning_seconds, check)
+    def _revoke_overdue(self, conn: Connection, sent: float) -> None:
+        """The holder let its revoke deadline pass: stop waiting for it (docs/reliability.md)."""
+        if not self._still_revoking(conn, sent) or conn.client_id is None:
+            return
+        conn.overdue = True
+        action = "counted as released, its memory still on the GPU"
+        if self._mps is not None:
+            action = "terminate_client of its processes (MPS)"
+            self._spawn(self._mps.terminate_process(conn.peer.pid, tree=True))
+        elif self.revoke_signal:
+            action += f"; {self.revoke_signal} in {self.revoke_signal_grace:.0f} s"
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.revoke_signal_grace, self._signal_overdue, conn, sent)
+        self.log.warning(
+            "revoke_overdue client=%s pid=%d after_s=%.0f: %s",
+            conn.client_id,
+            conn.peer.pid,
+            time.monotonic() - sent,
+            action,
+        )
+        # Waiters that fit beside its memory run now; the rest wait for it to go.
+        self._handle(ev.Released(time.monotonic(), conn.client_id, False, 0, 0))
+
+    def _signal_overdue(self, conn: Connection, sent: float) -> None:
+        if not self._still_revoking(conn, sent):
+            return
+        signum = getattr(signal, self.revoke_signal)
+        try:
+            os.kill(conn.peer.pid, signum)
+        except OSError as exc:
+            self.log.warning("cannot send %s to pid %d: %s", self.revoke_signal, conn.peer.pid, exc)
+            return
+        self.log.warning(
+            "revoke_signal client=%s pid=%d signal=%s",
+            conn.client_id,
+            conn.peer.pid,
+            self.revoke_signal,
+        )

@@ -158,6 +158,7 @@ class Connection:
     revoking: bool = False  # a REVOKE is out: its RELEASED answer is a handoff (metrics)
     accounted_at: float | None = None  # GPU time of the current hold counted up to here
     revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
+    overdue: bool = False  # its revoke deadline passed: the policy counts it released
 
     @property
     def name(self) -> str:

@@ -529,3 +529,46 @@ async def test_6_with_nvml_a_hello_cannot_add_or_size_a_device(
     (dev,) = node.status_document()["devices"]
     assert dev["uuid"] == real.uuid and dev["total_bytes"] == real.total_bytes
     assert dev["name"] == "Real GPU"
+
+
+# -- 4. A holder that never answers REVOKE -----------------------------------------------------
+
+
+async def test_4_a_holder_that_ignores_revoke_is_dealt_with_after_its_deadline(
+    local_users: Any, make_scheduler: Any
+) -> None:
+    from jupyter_gpushare.client import SchedulerClient
+
+    victim, attacker = local_users("victim"), local_users("attack")
+    node = await make_scheduler(
+        pool_size="4GiB",
+        base_quantum=0.3,
+        max_quantum=0.3,
+        revoke_deadline_seconds=1.0,
+        revoke_signal="SIGKILL",
+        revoke_signal_grace=0.5,
+    )
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path = node.socket_path
+    # The attacker holds 1 GiB and never reads its socket again: no RELEASED ever comes.
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, {**DEVICE, "client_id": "hog"}, 1 << 30, 60.0)
+    await _until(lambda: _clients(node).get("hog", {}).get("state") == "running")
+    # Root's release says what it did; the victim needs more than fits beside the hog.
+    admin = SchedulerClient(path, timeout=5)
+    reply = await admin.release("hog")
+    assert reply["done"] is True and reply["effect"].startswith("revoke sent")
+    reply = await admin.release("hog")
+    assert reply["done"] is False and "not answered" in reply["effect"]
+    pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": "v"}, 7 << 29, 10.0)
+    try:
+        started = time.monotonic()
+        # Past the deadline (1 s) and the grace (0.5 s) the hog is killed and the victim runs.
+        await _until(lambda: _clients(node).get("v", {}).get("state") == "running", 10.0)
+        assert 1.4 <= time.monotonic() - started < 8.0
+        _, status = await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid_a, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9
+    finally:
+        os.close(rfd_a)
+        kill(pid_v)
+        os.close(rfd_v)

@@ -89,13 +89,22 @@ async def test_release_evict_and_quota(scheduler: Any, connect: Any, sock_path: 
     await a.expect(MsgType.GRANT)
     client = SchedulerClient(sock_path)
     reply = await client.release("a")
-    assert reply == {"ok": True, "action": "release", "client": "a"}
+    assert reply == {
+        "ok": True,
+        "action": "release",
+        "client": "a",
+        "done": True,
+        "effect": "revoke sent: it releases the GPU when its current GPU work ends",
+    }
     revoke = await a.expect(MsgType.REVOKE)
     assert revoke.fields["flag"] == 0 and revoke.fields["reason"]
+    # Asked again before it answered: the reply says nothing new went out, and why.
+    again = await client.release("a")
+    assert again["done"] is False and again["effect"].startswith("already asked to release")
     await a.send(MsgType.RELEASED, flag=0)
     await a.request(100 * MiB)
     await a.expect(MsgType.GRANT)
-    await client.evict("a")
+    assert (await client.evict("a"))["effect"].endswith("then evicts")
     assert (await a.expect(MsgType.REVOKE)).fields["flag"] == 1
     reply = await client.set_quota("a", 2 * GiB)
     assert reply["quota"] == 2 * GiB
