@@ -87,6 +87,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._id_owners: dict[str, str] = {}
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
         self._learnt_devices: dict[str, int] = {}  # lower-case uuid -> uid of the HELLO
+        self._device_totals: dict[str, int] = {}  # lower-case uuid -> bytes (0: unknown)
         self._serial = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline: float | None = None
@@ -345,6 +346,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         pool = self.pool_for(total)
         self.policy.add_device(uuid, name=name, total_bytes=total, pool_bytes=pool)
         self._devices[key] = uuid
+        self._device_totals[key] = total
         self.log.info(
             "device %s (%s): total %s, pool %s",
             uuid,

@@ -56,6 +56,7 @@ class ShimSessions:
     _spawn: Callable[[Any], None]
     _stopping: bool
     _shims: dict[str, Connection]
+    _device_totals: dict[str, int]
     _resume_key: ResumeKey
     #: client id -> the user whose client last had it (oldest first; see _remember_owner)
     _id_owners: dict[str, str]
@@ -104,6 +105,11 @@ class ShimSessions:
         self._id_owners[client_id] = user
         while len(self._id_owners) > self.ID_OWNERS_KEPT:
             del self._id_owners[next(iter(self._id_owners))]
+
+    def _memory_cap(self, conn: Connection) -> int:
+        """The most a client's memory claim may say: its quota, else its device's size."""
+        total = self._device_totals.get((conn.device or "").lower(), 0)
+        return min(q for q in (conn.quota, total) if q > 0) if conn.quota or total else 0
 
     def _resume_secret(self, conn: Connection) -> str:
         """The secret a GRANT gives ``conn``'s shim (bound to the id it asked for and its uid)."""
@@ -189,10 +195,13 @@ class ShimSessions:
                 format_size(hello.quota) if hello.quota else "none",
             )
         weight = round(limits.effective_weight(hello.weight) * 1000) / 1000.0
-        conn.memory.update(hello.memory)
         join = hello.join(
             time.monotonic(), client_id, device, ident.user, conn.peer.uid, weight, quota
         )
+        if hello.memory:  # a reconnecting shim's memory: bounded as every later claim
+            memory = tr.bounded_memory(hello.memory, self._memory_cap(conn))
+            conn.memory.update(memory)
+            join = dataclasses.replace(join, **memory)
         self.log.info(
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
             client_id,
@@ -246,12 +255,13 @@ class ShimSessions:
 
     def _on_shim_message(self, conn: Connection, client_id: str, msg: Message) -> None:
         now = time.monotonic()
-        event = tr.shim_event(msg, client_id, now, conn.memory)
+        cap = self._memory_cap(conn)
+        event = tr.shim_event(msg, client_id, now, conn.memory, cap)
         if isinstance(event, ev.Leave):
             self.log.debug("goodbye client=%s", client_id)
             self._shim_gone(conn, "goodbye")
             return
-        conn.memory.update(tr.memory_after(conn.memory, msg))
+        conn.memory.update(tr.memory_after(conn.memory, msg, cap))
         if isinstance(event, ev.Request):
             if conn.requested_at is None:
                 conn.requested_at = now

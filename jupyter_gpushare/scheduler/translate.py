@@ -27,6 +27,7 @@ __all__ = [
     "MPSEnv",
     "Place",
     "Refusal",
+    "bounded_memory",
     "check_client_action",
     "check_hello",
     "check_mps_env",
@@ -186,22 +187,43 @@ def free_client_id(requested: str, pid: int, taken: Mapping[str, object]) -> str
     return candidate
 
 
-def memory_after(memory: Mapping[str, int], msg: Message) -> dict[str, int]:
-    """``memory`` updated with the memory fields ``msg`` carries (absent ones keep their value)."""
+def memory_after(memory: Mapping[str, int], msg: Message, cap: int = 0) -> dict[str, int]:
+    """``memory`` updated with the memory fields ``msg`` carries (absent ones keep their value),
+    bounded as :func:`bounded_memory` says."""
     out = {"used": 0, "managed": 0, "pinned": 0, "evicted": 0, **memory}
     for key, name in _MEMORY_FIELDS:
         if name in msg:
             out[key] = int(msg[name])
-    return out
+    return bounded_memory(out, cap)
 
 
-def shim_event(msg: Message, client_id: str, now: float, memory: Mapping[str, int]) -> ev.Event:
-    """The policy event of a shim message after HELLO (GOODBYE is a Leave)."""
+def bounded_memory(mem: Mapping[str, int], cap: int) -> dict[str, int]:
+    """A client's memory claim made consistent and bounded: what it uses is at most ``cap``
+    (its quota, else its device's size; 0 = unknown), and its managed and pinned parts at most
+    what it uses, its evicted part at most its managed part. A claim is only a claim: a
+    ``pinned`` of 2**60 must not make everyone else take turns beside a 1 GiB kernel."""
+    used = max(0, mem["used"])
+    if cap > 0:
+        used = min(used, cap)
+    managed = min(max(0, mem["managed"]), used)
+    return {
+        "used": used,
+        "managed": managed,
+        "pinned": min(max(0, mem["pinned"]), used),
+        "evicted": min(max(0, mem["evicted"]), managed),
+    }
+
+
+def shim_event(
+    msg: Message, client_id: str, now: float, memory: Mapping[str, int], cap: int = 0
+) -> ev.Event:
+    """The policy event of a shim message after HELLO (GOODBYE is a Leave); ``cap``: see
+    :func:`bounded_memory`."""
     mtype = msg.type
     moved = int(msg.get("bytes_moved") or 0)
     micros = int(msg.get("micros") or 0)
     if mtype in (MsgType.REQUEST, MsgType.MEMORY):
-        mem = memory_after(memory, msg)
+        mem = memory_after(memory, msg, cap)
         kind = ev.Request if mtype == MsgType.REQUEST else ev.Memory
         return kind(now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"])
     if mtype == MsgType.RELEASED:

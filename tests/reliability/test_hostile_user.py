@@ -168,10 +168,12 @@ def _shim(path: str, fields: dict[str, Any], request: int, hold: float) -> list[
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10.0)
     sock.connect(path)
+    fields = dict(fields)
+    claims = fields.pop("request_fields", {})  # more of the REQUEST's memory claim
     sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
     got = [read_message_sync(sock)]
     if request and got[0] is not None and got[0].type == MsgType.WELCOME:
-        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request})))
+        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request, **claims})))
         sock.settimeout(max(hold, 0.1))
         with contextlib.suppress(TimeoutError, OSError):
             got.append(read_message_sync(sock))
@@ -572,3 +574,35 @@ async def test_4_a_holder_that_ignores_revoke_is_dealt_with_after_its_deadline(
         os.close(rfd_a)
         kill(pid_v)
         os.close(rfd_v)
+
+
+# -- 7. Lying about memory ---------------------------------------------------------------------
+
+
+async def test_7_a_memory_claim_is_bounded_by_the_quota_and_the_device(
+    local_users: Any, make_scheduler: Any, tmp_path: Any
+) -> None:
+    victim, attacker = local_users("victim"), local_users("attack")
+    users = tmp_path / "users.toml"
+    users.write_text(f'[users.{attacker.name}]\nquota = "1GiB"\n')
+    node = await make_scheduler(pool_size="4GiB", users_config=str(users))
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path = node.socket_path
+    # pinned = 2**60: "nothing of mine can move, nobody fits beside me".
+    lie = {**DEVICE, "client_id": "liar", "request_fields": {"pinned_bytes": 1 << 60}}
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, lie, (1 << 64) - 1, 30.0)
+    pid_v, rfd_v = -1, -1
+    try:
+        await _until(lambda: _clients(node).get("liar", {}).get("state") == "running")
+        liar = _clients(node)["liar"]
+        assert liar["used_bytes"] == 1 << 30  # its user's ceiling, not 16 EiB
+        # The victim's 2 GiB kernel fits beside the bounded claim and runs at once.
+        pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": "v"}, 2 << 30, 30.0)
+        await _until(lambda: _clients(node).get("v", {}).get("state") == "running")
+        assert _clients(node)["liar"]["state"] == "running"
+    finally:
+        for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
+            if pid > 0:
+                kill(pid)
+                os.close(rfd)
