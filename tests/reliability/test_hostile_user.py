@@ -22,7 +22,14 @@ from typing import Any
 import pytest
 from local_users import collect, kill, run_as, spawn_as
 
+# Imported here, before any fork: a child running as another user may not be able to read the
+# source tree (a clone under /root), so it must find every module it uses already loaded.
+from jupyter_gpushare import cli
+from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
+from jupyter_gpushare.scheduler import server as server_module
+from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
 
 # -- what the processes of the other users run (module level: the forked child calls them) ----
 
@@ -47,13 +54,11 @@ def _listen_and_record(path: str, record: str) -> None:
 def _gpushare_cli(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     """The victim's ``gpushare ...``: its exit status and what it printed."""
     os.environ.update(env)
-    from jupyter_gpushare.cli import main
-
     out = io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            main(argv)
+            cli.main(argv)
         except SystemExit as exc:
             code = int(exc.code or 0)
     return code, out.getvalue()
@@ -62,7 +67,6 @@ def _gpushare_cli(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
 def _start_scheduler(path: str | None, env: dict[str, str]) -> str:
     """The victim's own scheduler: why it refuses to start ('' if it started)."""
     os.environ.update(env)
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
 
     async def attempt() -> str:
         kw: dict[str, Any] = {"use_nvml": False, "recovery_seconds": 0}
@@ -297,8 +301,6 @@ async def test_9_client_ids_are_bound_to_their_user(local_users: Any, node: Any)
 async def test_10_ids_and_labels_cannot_reach_a_terminal_or_forge_log_lines(
     local_users: Any, node: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from jupyter_gpushare.cli import format_status
-
     attacker = local_users("attack")
     path = node.socket_path
     evil = "\x1b]0;owned\x07\x1b[2J\nERROR gpushare: forged line\u202e"
@@ -310,7 +312,7 @@ async def test_10_ids_and_labels_cannot_reach_a_terminal_or_forge_log_lines(
     )
     try:
         await _until(lambda: "k2" in _clients(node))
-        shown = format_status(node.status_document())
+        shown = cli.format_status(node.status_document())
         assert "k2" in shown and "\\x1b]0;owned" in shown
         assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
         assert not any(line.startswith("ERROR gpushare: forged") for line in shown.splitlines())
@@ -328,8 +330,6 @@ async def test_10_ids_and_labels_cannot_reach_a_terminal_or_forge_log_lines(
 async def test_11_users_config_edge_cases_are_refused_and_answered(
     local_users: Any, make_scheduler: Any, tmp_path: Any
 ) -> None:
-    from jupyter_gpushare.client import SchedulerClient, SchedulerError
-
     attacker = local_users("attack")
     users = tmp_path / "users.toml"
     users.write_text('[defaults]\nquota = "1GiB"\n')
@@ -509,9 +509,6 @@ async def test_6_devices_learnt_from_hellos_are_bounded(
 async def test_6_with_nvml_a_hello_cannot_add_or_size_a_device(
     local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jupyter_gpushare.scheduler import server as server_module
-    from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
-
     real = DeviceInfo(0, "GPU-real-0", "Real GPU", 16 << 30)
 
     async def discover() -> Discovery:
@@ -539,8 +536,6 @@ async def test_6_with_nvml_a_hello_cannot_add_or_size_a_device(
 async def test_4_a_holder_that_ignores_revoke_is_dealt_with_after_its_deadline(
     local_users: Any, make_scheduler: Any
 ) -> None:
-    from jupyter_gpushare.client import SchedulerClient
-
     victim, attacker = local_users("victim"), local_users("attack")
     node = await make_scheduler(
         pool_size="4GiB",
