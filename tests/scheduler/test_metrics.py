@@ -11,10 +11,13 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sched_helpers import DEVICE, MiB
 from test_daemon import free_port
+from test_utilization import UUID as NVML_UUID
+from test_utilization import FakeNVML, nvml  # noqa: F401 (nvml: the fixture)
 
 from jupyter_gpushare._version import __version__
 from jupyter_gpushare.protocol import MsgType
@@ -147,3 +150,29 @@ def test_the_embedded_schedulers_metrics_join_another_registry() -> None:
     assert re.search(rf'^gpushare_build_info{{.*version="{re.escape(__version__)}"', text, re.M)
     host.unregister(collector)
     assert "gpushare_" not in generate_latest(host).decode()
+
+
+async def test_nvml_gives_dcgm_labels_and_utilisation(
+    make_scheduler: Any, request: pytest.FixtureRequest, connect: Any
+) -> None:
+    """With NVML, the scheduler's series carry the GPU's index and model as dcgm-exporter does,
+    and the utilisation gauge follows the sampler's readings."""
+    fake: FakeNVML = request.getfixturevalue("nvml")  # test_utilization's stand-in pynvml
+    server = await make_scheduler(use_nvml=True, metrics_port=free_port(), metrics_interval=0.05,
+                                  utilization_interval=0.05)  # fmt: skip
+    shim = await connect()
+    await shim.hello("a", device=NVML_UUID)
+    await shim.request(100 * MiB)
+    await shim.expect(MsgType.GRANT)
+    want = {"UUID": NVML_UUID, "device": NVML_UUID, "gpu": "0", "modelName": "Test GPU"}
+
+    async def ratio() -> float:
+        fams = families(await asyncio.to_thread(fetch, server.metrics.port))
+        assert sample(fams, "gpushare_grants", "gpushare_grants_total", **want) == 1
+        return sample(fams, "gpushare_gpu_utilization_ratio", **want)
+
+    await asyncio.sleep(0.3)
+    assert await ratio() == fake.percent / 100
+    fake.percent = 80
+    await asyncio.sleep(0.3)
+    assert await ratio() == 0.8
