@@ -27,34 +27,11 @@ from jupyter_gpushare.deviceplugin.plugin import (
     unit_devices,
 )
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
-from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from jupyter_gpushare.units import parse_size
+from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
-
-
-class KubeletStandIn(api_grpc.RegistrationServicer):
-    """The kubelet's side: Registration on ``<dir>/kubelet.sock``; each RegisterRequest is kept
-    and wakes whoever waits for it."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.requests: asyncio.Queue[api.RegisterRequest] = asyncio.Queue()
-        self.server = grpc.aio.server()
-        api_grpc.add_RegistrationServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{directory / 'kubelet.sock'}")
-
-    async def Register(self, request: Any, context: Any) -> Any:
-        if request.version != "v1beta1":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unsupported version")
-        await self.requests.put(request)
-        return api.Empty()
-
-    def plugin(self, request: api.RegisterRequest) -> tuple[grpc.aio.Channel, Any]:
-        """A channel to the plugin that registered (the endpoint is relative to the dir)."""
-        channel = grpc.aio.insecure_channel(f"unix://{self.directory / request.endpoint}")
-        return channel, api_grpc.DevicePluginStub(channel)
 
 
 @pytest.fixture
@@ -77,12 +54,6 @@ def make_plugin(kubelet: KubeletStandIn, harness: Any, dev_root: Path) -> Device
         refresh_interval=0.1,
     )
     return DevicePluginServer(config)
-
-
-async def next_list(stream: Any, timeout: float = 10.0) -> list[api.Device]:
-    response = await asyncio.wait_for(stream.read(), timeout)
-    assert response is not grpc.aio.EOF, "ListAndWatch ended"
-    return list(response.devices)
 
 
 async def test_register_list_allocate_against_a_kubelet_stand_in(
