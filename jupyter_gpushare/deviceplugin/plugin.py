@@ -247,6 +247,7 @@ class DevicePluginServer:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.registered = False  # the kubelet accepted our last Register
         self.registrations = 0
 
     @property
@@ -325,6 +326,7 @@ class DevicePluginServer:
         )
         async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
             await api_grpc.RegistrationStub(channel).Register(request, timeout=10)
+        self.registered = True
         self.registrations += 1
         self.log.info(
             "gpushare device plugin: registered %s with the kubelet at %s",
@@ -340,11 +342,13 @@ class DevicePluginServer:
                 if not os.path.exists(self.socket_path):
                     # The kubelet restarted (it empties its directory): serve and register again.
                     self.log.warning("gpushare device plugin: socket gone; registering again")
+                    self.registered = False
                     await self._stop_server()
                     await self._serve()
+                if not self.registered:  # also when the restarted kubelet was not up yet
                     await self.register()
-            except Exception:  # keep following; the next round retries
-                self.log.exception("gpushare device plugin: refresh failed")
+            except Exception as exc:  # keep following; the next round retries
+                self.log.warning("gpushare device plugin: will retry: %s", exc)
 
     async def _stop_server(self) -> None:
         if self._server is not None:

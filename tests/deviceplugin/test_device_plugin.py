@@ -207,3 +207,47 @@ def test_cli_runs_the_device_plugin_app() -> None:
     assert config.unit_bytes == 512 << 20 and config.resource_name == "example.com/gpu-mem"
     with pytest.raises(Exception, match="unit"):
         GPUShareDevicePlugin(unit="0")
+
+
+async def test_registers_again_once_a_restarted_kubelet_is_up(sock_dir: str) -> None:
+    """A kubelet restart empties the directory; if the kubelet is not listening yet when the
+    plugin notices, the plugin keeps serving and registers as soon as it is."""
+    directory = Path(sock_dir) / "restart"
+    directory.mkdir()
+    first = KubeletStandIn(directory)
+    await first.server.start()
+    plugin = DevicePluginServer(
+        GPUShareDevicePlugin(
+            kubelet_dir=str(directory),
+            scheduler_socket=str(Path(sock_dir) / "no-scheduler.sock"),
+            refresh_interval=0.05,
+        )
+    )
+    await plugin.start()
+    second = None
+    try:
+        await asyncio.wait_for(first.requests.get(), 10)
+        assert not plugin.healthy  # no scheduler answers: nothing is advertised as Healthy
+        await first.server.stop(grace=None)
+        for name in ("kubelet.sock", plugin.config.endpoint):  # the restart empties the dir
+            (directory / name).unlink(missing_ok=True)
+        for _ in range(100):
+            if os.path.exists(plugin.socket_path):
+                break
+            await asyncio.sleep(0.05)
+        assert os.path.exists(plugin.socket_path), "the plugin serves again at once"
+        await asyncio.sleep(0.2)  # a few rounds with no kubelet to register with
+        assert not plugin.registered and plugin.registrations == 1
+        second = KubeletStandIn(directory)
+        await second.server.start()
+        again = await asyncio.wait_for(second.requests.get(), 10)
+        assert again.resource_name == "gpushare.io/gpu-memory"
+        for _ in range(100):  # the plugin counts it once the kubelet's answer is back
+            if plugin.registered:
+                break
+            await asyncio.sleep(0.05)
+        assert plugin.registered and plugin.registrations == 2
+    finally:
+        await plugin.stop()
+        if second is not None:
+            await second.server.stop(grace=None)
