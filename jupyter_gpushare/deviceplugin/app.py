@@ -8,7 +8,6 @@ Needs the ``k8s`` extra (grpcio, protobuf): ``pip install 'jupyter-gpushare[k8s]
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from typing import Any
@@ -68,25 +67,14 @@ gpushare device-plugin --resource-name example.com/gpu-memory --unit 512MiB"""
         except Exception as exc:  # a bad config value
             self.log.critical("invalid configuration: %s", exc)
             self.exit(2)
-        asyncio.run(self._serve(lambda: DevicePluginServer(config)))
+        asyncio.run(self._serve(DevicePluginServer(config)))
 
-    async def _serve(self, make_server: Any) -> None:
+    async def _serve(self, server: Any) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        while True:
-            server = make_server()
-            try:
-                await server.start()
-                break
-            except Exception as exc:  # the kubelet is not up yet, or refused us
-                self.log.warning("device plugin: cannot register yet (%s); retrying in 5 s", exc)
-                await server.stop()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 5.0)
-                if stop.is_set():
-                    return
+        await server.start()  # registration is retried until the kubelet accepts it
         await stop.wait()
         self.log.info("device plugin: stopping")
         await server.stop()

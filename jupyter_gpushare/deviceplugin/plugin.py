@@ -301,9 +301,16 @@ class DevicePluginServer:
     # -- serve and register -------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Serve, register, and follow the scheduler and the kubelet. A kubelet that is not up
+        yet (or refuses) is not an error: registration is retried every refresh_interval."""
         await self.refresh()
         await self._serve()
-        await self.register()
+        try:
+            await self.register()
+        except grpc.aio.AioRpcError as exc:
+            self.log.warning(
+                "gpushare device plugin: cannot register yet (%s); retrying", exc.details()
+            )
         self._loop_task = asyncio.ensure_future(self._follow())
 
     async def _serve(self) -> None:

@@ -251,3 +251,41 @@ async def test_registers_again_once_a_restarted_kubelet_is_up(sock_dir: str) -> 
         await plugin.stop()
         if second is not None:
             await second.server.stop(grace=None)
+
+
+async def test_the_command_waits_for_the_kubelet_and_stops_cleanly(sock_dir: str) -> None:
+    """`gpushare device-plugin` as the DaemonSet runs it: started before the kubelet listens, it
+    registers once it does; SIGTERM ends it with status 0 and its socket removed."""
+    directory = Path(sock_dir) / "cli"
+    directory.mkdir()
+    cmd = [sys.executable, "-m", "jupyter_gpushare", "device-plugin",
+           f"--kubelet-dir={directory}", f"--scheduler-socket={Path(sock_dir) / 'none.sock'}",
+           "--refresh-interval=0.1", "--unit=2GiB"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    kubelet = None
+    try:
+        endpoint = directory / "gpushare-gpu-memory.sock"
+        for _ in range(200):  # serving, not registered: nobody listens on kubelet.sock yet
+            if endpoint.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert endpoint.exists(), "the plugin does not serve"
+        kubelet = KubeletStandIn(directory)
+        await kubelet.server.start()
+        request = await asyncio.wait_for(kubelet.requests.get(), 20)
+        assert (request.resource_name, request.endpoint) == ("gpushare.io/gpu-memory",
+                                                             endpoint.name)  # fmt: skip
+        proc.terminate()
+        _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, stderr.decode()
+        assert b"cannot register yet" in stderr
+        assert not endpoint.exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if kubelet is not None:
+            await kubelet.server.stop(grace=None)
