@@ -147,6 +147,12 @@ class SchedulerConfig(LoggingConfigurable):
         1.0, help="Seconds between two refreshes of the metrics' gauges (holders, queues, memory)."
     ).tag(config=True)
 
+    metrics_in_process = Bool(
+        False,
+        help="""Keep the metrics even without metrics_port, for the process that runs this
+        scheduler to serve (the Jupyter server's /metrics serves an embedded scheduler's).""",
+    ).tag(config=True)
+
     use_nvml = Bool(
         True,
         help="""Discover devices with NVML at start. When off, or when NVML is missing, devices
