@@ -20,6 +20,7 @@ class ContainerSetup:
     """What every allocated container gets besides its GPUs (from the plugin's config)."""
 
     unit: int
+    scheduler_socket: str
     host_socket_dir: str
     container_socket_dir: str
     socket_name: str
@@ -55,11 +56,13 @@ class GPUShareDevicePlugin(LoggingConfigurable):
 
     host_socket_dir = Unicode(
         "/run/gpushare",
-        help="The scheduler's socket directory on the node, mounted into allocated containers.",
+        help="""The scheduler's socket directory on the node: each allocation's socket directory
+        (made by the scheduler under it) is mounted into its container from there.""",
     ).tag(config=True)
 
     container_socket_dir = Unicode(
-        "/run/gpushare", help="Where allocated containers see the scheduler's socket directory."
+        "/run/gpushare",
+        help="Where allocated containers see their allocation's socket directory.",
     ).tag(config=True)
 
     dev_root = Unicode(
@@ -91,6 +94,7 @@ class GPUShareDevicePlugin(LoggingConfigurable):
     def setup(self) -> ContainerSetup:
         return ContainerSetup(
             unit=self.unit_bytes,
+            scheduler_socket=self.scheduler_socket,
             host_socket_dir=self.host_socket_dir,
             container_socket_dir=self.container_socket_dir,
             socket_name=os.path.basename(self.scheduler_socket),

@@ -5,11 +5,20 @@ default), each advertised as one "device" of ``resource_name`` (``gpushare.io/gp
 the ID ``<GPU UUID>-<n>``. A pod that asks for 8 units is placed on a node with 8 free units; the
 kubelet then calls Allocate with the 8 IDs it chose, and the container gets:
 
-* ``GPUSHARE_MEMORY_LIMIT=8GiB``: the shim declares it to the scheduler as its quota ceiling;
+* its own socket to the scheduler, with the ceiling: before answering, the plugin asks the
+  node scheduler (control action ``allocate``, scheduler/allocations.py) for an allocation of
+  8 GiB; the scheduler listens on a new socket in a directory of its own, and that directory is
+  mounted read-only where the container expects the scheduler's socket directory. Every client
+  on that socket gets at most 8 GiB of quota, whatever its environment says: the pod cannot
+  change its ceiling. ``GPUSHARE_SOCKET`` and ``GPUSHARE_SCHEDULER=node`` point the shim at it;
+* ``GPUSHARE_MEMORY_LIMIT=8GiB``: the shim declares it (informative: the socket's ceiling
+  holds without it, and a larger value is cut down to it);
 * the GPU: ``NVIDIA_VISIBLE_DEVICES=<uuid>`` for the NVIDIA container runtime, and (when they
-  exist on the node) the device nodes ``/dev/nvidia<index>``, ``nvidiactl``, ``nvidia-uvm``;
-* the scheduler: its socket directory mounted read-only, ``GPUSHARE_SOCKET`` and
-  ``GPUSHARE_SCHEDULER=node``.
+  exist on the node) the device nodes ``/dev/nvidia<index>``, ``nvidiactl``, ``nvidia-uvm``.
+
+The scheduler must answer for Allocate to succeed: without it the container would get no
+ceiling, so the plugin refuses (UNAVAILABLE) and the kubelet fails the pod's admission; its
+units are Unhealthy meanwhile anyway, so the Kubernetes scheduler places no pod on them.
 
 The units are bookkeeping for the Kubernetes scheduler, not a partition of the card: the node
 scheduler still shares the whole pool (side by side when kernels fit, in turns when not); the
@@ -48,6 +57,7 @@ __all__ = [
     "GPUShareDevicePlugin",
     "GpuPool",
     "allocate_container",
+    "allocation_host_dir",
     "exact_size",
     "preferred_units",
     "unit_devices",
@@ -130,16 +140,32 @@ def preferred_units(
     return chosen
 
 
-def allocate_container(
-    unit_ids: Sequence[str], units: dict[str, GpuPool], setup: ContainerSetup
-) -> api.ContainerAllocateResponse:
-    """The Allocate answer for one container given the unit IDs the kubelet chose.
-
-    Raises KeyError for an ID this plugin never advertised."""
+def container_gpus(unit_ids: Sequence[str], units: dict[str, GpuPool]) -> dict[str, GpuPool]:
+    """The GPUs of the unit IDs the kubelet chose (KeyError for an ID never advertised)."""
     gpus: dict[str, GpuPool] = {}
     for unit_id in unit_ids:
         gpu = units[unit_id]
         gpus.setdefault(gpu.uuid, gpu)
+    return gpus
+
+
+def allocation_host_dir(scheduler_dir: str, setup: ContainerSetup) -> str:
+    """The node's path of an allocation's socket directory, which the scheduler reports as it
+    sees it: under its socket directory, which the node has at ``setup.host_socket_dir``."""
+    relative = os.path.relpath(scheduler_dir, os.path.dirname(setup.scheduler_socket))
+    if relative.startswith(os.pardir) or os.path.isabs(relative):
+        raise ValueError(f"the allocation's directory {scheduler_dir} is not under the socket's")
+    return os.path.join(setup.host_socket_dir, relative)
+
+
+def allocate_container(
+    unit_ids: Sequence[str], units: dict[str, GpuPool], setup: ContainerSetup, socket_dir: str
+) -> api.ContainerAllocateResponse:
+    """The Allocate answer for one container given the unit IDs the kubelet chose and the node's
+    path of the socket directory the scheduler opened for them (:func:`allocation_host_dir`).
+
+    Raises KeyError for an ID this plugin never advertised."""
+    gpus = container_gpus(unit_ids, units)
     limit = len(unit_ids) * setup.unit
     envs = {
         "GPUSHARE_MEMORY_LIMIT": exact_size(limit),
@@ -150,7 +176,7 @@ def allocate_container(
     mounts = [
         api.Mount(
             container_path=setup.container_socket_dir,
-            host_path=setup.host_socket_dir,
+            host_path=socket_dir,  # this allocation's socket alone, not the shared one
             read_only=True,  # a writable socket directory would let the user replace the socket
         )
     ]
@@ -213,12 +239,21 @@ class _Servicer(api_grpc.DevicePluginServicer):
         units, setup = self.owner.units, self.owner.config_setup
         responses = []
         for r in request.container_requests:
+            unit_ids = list(r.devices_ids)
             try:
-                responses.append(allocate_container(list(r.devices_ids), units, setup))
+                container_gpus(unit_ids, units)
             except KeyError as exc:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"unknown {self.owner.resource} unit {exc}"
                 )
+            try:
+                socket_dir = await self.owner.open_allocation(unit_ids)
+            except (SchedulerUnavailable, SchedulerError, ValueError) as exc:
+                self.owner.log.error("gpushare device plugin: no allocation: %s", exc)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"the node scheduler opened no allocation: {exc}"
+                )
+            responses.append(allocate_container(unit_ids, units, setup, socket_dir))
         for c in responses:
             self.owner.log.info(
                 "gpushare device plugin: allocated %s on %s",
@@ -297,6 +332,15 @@ class DevicePluginServer:
             async with self._changed:
                 if seen == self._version and not self._stopping:
                     await self._changed.wait()
+
+    async def open_allocation(self, unit_ids: Sequence[str]) -> str:
+        """Ask the scheduler for an allocation of these units (their bytes as its ceiling); the
+        node's path of its socket directory."""
+        client = SchedulerClient(self.config.scheduler_socket, timeout=10.0)
+        reply = await client.control(
+            "allocate", ceiling=len(unit_ids) * self.config.unit_bytes, units=list(unit_ids)
+        )
+        return allocation_host_dir(str(reply["directory"]), self.config_setup)
 
     # -- serve and register -------------------------------------------------------------------
 
