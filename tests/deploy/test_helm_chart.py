@@ -233,6 +233,10 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
     assert vols["socket-dir"]["hostPath"]["path"] == plugin.host_socket_dir
     assert smounts["socket-dir"]["mountPath"] == os.path.dirname(sched.socket_path)
     assert pmounts["socket-dir"]["readOnly"] is True
+    # The allocations' ceilings persist on the node, where the scheduler writes them.
+    assert sched.state_dir == smounts["state-dir"]["mountPath"]
+    assert vols["state-dir"]["hostPath"]["path"] == sched.state_dir
+    assert not sched.state_dir.startswith("/run/"), "a tmpfs loses the ceilings at a reboot"
     assert pmounts["device-plugins"]["mountPath"] == plugin.kubelet_dir
     assert vols["device-plugins"]["hostPath"]["path"] == plugin.kubelet_dir
     if plugin.device_nodes:
