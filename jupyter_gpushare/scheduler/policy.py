@@ -72,6 +72,7 @@ from .events import (
     SetWeight,
     Tick,
 )
+from .ordering import CellService, OrderingConfig, boost_slice, level, level_ceiling
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig"]
 
@@ -87,6 +88,10 @@ REASON_QUANTUM = "quantum expired"
 REASON_GREW = "memory grew past the pool"
 REASON_PRESSURE = "memory pressure"
 REASON_ADMIN = "released by request"
+REASON_ORDER = "paused: shorter cells first"
+
+#: A level above every real one: the gate when no busy kernel holds the device.
+_NO_LEVEL = 1 << 30
 
 
 @dataclass
@@ -102,6 +107,8 @@ class PolicyConfig:
     policy: str = "gpushare"
     fixed_quantum: float = 30.0  # seconds a holder keeps the lock while others wait
     idle_check_interval: float = 5.0  # seconds between two timer checks for an idle holder
+    # Among busy kernels that fit: who goes through the gate first (see .ordering).
+    ordering: OrderingConfig = field(default_factory=OrderingConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -166,6 +173,7 @@ class _Client:
     # accounting
     gpu_seconds: float = 0.0
     wait_seconds: float = 0.0
+    cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
 
     @property
     def movable(self) -> int:
@@ -267,6 +275,7 @@ class Policy:
             client.idle = True
         elif isinstance(event, Busy):
             client.idle = False
+            client.cell.new_cell()
         elif isinstance(event, Leave):
             self._remove(client)
         elif isinstance(event, AdminRelease):
@@ -345,6 +354,9 @@ class Policy:
         dt = now - self._now
         half_life = self.config.usage_half_life
         for dev in self._devices.values():
+            busy = [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
+            for c in busy:  # co-running cells share the GPU: each gets its part of the time
+                c.cell.service += dt / len(busy)
             for c in dev.clients.values():
                 if c.holding is not None:
                     c.gpu_seconds += dt
@@ -423,6 +435,8 @@ class Policy:
         c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
         if c.holding is not None:
             return
+        if c.idle:  # it wants the GPU again after its cell ended: a new cell
+            c.cell.new_cell()
         c.idle = False
         if c.waiting_since is None:
             since = c.resume_since
@@ -559,12 +573,12 @@ class Policy:
         GPU-seconds divided by the client's weight), then arrival.
         """
 
-        def key(c: _Client) -> tuple[int, int, float, float, int]:
+        def key(c: _Client) -> tuple[int, int, int, float, float, int]:
             since = c.waiting_since
             assert since is not None
             if self._overdue(c, now):
-                return (0, 0, 0.0, since, c.seq)
-            return (1, int(c.idle), self._share(dev, c, now), since, c.seq)
+                return (0, 0, 0, 0.0, since, c.seq)
+            return (1, int(c.idle), self._rank(c), self._share(dev, c, now), since, c.seq)
 
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
@@ -585,6 +599,8 @@ class Policy:
         return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
 
     def _deadlines(self, dev: _Device) -> Iterable[float]:
+        if self.config.policy == "gpushare" and self.config.ordering.interactive:
+            yield from self._ordering_deadlines(dev)
         if not any(c.waiting_since is not None for c in dev.clients.values()):
             return
         if self.config.policy == "fixed-quantum":
@@ -608,7 +624,7 @@ class Policy:
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev)
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
 
     def _relieve(self, dev: _Device) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
@@ -648,12 +664,16 @@ class Policy:
         incoming = self._incoming_bytes(dev)
         queue = self._queue(dev, now)
         dev.turns = False
+        gate = self._gate_level(dev)
         for i, w in enumerate(queue):
             if w.evict_pending:
                 continue  # its own eviction is in flight: grant it (with restore) after Evicted
+            if not self._passes_gate(dev, w, gate):
+                continue  # a longer cell, paused while shorter ones run (interactive ordering)
             need = w.used - w.on_gpu
             if need <= free:
-                out.append(self._grant(w))
+                out.append(self._grant_in_order(dev, w))
+                gate = min(gate, self._level(w))
                 free -= need
                 continue
             if dev.turns:
@@ -728,6 +748,87 @@ class Policy:
         elif not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))
         return out
+
+    # ----------------------------------------------------------------------------------------
+    # Interactive-first ordering (PolicyConfig.ordering; the rules are in .ordering)
+
+    def _level(self, c: _Client) -> int:
+        return level(c.cell.service, c.weight, self.config.ordering)
+
+    @staticmethod
+    def _busy_holders(dev: _Device) -> list[_Client]:
+        return [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
+
+    def _starved(self, c: _Client) -> bool:
+        """A waiter paused for a whole starvation window: let through whatever its level."""
+        since = c.waiting_since
+        return since is not None and self._clock >= since + self.config.ordering.starvation_window
+
+    def _rank(self, c: _Client) -> int:
+        """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
+        if not self.config.ordering.interactive:
+            return 0
+        return 0 if self._starved(c) else 1 + self._level(c)
+
+    def _gate_level(self, dev: _Device) -> int:
+        """The lowest level among busy holders: waiters above it stay paused."""
+        return min((self._level(c) for c in self._busy_holders(dev)), default=_NO_LEVEL)
+
+    def _passes_gate(self, dev: _Device, w: _Client, gate: int) -> bool:
+        if not self.config.ordering.interactive:
+            return True
+        return self._level(w) <= gate or self._starved(w)
+
+    def _grant_in_order(self, dev: _Device, w: _Client) -> Grant:
+        """Grant ``w``; one let through by the starvation bound holds for its weighted slice."""
+        cfg = self.config.ordering
+        if cfg.interactive and self._starved(w):
+            busy = [c for c in dev.clients.values() if c.holding == "running" or c is w]
+            weight = sum(c.weight for c in busy if not c.idle or c is w)
+            weight += sum(c.weight for c in dev.clients.values() if c.waiting_since and c is not w)
+            w.cell.protect_until = self._clock + boost_slice(w.weight, weight, cfg)
+        return self._grant(w)
+
+    def _pause(self, dev: _Device) -> list[Decision]:
+        """Pause (revoke, no eviction) busy holders above the lowest level among them.
+
+        A holder is paused only after ``min_slice`` of holding and outside the slice the
+        starvation bound gave it; its memory stays where it is.
+        """
+        cfg = self.config.ordering
+        busy = self._busy_holders(dev)
+        if not cfg.interactive or len(busy) < 2:
+            return []
+        gate = min(self._level(c) for c in busy)
+        now = self._clock
+        return [
+            self._revoke(c, False, REASON_ORDER)
+            for c in busy
+            if self._level(c) > gate
+            and now >= c.run_start + cfg.min_slice
+            and now >= c.cell.protect_until
+        ]
+
+    def _ordering_deadlines(self, dev: _Device) -> Iterable[float]:
+        """When the ordering may change its mind without an event.
+
+        A busy holder reaching its next level (it may lose its place, or let a waiter through),
+        a holder's minimum slice or starvation slice ending, a waiter's starvation window.
+        """
+        cfg = self.config.ordering
+        busy = self._busy_holders(dev)
+        waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
+        if busy and (waiters or len(busy) > 1):
+            for c in busy:
+                left = level_ceiling(c.cell.service, c.weight, cfg) - c.cell.service
+                yield self._clock + left * len(busy)
+        if len(busy) > 1:
+            for c in busy:
+                yield c.run_start + cfg.min_slice
+                yield c.cell.protect_until
+        for w in waiters:
+            assert w.waiting_since is not None
+            yield w.waiting_since + cfg.starvation_window
 
     # ----------------------------------------------------------------------------------------
     # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
