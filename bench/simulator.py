@@ -85,7 +85,7 @@ def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
 
 def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
     """The policy's configuration for a simulated mode: the daemon's, with the simulated costs."""
-    ordering = cfg.ordering if mode == "gpushare" else replace(cfg.ordering, mode="fair")
+    ordering = replace(cfg.ordering, mode="fair") if mode == "gpushare-fair" else cfg.ordering
     return PolicyConfig(
         base_quantum=cfg.base_quantum,
         evict_bandwidth=cfg.evict_bw,
