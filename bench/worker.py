@@ -267,6 +267,7 @@ class StandinWorker:
     (tests/bench); its numbers measure nothing about a GPU."""
 
     T_ITER = 0.001  # seconds per "matmul iteration"
+    CHUNK_US = 10_000  # the longest "kernel" compute() launches
 
     def __init__(self) -> None:
         cu = ctypes.CDLL("libcuda.so.1")
@@ -325,7 +326,12 @@ class StandinWorker:
         self._sleep(1)
 
     def compute(self, iters: int) -> None:
-        self._sleep(int(iters * self.T_ITER * 1e6))
+        # Many short kernels, as a real cell's matmuls are: the launch gate can pause between
+        # them (one kernel of the whole cell could not be paused until it ended).
+        left = int(iters * self.T_ITER * 1e6)
+        while left > 0:
+            self._sleep(min(left, self.CHUNK_US))
+            left -= self.CHUNK_US
 
     def init_context(self) -> None:
         """The stand-in makes its context in __init__."""
