@@ -774,6 +774,11 @@ class Policy:
         """The lowest level among busy holders: waiters above it stay paused."""
         return min((self._level(c) for c in self._busy_holders(dev)), default=_NO_LEVEL)
 
+    def _paused_for_order(self, dev: _Device, w: _Client) -> bool:
+        """``w`` waits only because shorter cells run (the status says so)."""
+        cfg = self.config.ordering
+        return cfg.interactive and not self._passes_gate(dev, w, self._gate_level(dev))
+
     def _passes_gate(self, dev: _Device, w: _Client, gate: int) -> bool:
         if not self.config.ordering.interactive:
             return True
@@ -979,6 +984,13 @@ class Policy:
                     f", {_dur(h['past_quantum_seconds'])} past its "
                     f"{_dur(h['quantum_seconds'])} quantum"
                 )
+        elif self._paused_for_order(dev, c):
+            left = c.waiting_since + self.config.ordering.starvation_window - now
+            reason = "shorter_first"
+            text = (
+                "paused while shorter cells run (memory kept on the GPU): resumes when they "
+                f"end, in {_dur(left)} at most"
+            )
         elif ahead > 0:
             reason = "queue"
             text = f"waiting behind {ahead} other kernel{'s' if ahead > 1 else ''}"

@@ -74,6 +74,9 @@ def test_a_short_cell_overtakes_a_long_one_which_pauses_with_its_memory_in_place
     # Its next launch asks again (no Busy: the same cell) and waits at the gate.
     assert p.handle(Request(30.002, "long", used=10 * GB, managed=9 * GB, pinned=GB // 2)) == []
     assert p.handle(Tick(30.5)) == []
+    (long_status,) = [c for c in p.snapshot(30.5)[0]["clients"] if c["id"] == "long"]
+    assert long_status["wait"]["reason"] == "shorter_first"
+    assert "in 20 s at most" in long_status["wait"]["text"]
     # The short cell ends: the long one resumes without a restore (nothing was moved).
     assert p.handle(Idle(30.6, "short")) == [Grant("long", restore=False)]
 
