@@ -60,7 +60,10 @@ GPU. *Short cells*: under 1 s solo. *Long throughput*: solo seconds of the cells
 10 s divided by their latency. References, without memory costs: equal sharing (what
 co-running contexts do), ideal least-attained-service (LAS) and clairvoyant
 shortest-remaining-first (SRPT: it knows every cell's length; no online scheduler does better
-on mean latency).
+on mean latency). While every working set fits the pool (here up to 5 users), the fair ordering
+*is* equal sharing plus 2 ms per grant: their capacity curves coincide. A paused cell's launched
+work runs on for 12.5 ms on average (`SimConfig.drain_s`: the replay's workers synchronise
+every 16 matmuls, as a training loop that reads its loss).
 """
     rec = rep.recs.get("simulated")
     if rec is None:

@@ -57,6 +57,9 @@ class SimConfig:
     restore_bw: float = 48e9  # bytes/s: host->device
     touch_s_per_gib: float = 0.0007  # each cell reads and writes its working set once
     handoff_s: float = 0.002  # fixed cost of a grant (messages, wake-ups)
+    # After a revoke, the holder's launched work runs on this long on average: half a step of
+    # the replay's workers (bench/worker.py synchronises every STEP_ITERS matmuls, ~25 ms).
+    drain_s: float = 0.0125
     grace: float = 30.0  # seconds after the horizon before unfinished cells are cut
     base_quantum: float = 5.0
     fixed_quantum: float = 30.0
@@ -154,13 +157,8 @@ class Simulation:
             if d.restore:
                 self._at(u.blocked_until, "restored", u.user.name, ws)
         elif isinstance(d, ev.Revoke):
-            u.holding = False  # the shim stops launching at once; its kernels drain (short)
-            self._at(
-                self.now + (ws / self.cfg.evict_bw if d.evict else 0.0),
-                "released",
-                u.user.name,
-                d.evict,
-            )
+            # The shim closes the gate at once; the work already launched runs on (drains).
+            self._at(self.now + self.cfg.drain_s, "drained", u.user.name, d.evict)
         elif isinstance(d, ev.Evict):
             self._at(self.now + ws / self.cfg.evict_bw, "evicted", u.user.name, ws)
 
@@ -290,6 +288,10 @@ class Simulation:
                 self._send(ev.Busy(self.now, name))
                 if not u.holding:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "drained":
+            u.holding = False
+            evict_s = self._movable(u) / self.cfg.evict_bw if arg else 0.0
+            self._at(self.now + evict_s, "released", name, arg)
         elif kind == "released":
             ws = self._movable(u)
             micros = int(ws / self.cfg.evict_bw * 1e6) if arg else 0
