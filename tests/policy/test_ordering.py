@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -266,12 +264,8 @@ def test_every_decision_the_simulator_makes_is_the_live_schedulers_on_the_same_e
         "idle_check_interval": sim_cfg.idle_check_interval,
         "scheduling_policy": "fixed-quantum" if mode == "fixed-quantum" else "gpushare",
     }
-    live = GPUShareScheduler(**traits)
-    if hasattr(live, "ordering"):
-        live.ordering = "fair" if mode == "gpushare-fair" else "interactive"
-    config = live.policy_config()
-    if not hasattr(live, "ordering") and mode == "gpushare-fair":
-        config = dataclasses.replace(config, ordering=OrderingConfig("fair"))
+    traits["ordering"] = "fair" if mode == "gpushare-fair" else "interactive"
+    config = GPUShareScheduler(**traits).policy_config()
     assert config == policy_config(mode, sim_cfg)  # the simulator's own construction agrees
     sim = Simulation(small_users(), mode, 150.0, sim_cfg, config=config)
     sim.log = []
@@ -284,3 +278,32 @@ def test_every_decision_the_simulator_makes_is_the_live_schedulers_on_the_same_e
     replay.add_device("GPU-sim", total_bytes=sim_cfg.total_bytes, pool_bytes=sim_cfg.pool_bytes)
     for event, decisions in sim.log:
         assert replay.handle(event) == decisions, event
+
+
+@pytest.mark.parametrize(
+    "trait, value",
+    [
+        ("ordering", "shortest"),
+        ("ordering_first_level", 0.0),
+        ("ordering_level_ratio", 1.0),
+        ("ordering_min_slice", -1.0),
+        ("ordering_starvation_window", float("inf")),
+    ],
+)
+def test_bad_ordering_settings_are_refused_when_the_scheduler_is_configured(trait, value):
+    from traitlets import TraitError
+
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    with pytest.raises(TraitError):
+        GPUShareScheduler(**{trait: value})
+
+
+def test_the_daemon_defaults_to_the_interactive_ordering_and_passes_its_settings():
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    assert GPUShareScheduler().policy_config().ordering == OrderingConfig()
+    cfg = GPUShareScheduler(
+        ordering="fair", ordering_first_level=2.0, ordering_min_slice=0.5
+    ).policy_config()
+    assert cfg.ordering == OrderingConfig("fair", first_level=2.0, min_slice=0.5)
