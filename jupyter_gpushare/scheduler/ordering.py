@@ -23,15 +23,28 @@ feedback queue in the manner of least-attained-service (LAS) scheduling:
   least its weighted share of the window. Its GPU time in that slice is shared with the short cells
   running beside it.
 
-Everything here is pure: functions of the service figures and of times the caller passes in.
+Everything here is pure: :class:`Ordering` reads the kernels the policy passes in (anything
+with the fields of :class:`Kernel`) and the time it is given, and changes nothing but the
+``CellService`` of a kernel it lets through by the starvation bound.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-__all__ = ["ORDERINGS", "CellService", "OrderingConfig", "boost_slice", "level", "level_ceiling"]
+__all__ = [
+    "ORDERINGS",
+    "CellService",
+    "Kernel",
+    "Ordering",
+    "OrderingConfig",
+    "boost_slice",
+    "level",
+    "level_ceiling",
+]
 
 #: Orderings a configuration may name.
 ORDERINGS = ("interactive", "fair")
@@ -91,3 +104,86 @@ def boost_slice(weight: float, busy_weight: float, cfg: OrderingConfig) -> float
     """How long a kernel let through by the starvation bound holds the gate before a pause."""
     share = weight / busy_weight if busy_weight > 0 else 1.0
     return max(cfg.min_slice, cfg.starvation_window * min(1.0, share))
+
+
+class Kernel(Protocol):
+    """What the ordering reads of a client (the policy's own client records have these)."""
+
+    weight: float
+    run_start: float  # when its current grant began
+    waiting_since: float | None  # None unless it waits for the device
+    cell: CellService
+
+
+K = TypeVar("K", bound=Kernel)
+
+#: A level above every real one: the gate when no busy kernel holds the device.
+NO_LEVEL = 1 << 30
+
+
+class Ordering:
+    """The rules above for one configuration; under ``"fair"`` every kernel passes."""
+
+    def __init__(self, cfg: OrderingConfig) -> None:
+        self.cfg = cfg
+
+    def level(self, k: Kernel) -> int:
+        return level(k.cell.service, k.weight, self.cfg)
+
+    def starved(self, k: Kernel, now: float) -> bool:
+        """A waiter paused for a whole starvation window: let through whatever its level."""
+        since = k.waiting_since
+        return (
+            self.cfg.interactive and since is not None and now >= since + self.cfg.starvation_window
+        )
+
+    def rank(self, k: Kernel, now: float) -> int:
+        """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
+        if not self.cfg.interactive:
+            return 0
+        return 0 if self.starved(k, now) else 1 + self.level(k)
+
+    def gate(self, busy: Sequence[Kernel]) -> int:
+        """The lowest level among the busy holders: waiters above it stay paused."""
+        return min((self.level(k) for k in busy), default=NO_LEVEL)
+
+    def passes(self, w: Kernel, gate: int, now: float) -> bool:
+        return not self.cfg.interactive or self.level(w) <= gate or self.starved(w, now)
+
+    def protect(self, w: Kernel, busy_weight: float, now: float) -> None:
+        """``w`` is let through by the starvation bound: no pause during its weighted slice."""
+        w.cell.protect_until = now + boost_slice(w.weight, busy_weight, self.cfg)
+
+    def to_pause(self, busy: Sequence[K], now: float) -> list[K]:
+        """Busy holders above the lowest level among them, past their minimum slice and any
+        slice the starvation bound gave them."""
+        if not self.cfg.interactive or len(busy) < 2:
+            return []
+        gate = self.gate(busy)
+        return [
+            k
+            for k in busy
+            if self.level(k) > gate
+            and now >= k.run_start + self.cfg.min_slice
+            and now >= k.cell.protect_until
+        ]
+
+    def deadlines(
+        self, busy: Sequence[Kernel], waiters: Sequence[Kernel], now: float
+    ) -> Iterator[float]:
+        """When the ordering may change its mind without an event: a busy holder reaching its
+        next level (it may lose its place, or let a waiter through), a holder's minimum or
+        starvation slice ending, a waiter's starvation window."""
+        if not self.cfg.interactive:
+            return
+        if busy and (waiters or len(busy) > 1):
+            for k in busy:
+                left = level_ceiling(k.cell.service, k.weight, self.cfg) - k.cell.service
+                yield now + left * len(busy)  # co-running kernels share the GPU
+        if len(busy) > 1:
+            for k in busy:
+                yield k.run_start + self.cfg.min_slice
+                yield k.cell.protect_until
+        for w in waiters:
+            if w.waiting_since is not None:
+                yield w.waiting_since + self.cfg.starvation_window

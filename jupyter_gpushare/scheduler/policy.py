@@ -71,7 +71,7 @@ from .events import (
     SetWeight,
     Tick,
 )
-from .ordering import CellService, OrderingConfig, boost_slice, level, level_ceiling
+from .ordering import CellService, Ordering, OrderingConfig
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig"]
 
@@ -88,9 +88,6 @@ REASON_GREW = "memory grew past the pool"
 REASON_PRESSURE = "memory pressure"
 REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
-
-#: A level above every real one: the gate when no busy kernel holds the device.
-_NO_LEVEL = 1 << 30
 
 
 @dataclass
@@ -217,6 +214,7 @@ class Policy:
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
+        self._order = Ordering(self.config.ordering)
         self._devices: dict[str, _Device] = {}
         self._clients: dict[str, _Client] = {}
         self._now: float | None = None
@@ -578,7 +576,8 @@ class Policy:
             assert since is not None
             if self._overdue(c, now):
                 return (0, 0, 0, 0.0, since, c.seq)
-            return (1, int(c.idle), self._rank(c), self._share(dev, c, now), since, c.seq)
+            rank = self._order.rank(c, now)
+            return (1, int(c.idle), rank, self._share(dev, c, now), since, c.seq)
 
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
@@ -599,8 +598,9 @@ class Policy:
         return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
 
     def _deadlines(self, dev: _Device) -> Iterable[float]:
-        if self.config.policy == "gpushare" and self.config.ordering.interactive:
-            yield from self._ordering_deadlines(dev)
+        if self.config.policy == "gpushare":
+            waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
+            yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
         if not any(c.waiting_since is not None for c in dev.clients.values()):
             return
         if self.config.policy == "fixed-quantum":
@@ -668,12 +668,12 @@ class Policy:
         for i, w in enumerate(queue):
             if w.evict_pending:
                 continue  # its own eviction is in flight: grant it (with restore) after Evicted
-            if not self._passes_gate(dev, w, gate):
+            if not self._order.passes(w, gate, now):
                 continue  # a longer cell, paused while shorter ones run (interactive ordering)
             need = w.used - w.on_gpu
             if need <= free:
                 out.append(self._grant_in_order(dev, w))
-                gate = min(gate, self._level(w))
+                gate = min(gate, self._order.level(w))
                 free -= need
                 continue
             if dev.turns:
@@ -752,88 +752,29 @@ class Policy:
     # ----------------------------------------------------------------------------------------
     # Interactive-first ordering (PolicyConfig.ordering; the rules are in .ordering)
 
-    def _level(self, c: _Client) -> int:
-        return level(c.cell.service, c.weight, self.config.ordering)
-
     @staticmethod
     def _busy_holders(dev: _Device) -> list[_Client]:
         return [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
 
-    def _starved(self, c: _Client) -> bool:
-        """A waiter paused for a whole starvation window: let through whatever its level."""
-        since = c.waiting_since
-        return since is not None and self._clock >= since + self.config.ordering.starvation_window
-
-    def _rank(self, c: _Client) -> int:
-        """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
-        if not self.config.ordering.interactive:
-            return 0
-        return 0 if self._starved(c) else 1 + self._level(c)
-
     def _gate_level(self, dev: _Device) -> int:
-        """The lowest level among busy holders: waiters above it stay paused."""
-        return min((self._level(c) for c in self._busy_holders(dev)), default=_NO_LEVEL)
+        return self._order.gate(self._busy_holders(dev))
 
     def _paused_for_order(self, dev: _Device, w: _Client) -> bool:
         """``w`` waits only because shorter cells run (the status says so)."""
-        cfg = self.config.ordering
-        return cfg.interactive and not self._passes_gate(dev, w, self._gate_level(dev))
-
-    def _passes_gate(self, dev: _Device, w: _Client, gate: int) -> bool:
-        if not self.config.ordering.interactive:
-            return True
-        return self._level(w) <= gate or self._starved(w)
+        return not self._order.passes(w, self._gate_level(dev), self._clock)
 
     def _grant_in_order(self, dev: _Device, w: _Client) -> Grant:
         """Grant ``w``; one let through by the starvation bound holds for its weighted slice."""
-        cfg = self.config.ordering
-        if cfg.interactive and self._starved(w):
-            busy = [c for c in dev.clients.values() if c.holding == "running" or c is w]
-            weight = sum(c.weight for c in busy if not c.idle or c is w)
-            weight += sum(c.weight for c in dev.clients.values() if c.waiting_since and c is not w)
-            w.cell.protect_until = self._clock + boost_slice(w.weight, weight, cfg)
+        if self._order.starved(w, self._clock):
+            busy = self._busy_holders(dev)
+            busy += [c for c in dev.clients.values() if c.waiting_since is not None]
+            self._order.protect(w, sum(c.weight for c in busy), self._clock)
         return self._grant(w)
 
     def _pause(self, dev: _Device) -> list[Decision]:
-        """Pause (revoke, no eviction) busy holders above the lowest level among them.
-
-        A holder is paused only after ``min_slice`` of holding and outside the slice the
-        starvation bound gave it; its memory stays where it is.
-        """
-        cfg = self.config.ordering
-        busy = self._busy_holders(dev)
-        if not cfg.interactive or len(busy) < 2:
-            return []
-        gate = min(self._level(c) for c in busy)
-        now = self._clock
-        return [
-            self._revoke(c, False, REASON_ORDER)
-            for c in busy
-            if self._level(c) > gate
-            and now >= c.run_start + cfg.min_slice
-            and now >= c.cell.protect_until
-        ]
-
-    def _ordering_deadlines(self, dev: _Device) -> Iterable[float]:
-        """When the ordering may change its mind without an event.
-
-        A busy holder reaching its next level (it may lose its place, or let a waiter through),
-        a holder's minimum slice or starvation slice ending, a waiter's starvation window.
-        """
-        cfg = self.config.ordering
-        busy = self._busy_holders(dev)
-        waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
-        if busy and (waiters or len(busy) > 1):
-            for c in busy:
-                left = level_ceiling(c.cell.service, c.weight, cfg) - c.cell.service
-                yield self._clock + left * len(busy)
-        if len(busy) > 1:
-            for c in busy:
-                yield c.run_start + cfg.min_slice
-                yield c.cell.protect_until
-        for w in waiters:
-            assert w.waiting_since is not None
-            yield w.waiting_since + cfg.starvation_window
+        """Pause (revoke, no eviction: the memory stays) what the ordering says to pause."""
+        paused = self._order.to_pause(self._busy_holders(dev), self._clock)
+        return [self._revoke(c, False, REASON_ORDER) for c in paused]
 
     # ----------------------------------------------------------------------------------------
     # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
