@@ -374,8 +374,13 @@ def run(
         extra_bytes=3 * N * N * 2,
     )
     sim = {}
+    sim_cells = {}  # the simulated latency of each real cell, for the per-cell comparison
     for m in (*(m for m in modes if "summary" in runs[m]), "dedicated", *SIM_REFERENCES):
         cells = Simulation(generate(trace_cfg), m, trace_cfg.horizon, sim_cfg).run()
+        if m in ("gpushare", "gpushare-fair"):
+            sim_cells[m] = [
+                {k: c[k] for k in ("user", "cell", "arrival", "end", "ok", "solo")} for c in cells
+            ]
         s = summarize(cells, trace_cfg.horizon)
         if m == "dedicated":
             s["gpu_busy_fraction"] /= trace_cfg.users
@@ -408,6 +413,7 @@ def run(
         "runs": runs,
         "sim_config": {k: v for k, v in sim_cfg.__dict__.items() if k != "ordering"},
         "simulated": sim,
+        "simulated_cells": sim_cells,
         "agreement": agreement,
     }
     if not sweeps:
