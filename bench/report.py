@@ -45,7 +45,7 @@ campaign; reproduce it on a machine with an NVIDIA GPU and PyTorch (the shim bui
 ```
 
 (The first two campaign commands take about 7 and 7.5 minutes on an H100, the real-time replay
-about 9.5; `bench/README.md` lists the parts and their options.)
+about 9; `bench/README.md` lists the parts and their options.)
 """
 
 

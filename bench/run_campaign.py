@@ -12,7 +12,7 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
     handoff       ~2.5 min   handoff latency; memory movement vs pinned memcpy (handoff.py)
     kernel_start  ~1.5 min   Jupyter kernel start-to-ready, provisioner vs plain, 20 rotations
     replay        ~7.5 min   8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
-    replay-real   ~9.5 min   8 users at real time (--real-horizon 450 s), gpushare only, and
+    replay-real   ~9 min     8 users at real time (--real-horizon 420 s), gpushare only, and
                              the simulator on the same cells (replay.py; docs/performance.md)
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
     ap.add_argument(
-        "--real-horizon", type=float, default=450.0, help="replay-real: seconds of arrivals"
+        "--real-horizon", type=float, default=420.0, help="replay-real: seconds of arrivals"
     )
     ap.add_argument("--real-modes", default="gpushare", help="replay-real: modes, in order")
     ap.add_argument("--real-grace", type=float, default=30.0, help="replay-real: grace seconds")
