@@ -6,6 +6,9 @@ split the GPU equally (time-sliced contexts). Under ``"interactive"`` (the defau
 prefers the cell that has had the least GPU time so far in its current cell, a multi-level
 feedback queue in the manner of least-attained-service (LAS) scheduling:
 
+* Only kernels that Jupyter reports cells for take part (a "busy" seen): a plain program
+  outside Jupyter has no cells, is never paused and never holds others back; programs that fit
+  run side by side as under "fair".
 * A cell's *service* is its estimated GPU seconds since the cell began (Jupyter's "busy", or a
   request after the kernel went idle): while ``n`` busy kernels hold the device, each one is
   credited ``dt / n`` (they share the GPU). Service divided by the client's weight puts the cell
@@ -81,10 +84,12 @@ class CellService:
 
     service: float = 0.0  # estimated GPU seconds since the cell began
     protect_until: float = -math.inf  # let through by the starvation bound: no pause before
+    tracked: bool = False  # Jupyter reports its cells: the ordering applies to it
 
-    def new_cell(self) -> None:
+    def new_cell(self, from_jupyter: bool = False) -> None:
         self.service = 0.0
         self.protect_until = -math.inf
+        self.tracked = self.tracked or from_jupyter
 
 
 def level(service: float, weight: float, cfg: OrderingConfig) -> int:
@@ -139,16 +144,18 @@ class Ordering:
 
     def rank(self, k: Kernel, now: float) -> int:
         """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
-        if not self.cfg.interactive:
+        if not self.cfg.interactive or not k.cell.tracked:
             return 0
         return 0 if self.starved(k, now) else 1 + self.level(k)
 
     def gate(self, busy: Sequence[Kernel]) -> int:
-        """The lowest level among the busy holders: waiters above it stay paused."""
-        return min((self.level(k) for k in busy), default=NO_LEVEL)
+        """The lowest level among the busy holders with cells: waiters above it stay paused."""
+        return min((self.level(k) for k in busy if k.cell.tracked), default=NO_LEVEL)
 
     def passes(self, w: Kernel, gate: int, now: float) -> bool:
-        return not self.cfg.interactive or self.level(w) <= gate or self.starved(w, now)
+        if not self.cfg.interactive or not w.cell.tracked:
+            return True
+        return self.level(w) <= gate or self.starved(w, now)
 
     def protect(self, w: Kernel, busy_weight: float, now: float) -> None:
         """``w`` is let through by the starvation bound: no pause during its weighted slice."""
@@ -157,12 +164,13 @@ class Ordering:
     def to_pause(self, busy: Sequence[K], now: float) -> list[K]:
         """Busy holders above the lowest level among them, past their minimum slice and any
         slice the starvation bound gave them."""
-        if not self.cfg.interactive or len(busy) < 2:
+        tracked = [k for k in busy if k.cell.tracked]
+        if not self.cfg.interactive or len(tracked) < 2:
             return []
-        gate = self.gate(busy)
+        gate = self.gate(tracked)
         return [
             k
-            for k in busy
+            for k in tracked
             if self.level(k) > gate
             and now >= k.run_start + self.cfg.min_slice
             and now >= k.cell.protect_until
@@ -176,12 +184,14 @@ class Ordering:
         starvation slice ending, a waiter's starvation window."""
         if not self.cfg.interactive:
             return
-        if busy and (waiters or len(busy) > 1):
-            for k in busy:
+        tracked = [k for k in busy if k.cell.tracked]
+        waiters = [w for w in waiters if w.cell.tracked]
+        if tracked and (waiters or len(tracked) > 1):
+            for k in tracked:
                 left = level_ceiling(k.cell.service, k.weight, self.cfg) - k.cell.service
                 yield now + left * len(busy)  # co-running kernels share the GPU
-        if len(busy) > 1:
-            for k in busy:
+        if len(tracked) > 1:
+            for k in tracked:
                 yield k.run_start + self.cfg.min_slice
                 yield k.cell.protect_until
         for w in waiters:

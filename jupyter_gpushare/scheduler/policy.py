@@ -272,7 +272,7 @@ class Policy:
             client.idle = True
         elif isinstance(event, Busy):
             client.idle = False
-            client.cell.new_cell()
+            client.cell.new_cell(from_jupyter=True)
         elif isinstance(event, Leave):
             self._remove(client)
         elif isinstance(event, AdminRelease):

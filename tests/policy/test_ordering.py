@@ -79,6 +79,20 @@ def test_a_short_cell_overtakes_a_long_one_which_pauses_with_its_memory_in_place
     assert p.handle(Idle(30.6, "short")) == [Grant("long", restore=False)]
 
 
+def test_programs_without_jupyter_cells_are_not_ordered():
+    """No Busy ever: no cells to rank. Such programs run side by side as under "fair", and a
+    notebook's cell neither pauses them nor is held back by them."""
+    p = joined("batch", "other", "nb")
+    mem = {"used": 10 * GB, "managed": 9 * GB, "pinned": GB // 2}
+    assert p.handle(Request(0.0, "batch", **mem)) == [Grant("batch")]
+    p.handle(Tick(30.0))
+    assert p.handle(Request(30.0, "other", **mem)) == [Grant("other")]
+    p.handle(Tick(60.0))
+    assert start_cell(p, "nb", 60.0) == [Grant("nb")]
+    assert p.handle(Tick(90.0)) == []
+    assert p.next_deadline() is None
+
+
 def test_the_fair_ordering_lets_both_run():
     p = joined("long", "short", ordering=OrderingConfig("fair"))
     assert start_cell(p, "long", 0.0) == [Grant("long")]
