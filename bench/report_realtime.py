@@ -172,7 +172,7 @@ every 16 matmuls, as a training loop that reads its loss).
     target_rows = ["| target | simulated | met |", "| --- | --- | --- |"]
     for name, result, met in targets:
         target_rows.append(f"| {name} | {result} | {'yes' if met else '**no**'} |")
-        rep._add("Ordering: " + name, name.split(" (")[0], result, met)
+        rep._add("Ordering at real time (simulator)", name, result, met)
     fair = rows["gpushare-fair"]
     cap_fair = next(
         (c for c in caps if c["mode"] == "gpushare-fair" and abs(c["duty_cycle"] - 0.04) < 1e-9),
