@@ -27,6 +27,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpushare.scheduler.policy import REASON_ORDER
+
 from .common import percentile
 from .simulator import MODES, SHORT_CELL, SimConfig, Simulation, summarize
 from .trace import TIME_SCALE, TraceConfig, duty_cycle, generate, scaled
@@ -98,9 +100,13 @@ def run_seeds(
     per_seed: dict[str, list[float]] = {m: [] for m in METRICS}
     cells = unfinished = 0
     short: list[float] = []  # added seconds of every short cell, all seeds pooled
+    pauses = all_cells = 0
     for s in range(seeds):
         tc = real_time_trace(users, 1 + 1000 * s, horizon, tf)
-        run = Simulation(generate(tc), mode, horizon, cfg).run()
+        sim = Simulation(generate(tc), mode, horizon, cfg)
+        run = sim.run()
+        pauses += sim.revokes[REASON_ORDER]
+        all_cells += len(run)  # the pauses are counted over the whole run, warm-up included
         out = summarize(run, horizon, warmup)
         short += [
             c["end"] - c["arrival"] - c["solo"]
@@ -119,6 +125,8 @@ def run_seeds(
         "seeds": seeds,
         "cells": cells,
         "unfinished_or_failed": unfinished,
+        # The ordering's pauses (revokes without eviction), over every cell of every seed.
+        "pauses_per_cell": pauses / max(1, all_cells),
         **{m: mean_ci(v) for m, v in per_seed.items()},
         "per_seed_p95": per_seed["slowdown_p95"],
         # A seed holds ~10 short cells: its own p95 is nearly its maximum. Pooled instead.

@@ -29,6 +29,7 @@ import argparse
 import heapq
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,6 +121,8 @@ class Simulation:
         self.policy: Policy | None = None
         #: Every event sent to the policy with the decisions it returned (for the tests).
         self.log: list[tuple[ev.Event, list[ev.Decision]]] | None = None
+        #: Revokes by reason (the ordering's pauses are REASON_ORDER).
+        self.revokes: Counter[str] = Counter()
         if mode in POLICY_MODES:
             self.policy = Policy(config or policy_config(mode, cfg))
             self.policy.add_device(
@@ -157,6 +160,7 @@ class Simulation:
             if d.restore:
                 self._at(u.blocked_until, "restored", u.user.name, ws)
         elif isinstance(d, ev.Revoke):
+            self.revokes[d.reason] += 1
             # The shim closes the gate at once; the work already launched runs on (drains).
             self._at(self.now + self.cfg.drain_s, "drained", u.user.name, d.evict)
         elif isinstance(d, ev.Evict):

@@ -55,6 +55,9 @@ def test_campaign_record_and_its_report_sections(tmp_path, monkeypatch):
     eq = next(r for r in rec["table"] if r["mode"] == "equal-share")
     assert srpt["added_p50"]["mean"] <= eq["added_p50"]["mean"] + 1e-9
     assert {c["mode"] for c in rec["capacity"]} == set(capacity.CAPACITY_MODES)
+    by_mode = {r["mode"]: r for r in rec["table"] if not r.get("variant")}
+    assert by_mode["gpushare"]["pauses_per_cell"] > 0  # the ordering paused someone ...
+    assert by_mode["gpushare-fair"]["pauses_per_cell"] == 0  # ... which "fair" never does
     results = tmp_path / "results"
     results.mkdir()
     (results / "simulated.json").write_text(__import__("json").dumps(rec))
