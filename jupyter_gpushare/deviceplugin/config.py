@@ -75,10 +75,35 @@ class GPUShareDevicePlugin(LoggingConfigurable):
         when the NVIDIA container runtime (NVIDIA_VISIBLE_DEVICES) or CDI provides them.""",
     ).tag(config=True)
 
+    pod_resources_socket = Unicode(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        help="""The kubelet's pod-resources API (v1): which units live pods hold. The scheduler
+        retires the allocations of pods that are gone (see prune_interval).""",
+    ).tag(config=True)
+
+    prune_interval = Float(
+        60.0,
+        help="""Seconds between two looks at the kubelet's pod resources, after which the
+        scheduler retires the allocations no live pod holds and no client uses (0: never; they
+        are retired anyway when their units are allocated again).""",
+    ).tag(config=True)
+
+    prune_grace = Float(
+        300.0,
+        help="""Seconds an allocation must have been unheld by any live pod and unused, at every
+        look, before the scheduler retires it.""",
+    ).tag(config=True)
+
     refresh_interval = Float(
         5.0,
         help="Seconds between two looks at the scheduler (pools, health) and at our socket.",
     ).tag(config=True)
+
+    @validate("prune_interval", "prune_grace", "refresh_interval")
+    def _validate_seconds(self, proposal: Any) -> Any:
+        if proposal["value"] < 0:
+            raise ValueError(f"{proposal['trait'].name} must be 0 or more: {proposal['value']}")
+        return proposal["value"]
 
     @validate("unit")
     def _validate_unit(self, proposal: Any) -> Any:

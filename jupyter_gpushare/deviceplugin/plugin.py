@@ -16,6 +16,11 @@ kubelet then calls Allocate with the 8 IDs it chose, and the container gets:
 * the GPU: ``NVIDIA_VISIBLE_DEVICES=<uuid>`` for the NVIDIA container runtime, and (when they
   exist on the node) the device nodes ``/dev/nvidia<index>``, ``nvidiactl``, ``nvidia-uvm``.
 
+The kubelet never says when a pod goes: every ``prune_interval`` the plugin reads which units
+live pods hold from the kubelet's pod-resources API and tells the scheduler, which retires the
+allocations no live pod has held and no client has used for ``prune_grace``
+(:meth:`DevicePluginServer.prune_when_due`).
+
 The scheduler must answer for Allocate to succeed: without it the container would get no
 ceiling, so the plugin refuses (UNAVAILABLE) and the kubelet fails the pod's admission; its
 units are Unhealthy meanwhile anyway, so the Kubernetes scheduler places no pod on them.
@@ -47,6 +52,8 @@ import grpc
 from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..units import format_size
 from .config import ContainerSetup, GPUShareDevicePlugin
+from .podresources import api_pb2 as podresources
+from .podresources import api_pb2_grpc as podresources_grpc
 from .v1beta1 import api_pb2 as api
 from .v1beta1 import api_pb2_grpc as api_grpc
 
@@ -59,6 +66,7 @@ __all__ = [
     "allocate_container",
     "allocation_host_dir",
     "exact_size",
+    "held_units",
     "preferred_units",
     "unit_devices",
 ]
@@ -192,6 +200,18 @@ def allocate_container(
     return api.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=devices)
 
 
+def held_units(response: podresources.ListPodResourcesResponse, resource: str) -> list[str]:
+    """The units of ``resource`` that the kubelet's live pods hold."""
+    return [
+        unit_id
+        for pod in response.pod_resources
+        for container in pod.containers
+        for devices in container.devices
+        if devices.resource_name == resource
+        for unit_id in devices.device_ids
+    ]
+
+
 def pools_from_status(doc: dict[str, Any]) -> list[GpuPool]:
     out = []
     for dev in doc.get("devices", []):
@@ -282,6 +302,7 @@ class DevicePluginServer:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._pruned_at = 0.0  # monotonic time of the last prune (0: none yet)
         self.registered = False  # the kubelet accepted our last Register
         self.registrations = 0
 
@@ -342,6 +363,32 @@ class DevicePluginServer:
         )
         return allocation_host_dir(str(reply["directory"]), self.config_setup)
 
+    async def prune_when_due(self) -> list[str]:
+        """Every prune_interval: tell the scheduler which units live pods hold (the kubelet's
+        pod-resources API), so that it retires the allocations of pods that are gone; the ids
+        it retired. Nothing when the API's socket is absent (an old kubelet: allocations are
+        then retired only when their units are allocated again)."""
+        interval = self.config.prune_interval
+        now = asyncio.get_running_loop().time()
+        if interval <= 0 or now - self._pruned_at < interval:
+            return []
+        self._pruned_at = now
+        path = self.config.pod_resources_socket
+        if not os.path.exists(path):
+            return []
+        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+            stub = podresources_grpc.PodResourcesListerStub(channel)
+            response = await stub.List(podresources.ListPodResourcesRequest(), timeout=10)
+        reply = await SchedulerClient(self.config.scheduler_socket, timeout=10.0).control(
+            "prune_allocations",
+            held=held_units(response, self.resource),
+            grace=self.config.prune_grace,
+        )
+        retired = [str(r) for r in reply.get("retired", [])]
+        if retired:
+            self.log.info("gpushare device plugin: allocations of gone pods retired: %s", retired)
+        return retired
+
     # -- serve and register -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -398,6 +445,7 @@ class DevicePluginServer:
                     await self._serve()
                 if not self.registered:  # also when the restarted kubelet was not up yet
                     await self.register()
+                await self.prune_when_due()
             except Exception as exc:  # keep following; the next round retries
                 self.log.warning("gpushare device plugin: will retry: %s", exc)
 

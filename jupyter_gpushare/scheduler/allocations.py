@@ -14,7 +14,10 @@ needed (docs/architecture.md, "GPU memory ceilings from Kubernetes", says why th
 Lifetime. The kubelet never says that a pod is gone, but it never gives one unit to two live
 pods: when an allocation asks for units that an older one holds, the older one's pod is gone and
 it is retired (listener closed, socket and directory removed). Live allocations are therefore
-pairwise disjoint, so there are never more of them than units. Allocations survive a scheduler
+pairwise disjoint, so there are never more of them than units. Sooner than that, the device plugin
+reports which units live pods hold (the kubelet's pod-resources API) with ``prune_allocations``:
+an allocation that no live pod holds and no client uses, continuously for the grace period the
+plugin gives, is retired too (:func:`prunable`). Allocations survive a scheduler
 restart: they are written to ``<state_dir>/allocations.json`` (directory 0700, file 0600) and
 their sockets are opened again, in the same directories, on start; a container's bind mount of
 the directory sees the new socket.
@@ -27,6 +30,7 @@ import contextlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -44,11 +48,14 @@ __all__ = [
     "cap_quota",
     "check_allocation_request",
     "confined",
+    "prunable",
     "superseded",
 ]
 
-#: The control action the device plugin sends (body: ceiling, units).
+#: The control actions the device plugin sends: open one (body: ceiling, units); retire those no
+#: live pod holds (body: held, the units live pods hold; grace, seconds).
 ACTION = "allocate"
+PRUNE = "prune_allocations"
 STATE_FILE = "allocations.json"
 OnConnection = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -94,6 +101,34 @@ def check_allocation_request(body: Any) -> AllocationRequest | str:
     if not isinstance(units, list) or not units or not all(isinstance(u, str) for u in units):
         return "'units' must be a non-empty list of unit IDs"
     return AllocationRequest(ceiling, tuple(units))
+
+
+def prunable(
+    allocations: Iterable[Allocation],
+    held: Iterable[str],
+    busy: Iterable[str],
+    now: float,
+    grace: float,
+    unheld_since: dict[str, float],
+) -> tuple[list[str], dict[str, float]]:
+    """The allocations to retire, and since when each of the others has been unheld.
+
+    ``held``: the units live pods hold; ``busy``: allocations with a client connected. One that
+    is neither held nor busy is retired once it has been so, at every look, for ``grace``
+    seconds since the first look that found it so (a pod the kubelet has not recorded yet, or a
+    kubelet that restarts and lists nothing for a moment, does not lose its allocation)."""
+    held_units, busy_ids = set(held), set(busy)
+    retire: list[str] = []
+    since: dict[str, float] = {}
+    for alloc in allocations:
+        if alloc.id in busy_ids or held_units.intersection(alloc.units):
+            continue
+        first = unheld_since.get(alloc.id, now)
+        if now - first >= grace:
+            retire.append(alloc.id)
+        else:
+            since[alloc.id] = first
+    return retire, since
 
 
 def superseded(allocations: Iterable[Allocation], units: Iterable[str]) -> list[str]:
@@ -155,6 +190,7 @@ class AllocationSockets:
         self._servers: dict[str, tuple[asyncio.AbstractServer, SocketFile]] = {}
         self._by_address: dict[str, str] = {}  # listener's bound address -> allocation id
         self._on_connection: OnConnection | None = None
+        self._unheld_since: dict[str, float] = {}  # allocation id -> monotonic time (prunable)
         self._lock = asyncio.Lock()
 
     def directory(self, alloc_id: str) -> str:
@@ -192,7 +228,7 @@ class AllocationSockets:
         loop = asyncio.get_running_loop()
         async with self._lock:
             for old in superseded(self.allocations.values(), request.units):
-                await self._retire(old)
+                await self._retire(old, "its units went to a new allocation")
             alloc = Allocation(secrets.token_hex(8), request.ceiling, request.units)
             self.allocations[alloc.id] = alloc
             try:
@@ -210,6 +246,16 @@ class AllocationSockets:
         )
         return alloc
 
+    async def prune(self, held: list[str], busy: set[str], grace: float) -> list[str]:
+        """Retire the allocations :func:`prunable` names; their ids."""
+        async with self._lock:
+            retire, self._unheld_since = prunable(
+                self.allocations.values(), held, busy, time.monotonic(), grace, self._unheld_since
+            )
+            for alloc_id in retire:
+                await self._retire(alloc_id, "no live pod holds its units")
+        return retire
+
     async def _listen(self, alloc: Allocation) -> None:
         assert self._on_connection is not None
         sock_file = SocketFile(
@@ -220,7 +266,7 @@ class AllocationSockets:
         for sock in server.sockets:
             self._by_address[sock.getsockname()] = alloc.id
 
-    async def _retire(self, alloc_id: str) -> None:
+    async def _retire(self, alloc_id: str, why: str = "its socket could not open") -> None:
         self.allocations.pop(alloc_id, None)
         self._by_address = {k: v for k, v in self._by_address.items() if v != alloc_id}
         await self._close(alloc_id)
@@ -234,7 +280,7 @@ class AllocationSockets:
             self.store.save(self.allocations.values())
 
         await asyncio.get_running_loop().run_in_executor(None, remove)
-        self.log.info("allocation %s retired (its units went to a new allocation)", alloc_id)
+        self.log.info("allocation %s retired: %s", alloc_id, why)
 
     async def _close(self, alloc_id: str) -> asyncio.AbstractServer | None:
         entry = self._servers.pop(alloc_id, None)
@@ -264,6 +310,7 @@ class AllocationControl:
     socket_path: str
     allocation_dir: str
     state_dir: str
+    _connections: dict[int, Connection]
     _allocation_sockets: AllocationSockets | None = None
 
     @property
@@ -284,12 +331,18 @@ class AllocationControl:
         alloc = self.allocation_sockets.lookup(address)
         return ("", 0) if alloc is None else (alloc.id, alloc.ceiling)
 
+    def _refused(self, conn: Connection, who: Identity, what: str) -> bool:
+        """Refuse (FORBIDDEN) anyone but an admin on the node's own socket: the device plugin."""
+        if who.admin and not conn.allocation:
+            return False
+        text = f"{who.user} may not {what}: admins on the node's own socket only"
+        self.log.warning("forbidden: %s", text)
+        conn.error(ErrorCode.FORBIDDEN, text, self.log)
+        return True
+
     async def _on_allocate(self, conn: Connection, who: Identity, body: Any) -> None:
         """Open an allocation for the device plugin (an admin on the shared socket only)."""
-        if conn.allocation or not who.admin:
-            text = f"{who.user} may not allocate: admins on the node's own socket only"
-            self.log.warning("forbidden: %s", text)
-            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+        if self._refused(conn, who, "allocate"):
             return
         request = check_allocation_request(body)
         if isinstance(request, str):
@@ -310,4 +363,22 @@ class AllocationControl:
             "directory": self.allocation_sockets.directory(alloc.id),
             "socket": self.allocation_sockets.socket_name,
         }
+        conn.send(Message(MsgType.CONTROL_REPLY, {"body": reply}), self.log)
+
+    async def _on_prune_allocations(self, conn: Connection, who: Identity, body: Any) -> None:
+        """Retire the allocations no live pod holds (the device plugin's look at the kubelet)."""
+        if self._refused(conn, who, "prune allocations"):
+            return
+        held = body.get("held") if isinstance(body, dict) else None
+        grace = body.get("grace") if isinstance(body, dict) else None
+        if not isinstance(held, list) or not all(isinstance(u, str) for u in held):
+            conn.error(ErrorCode.BAD_REQUEST, "'held' must be a list of unit IDs", self.log)
+            return
+        if not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace < 0:
+            conn.error(ErrorCode.BAD_REQUEST, "'grace' must be seconds (0 or more)", self.log)
+            return
+        busy = {c.allocation for c in self._connections.values() if c.allocation and not c.closed}
+        retired = await self.allocation_sockets.prune(held, busy, float(grace))
+        reply = {"ok": True, "action": PRUNE, "retired": retired,
+                 "allocations": len(self.allocation_sockets.allocations)}  # fmt: skip
         conn.send(Message(MsgType.CONTROL_REPLY, {"body": reply}), self.log)

@@ -55,6 +55,7 @@ class ControlActions:
     reload: Callable[[], Coroutine[Any, Any, bool]]
     _refuse: Callable[[Connection, tr.Refusal], None]
     _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
+    _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
 
     def _reply(self, conn: Connection, body: dict[str, Any]) -> None:
         conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
@@ -130,6 +131,8 @@ class ControlActions:
             self._on_place(conn, body)
         elif action == "allocate":
             await self._on_allocate(conn, ident, body)
+        elif action == "prune_allocations":
+            await self._on_prune_allocations(conn, ident, body)
         else:
             self._on_client_action(conn, ident, action, body)
 

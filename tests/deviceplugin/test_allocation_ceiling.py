@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import stat
@@ -27,7 +28,7 @@ from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
 from jupyter_gpushare.deviceplugin.plugin import DevicePluginServer
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
 from tests.conftest import Run
-from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list
+from tests.deviceplugin.kubelet_standin import KubeletStandIn, PodResourcesStandIn, next_list
 
 GiB = 1 << 30
 #: Mount a directory read-only at the container path in a new mount namespace, then run.
@@ -164,3 +165,62 @@ async def test_allocate_fails_without_the_scheduler(kubelet: KubeletStandIn, har
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await allocate(stub, devices[:2])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def wait_gone(path: str, timeout: float = 15.0) -> float:
+    """Seconds until ``path`` disappears (AssertionError past ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while os.path.exists(path):
+        assert loop.time() - start < timeout, f"{path} is still there"
+        await asyncio.sleep(0.05)
+    return loop.time() - start
+
+
+async def test_allocations_of_gone_pods_are_pruned(
+    kubelet: KubeletStandIn, harness: Any, sock_dir: str
+) -> None:
+    """The plugin reports the units live pods hold (the kubelet's pod-resources API); an
+    allocation no live pod holds and no client uses, for the whole grace period, is retired;
+    one a pod holds, or a client still uses, is not."""
+    harness.scheduler(pool="20GiB", fake_devices=1)
+    pods = PodResourcesStandIn(Path(sock_dir) / "pod-resources.sock")
+    await pods.server.start()
+    grace = 1.5
+    try:
+        async with plugin_stub(
+            kubelet,
+            scheduler_socket=str(harness.socket_path),
+            host_socket_dir=str(harness.sock_dir),
+            pod_resources_socket=str(pods.path),
+            refresh_interval=0.05,
+            prune_interval=0.1,
+            prune_grace=grace,
+        ) as (stub, devices):
+            resource = "gpushare.io/gpu-memory"
+            held, gone, used = [
+                (await allocate(stub, ids)).mounts[0].host_path
+                for ids in (devices[:2], devices[2:4], devices[4:5])
+            ]
+            pods.pods = {
+                "held": {resource: devices[:2]},
+                # Same IDs under another resource: not ours, not a holder of `gone`.
+                "other": {"example.com/thing": devices[2:4]},
+            }
+            # A client on `used`'s socket (no pod holds its units: the kubelet is being slow).
+            _, writer = await asyncio.open_unix_connection(os.path.join(used, "scheduler.sock"))
+            calls = pods.calls
+            await asyncio.sleep(0.4)
+            assert pods.calls > calls, "the plugin does not look at the pod resources"
+            assert os.path.exists(gone), "retired before its grace period"
+            await wait_gone(gone)
+            assert os.path.isdir(held) and os.path.isdir(used)
+            writer.close()  # the last client of `used` goes: its grace period starts
+            assert await wait_gone(used) >= grace - 0.5
+            assert os.path.isdir(held)
+            pods.pods = {}  # the last pod goes
+            await wait_gone(held)
+            state = json.loads((Path(sock_dir) / "state" / "allocations.json").read_text())
+            assert state == {"allocations": []}
+    finally:
+        await pods.server.stop(grace=None)

@@ -27,6 +27,7 @@ from jupyter_gpushare.scheduler.allocations import (
     AllocationStore,
     cap_quota,
     check_allocation_request,
+    prunable,
     superseded,
 )
 
@@ -61,6 +62,19 @@ def test_superseded_are_those_sharing_a_unit() -> None:
     assert superseded(allocs, ["u1", "u5"]) == ["x"]
     assert superseded(allocs, ["u1", "u2"]) == ["x", "y"]
     assert superseded(allocs, ["u3"]) == []
+
+
+def test_prunable_needs_the_whole_grace_unheld_and_unused() -> None:
+    a, b, c = (Allocation(x, GiB, (f"u-{x}",)) for x in "abc")
+    retire, since = prunable([a, b, c], ["u-a"], ["c"], now=10.0, grace=5.0, unheld_since={})
+    assert (retire, since) == ([], {"b": 10.0})  # b is unheld from now on; a held, c in use
+    retire, since = prunable([a, b, c], ["u-a"], ["c"], 14.9, 5.0, since)
+    assert (retire, since) == ([], {"b": 10.0})
+    retire, since = prunable([a, b, c], ["u-a", "u-b"], [], 15.0, 5.0, since)
+    assert (retire, since) == ([], {"c": 15.0})  # held again: b's clock restarts; c is unused
+    retire, since = prunable([a, b, c], ["u-a"], [], 20.0, 5.0, since)
+    assert (retire, since) == (["c"], {"b": 20.0})
+    assert prunable([a], [], [], 0.0, 0.0, {}) == (["a"], {})
 
 
 def test_store_is_private_and_round_trips(tmp_path: Path) -> None:
@@ -125,6 +139,10 @@ async def test_ceiling_caps_hello_and_set_quota_and_peers_are_not_admins(
         await pod_admin.control("allocate", ceiling=64 * GiB, units=["GPU-a-1"])
     with pytest.raises(SchedulerError, match="may not reload"):
         await pod_admin.control("reload")
+    with pytest.raises(SchedulerError, match="may not prune"):
+        await pod_admin.control("prune_allocations", held=[], grace=0)
+    with pytest.raises(SchedulerError, match="'grace'"):
+        await admin.control("prune_allocations", held=[], grace=-1)
     assert DEVICE in {d["uuid"] for d in (await admin.status())["devices"]}
     del sched
 
