@@ -229,7 +229,7 @@ class AllocationSockets:
         async with self._lock:
             for old in superseded(self.allocations.values(), request.units):
                 await self._retire(old, "its units went to a new allocation")
-            alloc = Allocation(secrets.token_hex(8), request.ceiling, request.units)
+            alloc = Allocation(self._new_id(), request.ceiling, request.units)
             self.allocations[alloc.id] = alloc
             try:
                 await self._listen(alloc)
@@ -245,6 +245,14 @@ class AllocationSockets:
             self.directory(alloc.id),
         )
         return alloc
+
+    def _new_id(self) -> str:
+        """A fresh directory name: short (socket paths are limited to 107 bytes), unguessable
+        is not needed (the directory is mounted, not found), unused here and on disk."""
+        while True:
+            alloc_id = secrets.token_hex(6)
+            if alloc_id not in self.allocations and not os.path.lexists(self.directory(alloc_id)):
+                return alloc_id
 
     async def prune(self, held: list[str], busy: set[str], grace: float) -> list[str]:
         """Retire the allocations :func:`prunable` names; their ids."""

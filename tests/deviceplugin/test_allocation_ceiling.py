@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -35,11 +36,20 @@ GiB = 1 << 30
 _CONTAINER = 'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && shift 2 && exec "$@"'
 
 
-def in_container(host_dir: str, container_dir: str, argv: list[str]) -> list[str]:
-    """``argv`` as a container with the allocation's mount would run it. As root (CI) it is a
-    real bind mount in a private mount namespace; elsewhere the container path is the host
-    path (the test then passes the host directory as the container's)."""
+@functools.cache
+def can_mount() -> bool:
+    """Root with the right to make a mount namespace (CI; not every container grants it)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+def in_container(host_dir: str, container_dir: str, argv: list[str]) -> list[str]:
+    """``argv`` as a container with the allocation's mount would run it: a real read-only bind
+    mount in a private mount namespace where :func:`can_mount`; elsewhere ``argv`` unchanged
+    (the test then points GPUSHARE_SOCKET at the host directory, the same socket)."""
+    if not can_mount():
         return argv
     return ["unshare", "--mount", "sh", "-c", _CONTAINER, "sh", host_dir, container_dir, *argv]
 
@@ -74,7 +84,7 @@ async def test_the_allocation_socket_sets_the_quota_the_pod_cannot_change(
     kubelet: KubeletStandIn, harness: Any, sock_dir: str
 ) -> None:
     sched = harness.scheduler(pool="20GiB", fake_devices=1)
-    namespaced = os.geteuid() == 0 and shutil.which("unshare") is not None
+    namespaced = can_mount()
     container_dir = Path(sock_dir) / "container-run"  # where the container sees its socket
     container_dir.mkdir()
     async with plugin_stub(
