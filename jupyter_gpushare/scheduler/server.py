@@ -40,7 +40,7 @@ from ..units import format_size
 from . import events as ev
 from . import translate as tr
 from .access import Access, AccessFiles
-from .allocations import AllocationControl, confined
+from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import Discovery, UtilizationSampler, discover_devices_async
@@ -405,6 +405,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
             weight = self.limits_for(ident).effective_weight(conn.requested_weight)
             self._decide(ev.SetWeight(now, conn.client_id, weight))
             quota = self.access.effective_quota(ident, conn.requested_quota, conn.quota_by_admin)
+            quota = cap_quota(quota, conn.ceiling)
             if quota != conn.quota:
                 self._set_quota(conn, quota, now)
         self.log.info("reloaded: %d client(s) re-checked", len(self._shims))

@@ -132,6 +132,8 @@ async def test_ceiling_caps_hello_and_set_quota_and_peers_are_not_admins(
     assert msg["quota"] == 4 * GiB
     clients = {c["id"]: c for d in (await admin.status())["devices"] for c in d["clients"]}
     assert clients["k1"]["quota_bytes"] == 4 * GiB
+    await admin.control("reload")  # re-applies ceilings: the capped quota is not a change
+    await pod.expect_nothing()
 
     # Same uid as the scheduler, but on the pod's socket: not an admin.
     pod_admin = SchedulerClient(pod_socket)
