@@ -178,8 +178,10 @@ class ControlActions:
             target.requested_quota = request.quota
             target.quota_by_admin = who.admin
             self._set_quota(target, request.quota, now)
-        else:
-            self._handle(request.event(now))
+            # The quota in force: an allocation's ceiling (allocations.py) may have cut it.
+            self._reply(conn, {**request.reply(), "quota": target.quota})
+            return
+        self._handle(request.event(now))
         self._reply(conn, request.reply())
 
     def _on_reload_request(self, conn: Connection, who: Identity) -> None:

@@ -127,7 +127,7 @@ async def test_ceiling_caps_hello_and_set_quota_and_peers_are_not_admins(
     assert (await free.hello("k3", quota=64 * GiB))["quota"] == 64 * GiB
 
     # An admin cannot lift it; the client is told the capped quota.
-    await admin.set_quota("k1", 32 * GiB)
+    assert (await admin.set_quota("k1", 32 * GiB))["quota"] == 4 * GiB
     msg = await pod.expect(MsgType.SET_QUOTA)
     assert msg["quota"] == 4 * GiB
     clients = {c["id"]: c for d in (await admin.status())["devices"] for c in d["clients"]}
