@@ -35,6 +35,9 @@ gpushare device-plugin --resource-name example.com/gpu-memory --unit 512MiB"""
         "container-socket-dir": "GPUShareDevicePlugin.container_socket_dir",
         "dev-root": "GPUShareDevicePlugin.dev_root",
         "refresh-interval": "GPUShareDevicePlugin.refresh_interval",
+        "pod-resources-socket": "GPUShareDevicePlugin.pod_resources_socket",
+        "prune-interval": "GPUShareDevicePlugin.prune_interval",
+        "prune-grace": "GPUShareDevicePlugin.prune_grace",
     }
     flags: dict[Any, Any] = {
         "no-device-nodes": (

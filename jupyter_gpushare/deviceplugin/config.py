@@ -20,6 +20,7 @@ class ContainerSetup:
     """What every allocated container gets besides its GPUs (from the plugin's config)."""
 
     unit: int
+    scheduler_socket: str
     host_socket_dir: str
     container_socket_dir: str
     socket_name: str
@@ -55,11 +56,13 @@ class GPUShareDevicePlugin(LoggingConfigurable):
 
     host_socket_dir = Unicode(
         "/run/gpushare",
-        help="The scheduler's socket directory on the node, mounted into allocated containers.",
+        help="""The scheduler's socket directory on the node: each allocation's socket directory
+        (made by the scheduler under it) is mounted into its container from there.""",
     ).tag(config=True)
 
     container_socket_dir = Unicode(
-        "/run/gpushare", help="Where allocated containers see the scheduler's socket directory."
+        "/run/gpushare",
+        help="Where allocated containers see their allocation's socket directory.",
     ).tag(config=True)
 
     dev_root = Unicode(
@@ -72,10 +75,35 @@ class GPUShareDevicePlugin(LoggingConfigurable):
         when the NVIDIA container runtime (NVIDIA_VISIBLE_DEVICES) or CDI provides them.""",
     ).tag(config=True)
 
+    pod_resources_socket = Unicode(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        help="""The kubelet's pod-resources API (v1): which units live pods hold. The scheduler
+        retires the allocations of pods that are gone (see prune_interval).""",
+    ).tag(config=True)
+
+    prune_interval = Float(
+        60.0,
+        help="""Seconds between two looks at the kubelet's pod resources, after which the
+        scheduler retires the allocations no live pod holds and no client uses (0: never; they
+        are retired anyway when their units are allocated again).""",
+    ).tag(config=True)
+
+    prune_grace = Float(
+        300.0,
+        help="""Seconds an allocation must have been unheld by any live pod and unused, at every
+        look, before the scheduler retires it.""",
+    ).tag(config=True)
+
     refresh_interval = Float(
         5.0,
         help="Seconds between two looks at the scheduler (pools, health) and at our socket.",
     ).tag(config=True)
+
+    @validate("prune_interval", "prune_grace", "refresh_interval")
+    def _validate_seconds(self, proposal: Any) -> Any:
+        if proposal["value"] < 0:
+            raise ValueError(f"{proposal['trait'].name} must be 0 or more: {proposal['value']}")
+        return proposal["value"]
 
     @validate("unit")
     def _validate_unit(self, proposal: Any) -> Any:
@@ -91,6 +119,7 @@ class GPUShareDevicePlugin(LoggingConfigurable):
     def setup(self) -> ContainerSetup:
         return ContainerSetup(
             unit=self.unit_bytes,
+            scheduler_socket=self.scheduler_socket,
             host_socket_dir=self.host_socket_dir,
             container_socket_dir=self.container_socket_dir,
             socket_name=os.path.basename(self.scheduler_socket),

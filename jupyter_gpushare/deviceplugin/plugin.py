@@ -5,11 +5,25 @@ default), each advertised as one "device" of ``resource_name`` (``gpushare.io/gp
 the ID ``<GPU UUID>-<n>``. A pod that asks for 8 units is placed on a node with 8 free units; the
 kubelet then calls Allocate with the 8 IDs it chose, and the container gets:
 
-* ``GPUSHARE_MEMORY_LIMIT=8GiB``: the shim declares it to the scheduler as its quota ceiling;
+* its own socket to the scheduler, with the ceiling: before answering, the plugin asks the
+  node scheduler (control action ``allocate``, scheduler/allocations.py) for an allocation of
+  8 GiB; the scheduler listens on a new socket in a directory of its own, and that directory is
+  mounted read-only where the container expects the scheduler's socket directory. Every client
+  on that socket gets at most 8 GiB of quota, whatever its environment says: the pod cannot
+  change its ceiling. ``GPUSHARE_SOCKET`` and ``GPUSHARE_SCHEDULER=node`` point the shim at it;
+* ``GPUSHARE_MEMORY_LIMIT=8GiB``: the shim declares it (informative: the socket's ceiling
+  holds without it, and a larger value is cut down to it);
 * the GPU: ``NVIDIA_VISIBLE_DEVICES=<uuid>`` for the NVIDIA container runtime, and (when they
-  exist on the node) the device nodes ``/dev/nvidia<index>``, ``nvidiactl``, ``nvidia-uvm``;
-* the scheduler: its socket directory mounted read-only, ``GPUSHARE_SOCKET`` and
-  ``GPUSHARE_SCHEDULER=node``.
+  exist on the node) the device nodes ``/dev/nvidia<index>``, ``nvidiactl``, ``nvidia-uvm``.
+
+The kubelet never says when a pod goes: every ``prune_interval`` the plugin reads which units
+live pods hold from the kubelet's pod-resources API and tells the scheduler, which retires the
+allocations no live pod has held and no client has used for ``prune_grace``
+(:meth:`DevicePluginServer.prune_when_due`).
+
+The scheduler must answer for Allocate to succeed: without it the container would get no
+ceiling, so the plugin refuses (UNAVAILABLE) and the kubelet fails the pod's admission; its
+units are Unhealthy meanwhile anyway, so the Kubernetes scheduler places no pod on them.
 
 The units are bookkeeping for the Kubernetes scheduler, not a partition of the card: the node
 scheduler still shares the whole pool (side by side when kernels fit, in turns when not); the
@@ -38,6 +52,8 @@ import grpc
 from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..units import format_size
 from .config import ContainerSetup, GPUShareDevicePlugin
+from .podresources import api_pb2 as podresources
+from .podresources import api_pb2_grpc as podresources_grpc
 from .v1beta1 import api_pb2 as api
 from .v1beta1 import api_pb2_grpc as api_grpc
 
@@ -48,7 +64,9 @@ __all__ = [
     "GPUShareDevicePlugin",
     "GpuPool",
     "allocate_container",
+    "allocation_host_dir",
     "exact_size",
+    "held_units",
     "preferred_units",
     "unit_devices",
 ]
@@ -130,16 +148,32 @@ def preferred_units(
     return chosen
 
 
-def allocate_container(
-    unit_ids: Sequence[str], units: dict[str, GpuPool], setup: ContainerSetup
-) -> api.ContainerAllocateResponse:
-    """The Allocate answer for one container given the unit IDs the kubelet chose.
-
-    Raises KeyError for an ID this plugin never advertised."""
+def container_gpus(unit_ids: Sequence[str], units: dict[str, GpuPool]) -> dict[str, GpuPool]:
+    """The GPUs of the unit IDs the kubelet chose (KeyError for an ID never advertised)."""
     gpus: dict[str, GpuPool] = {}
     for unit_id in unit_ids:
         gpu = units[unit_id]
         gpus.setdefault(gpu.uuid, gpu)
+    return gpus
+
+
+def allocation_host_dir(scheduler_dir: str, setup: ContainerSetup) -> str:
+    """The node's path of an allocation's socket directory, which the scheduler reports as it
+    sees it: under its socket directory, which the node has at ``setup.host_socket_dir``."""
+    relative = os.path.relpath(scheduler_dir, os.path.dirname(setup.scheduler_socket))
+    if relative.startswith(os.pardir) or os.path.isabs(relative):
+        raise ValueError(f"the allocation's directory {scheduler_dir} is not under the socket's")
+    return os.path.join(setup.host_socket_dir, relative)
+
+
+def allocate_container(
+    unit_ids: Sequence[str], units: dict[str, GpuPool], setup: ContainerSetup, socket_dir: str
+) -> api.ContainerAllocateResponse:
+    """The Allocate answer for one container given the unit IDs the kubelet chose and the node's
+    path of the socket directory the scheduler opened for them (:func:`allocation_host_dir`).
+
+    Raises KeyError for an ID this plugin never advertised."""
+    gpus = container_gpus(unit_ids, units)
     limit = len(unit_ids) * setup.unit
     envs = {
         "GPUSHARE_MEMORY_LIMIT": exact_size(limit),
@@ -150,7 +184,7 @@ def allocate_container(
     mounts = [
         api.Mount(
             container_path=setup.container_socket_dir,
-            host_path=setup.host_socket_dir,
+            host_path=socket_dir,  # this allocation's socket alone, not the shared one
             read_only=True,  # a writable socket directory would let the user replace the socket
         )
     ]
@@ -164,6 +198,18 @@ def allocate_container(
                     api.DeviceSpec(container_path=f"/dev/{name}", host_path=path, permissions="rw")
                 )
     return api.ContainerAllocateResponse(envs=envs, mounts=mounts, devices=devices)
+
+
+def held_units(response: podresources.ListPodResourcesResponse, resource: str) -> list[str]:
+    """The units of ``resource`` that the kubelet's live pods hold."""
+    return [
+        unit_id
+        for pod in response.pod_resources
+        for container in pod.containers
+        for devices in container.devices
+        if devices.resource_name == resource
+        for unit_id in devices.device_ids
+    ]
 
 
 def pools_from_status(doc: dict[str, Any]) -> list[GpuPool]:
@@ -213,12 +259,21 @@ class _Servicer(api_grpc.DevicePluginServicer):
         units, setup = self.owner.units, self.owner.config_setup
         responses = []
         for r in request.container_requests:
+            unit_ids = list(r.devices_ids)
             try:
-                responses.append(allocate_container(list(r.devices_ids), units, setup))
+                container_gpus(unit_ids, units)
             except KeyError as exc:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"unknown {self.owner.resource} unit {exc}"
                 )
+            try:
+                socket_dir = await self.owner.open_allocation(unit_ids)
+            except (SchedulerUnavailable, SchedulerError, ValueError) as exc:
+                self.owner.log.error("gpushare device plugin: no allocation: %s", exc)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"the node scheduler opened no allocation: {exc}"
+                )
+            responses.append(allocate_container(unit_ids, units, setup, socket_dir))
         for c in responses:
             self.owner.log.info(
                 "gpushare device plugin: allocated %s on %s",
@@ -247,6 +302,7 @@ class DevicePluginServer:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._pruned_at = 0.0  # monotonic time of the last prune (0: none yet)
         self.registered = False  # the kubelet accepted our last Register
         self.registrations = 0
 
@@ -297,6 +353,41 @@ class DevicePluginServer:
             async with self._changed:
                 if seen == self._version and not self._stopping:
                     await self._changed.wait()
+
+    async def open_allocation(self, unit_ids: Sequence[str]) -> str:
+        """Ask the scheduler for an allocation of these units (their bytes as its ceiling); the
+        node's path of its socket directory."""
+        client = SchedulerClient(self.config.scheduler_socket, timeout=10.0)
+        reply = await client.control(
+            "allocate", ceiling=len(unit_ids) * self.config.unit_bytes, units=list(unit_ids)
+        )
+        return allocation_host_dir(str(reply["directory"]), self.config_setup)
+
+    async def prune_when_due(self) -> list[str]:
+        """Every prune_interval: tell the scheduler which units live pods hold (the kubelet's
+        pod-resources API), so that it retires the allocations of pods that are gone; the ids
+        it retired. Nothing when the API's socket is absent (an old kubelet: allocations are
+        then retired only when their units are allocated again)."""
+        interval = self.config.prune_interval
+        now = asyncio.get_running_loop().time()
+        if interval <= 0 or now - self._pruned_at < interval:
+            return []
+        self._pruned_at = now
+        path = self.config.pod_resources_socket
+        if not os.path.exists(path):
+            return []
+        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+            stub = podresources_grpc.PodResourcesListerStub(channel)
+            response = await stub.List(podresources.ListPodResourcesRequest(), timeout=10)
+        reply = await SchedulerClient(self.config.scheduler_socket, timeout=10.0).control(
+            "prune_allocations",
+            held=held_units(response, self.resource),
+            grace=self.config.prune_grace,
+        )
+        retired = [str(r) for r in reply.get("retired", [])]
+        if retired:
+            self.log.info("gpushare device plugin: allocations of gone pods retired: %s", retired)
+        return retired
 
     # -- serve and register -------------------------------------------------------------------
 
@@ -354,6 +445,7 @@ class DevicePluginServer:
                     await self._serve()
                 if not self.registered:  # also when the restarted kubelet was not up yet
                     await self.register()
+                await self.prune_when_due()
             except Exception as exc:  # keep following; the next round retries
                 self.log.warning("gpushare device plugin: will retry: %s", exc)
 

@@ -1,4 +1,5 @@
-"""Regenerate the v1beta1 Python modules (api_pb2.py, api_pb2_grpc.py) from v1beta1/api.proto.
+"""Regenerate the Python modules (api_pb2.py, api_pb2_grpc.py) of the kubelet APIs the device
+plugin speaks: v1beta1/api.proto (device plugins) and podresources/api.proto (pod resources).
 
     python -m jupyter_gpushare.deviceplugin.regenerate [OUTPUT_ROOT]
 
@@ -13,22 +14,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = "jupyter_gpushare/deviceplugin/v1beta1/api.proto"
+PROTOS = (
+    "jupyter_gpushare/deviceplugin/v1beta1/api.proto",
+    "jupyter_gpushare/deviceplugin/podresources/api.proto",
+)
 
 
 def regenerate(output_root: Path = ROOT) -> list[Path]:
-    """Run protoc (grpc_tools) on the .proto; return the modules it wrote under output_root."""
+    """Run protoc (grpc_tools) on each .proto; return the modules it wrote under output_root
+    (api_pb2.py, api_pb2_grpc.py of each, in the order of PROTOS)."""
     from grpc_tools import protoc  # type: ignore[import-untyped]
 
     out = str(output_root)
-    # Paths relative to the repository root, so the generated modules import each other as
-    # jupyter_gpushare.deviceplugin.v1beta1.api_pb2 (the package stays "v1beta1" on the wire).
-    code = protoc.main(["protoc", f"-I{ROOT}", f"--python_out={out}", f"--grpc_python_out={out}",
-                        str(ROOT / PROTO)])  # fmt: skip
-    if code != 0:
-        raise RuntimeError(f"protoc failed ({code}) on {PROTO}")
-    base = output_root / Path(PROTO).parent
-    return [base / "api_pb2.py", base / "api_pb2_grpc.py"]
+    written = []
+    for proto in PROTOS:
+        # Paths relative to the repository root, so the generated modules import each other as
+        # jupyter_gpushare.deviceplugin.v1beta1.api_pb2 (the package stays "v1beta1" on the wire).
+        code = protoc.main(["protoc", f"-I{ROOT}", f"--python_out={out}",
+                            f"--grpc_python_out={out}", str(ROOT / proto)])  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"protoc failed ({code}) on {proto}")
+        base = output_root / Path(proto).parent
+        written += [base / "api_pb2.py", base / "api_pb2_grpc.py"]
+    return written
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -155,6 +155,19 @@ class SchedulerConfig(LoggingConfigurable):
         only by its user name or groups. Needs user_key_file.""",
     ).tag(config=True)
 
+    allocation_dir = Unicode(
+        "",
+        help="""Where the per-allocation sockets of the Kubernetes device plugin go, one
+        directory each (scheduler/allocations.py). Default: 'alloc' beside the socket.""",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        "",
+        help="""The scheduler's private state (mode 0700): the device plugin's allocations and
+        their ceilings, so that a restart keeps them. Default: 'state' beside the socket. Put it
+        on persistent storage (the Helm chart: /var/lib/gpushare) to keep them over a reboot.""",
+    ).tag(config=True)
+
     metrics_port = Int(
         0,
         help="""Serve Prometheus metrics over HTTP on this port (0 = off). The listener runs in

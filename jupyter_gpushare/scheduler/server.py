@@ -40,6 +40,7 @@ from ..units import format_size
 from . import events as ev
 from . import translate as tr
 from .access import Access, AccessFiles
+from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import Discovery, UtilizationSampler, discover_devices_async
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 
-class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
+class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, SchedulerConfig):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -193,6 +194,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
+        await self.allocation_sockets.start(self._on_connection)  # before any pod reconnects
         self.log.info(
             "gpushare scheduler %s listening on %s (%d device(s), policy: quantum %.1fs)",
             __version__,
@@ -245,6 +247,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._stopping = True
         server, self._server = self._server, None
         server.close()
+        await self.allocation_sockets.stop()
         self._cancel_timer()
         await self._metrics_feed.stop()
         if self._sampler is not None:
@@ -395,12 +398,14 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
                 continue
             # Identities of connected clients keep their user; admin status and groups follow
             # the new file.
-            conn.identity = ident = await self.access.identity(ident.user, conn.peer, ident.token)
+            ident = await self.access.identity(ident.user, conn.peer, ident.token)
+            conn.identity = ident = confined(ident, conn)
             if conn.closed:
                 continue
             weight = self.limits_for(ident).effective_weight(conn.requested_weight)
             self._decide(ev.SetWeight(now, conn.client_id, weight))
             quota = self.access.effective_quota(ident, conn.requested_quota, conn.quota_by_admin)
+            quota = cap_quota(quota, conn.ceiling)
             if quota != conn.quota:
                 self._set_quota(conn, quota, now)
         self.log.info("reloaded: %d client(s) re-checked", len(self._shims))
@@ -455,6 +460,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._serial += 1
         peer = self.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(self._serial, peer, writer)
+        conn.allocation, conn.ceiling = self.accepted_on(writer.get_extra_info("sockname"))
         self._connections[conn.serial] = conn
         self.log.debug("connection %d from pid %d uid %d", conn.serial, peer.pid, peer.uid)
         try:

@@ -20,6 +20,7 @@ from ..units import format_size
 from . import events as ev
 from . import translate as tr
 from .access import Access
+from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
 from .transport import Connection, PeerCred
 from .users import Identity, Limits
@@ -116,14 +117,14 @@ class ShimSessions:
             conn.error(ErrorCode.FORBIDDEN, ident, self.log)
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
-        conn.identity = ident
+        conn.identity = ident = confined(ident, conn)
         client_id = self._assign_client_id(hello.requested_id, conn)
         device = self._device_for_hello(hello)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         self._shims[client_id] = conn
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
-        quota = conn.quota = limits.effective_quota(hello.quota)
+        quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
             self.log.info(
                 "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
@@ -229,7 +230,7 @@ class ShimSessions:
         """Tell the shim and the policy a client's effective quota."""
         if conn.client_id is None:
             return
-        conn.quota = quota
+        conn.quota = quota = cap_quota(quota, conn.ceiling)  # not even an admin lifts it
         self.log.info(
             "quota client=%s quota=%s", conn.client_id, format_size(quota) if quota else "none"
         )

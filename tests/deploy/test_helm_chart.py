@@ -233,8 +233,16 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
     assert vols["socket-dir"]["hostPath"]["path"] == plugin.host_socket_dir
     assert smounts["socket-dir"]["mountPath"] == os.path.dirname(sched.socket_path)
     assert pmounts["socket-dir"]["readOnly"] is True
+    # The allocations' ceilings persist on the node, where the scheduler writes them.
+    assert sched.state_dir == smounts["state-dir"]["mountPath"]
+    assert vols["state-dir"]["hostPath"]["path"] == sched.state_dir
+    assert not sched.state_dir.startswith("/run/"), "a tmpfs loses the ceilings at a reboot"
     assert pmounts["device-plugins"]["mountPath"] == plugin.kubelet_dir
     assert vols["device-plugins"]["hostPath"]["path"] == plugin.kubelet_dir
+    # The pod-resources API (pruning allocations of gone pods) where the plugin looks for it.
+    assert pmounts["pod-resources"]["mountPath"] == os.path.dirname(plugin.pod_resources_socket)
+    assert vols["pod-resources"]["hostPath"]["path"] == pmounts["pod-resources"]["mountPath"]
+    assert 0 < plugin.prune_interval <= plugin.prune_grace
     if plugin.device_nodes:
         assert pmounts["host-dev"]["mountPath"] == plugin.dev_root
         assert vols["host-dev"]["hostPath"]["path"] == "/dev"

@@ -3,7 +3,7 @@ gRPC on Unix sockets: the stand-in serves Registration on kubelet.sock, and, onc
 registered, calls its DevicePlugin service as the kubelet does (options, ListAndWatch,
 GetPreferredAllocation, Allocate, PreStartContainer). The pools come from a real node scheduler
 (`gpushare scheduler` with the stand-in NVML's GPUs); a shim started with Allocate's environment
-reaches that scheduler and declares Allocate's memory limit as its quota."""
+reaches that scheduler on the allocation's socket and gets Allocate's memory as its quota."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,6 @@ from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
-
-
-@pytest.fixture
-async def kubelet(sock_dir: str) -> AsyncIterator[KubeletStandIn]:
-    directory = Path(sock_dir) / "device-plugins"
-    directory.mkdir()
-    k = KubeletStandIn(directory)
-    await k.server.start()
-    yield k
-    await k.server.stop(grace=None)
 
 
 def make_plugin(kubelet: KubeletStandIn, harness: Any, dev_root: Path) -> DevicePluginServer:
@@ -117,9 +106,9 @@ async def test_register_list_allocate_against_a_kubelet_stand_in(
             assert envs["NVIDIA_VISIBLE_DEVICES"] == uuid1
             assert envs["GPUSHARE_SOCKET"] == str(harness.socket_path)
             assert envs["GPUSHARE_SCHEDULER"] == "node"
-            [mount] = container.mounts
-            assert (mount.host_path, mount.container_path) == (str(harness.sock_dir),) * 2
-            assert mount.read_only
+            [mount] = container.mounts  # the allocation's own socket directory (its ceiling)
+            assert os.path.dirname(mount.host_path) == str(harness.sock_dir / "alloc")
+            assert mount.container_path == str(harness.sock_dir) and mount.read_only
             nodes = {(d.container_path, d.host_path, d.permissions) for d in container.devices}
             assert nodes == {
                 (f"/dev/{n}", str(dev_root / n), "rw")
@@ -136,9 +125,10 @@ async def test_register_list_allocate_against_a_kubelet_stand_in(
                 )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-            # The container's shim: Allocate's environment reaches the node scheduler, and the
-            # limit is the quota it declares.
+            # The container's shim: Allocate's environment and mount reach the node scheduler,
+            # and the quota is the allocation's (test_allocation_ceiling.py: in a real mount).
             env = harness.env(extra=envs)
+            env["GPUSHARE_SOCKET"] = os.path.join(mount.host_path, "scheduler.sock")
             run = await asyncio.to_thread(harness.run, "status", env=env)
             st = run.ok().event("status")["status"]
             assert st["quota_bytes"] == 8 * GiB

@@ -1,6 +1,7 @@
 """The device plugin on a real GPU: the node scheduler's NVML pool becomes gpushare.io/gpu-memory
-units, and a PyTorch process started with what Allocate hands a container sees exactly the
-memory it asked for and cannot allocate past it."""
+units, and a PyTorch process started with what Allocate hands a container (its allocation's
+socket, GPUSHARE_MEMORY_LIMIT removed) sees exactly the memory the pod asked for and cannot
+allocate past it."""
 
 from __future__ import annotations
 
@@ -57,18 +58,23 @@ async def test_allocated_units_are_the_processes_memory(scheduler: Scheduler) ->
                 )
             )
             envs = dict(alloc.container_responses[0].envs)
+            [mount] = alloc.container_responses[0].mounts
     finally:
         await plugin.stop()
         await kubelet.server.stop(grace=None)
         shutil.rmtree(directory, ignore_errors=True)
     assert envs["GPUSHARE_MEMORY_LIMIT"] == "4GiB"
+    assert mount.read_only
     assert envs["NVIDIA_VISIBLE_DEVICES"] in pools
     # On a bare machine NVIDIA_VISIBLE_DEVICES selects nothing (the container runtime does that):
-    # pick the allocated GPU for CUDA the way the runtime's single visible GPU would be seen.
-    env = shimmed_env(
-        scheduler.socket, {**envs, "CUDA_VISIBLE_DEVICES": envs["NVIDIA_VISIBLE_DEVICES"]}
-    )
-    assert env["GPUSHARE_SOCKET"] == envs["GPUSHARE_SOCKET"] == str(scheduler.socket)
+    # pick the allocated GPU for CUDA the way the runtime's single visible GPU would be seen. The
+    # process reaches the scheduler on the allocation's socket (the container's mount, seen from
+    # the node) and declares no limit at all: the socket's ceiling is what it gets.
+    pod_socket = Path(mount.host_path) / Path(envs["GPUSHARE_SOCKET"]).name
+    assert pod_socket.parent.parent == Path(socket_dir) / "alloc"
+    del envs["GPUSHARE_MEMORY_LIMIT"]
+    env = shimmed_env(pod_socket, {**envs, "CUDA_VISIBLE_DEVICES": envs["NVIDIA_VISIBLE_DEVICES"]})
+    assert env["GPUSHARE_SOCKET"] == str(pod_socket) and "GPUSHARE_MEMORY_LIMIT" not in env
     r = await asyncio.to_thread(run_workload, "quota_violation.py", "5", env=env)
     assert r.returncode == 0, r.stderr
     rec = r.record
