@@ -2,6 +2,7 @@
  * The sidebar widget: fetches the status document, follows the events websocket while shown,
  * and renders the view model (model.ts) with plain DOM.
  */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Message } from '@lumino/messaging';
@@ -282,6 +283,20 @@ export class GPUSharePanel extends Widget {
   private async _act(row: IKernelRow, action: 'release' | 'evict'): Promise<void> {
     if (!row.kernelId) {
       return;
+    }
+    if (action === 'evict') {
+      // Evicting acts on someone's kernel (an admin's action): say what it does first.
+      const answer = await showDialog({
+        title: `Evict ${row.name}?`,
+        body:
+          `${row.name} (${row.user}) gives the GPU back and its memory ` +
+          `(${formatBytes(row.residentBytes)} on the GPU) is moved to host memory; its next ` +
+          'GPU call waits for a turn and restores it.',
+        buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Evict' })]
+      });
+      if (!answer.button.accept) {
+        return;
+      }
     }
     const url = URLExt.join(
       this._settings.baseUrl,
