@@ -39,20 +39,17 @@ __all__ = [
 
 class NotifyingScheduler(GPUShareScheduler):
     """The embedded scheduler: a :class:`GPUShareScheduler` that calls ``on_change`` whenever an
-    event reaches its policy (join, leave, request, release, memory, tick, control)."""
+    event reaches its policy (join, leave, request, release, memory, tick, control), through the
+    scheduler's public status listener hook."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.on_change: Callable[[], None] | None = None
+        self.add_status_listener(self._notify)
 
-    def _policy_handle(self, event: Any) -> Any:
-        out = super()._policy_handle(event)
+    def _notify(self) -> None:
         if self.on_change is not None:
-            try:
-                self.on_change()
-            except Exception:  # a listener must never break the scheduler
-                self.log.exception("gpushare: status change listener failed")
-        return out
+            self.on_change()
 
 
 def probe_socket(path: str, timeout: float = 1.0) -> bool:
