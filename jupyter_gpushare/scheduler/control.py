@@ -126,6 +126,8 @@ class ControlActions:
             self._on_reload_request(conn, ident)
         elif action == "place":
             self._on_place(conn, body)
+        elif action == "history":
+            self._reply(conn, {"ok": True, "action": action, "history": self.history_view(ident)})
         else:
             self._on_client_action(conn, ident, action, body)
 

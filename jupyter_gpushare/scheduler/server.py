@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from .access import Access, AccessFiles
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .history import History
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
@@ -94,6 +96,9 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._reservations = Reservations()
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
+        #: The last hour per kernel, user and GPU, recorded at every status change.
+        self.history = History()
+        self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
         self._mps: MPSManager | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -107,6 +112,21 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
     def remove_status_listener(self, listener: Callable[[], None]) -> None:
         with contextlib.suppress(ValueError):
             self._status_listeners.remove(listener)
+
+    def history_view(self, viewer: Identity | None = None) -> dict[str, Any]:
+        """The history as ``viewer`` may see it: every GPU and every user's sums (as the status
+        shows them), the kernels of their own only unless they are an admin (None: all). Thinned
+        until it fits a control reply's frame (64 KiB) with room to spare."""
+        now = time.time()
+        own = None
+        if viewer is not None and not viewer.admin:
+            own = [k for k, s in self.history.kernels.items() if s.meta.get("user") == viewer.user]
+        points = 60
+        while True:
+            view = self.history.view(now, kernels=own, max_points=points)
+            if points <= 2 or len(json.dumps(view)) < 48_000:
+                return view
+            points //= 2
 
     @property
     def own_uid(self) -> int:
