@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from traitlets import observe
+from traitlets import Float, observe
 
 from .._version import __version__
 from ..identity import KeyFileError
@@ -74,6 +74,10 @@ __all__ = [
 class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
+    history_resolution = Float(
+        5.0, help="Seconds between two points of the last hour's history (per kernel, user, GPU)."
+    ).tag(config=True)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.access = Access(os.getuid(), frozenset(self.admin_uids))
@@ -97,7 +101,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
         #: The last hour per kernel, user and GPU, recorded at every status change.
-        self.history = History()
+        self.history = History(resolution=self.history_resolution)
         self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
         self._mps: MPSManager | None = None
 

@@ -21,6 +21,20 @@ import {
   IStatus,
   IViewModel
 } from './model';
+import {
+  deviceUse,
+  IHistory,
+  kernelGpuUse,
+  kernelMemory,
+  Series,
+  sparkline
+} from './sparkline';
+
+/** How often the panel fetches the history (the sparklines) while shown. */
+const HISTORY_EVERY_TICKS = 5;
+const SPARK_WIDTH = 120;
+const SPARK_HEIGHT = 18;
+const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** Reconnect delays of the events websocket: doubling from the first to the last. */
 const BACKOFF_FIRST_MS = 500;
@@ -117,6 +131,52 @@ export class GPUSharePanel extends Widget {
     super.dispose();
   }
 
+  /** Fetch the last hour (the sparklines); without it the panel draws none. */
+  async refreshHistory(): Promise<void> {
+    const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/history');
+    try {
+      const response = await ServerConnection.makeRequest(url, {}, this._settings);
+      this._history = response.ok ? ((await response.json()) as IHistory) : null;
+    } catch {
+      this._history = null;
+    }
+    this._render();
+  }
+
+  /** A sparkline of the last hour (or of what there is of it), as an SVG. */
+  private _spark(series: Series, label: string, kind: string, max?: number): Element | null {
+    const h = this._history;
+    if (!h || !series.length) {
+      return null;
+    }
+    const span = Math.min(h.window_seconds, Math.max(60, h.now - series[0][0]));
+    const points = sparkline(series, {
+      now: h.now,
+      window: span,
+      width: SPARK_WIDTH,
+      height: SPARK_HEIGHT,
+      max
+    });
+    if (!points) {
+      return null;
+    }
+    const svg = document.createElementNS(SVG_NS, 'svg');
+    svg.setAttribute('class', `jp-gpushare-spark jp-gpushare-spark-${kind}`);
+    svg.setAttribute('width', String(SPARK_WIDTH));
+    svg.setAttribute('height', String(SPARK_HEIGHT + 2));
+    svg.setAttribute('viewBox', `0 -1 ${SPARK_WIDTH} ${SPARK_HEIGHT + 2}`);
+    svg.setAttribute('role', 'img');
+    const minutes = Math.max(1, Math.round(span / 60));
+    svg.setAttribute('aria-label', `${label}, last ${minutes} min`);
+    svg.setAttribute('data-points', String(series.length));
+    const title = document.createElementNS(SVG_NS, 'title');
+    title.textContent = `${label}, last ${minutes} min`;
+    const line = document.createElementNS(SVG_NS, 'polyline');
+    line.setAttribute('points', points);
+    svg.append(title, line);
+    return svg;
+  }
+
   /** Fetch the status document now (REST), whatever the websocket does. */
   async refresh(): Promise<void> {
     const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/status');
@@ -175,7 +235,13 @@ export class GPUSharePanel extends Widget {
     void this.refresh();
     this._connect();
     // Waits grow by themselves: re-render every second while shown.
-    this._ticker = window.setInterval(() => this._render(), 1000);
+    void this.refreshHistory();
+    this._ticker = window.setInterval(() => {
+      if (++this._ticks % HISTORY_EVERY_TICKS === 0) {
+        void this.refreshHistory();
+      }
+      this._render();
+    }, 1000);
   }
 
   private _stop(): void {
@@ -480,6 +546,29 @@ export class GPUSharePanel extends Widget {
       );
     }
 
+    const use = this._history ? deviceUse(this._history, dev.uuid) : null;
+    const deviceSpark = use
+      ? this._spark(
+          use.series,
+          use.measured ? `Utilisation of ${dev.name}` : `${dev.name} held by a kernel`,
+          'device',
+          100
+        )
+      : null;
+    if (deviceSpark) {
+      section.append(
+        el(
+          'div',
+          { className: 'jp-gpushare-sparkrow' },
+          el('span', {
+            className: 'jp-gpushare-label',
+            text: use?.measured ? 'Utilisation' : 'GPU held'
+          }),
+          deviceSpark
+        )
+      );
+    }
+
     if (dev.filtered) {
       // Other users' kernels are only summed: their holders and places in the queue by user.
       section.append(
@@ -772,6 +861,22 @@ export class GPUSharePanel extends Widget {
         })
       );
     }
+    if (this._history) {
+      const memory = this._spark(
+        kernelMemory(this._history, row.id),
+        `Memory of ${row.name} on the GPU`,
+        'memory'
+      );
+      const gpu = this._spark(
+        kernelGpuUse(this._history, row.id),
+        `GPU use of ${row.name}`,
+        'gpu',
+        1
+      );
+      if (memory || gpu) {
+        item.append(el('div', { className: 'jp-gpushare-sparkrow' }, memory, gpu));
+      }
+    }
     return item;
   }
 
@@ -785,6 +890,8 @@ export class GPUSharePanel extends Widget {
   private _active = false;
   private _generation = 0;
   private _busy = new Set<string>();
+  private _history: IHistory | null = null;
+  private _ticks = 0;
   private _feedback: string | null = null;
   private _onVisibility: () => void;
 }

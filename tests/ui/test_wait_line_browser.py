@@ -33,6 +33,7 @@ from ui_helpers import (
     clients_of,
     keep_screenshot,
     run_cell,
+    save_screenshot,
 )
 
 FOOTPRINT = 700 * MiB
@@ -174,6 +175,27 @@ def test_wait_line_toast_status_bar_and_settings(lab_b: Lab, chromium: str, tmp_
                 re.compile(r"^GPU: (1 running, 1 evicted|1 idle, 1 evicted)$")
             )
             _shot(page, tmp_path, "wait-line-granted.png")
+
+            # After these turns the sidebar draws the last hour: each of my kernels' memory and
+            # GPU use, and the GPU's (held or not: this stand-in has no NVML utilisation).
+            page.evaluate("() => window.jupyterapp.commands.execute('gpushare:show')")
+            panel = page.locator("#jupyter-gpushare-sidebar")
+            expect(panel).to_be_visible()
+            memory = panel.locator(".jp-gpushare-mine svg.jp-gpushare-spark-memory")
+            expect(memory).to_have_count(2, timeout=15_000)
+            expect(memory.first).to_have_attribute("aria-label", re.compile(r"^Memory of .*"))
+            for i in range(2):
+                assert int(memory.nth(i).get_attribute("data-points") or 0) >= 2
+                assert memory.nth(i).locator("polyline").get_attribute("points")
+            gpu_use = panel.locator(".jp-gpushare-mine svg.jp-gpushare-spark-gpu")
+            expect(gpu_use).to_have_count(2)
+            held = panel.locator("svg.jp-gpushare-spark-device")
+            expect(held).to_have_count(1)
+            expect(held).to_have_attribute("aria-label", re.compile(r"held by a kernel, last"))
+            page.set_viewport_size({"width": 1100, "height": 900})
+            expect(memory).to_have_count(2)
+            save_screenshot(page, tmp_path, "sidebar-history.png")
+            page.set_viewport_size({"width": 1100, "height": 420})
 
             # Switch the turn notification and the status-bar item off, as the Settings
             # editor does, and reload: a second turn raises no toast.

@@ -184,7 +184,8 @@ class Lab:
             "c.GPUShareScheduler.use_nvml = False\n"
             "c.GPUShareScheduler.pool_size = '1GiB'\n"
             "c.GPUShareScheduler.base_quantum = 60.0\n"
-            "c.GPUShareScheduler.max_quantum = 60.0\n" + APP_CONFIG[app]
+            "c.GPUShareScheduler.max_quantum = 60.0\n"
+            "c.GPUShareScheduler.history_resolution = 0.5\n" + APP_CONFIG[app]
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         env.pop("LD_PRELOAD", None)
