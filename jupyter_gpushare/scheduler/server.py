@@ -209,11 +209,15 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             self.discovery = Discovery([], "disabled (use_nvml = False)")
         if self.discovery.error is not None:
             self.log.warning(
-                "gpushare: no NVML device discovery: %s; devices will be learnt from the shims",
+                "gpushare: no NVIDIA GPU found through NVML (%s): GPUs are learnt from the "
+                "kernels that use one",
                 self.discovery.error,
             )
         elif not self.discovery.devices:
-            self.log.warning("gpushare: NVML found no GPU; devices will be learnt from the shims")
+            self.log.warning(
+                "gpushare: no NVIDIA GPU found (NVML sees none): GPUs are learnt from the "
+                "kernels that use one"
+            )
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
