@@ -255,8 +255,16 @@ class WaitLine:
         if self._display_id is not None:
             restored = max(self._evicted_at_start - int(status.get("evicted_bytes", 0)), 0)
             restore_seconds = None
-            if restored and self._granted_at is not None:
-                restore_seconds = max(now - self._granted_at, 0.0)
+            if restored:
+                # The scheduler has the shim's own figures (RESTORED); else, roughly, the time
+                # from the grant it reported to the end of the wait.
+                entry, _ = self.scheduler_view(status)
+                last = (entry or {}).get("last_restore")
+                if isinstance(last, dict) and int(last.get("bytes") or 0) > 0:
+                    restored = int(last["bytes"])
+                    restore_seconds = float(last.get("seconds") or 0.0)
+                elif self._granted_at is not None:
+                    restore_seconds = max(now - self._granted_at, 0.0)
             text = got_text(self._waited, restored, restore_seconds)
             self.publish(_content(text, self._display_id, "granted", self._waited), True)
         self._reset()

@@ -95,6 +95,23 @@ def test_two_that_do_not_fit_take_turns_with_evict_and_restore():
     assert p.handle(Tick(t)) == [Revoke("b", evict=True, reason="quantum expired")]
     assert p.handle(Released(t + 1, "b", evicted=True)) == [Grant("a", restore=True)]
     assert p.handle(Restored(t + 2, "a", bytes_moved=int(59.5 * GB), micros=1_200_000)) == []
+    # The status says what the last restore moved and took (the wait line shows it).
+    assert client(p, "a", t + 2)["last_restore"] == {"bytes": int(59.5 * GB), "seconds": 1.2}
+    assert client(p, "b", t + 2)["last_restore"] is None
+
+
+def test_a_waiter_for_memory_is_told_how_much_is_moving():
+    p = make_policy()
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 60)
+    request(p, "b", 60, now=1)
+    assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
+    assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
+    wait = client(p, "b", 31)["wait"]
+    assert (
+        wait["reason"] == "memory" and wait["moving_bytes"] == client(p, "a", 31)["managed_bytes"]
+    )
 
 
 def test_idle_holder_is_revoked_at_once_for_a_waiter():
@@ -368,6 +385,7 @@ def test_snapshot_shape():
         "wait_seconds": 0.0,
         "waiting_since": None,
         "queue_position": None,
+        "last_restore": None,
         "held_seconds": 4.0,
         "quantum_seconds": 5.0,
         "revoking_seconds": None,
