@@ -100,20 +100,6 @@ def test_two_that_do_not_fit_take_turns_with_evict_and_restore():
     assert client(p, "b", t + 2)["last_restore"] is None
 
 
-def test_a_waiter_for_memory_is_told_how_much_is_moving():
-    p = make_policy()
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    request(p, "b", 60, now=1)
-    assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
-    assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
-    wait = client(p, "b", 31)["wait"]
-    assert (
-        wait["reason"] == "memory" and wait["moving_bytes"] == client(p, "a", 31)["managed_bytes"]
-    )
-
-
 def test_idle_holder_is_revoked_at_once_for_a_waiter():
     p = make_policy()
     join(p, "a")
@@ -401,6 +387,10 @@ def test_a_late_answer_to_a_revoke_does_not_drop_a_new_request():
     assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
     # a released on its own before the Revoke reached it (counted as the answer) ...
     assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
+    # meanwhile b waits for a's memory, and is told how much is on its way to the host
+    wait = client(p, "b", 30.5)["wait"]
+    assert wait["reason"] == "memory"
+    assert wait["moving_bytes"] == client(p, "a", 30.5)["managed_bytes"] > 0
     assert p.handle(Evicted(31, "a")) == [Grant("b")]
     assert request(p, "a", 60, now=32) == []
     # ... and its answer to the Revoke comes now, while it waits: it keeps waiting
