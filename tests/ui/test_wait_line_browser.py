@@ -197,6 +197,17 @@ def test_wait_line_toast_status_bar_and_settings(lab_b: Lab, chromium: str, tmp_
             save_screenshot(page, tmp_path, "sidebar-history.png")
             page.set_viewport_size({"width": 1100, "height": 420})
 
+            # Evict asks first; Cancel leaves the kernel as it was.
+            evict = panel.get_by_role("button", name=re.compile(r"^Evict b\.ipynb: "))
+            evict.click()
+            dialog = page.locator(".jp-Dialog")
+            expect(dialog).to_contain_text("Evict b.ipynb?")
+            expect(dialog).to_contain_text("its memory")
+            dialog.get_by_role("button", name="Cancel").click()
+            expect(dialog).to_have_count(0)
+            time.sleep(1.0)
+            assert "control evict" not in lab_b.log.read_text()
+
             # Switch the turn notification and the status-bar item off, as the Settings
             # editor does, and reload: a second turn raises no toast.
             page.evaluate(
