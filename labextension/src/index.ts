@@ -116,7 +116,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const trans = (translator ?? nullTranslator).load('jupyter_gpushare');
     const __ = (msg: string, ...args: unknown[]) => trans.__(msg, ...(args as string[]));
     const serverSettings = app.serviceManager.serverSettings;
-    const panel = new GPUSharePanel({ serverSettings });
+    const panel = new GPUSharePanel({ serverSettings, translator: translator ?? undefined });
     panel.id = PANEL_ID;
     panel.title.icon = gpuIcon;
     panel.title.caption = __('Shared GPU');

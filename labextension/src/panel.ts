@@ -4,6 +4,7 @@
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
+import { ITranslator, nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import { ServerConnection } from '@jupyterlab/services';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
@@ -44,6 +45,8 @@ type Connection = 'offline' | 'connecting' | 'live';
 
 export interface IPanelOptions {
   serverSettings?: ServerConnection.ISettings;
+  /** JupyterLab's translator (its `jupyter_gpushare` domain); English without it. */
+  translator?: ITranslator;
 }
 
 function el<K extends keyof HTMLElementTagNameMap>(
@@ -98,9 +101,10 @@ function swatch(color: number): HTMLElement {
 export class GPUSharePanel extends Widget {
   constructor(options: IPanelOptions = {}) {
     super();
+    this._trans = (options.translator ?? nullTranslator).load('jupyter_gpushare');
     this.addClass('jp-gpushare-panel');
     this.node.setAttribute('role', 'region');
-    this.node.setAttribute('aria-label', 'Shared GPU');
+    this.node.setAttribute('aria-label', this._trans.__('Shared GPU'));
     this._settings = options.serverSettings ?? ServerConnection.makeSettings();
     this._onVisibility = () => {
       if (document.hidden) {
@@ -353,12 +357,18 @@ export class GPUSharePanel extends Widget {
     if (action === 'evict') {
       // Evicting acts on someone's kernel (an admin's action): say what it does first.
       const answer = await showDialog({
-        title: `Evict ${row.name}?`,
-        body:
-          `${row.name} (${row.user}) gives the GPU back and its memory ` +
-          `(${formatBytes(row.residentBytes)} on the GPU) is moved to host memory; its next ` +
-          'GPU call waits for a turn and restores it.',
-        buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Evict' })]
+        title: this._trans.__('Evict %1?', row.name),
+        body: this._trans.__(
+          '%1 (%2) gives the GPU back and its memory (%3 on the GPU) is moved to host memory; ' +
+            'its next GPU call waits for a turn and restores it.',
+          row.name,
+          row.user,
+          formatBytes(row.residentBytes)
+        ),
+        buttons: [
+          Dialog.cancelButton({ label: this._trans.__('Cancel') }),
+          Dialog.warnButton({ label: this._trans.__('Evict') })
+        ]
       });
       if (!answer.button.accept) {
         return;
@@ -404,7 +414,7 @@ export class GPUSharePanel extends Widget {
     const header = el(
       'div',
       { className: 'jp-gpushare-header' },
-      el('h2', { className: 'jp-gpushare-title', text: 'Shared GPU' }),
+      el('h2', { className: 'jp-gpushare-title', text: this._trans.__('Shared GPU') }),
       el('span', {
         className: 'jp-gpushare-connection',
         'data-state': this._connection,
@@ -562,7 +572,7 @@ export class GPUSharePanel extends Widget {
           { className: 'jp-gpushare-sparkrow' },
           el('span', {
             className: 'jp-gpushare-label',
-            text: use?.measured ? 'Utilisation' : 'GPU held'
+            text: use?.measured ? this._trans.__('Utilisation') : this._trans.__('GPU held')
           }),
           deviceSpark
         )
@@ -572,16 +582,16 @@ export class GPUSharePanel extends Widget {
     if (dev.filtered) {
       // Other users' kernels are only summed: their holders and places in the queue by user.
       section.append(
-        this._renderGroup('holders', 'Holding the GPU', dev.holders, dev.otherHolders),
+        this._renderGroup('holders', this._trans.__('Holding the GPU'), dev.holders, dev.otherHolders),
         this._renderQueue(dev.queue, dev.waiters),
-        this._renderGroup('idle', 'Idle', dev.idle),
+        this._renderGroup('idle', this._trans.__('Idle'), dev.idle),
         this._renderOthers(dev.others)
       );
     } else {
       section.append(
-        this._renderGroup('holders', 'Holding the GPU', dev.holders),
-        this._renderGroup('waiters', 'Waiting', dev.waiters),
-        this._renderGroup('idle', 'Idle', dev.idle)
+        this._renderGroup('holders', this._trans.__('Holding the GPU'), dev.holders),
+        this._renderGroup('waiters', this._trans.__('Waiting'), dev.waiters),
+        this._renderGroup('idle', this._trans.__('Idle'), dev.idle)
       );
     }
 
@@ -589,7 +599,7 @@ export class GPUSharePanel extends Widget {
       const mine = el(
         'div',
         { className: 'jp-gpushare-mine', 'aria-label': 'My kernels on this GPU' },
-        el('h3', { className: 'jp-gpushare-group-title', text: 'My kernels' })
+        el('h3', { className: 'jp-gpushare-group-title', text: this._trans.__('My kernels') })
       );
       for (const row of dev.mine) {
         mine.append(this._renderQuota(row));
@@ -639,7 +649,7 @@ export class GPUSharePanel extends Widget {
     // The viewer's waiters the queue does not name (e.g. waiting but not queued yet) go last.
     const rest = waiters.filter(r => !listed.has(r.id));
     const count = queue.length + rest.length;
-    const group = groupOf('waiters', 'Waiting', count);
+    const group = groupOf('waiters', this._trans.__('Waiting'), count);
     if (!count) {
       return group;
     }
@@ -687,7 +697,7 @@ export class GPUSharePanel extends Widget {
 
   /** Other users' kernels, one row per user (filtered documents). */
   private _renderOthers(others: IOtherUserRow[]): HTMLElement {
-    const group = groupOf('others', 'Other users', others.length);
+    const group = groupOf('others', this._trans.__('Other users'), others.length);
     if (!others.length) {
       return group;
     }
@@ -808,7 +818,7 @@ export class GPUSharePanel extends Widget {
       'aria-label': title,
       'data-focus-key': `${action}:${row.id}`,
       disabled: busy,
-      text: action === 'release' ? 'Release' : 'Evict'
+      text: action === 'release' ? this._trans.__('Release') : this._trans.__('Evict')
     });
     button.addEventListener('click', () => {
       void this._act(row, action);
@@ -890,6 +900,7 @@ export class GPUSharePanel extends Widget {
   private _active = false;
   private _generation = 0;
   private _busy = new Set<string>();
+  private _trans: TranslationBundle;
   private _history: IHistory | null = null;
   private _ticks = 0;
   private _feedback: string | null = null;
