@@ -133,6 +133,8 @@ def wait_text(
     place = f"{ordinal(position)} in line" if isinstance(position, int) else "in line"
     if reason == "recovering":
         return "Waiting for the GPU: the scheduler restarted, waiting for kernels to reconnect"
+    if reason == "shorter_first":
+        return "Waiting for the GPU: paused while shorter cells run (your memory stays on the GPU)"
     if reason == "memory" or not first:
         moving = wait.get("moving_bytes")
         amount = f"{format_size(int(moving))} of " if isinstance(moving, int) and moving else ""

@@ -228,7 +228,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             len(self._devices),
             self.base_quantum,
         )
-        if self.metrics_port:
+        if self.metrics_port or self.metrics_in_process:
             try:
                 await self._start_metrics()
             except BaseException:
@@ -443,7 +443,8 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
 
     @property
     def metrics(self) -> Any:
-        """The Prometheus metrics (a .metrics.SchedulerMetrics) while metrics_port serves."""
+        """The Prometheus metrics (a .metrics.SchedulerMetrics) while metrics_port serves them
+        (or metrics_in_process keeps them for the host process)."""
         return self._metrics_feed.metrics
 
     def refresh_metrics(self) -> None:
@@ -461,6 +462,8 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
                 self.metrics_interval,
                 snapshot,
                 self._shims.values,
+                gpus=self.discovery.devices,
+                utilization=lambda: self._utilization,
             )
         except OSError as exc:
             raise SchedulerStartError(

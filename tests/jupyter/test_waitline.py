@@ -87,6 +87,10 @@ def test_wait_texts_for_each_reason() -> None:
         "Got the GPU: restoring 6.00 GiB of this kernel's memory"
     )
     assert wait_text(waiting, None, None) == "Waiting for the GPU"
+    shorter = {"state": "waiting", "wait": {"reason": "shorter_first", "holders": [_holder()]}}
+    assert wait_text(waiting, shorter, None) == (
+        "Waiting for the GPU: paused while shorter cells run (your memory stays on the GPU)"
+    )
     recovering = {"state": "waiting", "wait": {"reason": "recovering", "holders": []}}
     assert "scheduler restarted" in wait_text(waiting, recovering, None)
 
@@ -308,7 +312,9 @@ async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernel
         r"Got the GPU after \d+\.\d s \(restored 640\.00 MiB in \d+\.\d s\)", last
     ), shown
     waited = float(last.split("after ")[1].split(" s")[0])
-    assert 1.0 <= waited <= elapsed, (waited, elapsed)
+    # The shim's own figure; the test times the cell from its side of the socket. Once, on a
+    # loaded machine, the two differed by a little the other way: a margin, not a bound.
+    assert 1.0 <= waited <= elapsed + 0.5, (waited, elapsed)
     stdout = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
     assert stdout.split() == ["rc", "0", "0"]
     holder.finish(30)

@@ -21,6 +21,7 @@ from jupyter_gpushare.scheduler.events import (
     SetQuota,
     Tick,
 )
+from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
 GB = 10**9
@@ -28,7 +29,11 @@ DEV = "GPU-0"
 POOL = 100 * GB
 
 
-def make_policy(pool: int = POOL, **config: float) -> Policy:
+def make_policy(pool: int = POOL, **config: object) -> Policy:
+    # These stories are the memory rules: under the "fair" ordering every kernel that fits runs,
+    # so each decision here is memory's. The interactive ordering has its own tests
+    # (test_ordering.py), which also run these rules beneath it.
+    config.setdefault("ordering", OrderingConfig("fair"))
     policy = Policy(PolicyConfig(**config))  # type: ignore[arg-type]
     policy.add_device(DEV, name="Test GPU", total_bytes=pool + 5 * GB, pool_bytes=pool)
     return policy
