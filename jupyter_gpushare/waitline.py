@@ -51,6 +51,8 @@ __all__ = [
 THRESHOLD_SECONDS = 1.0
 #: How often the thread reads the shim's status (a copy under a lock: cheap).
 POLL_SECONDS = 0.1
+#: ... and while no cell waits (a kernel's idle cost: one short status copy four times a second).
+IDLE_POLL_SECONDS = 0.25
 #: How often, at most, it asks the scheduler why the kernel waits (one socket round trip).
 SCHEDULER_EVERY_SECONDS = 1.0
 #: The mime type the JupyterLab extension recognises (it raises the "your turn came" toast).
@@ -280,8 +282,8 @@ class WaitLine:
         self._granted_at = None
         self._waited = 0.0
 
-    def run(self, stop: threading.Event, interval: float = POLL_SECONDS) -> None:
-        while not stop.wait(interval):
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(POLL_SECONDS if self._display_id else IDLE_POLL_SECONDS):
             try:
                 self.poll()
             except Exception:  # never let the thread die silently mid-session
