@@ -165,7 +165,10 @@ def got_text(waited: float, restored_bytes: int, restore_seconds: float | None) 
 
 
 def _content(text: str, display_id: str, phase: str, seconds: float) -> dict[str, Any]:
-    colour = "var(--jp-warn-color1)" if phase == "waiting" else "var(--jp-success-color1)"
+    colour = {
+        "waiting": "var(--jp-warn-color1)",
+        "granted": "var(--jp-success-color1)",
+    }.get(phase, "var(--jp-ui-font-color2)")
     markup = (
         f'<div class="gpushare-wait" data-phase="{phase}" '
         f'style="color:{colour};font-family:var(--jp-ui-font-family)">'
@@ -208,6 +211,7 @@ class WaitLine:
     _evicted_at_start: int = 0
     _granted_at: float | None = None
     _waited: float = 0.0
+    _held_at_start: float | None = None
     _ids: Any = field(default_factory=itertools.count)
     # The thread polls; the main thread polls once more as a cell ends (see _KernelPublisher).
     _lock: Any = field(default_factory=threading.Lock)
@@ -239,6 +243,8 @@ class WaitLine:
                 self._evicted_at_start = max(
                     self._evicted_at_start, int(status.get("evicted_bytes", 0))
                 )
+                if self._held_at_start is None:
+                    self._held_at_start = float(status.get("holding_seconds") or 0.0)
                 if waited < self.threshold or not self.in_cell():
                     return
                 self._display_id = f"gpushare-wait-{uuid.uuid4().hex}-{next(self._ids)}"
@@ -256,7 +262,11 @@ class WaitLine:
                 self.publish(_content(text, self._display_id, "waiting", waited), bool(self._shown))
                 self._shown = text
             return
-        if self._display_id is not None:
+        if self._display_id is not None and not self._was_granted(status):
+            # Interrupted (the shim ends a wait on SIGINT), or the scheduler went away.
+            text = f"Stopped waiting for the GPU after {self._waited:.1f} s"
+            self.publish(_content(text, self._display_id, "stopped", self._waited), True)
+        elif self._display_id is not None:
             restored = max(self._evicted_at_start - int(status.get("evicted_bytes", 0)), 0)
             restore_seconds = None
             if restored:
@@ -281,6 +291,15 @@ class WaitLine:
         self._evicted_at_start = 0
         self._granted_at = None
         self._waited = 0.0
+        self._held_at_start = None
+
+    def _was_granted(self, status: dict[str, Any]) -> bool:
+        """Whether the wait ended with the GPU: the shim holds it, or has held it since (a short
+        turn may be over by the time of this poll); an interrupted wait held nothing."""
+        if status.get("state") in ("holding", "releasing"):
+            return True
+        held = float(status.get("holding_seconds") or 0.0)
+        return self._held_at_start is not None and held > self._held_at_start
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(POLL_SECONDS if self._display_id else IDLE_POLL_SECONDS):

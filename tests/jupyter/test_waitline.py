@@ -205,6 +205,26 @@ def test_a_wait_is_one_display_updated_then_the_got_line() -> None:
     assert not new_update and new_content["transient"]["display_id"] != display_id
 
 
+def test_an_interrupted_wait_says_it_stopped_not_that_it_got_the_gpu() -> None:
+    s = Script()
+    line = s.line()
+    s.wait(2.0, evicted_bytes=0, holding_seconds=7.0)
+    line.poll()
+    display_id = s.published[0][0]["transient"]["display_id"]
+    s.status = {"state": "idle", "evicted_bytes": 0, "holding_seconds": 7.0}  # SIGINT ended it
+    line.poll()
+    content, update = s.published[-1]
+    assert update and content["transient"]["display_id"] == display_id
+    assert content["data"]["text/plain"] == "Stopped waiting for the GPU after 2.0 s"
+    assert content["data"][MIME_TYPE]["phase"] == "stopped"
+    # A turn already over by the next poll (idle again, but it held the GPU meanwhile) is a grant.
+    s.wait(3.0, evicted_bytes=0, holding_seconds=7.0)
+    line.poll()
+    s.status = {"state": "idle", "evicted_bytes": 0, "holding_seconds": 7.5}
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"] == "Got the GPU after 3.0 s"
+
+
 def test_no_display_outside_a_cell_and_a_pending_quota_is_applied_once() -> None:
     from jupyter_gpushare import waitline
 
@@ -339,3 +359,29 @@ async def test_quota_before_the_first_gpu_call(harness: Any, kernels: Any) -> No
     assert int((await execute(kc, probe)).ok().stdout) == 256 * MiB
     fits = (await execute(kc, "print(alloc(200 << 20)[0])")).ok()
     assert fits.stdout.strip() == "0", fits.describe()
+
+
+async def test_interrupt_stops_the_wait_and_the_line_says_so(harness: Any, kernels: Any) -> None:
+    """Interrupt still works with the wait line's thread running, and the line ends as
+    "Stopped waiting", not as a grant."""
+    harness.scheduler(pool="1GiB", quantum=60.0)
+    holder = harness.spawn(
+        "hold", 120.0, 640 * MiB, 20000, client_id="holder", context_bytes=CONTEXT, idle_seconds=0
+    )
+    holder.wait_event("first_launch", 30)
+    km, kc = await kernels.start()
+    (await execute(kc, GPU_PRELUDE + "\nprint(alloc(640 << 20)[0])")).ok()
+    cell = asyncio.ensure_future(_run_collecting(kc, "rc = launch(1000)\nprint('launched', rc)"))
+    await asyncio.sleep(2.5)  # past the line's 1 s
+    assert not cell.done()
+    interrupted = time.monotonic()
+    await km.interrupt_kernel()
+    msgs = await asyncio.wait_for(cell, 30)
+    assert time.monotonic() - interrupted < 3.0
+    errors = [m["content"]["ename"] for m in msgs if m["msg_type"] == "error"]
+    assert errors == ["KeyboardInterrupt"], msgs
+    shown = _displays(msgs)
+    assert shown[0][2].startswith("Waiting for the GPU: "), shown
+    assert re.fullmatch(r"Stopped waiting for the GPU after \d+\.\d s", shown[-1][2]), shown
+    assert len({d for _, d, _ in shown}) == 1, shown
+    holder.kill()
