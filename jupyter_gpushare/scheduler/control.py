@@ -133,6 +133,8 @@ class ControlActions:
             await self._on_allocate(conn, ident, body)
         elif action == "prune_allocations":
             await self._on_prune_allocations(conn, ident, body)
+        elif action == "history":
+            self._reply(conn, {"ok": True, "action": action, "history": self.history_view(ident)})
         else:
             self._on_client_action(conn, ident, action, body)
 

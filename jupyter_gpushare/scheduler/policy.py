@@ -169,6 +169,7 @@ class _Client:
     # accounting
     gpu_seconds: float = 0.0
     wait_seconds: float = 0.0
+    last_restore: tuple[int, float] | None = None  # (bytes, seconds) of its last restore
     cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
 
     @property
@@ -265,6 +266,7 @@ class Policy:
         elif isinstance(event, Restored):
             self._measure(dev, "restore", event.bytes_moved, event.micros)
             client.evicted = 0
+            client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
         elif isinstance(event, Idle):
             if not client.idle:
@@ -949,7 +951,15 @@ class Policy:
                 )
         else:
             reason, text = "memory", "waiting for memory to be moved to the host"
-        return {"wait": {"reason": reason, "text": text, "holders": about}}
+        wait: dict[str, Any] = {"reason": reason, "text": text, "holders": about}
+        if reason == "memory":
+            # What is on its way to the host now (the wait line says how much).
+            wait["moving_bytes"] = sum(
+                h.movable
+                for h in dev.clients.values()
+                if h.evict_pending or (h.holding == "revoking" and h.revoke_evict)
+            )
+        return {"wait": wait}
 
     @staticmethod
     def _client_status(c: _Client, dt: float, position: dict[str, int]) -> dict[str, Any]:
@@ -970,6 +980,9 @@ class Policy:
             "wait_seconds": c.wait_seconds + (dt if c.waiting_since is not None else 0.0),
             "waiting_since": c.waiting_since,
             "queue_position": position.get(c.id),
+            "last_restore": None
+            if c.last_restore is None
+            else {"bytes": c.last_restore[0], "seconds": round(c.last_restore[1], 6)},
         }
 
 

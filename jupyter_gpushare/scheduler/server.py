@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from traitlets import observe
+from traitlets import Float, observe
 
 from .._version import __version__
 from ..identity import KeyFileError
@@ -44,6 +45,7 @@ from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .history import History
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
@@ -73,6 +75,10 @@ __all__ = [
 class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, SchedulerConfig):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
+    history_resolution = Float(
+        5.0, help="Seconds between two points of the last hour's history (per kernel, user, GPU)."
+    ).tag(config=True)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.access = Access(os.getuid(), frozenset(self.admin_uids))
@@ -95,6 +101,9 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         self._reservations = Reservations()
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
+        #: The last hour per kernel, user and GPU, recorded at every status change.
+        self.history = History(resolution=self.history_resolution)
+        self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
         self._mps: MPSManager | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -108,6 +117,21 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
     def remove_status_listener(self, listener: Callable[[], None]) -> None:
         with contextlib.suppress(ValueError):
             self._status_listeners.remove(listener)
+
+    def history_view(self, viewer: Identity | None = None) -> dict[str, Any]:
+        """The history as ``viewer`` may see it: every GPU and every user's sums (as the status
+        shows them), the kernels of their own only unless they are an admin (None: all). Thinned
+        until it fits a control reply's frame (64 KiB) with room to spare."""
+        now = time.time()
+        own = None
+        if viewer is not None and not viewer.admin:
+            own = [k for k, s in self.history.kernels.items() if s.meta.get("user") == viewer.user]
+        points = 60
+        while True:
+            view = self.history.view(now, kernels=own, max_points=points)
+            if points <= 2 or len(json.dumps(view)) < 48_000:
+                return view
+            points //= 2
 
     @property
     def own_uid(self) -> int:
@@ -186,11 +210,15 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
             self.discovery = Discovery([], "disabled (use_nvml = False)")
         if self.discovery.error is not None:
             self.log.warning(
-                "gpushare: no NVML device discovery: %s; devices will be learnt from the shims",
+                "gpushare: no NVIDIA GPU found through NVML (%s): GPUs are learnt from the "
+                "kernels that use one",
                 self.discovery.error,
             )
         elif not self.discovery.devices:
-            self.log.warning("gpushare: NVML found no GPU; devices will be learnt from the shims")
+            self.log.warning(
+                "gpushare: no NVIDIA GPU found (NVML sees none): GPUs are learnt from the "
+                "kernels that use one"
+            )
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)

@@ -48,7 +48,7 @@ MAX_DEVICE_NAME = 256
 MAX_CLIENT_ID = 256
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
-SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations")
+SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
 MPS_ACTIONS = ("mps_env", "mps_terminate")
 _MEMORY_FIELDS = (
     ("used", "used_bytes"),

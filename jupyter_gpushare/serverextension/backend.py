@@ -242,6 +242,15 @@ class SchedulerBackend:
             return self.scheduler.status_document()
         return await self.client.status()
 
+    async def history(self) -> dict[str, Any]:
+        """The scheduler's last hour per kernel, user and GPU (its ``history`` action)."""
+        await self.ensure_started()
+        self._check()
+        if self.scheduler is not None:
+            return self.scheduler.history_view()
+        reply = await self.client.control("history")
+        return dict(reply.get("history") or {})
+
     async def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
         await self.ensure_started()
         self._check()

@@ -100,6 +100,9 @@ def test_two_that_do_not_fit_take_turns_with_evict_and_restore():
     assert p.handle(Tick(t)) == [Revoke("b", evict=True, reason="quantum expired")]
     assert p.handle(Released(t + 1, "b", evicted=True)) == [Grant("a", restore=True)]
     assert p.handle(Restored(t + 2, "a", bytes_moved=int(59.5 * GB), micros=1_200_000)) == []
+    # The status says what the last restore moved and took (the wait line shows it).
+    assert client(p, "a", t + 2)["last_restore"] == {"bytes": int(59.5 * GB), "seconds": 1.2}
+    assert client(p, "b", t + 2)["last_restore"] is None
 
 
 def test_idle_holder_is_revoked_at_once_for_a_waiter():
@@ -373,6 +376,7 @@ def test_snapshot_shape():
         "wait_seconds": 0.0,
         "waiting_since": None,
         "queue_position": None,
+        "last_restore": None,
         "held_seconds": 4.0,
         "quantum_seconds": 5.0,
         "revoking_seconds": None,
@@ -388,6 +392,10 @@ def test_a_late_answer_to_a_revoke_does_not_drop_a_new_request():
     assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
     # a released on its own before the Revoke reached it (counted as the answer) ...
     assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
+    # meanwhile b waits for a's memory, and is told how much is on its way to the host
+    wait = client(p, "b", 30.5)["wait"]
+    assert wait["reason"] == "memory"
+    assert wait["moving_bytes"] == client(p, "a", 30.5)["managed_bytes"] > 0
     assert p.handle(Evicted(31, "a")) == [Grant("b")]
     assert request(p, "a", 60, now=32) == []
     # ... and its answer to the Revoke comes now, while it waits: it keeps waiting
