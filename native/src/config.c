@@ -41,9 +41,10 @@ int gs_parse_size(const char *text, uint64_t *out)
     uint64_t whole = 0, frac_num = 0, frac_den = 1;
     int digits = 0;
     while (isdigit((unsigned char)*p)) {
-        if (whole > (UINT64_MAX - 9) / 10)
+        uint64_t digit = (uint64_t)(*p++ - '0');
+        if (whole > (UINT64_MAX - digit) / 10) /* exact: 18446744073709551615 still parses */
             return -1;
-        whole = whole * 10 + (uint64_t)(*p++ - '0');
+        whole = whole * 10 + digit;
         digits++;
     }
     if (*p == '.') {
@@ -77,6 +78,10 @@ int gs_parse_size(const char *text, uint64_t *out)
             /* frac_num < frac_den <= 1e12 and mult <= 2**40: the product fits in 128 bits only,
              * so divide first where it is exact enough (sizes are not measured in picobytes). */
             unsigned __int128 frac = (unsigned __int128)frac_num * mult / frac_den;
+            /* whole * mult fits (checked above), the fraction may not fit beside it: 16777215.99T
+             * would wrap to a few bytes and become a tiny quota instead of an error. */
+            if ((uint64_t)frac > UINT64_MAX - whole * mult)
+                return -1;
             *out = whole * mult + (uint64_t)frac;
             return 0;
         }
