@@ -1341,10 +1341,18 @@ class GPUShareScheduler(LoggingConfigurable):
             micros = int(msg.get("micros") or 0)
             if "evicted_bytes" in msg:
                 conn.memory["evicted"] = int(msg["evicted_bytes"])
-            self.log.info("evicted client=%s %s ms=%.1f", client, _bytes(moved), micros / 1000.0)
+            ok = bool(msg.get("flag", 1))  # shims before the flag never reported a failure
+            if ok:
+                self.log.info(
+                    "evicted client=%s %s ms=%.1f", client, _bytes(moved), micros / 1000.0
+                )
+            else:
+                self.log.warning(
+                    "eviction failed client=%s: its memory stays counted on the device", client
+                )
             if self.metrics is not None:
                 self.metrics.moved(conn.device or "", "evict", moved)
-            event = ev.Evicted(now, client, moved, micros)
+            event = ev.Evicted(now, client, moved, micros, ok=ok)
         elif mtype == MsgType.RESTORED:
             moved = int(msg.get("bytes_moved") or 0)
             micros = int(msg.get("micros") or 0)

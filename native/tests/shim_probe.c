@@ -6,8 +6,10 @@
  *   shim_probe launchpaths        every launch path and stream memory operation added to the gate,
  *                                 with the status API's gated_calls and the stand-in's call count
  *                                 of that exact symbol around each call
- *   shim_probe capture SECONDS MS capture a graph over and over for SECONDS (each capture stays
- *                                 open MS milliseconds), with ordinary launches between captures
+ *   shim_probe capture SECONDS MS [BYTES]
+ *                                 capture a graph over and over for SECONDS (each capture stays
+ *                                 open MS milliseconds), with ordinary launches between captures,
+ *                                 holding BYTES of managed memory
  *   shim_probe launches SECONDS US [BYTES]
  *                                 launch "sleep" kernels of US microseconds back to back, holding
  *                                 BYTES of memory
@@ -199,10 +201,13 @@ static int scenario_launchpaths(void)
 
 /* ---- capture ---- */
 
-static int scenario_capture(double seconds, double capture_ms)
+static int scenario_capture(double seconds, double capture_ms, size_t bytes)
 {
     if (setup_on(0))
         return 1;
+    CUdeviceptr p;
+    if (bytes)
+        CHECK(cuMemAlloc_v2(&p, bytes));
     CUstream s;
     CHECK(cuStreamCreate(&s, 0));
     int ok = 0, failed = 0, launch_failed = 0;
@@ -237,9 +242,10 @@ static int scenario_launches(double seconds, unsigned long long us, size_t bytes
     if (bytes)
         CHECK(cuMemAlloc_v2(&p, bytes));
     int n = 0;
-    for (double end = now() + seconds; now() < end; n++)
+    for (double end = now() + seconds; now() < end; n++) {
         CHECK(launch_sleep(g_stream, us));
-    CHECK(cuStreamSynchronize(g_stream));
+        CHECK(cuStreamSynchronize(g_stream)); /* one at a time: the queue never runs ahead */
+    }
     emit("launches", ",\"n\":%d", n);
     return 0;
 }
@@ -386,7 +392,7 @@ int main(int argc, char **argv)
     if (!strcmp(s, "launchpaths"))
         rc = scenario_launchpaths();
     else if (!strcmp(s, "capture"))
-        rc = scenario_capture(a, b);
+        rc = scenario_capture(a, b, (size_t)c);
     else if (!strcmp(s, "launches"))
         rc = scenario_launches(a, (unsigned long long)b, (size_t)c);
     else if (!strcmp(s, "twoctx"))
