@@ -41,4 +41,3 @@ def test_revokes_in_the_middle_of_captures_fail_none(harness, shim_probe):
         assert stats["invalidated"] == 0 and stats["unsafe_calls"] == 0, stats
         # Every eviction the scheduler asked for succeeded (none reported evicted=0).
         assert not [line for line in run.shim_lines if "eviction failed" in line], run.describe()
-
