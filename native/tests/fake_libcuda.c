@@ -1122,6 +1122,8 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     unsigned long long used =
         g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
     pthread_mutex_unlock(&g_lock);
+    /* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device (core). */
+    used += fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
     unsigned long long t = fk_device_total();
     *total = (size_t)t;
     *free = (size_t)(used >= t ? 0 : t - used);
