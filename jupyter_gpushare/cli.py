@@ -538,6 +538,11 @@ gpushare status"""
         "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
         "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
         "evict": (EvictApp, EvictApp.description.splitlines()[0]),
+        # Imported when chosen: its gRPC needs the k8s extra (grpcio, protobuf).
+        "device-plugin": (
+            "jupyter_gpushare.deviceplugin.app.DevicePluginApp",
+            "GPU memory as the Kubernetes resource gpushare.io/gpu-memory (device plugin).",
+        ),
     }
 
     def start(self) -> None:

@@ -206,12 +206,4 @@ class Evict:
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class QuotaChanged:
-    """Tell the client its effective quota changed."""
-
-    client: str
-    quota: int
-
-
-Decision = Grant | Revoke | Evict | QuotaChanged
+Decision = Grant | Revoke | Evict

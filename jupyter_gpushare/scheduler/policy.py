@@ -63,7 +63,6 @@ from .events import (
     Join,
     Leave,
     Memory,
-    QuotaChanged,
     Released,
     Request,
     Restored,
@@ -272,8 +271,9 @@ class Policy:
         elif isinstance(event, AdminRelease):
             return self._on_admin_release(dev, client, event)
         elif isinstance(event, SetQuota):
+            # The shell tells the shim (SET_QUOTA) once access has checked the quota.
             client.quota = max(0, event.quota)
-            return [QuotaChanged(client.id, client.quota)]
+            return []
         elif isinstance(event, SetWeight):
             client.weight = event.weight if event.weight > 0 else client.weight
         return self._schedule(dev)

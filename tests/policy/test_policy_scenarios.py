@@ -14,7 +14,6 @@ from jupyter_gpushare.scheduler.events import (
     Join,
     Leave,
     Memory,
-    QuotaChanged,
     Released,
     Request,
     Restored,
@@ -261,7 +260,7 @@ def test_admin_release_and_quota():
     p.handle(Released(2, "a"))
     assert p.handle(AdminRelease(3, "a")) == []  # idle, no eviction asked: nothing to do
     assert p.handle(AdminRelease(3, "a", evict=True)) == [Evict("a", reason="released by request")]
-    assert p.handle(SetQuota(4, "a", 8 * GB)) == [QuotaChanged("a", 8 * GB)]
+    assert p.handle(SetQuota(4, "a", 8 * GB)) == []  # the shell tells the shim, not the policy
     assert client(p, "a", 4)["quota_bytes"] == 8 * GB
 
 
