@@ -18,7 +18,13 @@
  *     microseconds) advances it, cuStreamQuery answers CUDA_ERROR_NOT_READY until then and the
  *     synchronise calls wait;
  *   - a context must be current for the calls that need one (CUDA_ERROR_INVALID_CONTEXT otherwise),
- *     and cuInit must have run (CUDA_ERROR_NOT_INITIALIZED otherwise), as on the real driver.
+ *     and cuInit must have run (CUDA_ERROR_NOT_INITIALIZED otherwise), as on the real driver;
+ *   - cuCtxSynchronize waits for its own context's work; a stream belongs to the context it was
+ *     made in and dies with it (cuDevicePrimaryCtxReset, the last cuDevicePrimaryCtxRelease);
+ *   - stream capture (cuStreamBeginCapture*, cuStreamEndCapture, cuStreamIsCapturing): launches
+ *     on a capturing stream are recorded, not run; a cuCtxSynchronize, cuStreamQuery or
+ *     cuStreamSynchronize while a stream captures in global or relaxed mode answers 900 and the
+ *     capture's end 901, as measured on an H100 (counted in the stats' "captures").
  *
  * Kernels (cuModuleLoadData with any image, then cuModuleGetFunction by name):
  *   "sleep"  (unsigned long long us)                                  the stream is busy for us
@@ -38,7 +44,10 @@
  * the default UUID with its last byte plus the device's index), GPUSHARE_FAKE_DRIVER_VERSION
  * (default 13000), GPUSHARE_FAKE_PREFETCH_GBPS (model prefetch time on the stream; default 0 =
  * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch and per
- * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit).
+ * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit),
+ * GPUSHARE_FAKE_LAUNCH_DELAY_US (a launch stays that long inside the driver before its work is
+ * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_OTHER_BYTES (memory other
+ * processes hold on the device: cuMemGetInfo's free shrinks by it).
  *
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed) and
  * fakecuda_call_count(name).
