@@ -90,7 +90,7 @@ void gs_calls_after_fork_child(void)
     atomic_store_explicit(&ptds_retired, 0, memory_order_relaxed);
 }
 
-int gs_gate_self_fence;
+atomic_int gs_gate_self_fence;
 static int membarrier_ok;
 static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
 
@@ -100,7 +100,7 @@ static void choose_barrier(void)
     membarrier_ok =
         syscall(SYS_membarrier, GS_MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
 #endif
-    gs_gate_self_fence = !membarrier_ok;
+    atomic_store_explicit(&gs_gate_self_fence, !membarrier_ok, memory_order_relaxed);
 }
 
 /* A full barrier on every thread of the process (or, without membarrier, on this one: the

@@ -174,7 +174,7 @@ static inline void gs_count_call(void)
 
 /* Set when the asymmetric barrier (membarrier) is not available: the fast path then fences
  * itself. Written once, before the gate first opens. */
-extern int gs_gate_self_fence;
+extern atomic_int gs_gate_self_fence;
 
 /* This thread is inside a gated call from here on. The store must be visible before the gate
  * word is read (a release closes the gate, then looks at every thread's flag: Dekker). The
@@ -183,7 +183,7 @@ extern int gs_gate_self_fence;
 static inline void gs_gate_inflight_begin(void)
 {
     atomic_store_explicit(&gs_tl_calls.inflight, 1, memory_order_relaxed);
-    if (GS_UNLIKELY(gs_gate_self_fence))
+    if (GS_UNLIKELY(atomic_load_explicit(&gs_gate_self_fence, memory_order_relaxed)))
         atomic_thread_fence(memory_order_seq_cst);
     else
         atomic_signal_fence(memory_order_seq_cst);
