@@ -121,6 +121,7 @@ static void load_config(void)
     c->weight_milli = 1000;
     c->idle_seconds = 2.0;
     c->reconnect_wait = 10.0;
+    c->capture_wait = 10.0;
     c->real_libcuda = "libcuda.so.1";
 
     const char *v;
@@ -162,6 +163,14 @@ static void load_config(void)
         else
             GS_WARN("ignoring GPUSHARE_RECONNECT_WAIT=%s: expected seconds (0 = unshared at once)",
                     v);
+    }
+    if ((v = env("GPUSHARE_CAPTURE_WAIT"))) {
+        char *end;
+        double s = strtod(v, &end);
+        if (end != v && !*end && s >= 0 && s < 1e6)
+            c->capture_wait = s;
+        else
+            GS_WARN("ignoring GPUSHARE_CAPTURE_WAIT=%s: expected seconds", v);
     }
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;

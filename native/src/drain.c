@@ -16,7 +16,7 @@ int gs_drain_quiesce(const char *what, double seconds)
         GS_INFO("%s went on after the capture ended (%.1f ms)", what, gs_ms(gs_now() - t0));
         return 1;
     }
-    GS_WARN("%s: a stream still captures after %.0f s; not synchronising (that would fail the "
+    GS_WARN("%s: a stream still captures after %.1f s; not synchronising (that would fail the "
             "capture)",
             what, seconds);
     return 0;
@@ -28,7 +28,7 @@ int gs_drain_work(struct gs_session *s, const char *what, int evict, int *evicte
                            uint64_t *moved, uint64_t *us)
 {
     *evicted = 0;
-    if (!gs_drain_quiesce(what, GS_CAPTURE_WAIT_S))
+    if (!gs_drain_quiesce(what, gs_config()->capture_wait))
         return 0;
     int failed = gs_device_sync_all(s);
     CUdevice dev;
@@ -47,7 +47,7 @@ void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, u
     gs_mem_totals(&t);
     CUdevice dev;
     *moved = *us = 0;
-    if (!t.evicted || !gs_drain_quiesce(what, GS_CAPTURE_WAIT_S))
+    if (!t.evicted || !gs_drain_quiesce(what, gs_config()->capture_wait))
         return;
     if (gs_device_push(s, &dev) == 0) {
         gs_mem_restore(dev, moved, us);

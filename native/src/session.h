@@ -163,10 +163,9 @@ int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *tot
 
 /* ---- drain.c: synchronising without failing a capture ---- */
 
-/* How long a release waits for gated calls still inside the driver, and for a stream capture to
- * end, before it gives up (docs/reliability.md). */
+/* How long a release waits for gated calls still inside the driver before it goes on anyway
+ * (how long it waits for a capture to end is GPUSHARE_CAPTURE_WAIT; docs/reliability.md). */
 #define GS_DRAIN_WAIT_S 5.0
-#define GS_CAPTURE_WAIT_S 10.0
 
 /* Wait (bounded, logged) until no stream captures, holding new captures off: 1 then, and the
  * caller synchronises and calls gs_capture_unlock(); 0 when a capture outlived the bound. */

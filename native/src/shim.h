@@ -94,6 +94,8 @@ struct gs_config {
     double idle_seconds;    /* GPUSHARE_IDLE_SECONDS, 0 = off */
     double reconnect_wait;  /* GPUSHARE_RECONNECT_WAIT: seconds a non-holder waits for a lost
                                scheduler before it runs unshared */
+    double capture_wait;    /* GPUSHARE_CAPTURE_WAIT: seconds a release (eviction, restore)
+                               waits for a stream capture to end before it gives up */
     const char *real_libcuda;
 };
 

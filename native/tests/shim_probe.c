@@ -10,6 +10,9 @@
  *                                 capture a graph over and over for SECONDS (each capture stays
  *                                 open MS milliseconds), with ordinary launches between captures,
  *                                 holding BYTES of managed memory
+ *   shim_probe longcapture SECONDS BYTES
+ *                                 hold BYTES, then keep one capture open for SECONDS (a capture
+ *                                 that outlives the shim's bounded wait), then launch once more
  *   shim_probe launches SECONDS US [BYTES]
  *                                 launch "sleep" kernels of US microseconds back to back, holding
  *                                 BYTES of memory
@@ -232,6 +235,29 @@ static int scenario_capture(double seconds, double capture_ms, size_t bytes)
     return 0;
 }
 
+/* ---- longcapture ---- */
+
+static int scenario_longcapture(double seconds, size_t bytes)
+{
+    if (setup_on(0))
+        return 1;
+    CUdeviceptr p;
+    CUstream s;
+    CHECK(cuMemAlloc_v2(&p, bytes));
+    CHECK(cuStreamCreate(&s, 0));
+    CHECK(launch_noop(s)); /* holding the device */
+    CHECK(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    emit("capturing", NULL);
+    for (double end = now() + seconds; now() < end; sleep_s(0.05))
+        CHECK(launch_noop(s)); /* captured: passes whatever the gate says */
+    CUgraph g = NULL;
+    CUresult r = cuStreamEndCapture(s, &g);
+    emit("captured", ",\"rc\":%d", r);
+    CHECK(launch_noop(s)); /* ordinary work again: it waits for the device */
+    emit("ran", NULL);
+    return 0;
+}
+
 /* ---- launches ---- */
 
 static int scenario_launches(double seconds, unsigned long long us, size_t bytes)
@@ -393,6 +419,8 @@ int main(int argc, char **argv)
         rc = scenario_launchpaths();
     else if (!strcmp(s, "capture"))
         rc = scenario_capture(a, b, (size_t)c);
+    else if (!strcmp(s, "longcapture"))
+        rc = scenario_longcapture(a, (size_t)b);
     else if (!strcmp(s, "launches"))
         rc = scenario_launches(a, (unsigned long long)b, (size_t)c);
     else if (!strcmp(s, "twoctx"))

@@ -41,3 +41,25 @@ def test_revokes_in_the_middle_of_captures_fail_none(harness, shim_probe):
         assert stats["invalidated"] == 0 and stats["unsafe_calls"] == 0, stats
         # Every eviction the scheduler asked for succeeded (none reported evicted=0).
         assert not [line for line in run.shim_lines if "eviction failed" in line], run.describe()
+
+
+def test_a_capture_that_outlives_the_bound_fails_the_eviction_not_the_pool(harness, shim_probe):
+    """A capture held open for 3 s with GPUSHARE_CAPTURE_WAIT=0.5: the revoke gives up waiting
+    (a warning), answers that it evicted nothing, and the scheduler's eviction requests fail
+    until the capture ends. Meanwhile the waiter, which does not fit beside the capturing
+    process, must not run; the capture itself must end well."""
+    harness.scheduler(pool="1GiB", quantum=0.3)
+    common = {"context_bytes": "16MiB", "idle_seconds": 0, "capture_wait": 0.5}
+    holder = spawn_probe(harness, shim_probe, "longcapture", 3, 600 << 20, **common)
+    holder.wait_event("capturing")
+    waiter = spawn_probe(harness, shim_probe, "evicted", 600 << 20, 0, 0.2, **common)
+    run = holder.finish(60).ok()
+    rw = waiter.finish(60).ok()
+    assert run.event("captured")["rc"] == 0, run.describe()
+    lines = run.shim_lines
+    assert any("still captures after 0.5 s" in line for line in lines), run.describe()
+    assert any("the eviction failed" in line for line in lines), run.describe()
+    assert run.stats["captures"]["unsafe_calls"] == 0, run.stats
+    # The waiter's first launch came only after the capture had ended and freed the room.
+    first = min(e["t_mono"] for e in rw.events if e["event"] in ("done",))
+    assert first >= run.event("captured")["t_mono"], (first, run.event("captured"))
