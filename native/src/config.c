@@ -112,6 +112,20 @@ static const char *env(const char *name)
     return (v && *v) ? v : NULL;
 }
 
+/* A duration in seconds from the environment (0 <= s < 1e6); a bad value keeps the default. */
+static void env_seconds(const char *name, double *out, const char *expected)
+{
+    const char *v = env(name);
+    if (!v)
+        return;
+    char *end;
+    double s = strtod(v, &end);
+    if (end != v && !*end && s >= 0 && s < 1e6)
+        *out = s;
+    else
+        GS_WARN("ignoring %s=%s: expected %s", name, v, expected);
+}
+
 static void load_config(void)
 {
     struct gs_config *c = &g_config;
@@ -147,31 +161,9 @@ static void load_config(void)
         else
             GS_WARN("ignoring GPUSHARE_WEIGHT=%s: expected a positive number", v);
     }
-    if ((v = env("GPUSHARE_IDLE_SECONDS"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0)
-            c->idle_seconds = s;
-        else
-            GS_WARN("ignoring GPUSHARE_IDLE_SECONDS=%s: expected seconds (0 = off)", v);
-    }
-    if ((v = env("GPUSHARE_RECONNECT_WAIT"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0 && s < 1e6)
-            c->reconnect_wait = s;
-        else
-            GS_WARN("ignoring GPUSHARE_RECONNECT_WAIT=%s: expected seconds (0 = unshared at once)",
-                    v);
-    }
-    if ((v = env("GPUSHARE_CAPTURE_WAIT"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0 && s < 1e6)
-            c->capture_wait = s;
-        else
-            GS_WARN("ignoring GPUSHARE_CAPTURE_WAIT=%s: expected seconds", v);
-    }
+    env_seconds("GPUSHARE_IDLE_SECONDS", &c->idle_seconds, "seconds (0 = off)");
+    env_seconds("GPUSHARE_RECONNECT_WAIT", &c->reconnect_wait, "seconds (0 = unshared at once)");
+    env_seconds("GPUSHARE_CAPTURE_WAIT", &c->capture_wait, "seconds");
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;
 }
