@@ -229,8 +229,10 @@ CUresult gs_stream_destroy(gs_fn_cuStreamDestroy_v2 real, CUstream hStream)
     /* Under the lock, so the idle detector never queries a handle being destroyed. */
     gs_streams_lock();
     gs_stream_forget(hStream);
-    gs_capture_forget_stream(hStream);
     CUresult r = real(hStream);
     gs_streams_unlock();
+    /* After the streams' lock: the idle detector takes the capture lock, then this one. */
+    if (r == CUDA_SUCCESS)
+        gs_capture_forget_stream(hStream);
     return r;
 }
