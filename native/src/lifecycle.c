@@ -28,9 +28,10 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     /* The gate is closed: wait for the calls that passed it before, then for their work. */
     double t0 = gs_now();
     int stuck = gs_gate_drain(GS_DRAIN_WAIT_S);
-    if (stuck)
-        GS_WARN("%d call(s) still inside the driver after %.0f s: releasing anyway", stuck,
-                GS_DRAIN_WAIT_S);
+    if (stuck) /* a synchronous call waiting for long GPU work, or a call that never returns: the
+                  synchronisation below waits for the work itself */
+        GS_INFO("%d call(s) still inside the driver after %.0f s: going on with the release",
+                stuck, GS_DRAIN_WAIT_S);
     uint64_t moved = 0, us = 0;
     int evicted = 0;
     gs_drain_work(s, "the release", evict, &evicted, &moved, &us);
