@@ -468,8 +468,10 @@ class Policy:
         c.evicted = c.managed
 
     def _on_evicted(self, dev: _Device, c: _Client, evt: Evicted) -> None:
-        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
         c.evict_pending = False
+        if not evt.ok:
+            return  # still resident: the room it was to free does not exist (the next pass retries)
+        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
             self._set_evicted(c)
 

@@ -220,7 +220,14 @@ class ShimSessions:
                 conn.memory["evicted"] = 0
             done = "evicted" if evict else "restored"
             ms = event.micros / 1000.0
-            self.log.info("%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms)
+            if isinstance(event, ev.Evicted) and not event.ok:
+                self.log.warning(
+                    "eviction failed client=%s: its memory stays counted on the device", client_id
+                )
+            else:
+                self.log.info(
+                    "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
+                )
             if self.metrics is not None:
                 direction = "evict" if evict else "restore"
                 self.metrics.moved(conn.device or "", direction, event.bytes_moved)

@@ -194,7 +194,9 @@ def shim_event(msg: Message, client_id: str, now: float, memory: Mapping[str, in
     if mtype == MsgType.IDLE:
         return ev.Idle(now, client_id)
     if mtype == MsgType.EVICTED:
-        return ev.Evicted(now, client_id, moved, micros)
+        # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
+        # never reported a failure.
+        return ev.Evicted(now, client_id, moved, micros, ok=bool(msg.get("flag", 1)))
     if mtype == MsgType.RESTORED:
         return ev.Restored(now, client_id, moved, micros)
     if mtype == MsgType.GOODBYE:

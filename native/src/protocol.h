@@ -69,7 +69,10 @@ enum gs_tag {
     GS_TAG_RESUME = 39,
     GS_TAG_SINCE_MS = 40,
     GS_TAG_GPU_MS = 41,
-    GS_TAG_MAX = 41
+    /* GRANT: a secret (32 hex characters) the shim sends back in a HELLO with resume = 1, proving
+     * that it is the process the old scheduler granted (docs/protocol.md). */
+    GS_TAG_RESUME_SECRET = 42,
+    GS_TAG_MAX = 42
 };
 
 /* ---- encoding ---- */

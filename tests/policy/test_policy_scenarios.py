@@ -163,6 +163,25 @@ def test_idle_memory_is_evicted_least_recently_used_first_and_only_when_needed()
     assert p.handle(Evicted(6, "new")) == [Grant("old", restore=True)]
 
 
+def test_a_failed_eviction_never_overcommits_the_pool():
+    """A shim that could not evict (a stream capture outlived its bounded wait) says so: the
+    client's memory stays counted on the GPU, the waiter is not granted into room that does not
+    exist, and the next pass asks again."""
+    p = make_policy()
+    for cid in ("old", "w"):
+        join(p, cid, user=cid)
+    request(p, "old", 80)
+    assert p.handle(Released(1, "old")) == []
+    assert request(p, "w", 30, now=2) == [Evict("old", reason="room for w")]
+    resident = device(p, 2)["resident_bytes"]
+    decisions = p.handle(Evicted(3, "old", bytes_moved=0, micros=0, ok=False))
+    assert Grant("w") not in decisions and Grant("w", restore=False) not in decisions
+    assert decisions == [Evict("old", reason="room for w")]  # retried
+    assert device(p, 3)["resident_bytes"] == resident  # still counted on the GPU
+    assert client(p, "w", 3)["state"] == "waiting"
+    assert p.handle(Evicted(4, "old", bytes_moved=80 * GB, micros=1_000_000)) == [Grant("w")]
+
+
 def test_quantum_scales_with_memory_and_is_clamped():
     p = make_policy(pool=200 * GB)
     for cid in ("small", "big", "huge", "w"):
