@@ -15,6 +15,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..paths import default_socket_path
 from ..units import format_size, parse_size
+from .ordering import ORDERINGS, OrderingConfig
 from .policy import POLICIES, PolicyConfig
 
 __all__ = ["SchedulerConfig"]
@@ -101,6 +102,29 @@ class SchedulerConfig(LoggingConfigurable):
         5.0, help="Seconds between the fixed-quantum policy's checks for an idle holder."
     ).tag(config=True)
 
+    # The interactive-first ordering (docs/architecture.md, "The ordering: shorter cells first").
+    ordering = Enum(
+        list(ORDERINGS),
+        default_value="interactive",
+        help="""Among busy kernels that all fit: "interactive", the cell with the least GPU time
+        so far goes first and longer ones pause at their gate (memory kept); "fair", every
+        kernel that fits runs side by side.""",
+    ).tag(config=True)
+    ordering_first_level = Float(
+        1.0, help="GPU seconds (per unit of weight) a cell has before newer cells go first."
+    ).tag(config=True)
+    ordering_level_ratio = Float(
+        4.0, help="Each further level of the interactive ordering holds this many times more."
+    ).tag(config=True)
+    ordering_min_slice = Float(
+        0.1, help="Seconds a kernel holds the GPU before the ordering may pause it."
+    ).tag(config=True)
+    ordering_starvation_window = Float(
+        20.0,
+        help="""Seconds a busy kernel may stay paused at a stretch (then it runs its share);
+        at least twice ordering_min_slice.""",
+    ).tag(config=True)
+
     admin_uids = List(
         Int(),
         help="""Uids that may act on any client (release, evict, set_quota, kernel_state), in
@@ -132,6 +156,19 @@ class SchedulerConfig(LoggingConfigurable):
         only by its user name or groups. Needs user_key_file.""",
     ).tag(config=True)
 
+    allocation_dir = Unicode(
+        "",
+        help="""Where the per-allocation sockets of the Kubernetes device plugin go, one
+        directory each (scheduler/allocations.py). Default: 'alloc' beside the socket.""",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        "",
+        help="""The scheduler's private state (mode 0700): the device plugin's allocations and
+        their ceilings, so that a restart keeps them. Default: 'state' beside the socket. Put it
+        on persistent storage (the Helm chart: /var/lib/gpushare) to keep them over a reboot.""",
+    ).tag(config=True)
+
     metrics_port = Int(
         0,
         help="""Serve Prometheus metrics over HTTP on this port (0 = off). The listener runs in
@@ -146,6 +183,12 @@ class SchedulerConfig(LoggingConfigurable):
 
     metrics_interval = Float(
         1.0, help="Seconds between two refreshes of the metrics' gauges (holders, queues, memory)."
+    ).tag(config=True)
+
+    metrics_in_process = Bool(
+        False,
+        help="""Keep the metrics even without metrics_port, for the process that runs this
+        scheduler to serve (the Jupyter server's /metrics serves an embedded scheduler's).""",
     ).tag(config=True)
 
     use_nvml = Bool(
@@ -276,7 +319,10 @@ class SchedulerConfig(LoggingConfigurable):
         still runs while others wait; docs/reliability.md). 0 turns the warning off.""",
     ).tag(config=True)
 
-    @validate("base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth")
+    @validate(
+        "base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth",
+        "ordering_first_level", "ordering_starvation_window",
+    )  # fmt: skip
     def _validate_positive(self, proposal: Any) -> Any:
         value = proposal["value"]
         if not value > 0 or value == float("inf"):
@@ -291,11 +337,19 @@ class SchedulerConfig(LoggingConfigurable):
         "handshake_seconds",
         "revoke_deadline_seconds",
         "revoke_signal_grace",
+        "ordering_min_slice",
     )
     def _validate_non_negative(self, proposal: Any) -> Any:
         value = proposal["value"]
         if not value >= 0 or value == float("inf"):
             raise TraitError(f"{proposal['trait'].name} must be 0 or more, not {value!r}")
+        return value
+
+    @validate("ordering_level_ratio")
+    def _validate_ratio(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if not 1 < value < float("inf"):
+            raise TraitError(f"ordering_level_ratio must be above 1, not {value!r}")
         return value
 
     @validate("admin_uids")
@@ -339,6 +393,14 @@ class SchedulerConfig(LoggingConfigurable):
             policy=self.scheduling_policy,
             fixed_quantum=self.fixed_quantum,
             idle_check_interval=self.idle_check_interval,
+            ordering=OrderingConfig(
+                mode=self.ordering,
+                first_level=self.ordering_first_level,
+                level_ratio=self.ordering_level_ratio,
+                min_slice=self.ordering_min_slice,
+                # A window no longer than the minimum slice would pause and resume at once.
+                starvation_window=max(self.ordering_starvation_window, 2 * self.ordering_min_slice),
+            ),
         )
 
     def pool_for(self, total_bytes: int) -> int:

@@ -18,6 +18,7 @@ from ..units import format_size, parse_size
 from . import events as ev
 from . import translate as tr
 from .access import Access
+from .allocations import confined
 from .devices import Discovery
 from .mps import MPSManager
 from .mps_control import mps_env, mps_terminate
@@ -56,6 +57,8 @@ class ControlActions:
     _device_index: Callable[[str], int | None]
     reload: Callable[[], Coroutine[Any, Any, bool]]
     _refuse: Callable[[Connection, tr.Refusal], None]
+    _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
+    _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
 
     def _reply(self, conn: Connection, body: dict[str, Any]) -> None:
         conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
@@ -112,7 +115,7 @@ class ControlActions:
             if isinstance(ident, str):
                 conn.error(ErrorCode.FORBIDDEN, ident, self.log)
                 return
-            conn.identity = ident
+            conn.identity = confined(ident, conn)
         ident = conn.identity
         if ident is None:  # pragma: no cover - a shim has its HELLO's identity
             conn.error(ErrorCode.FORBIDDEN, "unidentified peer", self.log)
@@ -129,6 +132,12 @@ class ControlActions:
             self._on_reload_request(conn, ident)
         elif action == "place":
             self._on_place(conn, body)
+        elif action == "allocate":
+            await self._on_allocate(conn, ident, body)
+        elif action == "prune_allocations":
+            await self._on_prune_allocations(conn, ident, body)
+        elif action == "history":
+            self._reply(conn, {"ok": True, "action": action, "history": self.history_view(ident)})
         else:
             self._on_client_action(conn, ident, action, body)
 
@@ -172,7 +181,8 @@ class ControlActions:
             target.requested_quota = request.quota
             target.quota_by_admin = who.admin
             self._set_quota(target, request.quota, now)
-            self._reply(conn, request.reply())
+            # The quota in force: an allocation's ceiling (allocations.py) may have cut it.
+            self._reply(conn, {**request.reply(), "quota": target.quota})
             return
         if action == "kernel_state":
             self._handle(request.event(now))

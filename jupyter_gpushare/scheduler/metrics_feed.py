@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .transport import Connection, Log
@@ -32,16 +32,24 @@ class MetricsFeed:
         interval: float,
         snapshot: Callable[[float], tuple[list[dict[str, Any]], int]],
         shims: Callable[[], Iterable[Connection]],
+        *,
+        gpus: Iterable[Any] = (),
+        utilization: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
-        """Serve on ``address:port`` (OSError if it cannot) and refresh every ``interval`` s;
-        ``snapshot(now)`` gives the policy's devices and the number of connections."""
+        """Serve on ``address:port`` (OSError if it cannot; port 0: no listener, the metrics are
+        only kept, for the host process to serve) and refresh every ``interval`` s.
+        ``snapshot(now)`` gives the policy's devices and the number of connections, ``gpus`` the
+        GPUs NVML discovered (dcgm-exporter's labels), ``utilization()`` the NVML sampler's last
+        reading."""
         from .metrics import SchedulerMetrics
 
         metrics = SchedulerMetrics()
-        await asyncio.get_running_loop().run_in_executor(None, metrics.serve, address, port)
+        metrics.set_gpus(gpus)
+        if port:
+            await asyncio.get_running_loop().run_in_executor(None, metrics.serve, address, port)
+            self.log.info("metrics on http://%s:%d/metrics", address, metrics.port)
         self.metrics = metrics
-        self.log.info("metrics on http://%s:%d/metrics", address, metrics.port)
-        self._snapshot, self._shims = snapshot, shims
+        self._snapshot, self._shims, self._utilization = snapshot, shims, utilization
         self.refresh()
         self._task = asyncio.ensure_future(self._loop(interval))
 
@@ -58,7 +66,7 @@ class MetricsFeed:
         for conn in self._shims():
             self.account(conn, now)
         devices, connections = self._snapshot(now)
-        self.metrics.publish(devices, connections)
+        self.metrics.publish(devices, connections, self._utilization(), now)
 
     def account(self, conn: Connection, now: float) -> None:
         """Add ``conn``'s GPU time since it was last counted to its user's total."""

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from traitlets import observe
+from traitlets import Float, observe
 
 from .._version import __version__
 from ..identity import KeyFileError
@@ -40,9 +41,11 @@ from ..units import format_size
 from . import events as ev
 from . import translate as tr
 from .access import Access, AccessFiles
+from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .history import History
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
@@ -71,8 +74,12 @@ __all__ = [
 ]
 
 
-class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
+class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, SchedulerConfig):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
+
+    history_resolution = Float(
+        5.0, help="Seconds between two points of the last hour's history (per kernel, user, GPU)."
+    ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -100,6 +107,9 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
         self._log_limit = LogLimiter(self.log)
+        #: The last hour per kernel, user and GPU, recorded at every status change.
+        self.history = History(resolution=self.history_resolution)
+        self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
         self._mps: MPSManager | None = None
         self._access_error = ""  # why the last load of the access configuration failed
         # Replaced at start by the key kept beside the socket (see .resume).
@@ -116,6 +126,21 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
     def remove_status_listener(self, listener: Callable[[], None]) -> None:
         with contextlib.suppress(ValueError):
             self._status_listeners.remove(listener)
+
+    def history_view(self, viewer: Identity | None = None) -> dict[str, Any]:
+        """The history as ``viewer`` may see it: every GPU and every user's sums (as the status
+        shows them), the kernels of their own only unless they are an admin (None: all). Thinned
+        until it fits a control reply's frame (64 KiB) with room to spare."""
+        now = time.time()
+        own = None
+        if viewer is not None and not viewer.admin:
+            own = [k for k, s in self.history.kernels.items() if s.meta.get("user") == viewer.user]
+        points = 60
+        while True:
+            view = self.history.view(now, kernels=own, max_points=points)
+            if points <= 2 or len(json.dumps(view)) < 48_000:
+                return view
+            points //= 2
 
     @property
     def own_uid(self) -> int:
@@ -194,15 +219,20 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             self.discovery = Discovery([], "disabled (use_nvml = False)")
         if self.discovery.error is not None:
             self.log.warning(
-                "gpushare: no NVML device discovery: %s; devices will be learnt from the shims",
+                "gpushare: no NVIDIA GPU found through NVML (%s): GPUs are learnt from the "
+                "kernels that use one",
                 self.discovery.error,
             )
         elif not self.discovery.devices:
-            self.log.warning("gpushare: NVML found no GPU; devices will be learnt from the shims")
+            self.log.warning(
+                "gpushare: no NVIDIA GPU found (NVML sees none): GPUs are learnt from the "
+                "kernels that use one"
+            )
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
         await self._load_resume_key()
+        await self.allocation_sockets.start(self._on_connection)  # before any pod reconnects
         self.log.info(
             "gpushare scheduler %s listening on %s (%d device(s), policy: quantum %.1fs)",
             __version__,
@@ -210,7 +240,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             len(self._devices),
             self.base_quantum,
         )
-        if self.metrics_port:
+        if self.metrics_port or self.metrics_in_process:
             try:
                 await self._start_metrics()
             except BaseException:
@@ -255,6 +285,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
         self._stopping = True
         server, self._server = self._server, None
         server.close()
+        await self.allocation_sockets.stop()
         self._cancel_timer()
         await self._metrics_feed.stop()
         if self._sampler is not None:
@@ -441,12 +472,14 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
                 continue
             # Identities of connected clients keep their user; admin status and groups follow
             # the new file.
-            conn.identity = ident = await self.access.identity(ident.user, conn.peer, ident.token)
+            ident = await self.access.identity(ident.user, conn.peer, ident.token)
+            conn.identity = ident = confined(ident, conn)
             if conn.closed:
                 continue
             weight = self.limits_for(ident).effective_weight(conn.requested_weight)
             self._decide(ev.SetWeight(now, conn.client_id, weight))
             quota = self.access.effective_quota(ident, conn.requested_quota, conn.quota_by_admin)
+            quota = cap_quota(quota, conn.ceiling)
             if quota != conn.quota:
                 self._set_quota(conn, quota, now)
         self.log.info("reloaded: %d client(s) re-checked", len(self._shims))
@@ -461,7 +494,8 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
 
     @property
     def metrics(self) -> Any:
-        """The Prometheus metrics (a .metrics.SchedulerMetrics) while metrics_port serves."""
+        """The Prometheus metrics (a .metrics.SchedulerMetrics) while metrics_port serves them
+        (or metrics_in_process keeps them for the host process)."""
         return self._metrics_feed.metrics
 
     def refresh_metrics(self) -> None:
@@ -479,6 +513,8 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
                 self.metrics_interval,
                 snapshot,
                 self._shims.values,
+                gpus=self.discovery.devices,
+                utilization=lambda: self._utilization,
             )
         except OSError as exc:
             raise SchedulerStartError(
@@ -509,6 +545,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, SchedulerConfig):
             conn.error(ErrorCode.FORBIDDEN, text, self.log)
             writer.close()
             return
+        conn.allocation, conn.ceiling = self.accepted_on(writer.get_extra_info("sockname"))
         self._connections[conn.serial] = conn
         self.log.debug("connection %d from pid %d uid %d", conn.serial, peer.pid, peer.uid)
         deadline = asyncio.get_running_loop().call_later(

@@ -23,6 +23,7 @@ from ..units import format_size
 from . import events as ev
 from . import translate as tr
 from .access import Access
+from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
 from .mps import MPSManager
 from .resume import ResumeKey
@@ -176,7 +177,7 @@ class ShimSessions:
             )
             self._refuse(conn, device)
             return
-        conn.identity = ident
+        conn.identity = ident = confined(ident, conn)
         proven = bool(hello.resume_secret) and self._resume_proven(conn, hello)
         client_id = self._assign_client_id(hello.requested_id, conn, proven)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
@@ -185,7 +186,7 @@ class ShimSessions:
         self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
-        quota = conn.quota = limits.effective_quota(hello.quota)
+        quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
             self.log.info(
                 "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
@@ -297,7 +298,14 @@ class ShimSessions:
                 conn.memory["evicted"] = 0
             done = "evicted" if evict else "restored"
             ms = event.micros / 1000.0
-            self.log.info("%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms)
+            if isinstance(event, ev.Evicted) and not event.ok:
+                self.log.warning(
+                    "eviction failed client=%s: its memory stays counted on the device", client_id
+                )
+            else:
+                self.log.info(
+                    "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
+                )
             if self.metrics is not None:
                 direction = "evict" if evict else "restore"
                 self.metrics.moved(conn.device or "", direction, event.bytes_moved)
@@ -307,7 +315,7 @@ class ShimSessions:
         """Tell the shim and the policy a client's effective quota."""
         if conn.client_id is None:
             return
-        conn.quota = quota
+        conn.quota = quota = cap_quota(quota, conn.ceiling)  # not even an admin lifts it
         self.log.info(
             "quota client=%s quota=%s", conn.client_id, format_size(quota) if quota else "none"
         )

@@ -52,7 +52,7 @@ MAX_CLIENT_ID = 256
 MAX_LABEL = 512
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
-SCHEDULER_ACTIONS = ("reload", "place")
+SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
 MPS_ACTIONS = ("mps_env", "mps_terminate")
 _MEMORY_FIELDS = (
     ("used", "used_bytes"),
@@ -231,7 +231,9 @@ def shim_event(
     if mtype == MsgType.IDLE:
         return ev.Idle(now, client_id)
     if mtype == MsgType.EVICTED:
-        return ev.Evicted(now, client_id, moved, micros)
+        # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
+        # never reported a failure.
+        return ev.Evicted(now, client_id, moved, micros, ok=bool(msg.get("flag", 1)))
     if mtype == MsgType.RESTORED:
         return ev.Restored(now, client_id, moved, micros)
     if mtype == MsgType.GOODBYE:

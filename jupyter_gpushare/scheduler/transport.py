@@ -159,6 +159,10 @@ class Connection:
     accounted_at: float | None = None  # GPU time of the current hold counted up to here
     revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
     overdue: bool = False  # its revoke deadline passed: the policy counts it released
+    #: Accepted on a device-plugin allocation's socket (scheduler/allocations.py): its id and
+    #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
+    allocation: str = ""
+    ceiling: int = 0
 
     @property
     def name(self) -> str:

@@ -78,6 +78,10 @@ int gs_parse_size(const char *text, uint64_t *out)
             /* frac_num < frac_den <= 1e12 and mult <= 2**40: the product fits in 128 bits only,
              * so divide first where it is exact enough (sizes are not measured in picobytes). */
             unsigned __int128 frac = (unsigned __int128)frac_num * mult / frac_den;
+            /* whole * mult fits (checked above), the fraction may not fit beside it: 16777215.99T
+             * would wrap to a few bytes and become a tiny quota instead of an error. */
+            if ((uint64_t)frac > UINT64_MAX - whole * mult)
+                return -1;
             *out = whole * mult + (uint64_t)frac;
             return 0;
         }
@@ -108,38 +112,33 @@ static const char *env(const char *name)
     return (v && *v) ? v : NULL;
 }
 
-/* Set while load_config() runs on this thread: its warnings must not re-enter pthread_once. */
-static __thread int tl_loading;
-
-int gs_log_level_now(void)
+/* A duration in seconds from the environment (0 <= s < 1e6); a bad value keeps the default. */
+static void env_seconds(const char *name, double *out, const char *expected)
 {
-    return tl_loading ? g_config.log_level : gs_config()->log_level;
+    const char *v = env(name);
+    if (!v)
+        return;
+    char *end;
+    double s = strtod(v, &end);
+    if (end != v && !*end && s >= 0 && s < 1e6)
+        *out = s;
+    else
+        GS_WARN("ignoring %s=%s: expected %s", name, v, expected);
 }
 
 static void load_config(void)
 {
     struct gs_config *c = &g_config;
-    tl_loading = 1;
-    c->log_level = GS_LOG_WARN;
+    c->log_level = gs_log_level_now(); /* log.c reads GPUSHARE_LOG itself: it sits below */
     c->managed = 1;
     c->context_bytes = 536870912ull;
     c->weight_milli = 1000;
     c->idle_seconds = 2.0;
     c->reconnect_wait = 10.0;
+    c->capture_wait = 10.0;
     c->real_libcuda = "libcuda.so.1";
 
     const char *v;
-    if ((v = env("GPUSHARE_LOG"))) {
-        if (!strcasecmp(v, "quiet") || !strcasecmp(v, "off") || !strcasecmp(v, "none"))
-            c->log_level = GS_LOG_QUIET;
-        else if (!strcasecmp(v, "warn") || !strcasecmp(v, "warning"))
-            c->log_level = GS_LOG_WARN;
-        else if (!strcasecmp(v, "info"))
-            c->log_level = GS_LOG_INFO;
-        else if (!strcasecmp(v, "debug"))
-            c->log_level = GS_LOG_DEBUG;
-    }
-    /* From here on gs_log() may be used: the level is known. */
     if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
         c->disabled = 1;
     if ((v = env("GPUSHARE_MANAGED")))
@@ -162,26 +161,11 @@ static void load_config(void)
         else
             GS_WARN("ignoring GPUSHARE_WEIGHT=%s: expected a positive number", v);
     }
-    if ((v = env("GPUSHARE_IDLE_SECONDS"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0)
-            c->idle_seconds = s;
-        else
-            GS_WARN("ignoring GPUSHARE_IDLE_SECONDS=%s: expected seconds (0 = off)", v);
-    }
-    if ((v = env("GPUSHARE_RECONNECT_WAIT"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0 && s < 1e6)
-            c->reconnect_wait = s;
-        else
-            GS_WARN("ignoring GPUSHARE_RECONNECT_WAIT=%s: expected seconds (0 = unshared at once)",
-                    v);
-    }
+    env_seconds("GPUSHARE_IDLE_SECONDS", &c->idle_seconds, "seconds (0 = off)");
+    env_seconds("GPUSHARE_RECONNECT_WAIT", &c->reconnect_wait, "seconds (0 = unshared at once)");
+    env_seconds("GPUSHARE_CAPTURE_WAIT", &c->capture_wait, "seconds");
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;
-    tl_loading = 0;
 }
 
 const struct gs_config *gs_config(void)

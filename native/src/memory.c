@@ -562,6 +562,17 @@ int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
     return move_all(0, dev, bytes_moved, micros);
 }
 
+/* ---- context teardown (helper core; engine: fold into the engine's own per-context state) ---- */
+
+void gs_mem_context_gone(CUcontext ctx)
+{
+    /* The private stream lived in the application's context: a stream of a destroyed context is
+     * a dangling handle, and the next eviction would fail on it. Made again when next needed. */
+    pthread_mutex_lock(&mem_mu);
+    move_stream = NULL;
+    pthread_mutex_unlock(&mem_mu);
+}
+
 /* ---- fork ---- */
 
 void gs_mem_lock_for_fork(void) { pthread_mutex_lock(&mem_mu); }

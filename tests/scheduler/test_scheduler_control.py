@@ -23,7 +23,7 @@ DEVICE_KEYS = {
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
     "evicted_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds", "waiting_since",
-    "queue_position",
+    "queue_position", "last_restore",
 }  # fmt: skip
 
 

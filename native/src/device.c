@@ -1,0 +1,208 @@
+/*
+ * The application's contexts and devices, and the driver functions the shim calls on them itself
+ * (never hooked ones: those would gate the gatekeeper).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "session.h"
+
+static struct {
+    CUresult (*ctx_push)(CUcontext);
+    CUresult (*ctx_pop)(CUcontext *);
+    CUresult (*ctx_sync)(void);
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*ctx_get_device)(CUdevice *);
+    CUresult (*primary_state)(CUdevice, unsigned int *, int *);
+    CUresult (*uuid_v2)(CUuuid *, CUdevice);
+    CUresult (*uuid)(CUuuid *, CUdevice);
+    CUresult (*name)(char *, int, CUdevice);
+    CUresult (*total_mem)(size_t *, CUdevice);
+} D;
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+
+static void load_driver_fns(void)
+{
+    *(void **)&D.ctx_push = gs_driver_sym("cuCtxPushCurrent_v2");
+    *(void **)&D.ctx_pop = gs_driver_sym("cuCtxPopCurrent_v2");
+    *(void **)&D.ctx_sync = gs_driver_sym("cuCtxSynchronize");
+    *(void **)&D.ctx_get_current = gs_driver_sym("cuCtxGetCurrent");
+    *(void **)&D.ctx_get_device = gs_driver_sym("cuCtxGetDevice");
+    *(void **)&D.primary_state = gs_driver_sym("cuDevicePrimaryCtxGetState");
+    *(void **)&D.uuid_v2 = gs_driver_sym("cuDeviceGetUuid_v2");
+    *(void **)&D.uuid = gs_driver_sym("cuDeviceGetUuid");
+    *(void **)&D.name = gs_driver_sym("cuDeviceGetName");
+    *(void **)&D.total_mem = gs_driver_sym("cuDeviceTotalMem_v2");
+}
+
+static void drv(void) { pthread_once(&drv_once, load_driver_fns); }
+
+int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary)
+{
+    struct gs_devices *d = &s->devs;
+    int known = 0;
+    for (int i = 0; i < d->n; i++)
+        known |= d->ctxs[i].ctx == ctx;
+    if (!known) {
+        if (d->n < GS_MAX_CONTEXTS)
+            d->ctxs[d->n++] = (struct gs_context){ctx, dev, primary};
+        else if (!d->overflow) {
+            d->overflow = 1;
+            GS_WARN("more than %d CUDA contexts: a release drains the first %d only",
+                    GS_MAX_CONTEXTS, GS_MAX_CONTEXTS);
+        }
+    }
+    if (s->started || s->quitting)
+        return 0;
+    s->started = 1;
+    d->dev = dev;
+    return 1;
+}
+
+static void remove_at_locked(struct gs_devices *d, int i)
+{
+    memmove(&d->ctxs[i], &d->ctxs[i + 1], (size_t)(d->n - i - 1) * sizeof d->ctxs[0]);
+    d->n--;
+}
+
+void gs_device_forget_context(struct gs_session *s, CUcontext ctx)
+{
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->devs.n; i++)
+        if (s->devs.ctxs[i].ctx == ctx)
+            remove_at_locked(&s->devs, i--);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void gs_device_forget_primary(struct gs_session *s, CUdevice dev)
+{
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->devs.n; i++)
+        if (s->devs.ctxs[i].primary && s->devs.ctxs[i].dev == dev)
+            remove_at_locked(&s->devs, i--);
+    pthread_mutex_unlock(&s->mu);
+}
+
+int gs_device_primary_active(CUdevice dev)
+{
+    drv();
+    unsigned int flags = 0;
+    int active = 0;
+    return D.primary_state && D.primary_state(dev, &flags, &active) == CUDA_SUCCESS && active;
+}
+
+int gs_device_of_context(struct gs_session *s, CUcontext ctx, CUdevice *dev)
+{
+    int found = -1;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->devs.n && found; i++)
+        if (s->devs.ctxs[i].ctx == ctx) {
+            *dev = s->devs.ctxs[i].dev;
+            found = 0;
+        }
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+int gs_device_current(CUcontext *ctx, CUdevice *dev)
+{
+    drv();
+    *ctx = NULL;
+    *dev = 0;
+    if (D.ctx_get_current && D.ctx_get_current(ctx) == CUDA_SUCCESS && *ctx &&
+        D.ctx_get_device && D.ctx_get_device(dev) == CUDA_SUCCESS)
+        return 0;
+    return -1;
+}
+
+static int snapshot(struct gs_session *s, struct gs_context *out)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = s->devs.n;
+    memcpy(out, s->devs.ctxs, (size_t)n * sizeof *out);
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+/* Push one context. The program may have released its primary context: never push a dead one. */
+static int push_one(const struct gs_context *c)
+{
+    if (!D.ctx_push || !D.ctx_pop)
+        return -1;
+    if (c->primary && D.primary_state && !gs_device_primary_active(c->dev))
+        return -1;
+    return D.ctx_push(c->ctx) == CUDA_SUCCESS ? 0 : -1;
+}
+
+int gs_device_push(struct gs_session *s, CUdevice *dev_out)
+{
+    drv();
+    struct gs_context ctxs[GS_MAX_CONTEXTS];
+    int n = snapshot(s, ctxs);
+    for (int i = 0; i < n; i++)
+        if (push_one(&ctxs[i]) == 0) {
+            if (dev_out)
+                *dev_out = ctxs[i].dev;
+            return 0;
+        }
+    return -1;
+}
+
+void gs_device_pop(void)
+{
+    CUcontext ignored;
+    D.ctx_pop(&ignored);
+}
+
+int gs_device_sync_all(struct gs_session *s)
+{
+    drv();
+    struct gs_context ctxs[GS_MAX_CONTEXTS];
+    int n = snapshot(s, ctxs), failed = 0;
+    for (int i = 0; i < n; i++) {
+        if (push_one(&ctxs[i]) != 0)
+            continue; /* gone (released, destroyed at exit): nothing left to wait for */
+        CUresult r = D.ctx_sync ? D.ctx_sync() : CUDA_SUCCESS;
+        gs_device_pop();
+        if (r != CUDA_SUCCESS) {
+            failed++;
+            GS_WARN("cuCtxSynchronize failed (error %d) on device %d", r, ctxs[i].dev);
+        }
+    }
+    return failed;
+}
+
+int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    typedef CUresult (*mem_info_fn)(size_t *, size_t *);
+    mem_info_fn info = (mem_info_fn)gs_driver_sym("cuMemGetInfo_v2");
+    size_t f = 0, t = 0;
+    if (!info || gs_device_push(s, NULL) != 0)
+        return -1;
+    CUresult r = info(&f, &t); /* the real one: the shim's answers the quota */
+    gs_device_pop();
+    *free_bytes = f;
+    *total_bytes = t;
+    return r == CUDA_SUCCESS ? 0 : -1;
+}
+
+void gs_device_identify(struct gs_session *s, CUdevice dev)
+{
+    drv();
+    CUuuid u;
+    memset(&u, 0, sizeof u);
+    if ((D.uuid_v2 && D.uuid_v2(&u, dev) == CUDA_SUCCESS) ||
+        (D.uuid && D.uuid(&u, dev) == CUDA_SUCCESS)) {
+        const unsigned char *b = (const unsigned char *)u.bytes;
+        snprintf(s->devs.uuid, sizeof s->devs.uuid,
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                 b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                 b[14], b[15]);
+    }
+    if (!D.name || D.name(s->devs.name, (int)sizeof s->devs.name, dev) != CUDA_SUCCESS)
+        s->devs.name[0] = 0;
+    s->devs.name[sizeof s->devs.name - 1] = 0;
+    size_t total = 0;
+    if (D.total_mem && D.total_mem(&total, dev) == CUDA_SUCCESS)
+        s->devs.total = total;
+}
