@@ -320,9 +320,14 @@ class SchedulerConfig(LoggingConfigurable):
     ).tag(config=True)
 
     @validate(
-        "base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth",
-        "ordering_first_level", "ordering_starvation_window",
-    )  # fmt: skip
+        "base_quantum",
+        "move_factor",
+        "max_quantum",
+        "evict_bandwidth",
+        "restore_bandwidth",
+        "ordering_first_level",
+        "ordering_starvation_window",
+    )
     def _validate_positive(self, proposal: Any) -> Any:
         value = proposal["value"]
         if not value > 0 or value == float("inf"):
