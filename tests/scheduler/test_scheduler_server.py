@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -226,7 +227,8 @@ async def test_every_decision_becomes_its_frame(scheduler: Any, connect: Any) ->
             ev.Grant("nobody"),  # a client that is gone: skipped
         ]
     )
-    assert (await a.expect(MsgType.GRANT)).fields == {"flag": 1}
+    grant = (await a.expect(MsgType.GRANT)).fields
+    assert grant["flag"] == 1 and re.fullmatch(r"[0-9a-f]{32}", grant["resume_secret"])
     assert (await a.expect(MsgType.REVOKE)).fields == {"flag": 1, "reason": "r1"}
     assert (await a.expect(MsgType.EVICT)).fields == {"reason": "r2"}
     await a.expect_nothing(0.1)
@@ -390,7 +392,12 @@ async def test_socket_file_permissions_and_cleanup(sock_dir: str) -> None:
         assert stat.S_ISSOCK(st.st_mode)
         assert stat.S_IMODE(st.st_mode) == 0o660
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o755
-        assert os.listdir(os.path.dirname(path)) == ["s.sock"]  # the temporary name is gone
+        # The temporary name is gone; the private directory holds the resume key (0700, 0600).
+        assert sorted(os.listdir(os.path.dirname(path))) == [".gpushare-private", "s.sock"]
+        private = os.path.join(os.path.dirname(path), ".gpushare-private")
+        assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+        key = os.path.join(private, "resume.key")
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
     finally:
         await s.stop()
     assert not os.path.exists(path)
