@@ -12,14 +12,15 @@
 #include <unistd.h>
 
 #include "gpushare.h"
-#include "shim.h"
+#include "memory.h"
 
 enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2 };
 enum {
     KIND_MANAGED = 0, /* cuMemAllocManaged, or cuMemAlloc made managed: evictable */
     KIND_DEVICE = 1,  /* plain device memory (GPUSHARE_MANAGED=0): counted, pinned */
     KIND_POOL = 2,    /* stream-ordered pools: pinned */
-    KIND_HANDLE = 3   /* cuMemCreate handles: pinned until cuMemRelease */
+    KIND_HANDLE = 3,  /* cuMemCreate handles: pinned until cuMemRelease */
+    KIND_ENGINE = 4   /* explicit memory: counted by memory_vmm.c, never in this table */
 };
 
 struct entry {
@@ -35,6 +36,8 @@ static struct entry *table;
 static size_t table_cap, table_len; /* cap: power of two */
 
 static uint64_t managed_bytes, pinned_alloc_bytes, evicted_bytes, reserved_bytes;
+static uint64_t engine_bytes, engine_evicted; /* explicit memory (memory_vmm.c) */
+static size_t reserved_slots; /* table slots promised to allocations the driver is making */
 static uint64_t context_bytes; /* counted once the process has a context */
 static uint64_t quota_bytes, pool_bytes;
 static int quota_from_env_loaded;
@@ -88,12 +91,23 @@ static int grow(void)
     return 0;
 }
 
+/* Room for one more entry, promised before the driver is called (reserve() below), so that
+ * insert() cannot fail once the driver has handed the memory out. */
+static int promise_slot_locked(void)
+{
+    if ((table_len + reserved_slots + 1) * 10 > table_cap * 7 && grow() != 0)
+        return -1;
+    reserved_slots++;
+    return 0;
+}
+
 static void insert(uint64_t key, uint8_t ns, uint64_t size, uint8_t kind)
 {
     struct entry *e = find(key, ns);
     if (!e) {
-        if ((table_len + 1) * 10 > table_cap * 7 && grow() != 0)
-            return; /* out of host memory: the allocation goes uncounted rather than failing */
+        /* A slot was promised (promise_slot_locked); growing again is only a safety net. */
+        if ((table_len + 1) * 10 > table_cap * 7)
+            grow();
         size_t i = slot_of(key, ns);
         while (table[i].ns != NS_EMPTY)
             i = (i + 1) & (table_cap - 1);
@@ -148,7 +162,10 @@ static void load_quota_locked(void)
     }
 }
 
-static uint64_t used_locked(void) { return context_bytes + managed_bytes + pinned_alloc_bytes; }
+static uint64_t used_locked(void)
+{
+    return context_bytes + managed_bytes + pinned_alloc_bytes + engine_bytes;
+}
 
 static void changed_locked(void) { atomic_fetch_add_explicit(&mem_gen, 1, memory_order_relaxed); }
 
@@ -159,9 +176,9 @@ void gs_mem_totals(struct gs_mem_totals *out)
     pthread_mutex_lock(&mem_mu);
     load_quota_locked();
     out->used = used_locked();
-    out->managed = managed_bytes;
+    out->managed = managed_bytes + engine_bytes;
     out->pinned = context_bytes + pinned_alloc_bytes;
-    out->evicted = evicted_bytes;
+    out->evicted = evicted_bytes + engine_evicted;
     out->quota = quota_bytes;
     out->pool = pool_bytes;
     pthread_mutex_unlock(&mem_mu);
@@ -195,7 +212,7 @@ void gs_mem_count_context(void)
 
 /* Reserve `size` bytes against the quota and the pool. On refusal print the one line that says
  * why, and return CUDA_ERROR_OUT_OF_MEMORY: the driver is not called. */
-static CUresult reserve(uint64_t size)
+CUresult gs_mem_reserve(uint64_t size)
 {
     pthread_mutex_lock(&mem_mu);
     load_quota_locked();
@@ -221,11 +238,50 @@ static CUresult reserve(uint64_t size)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-static void unreserve(uint64_t size)
+void gs_mem_unreserve(uint64_t size)
 {
     pthread_mutex_lock(&mem_mu);
     reserved_bytes -= size;
     pthread_mutex_unlock(&mem_mu);
+}
+
+/* A reservation for an allocation the table will record: bytes and a table slot. */
+static CUresult reserve(uint64_t size)
+{
+    pthread_mutex_lock(&mem_mu);
+    int no_room = promise_slot_locked() != 0;
+    pthread_mutex_unlock(&mem_mu);
+    if (no_room) {
+        GS_WARN("out of host memory for the allocation table: refusing a device allocation "
+                "rather than leaving it uncounted");
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult r = gs_mem_reserve(size);
+    if (r != CUDA_SUCCESS) {
+        pthread_mutex_lock(&mem_mu);
+        reserved_slots--;
+        pthread_mutex_unlock(&mem_mu);
+    }
+    return r;
+}
+
+static void unreserve(uint64_t size)
+{
+    pthread_mutex_lock(&mem_mu);
+    reserved_bytes -= size;
+    reserved_slots--;
+    pthread_mutex_unlock(&mem_mu);
+}
+
+void gs_mem_engine_account(uint64_t reserved, int64_t total_delta, int64_t evicted_delta)
+{
+    pthread_mutex_lock(&mem_mu);
+    reserved_bytes -= reserved;
+    engine_bytes += (uint64_t)total_delta;
+    engine_evicted += (uint64_t)evicted_delta;
+    changed_locked();
+    pthread_mutex_unlock(&mem_mu);
+    gs_client_wake();
 }
 
 /* Settle a reservation once the driver has answered: a success becomes a counted allocation
@@ -239,6 +295,7 @@ static CUresult settle(CUresult r, uint64_t reserved, const unsigned long long *
     }
     pthread_mutex_lock(&mem_mu);
     reserved_bytes -= reserved;
+    reserved_slots--;
     insert(*key, ns, size, kind);
     changed_locked();
     pthread_mutex_unlock(&mem_mu);
@@ -263,40 +320,56 @@ static void uncount(uint64_t key, uint8_t ns)
 
 /* ---- allocation handlers (hooks.def) ---- */
 
-/* cudaMalloc's path. Managed memory can leave the GPU while the process is descheduled; plain
- * device memory cannot. Falls back to device memory where managed memory is not supported. */
+/* cudaMalloc's memory, by GPUSHARE_MEMORY: explicit (vmm, the default: the shim owns the physical
+ * memory behind a stable address), managed (moved by prefetch and page faults) or plain device
+ * memory (counted, never moved). Each falls back to the next where the driver cannot do it. */
+static CUresult alloc_movable(gs_fn_cuMemAllocManaged managed, CUdeviceptr *dptr, size_t bytes,
+                              uint8_t *kind)
+{
+    int mode = gs_config()->memory_mode;
+    CUresult r = CUDA_ERROR_NOT_SUPPORTED;
+    if (mode == GS_MEMORY_VMM) {
+        r = gs_vmm_alloc(dptr, bytes); /* counts itself */
+        *kind = KIND_ENGINE;
+        if (r != CUDA_ERROR_NOT_SUPPORTED)
+            return r;
+    }
+    if (mode != GS_MEMORY_DEVICE && managed) {
+        r = reserve(bytes);
+        if (r != CUDA_SUCCESS)
+            return r;
+        r = managed(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
+        if (r != CUDA_ERROR_NOT_SUPPORTED) {
+            *kind = KIND_MANAGED;
+            return settle(r, bytes, dptr, NS_PTR, bytes, KIND_MANAGED);
+        }
+        unreserve(bytes);
+        GS_INFO("managed memory is not supported here: using device memory (not evictable)");
+    }
+    *kind = KIND_DEVICE;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 CUresult gs_mem_alloc(gs_fn_cuMemAlloc_v2 real, CUdeviceptr *dptr, size_t bytesize)
 {
-    const struct gs_config *cfg = gs_config();
-    if (cfg->disabled || !dptr || !bytesize)
+    if (gs_config()->disabled || !dptr || !bytesize)
         return real(dptr, bytesize); /* the driver gives the right error for bad arguments */
-    CUresult r = reserve(bytesize);
+    uint8_t kind;
+    CUresult r = alloc_movable(GS_REAL(cuMemAllocManaged), dptr, bytesize, &kind);
+    if (kind != KIND_DEVICE)
+        return r;
+    r = reserve(bytesize);
     if (r != CUDA_SUCCESS)
         return r;
-    uint8_t kind = KIND_DEVICE;
-    gs_fn_cuMemAllocManaged managed = cfg->managed ? GS_REAL(cuMemAllocManaged) : NULL;
-    if (managed) {
-        r = managed(dptr, bytesize, CU_MEM_ATTACH_GLOBAL);
-        kind = KIND_MANAGED;
-        if (r == CUDA_ERROR_NOT_SUPPORTED) {
-            GS_INFO("managed memory is not supported here: using device memory (not evictable)");
-            managed = NULL;
-        }
-    }
-    if (!managed) {
-        r = real(dptr, bytesize);
-        kind = KIND_DEVICE;
-    }
-    return settle(r, bytesize, dptr, NS_PTR, bytesize, kind);
+    return settle(real(dptr, bytesize), bytesize, dptr, NS_PTR, bytesize, KIND_DEVICE);
 }
 
 CUresult gs_mem_alloc_pitch(gs_fn_cuMemAllocPitch_v2 real, CUdeviceptr *dptr, size_t *pPitch,
                             size_t WidthInBytes, size_t Height, unsigned int ElementSizeBytes)
 {
-    const struct gs_config *cfg = gs_config();
     int valid = dptr && pPitch && WidthInBytes && Height &&
                 (ElementSizeBytes == 4 || ElementSizeBytes == 8 || ElementSizeBytes == 16);
-    if (cfg->disabled || !valid)
+    if (gs_config()->disabled || !valid)
         return real(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     /* 512 bytes: at least the texture pitch alignment of every GPU the driver supports, so rows
      * stay aligned the way callers of cuMemAllocPitch expect. */
@@ -304,17 +377,16 @@ CUresult gs_mem_alloc_pitch(gs_fn_cuMemAllocPitch_v2 real, CUdeviceptr *dptr, si
     if (pitch < WidthInBytes || Height > SIZE_MAX / pitch)
         return CUDA_ERROR_INVALID_VALUE;
     size_t bytes = pitch * Height;
-    CUresult r = reserve(bytes);
-    if (r != CUDA_SUCCESS)
-        return r;
-    gs_fn_cuMemAllocManaged managed = cfg->managed ? GS_REAL(cuMemAllocManaged) : NULL;
-    if (managed) {
-        r = managed(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
+    uint8_t kind;
+    CUresult r = alloc_movable(GS_REAL(cuMemAllocManaged), dptr, bytes, &kind);
+    if (kind != KIND_DEVICE) {
         if (r == CUDA_SUCCESS)
             *pPitch = pitch;
-        if (r != CUDA_ERROR_NOT_SUPPORTED)
-            return settle(r, bytes, dptr, NS_PTR, bytes, KIND_MANAGED);
+        return r;
     }
+    r = reserve(bytes);
+    if (r != CUDA_SUCCESS)
+        return r;
     r = real(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     return settle(r, bytes, dptr, NS_PTR, r == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0,
                   KIND_DEVICE);
@@ -378,7 +450,10 @@ CUresult gs_mem_release(gs_fn_cuMemRelease real, CUmemGenericAllocationHandle ha
 
 CUresult gs_mem_free(gs_fn_cuMemFree_v2 real, CUdeviceptr dptr)
 {
-    CUresult r = real(dptr);
+    CUresult r;
+    if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
+        return r;
+    r = real(dptr);
     if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled)
         uncount(dptr, NS_PTR);
     return r;
@@ -386,16 +461,18 @@ CUresult gs_mem_free(gs_fn_cuMemFree_v2 real, CUdeviceptr dptr)
 
 CUresult gs_mem_free_async(gs_fn_cuMemFreeAsync real, CUdeviceptr dptr, CUstream hStream)
 {
-    CUresult r = real(dptr, hStream);
+    CUresult r;
+    /* cudaFreeAsync of cudaMalloc memory is legal: freed at once, after a synchronise. */
+    if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
+        return r;
+    r = real(dptr, hStream);
     if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled)
         uncount(dptr, NS_PTR);
     return r;
 }
 
-/* ---- the process's view ---- */
-
 /* Total as this process may use it: its quota, else the pool, else what the device has. */
-static void view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out)
+void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out)
 {
     pthread_mutex_lock(&mem_mu);
     load_quota_locked();
@@ -405,61 +482,6 @@ static void view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint6
     *total = t;
     *free_out = t > used ? t - used : 0;
     *used_out = used;
-}
-
-CUresult gs_mem_get_info(gs_fn_cuMemGetInfo_v2 real, size_t *free, size_t *total)
-{
-    CUresult r = real(free, total);
-    if (r != CUDA_SUCCESS || gs_config()->disabled || !free || !total)
-        return r;
-    uint64_t t, f, u;
-    view(*total, &t, &f, &u);
-    *total = (size_t)t;
-    *free = (size_t)f;
-    return r;
-}
-
-/* NVML inside this process reports the same view, for the device this process's context is on
- * only (a process without a context, such as nvidia-smi, sees the real numbers). */
-static int nvml_applies(nvmlDevice_t device)
-{
-    if (gs_config()->disabled || !gs_client_has_context())
-        return 0;
-    typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
-    uuid_fn get_uuid = (uuid_fn)gs_nvml_sym("nvmlDeviceGetUUID");
-    char uuid[96];
-    if (!get_uuid || get_uuid(device, uuid, sizeof uuid) != NVML_SUCCESS)
-        return 1; /* cannot tell: assume the one device this process uses */
-    return gs_client_device_matches_uuid(uuid);
-}
-
-nvmlReturn_t gs_nvml_memory_info(gs_fn_nvmlDeviceGetMemoryInfo real, nvmlDevice_t device,
-                                 nvmlMemory_t *memory)
-{
-    nvmlReturn_t r = real(device, memory);
-    if (r != NVML_SUCCESS || !memory || !nvml_applies(device))
-        return r;
-    uint64_t t, f, u;
-    view(memory->total, &t, &f, &u);
-    memory->total = t;
-    memory->free = f;
-    memory->used = u < t ? u : t;
-    return r;
-}
-
-nvmlReturn_t gs_nvml_memory_info_v2(gs_fn_nvmlDeviceGetMemoryInfo_v2 real, nvmlDevice_t device,
-                                    nvmlMemory_v2_t *memory)
-{
-    nvmlReturn_t r = real(device, memory);
-    if (r != NVML_SUCCESS || !memory || !nvml_applies(device))
-        return r;
-    uint64_t t, f, u;
-    view(memory->total, &t, &f, &u);
-    memory->total = t;
-    memory->reserved = 0; /* the driver's reservation is inside our context estimate */
-    memory->free = f;
-    memory->used = u < t ? u : t;
-    return r;
 }
 
 /* ---- eviction and restore ---- */
@@ -552,14 +574,26 @@ static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *
     return sr == CUDA_SUCCESS ? 0 : -1;
 }
 
+/* Both kinds of movable memory: the engine's explicit blocks, then the program's own managed
+ * memory (and cuMemAlloc made managed under GPUSHARE_MEMORY=managed) by prefetch. */
+static int move_everything(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
+{
+    uint64_t b1 = 0, u1 = 0, b2 = 0, u2 = 0;
+    int r1 = to_host ? gs_vmm_evict(&b1, &u1) : gs_vmm_restore(&b1, &u1);
+    int r2 = move_all(to_host, dev, &b2, &u2);
+    *bytes_moved = b1 + b2;
+    *micros = u1 + u2;
+    return r1 == 0 && r2 == 0 ? 0 : -1;
+}
+
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    return move_all(1, dev, bytes_moved, micros);
+    return move_everything(1, dev, bytes_moved, micros);
 }
 
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    return move_all(0, dev, bytes_moved, micros);
+    return move_everything(0, dev, bytes_moved, micros);
 }
 
 /* ---- fork ---- */
@@ -575,6 +609,10 @@ void gs_mem_after_fork_child(void)
     table = NULL;
     table_cap = table_len = 0;
     managed_bytes = pinned_alloc_bytes = evicted_bytes = reserved_bytes = context_bytes = 0;
+    engine_bytes = engine_evicted = 0;
+    reserved_slots = 0;
+    gs_vmm_after_fork_child();
+    gs_staging_after_fork_child();
     pool_bytes = 0;
     quota_from_env_loaded = 0;
     move_stream = NULL;

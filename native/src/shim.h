@@ -73,10 +73,17 @@ int gs_driver_loaded(void);
 
 enum gs_log_level { GS_LOG_QUIET = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
 
+enum gs_memory_mode {
+    GS_MEMORY_VMM = 0,     /* reserved ranges backed by physical allocations (default) */
+    GS_MEMORY_MANAGED = 1, /* every cuMemAlloc becomes managed memory (the first generation) */
+    GS_MEMORY_DEVICE = 2   /* plain device memory: counted, never moved */
+};
+
 struct gs_config {
     int disabled;           /* GPUSHARE_DISABLE=1: pure pass-through */
     int log_level;          /* GPUSHARE_LOG */
-    int managed;            /* GPUSHARE_MANAGED (default 1) */
+    int memory_mode;        /* GPUSHARE_MEMORY: enum gs_memory_mode */
+    uint64_t host_budget;   /* GPUSHARE_HOST_BUDGET: pinned host staging, bytes */
     uint64_t quota;         /* GPUSHARE_MEMORY_LIMIT, 0 = none */
     uint64_t context_bytes; /* GPUSHARE_CONTEXT_BYTES */
     uint64_t weight_milli;  /* GPUSHARE_WEIGHT x 1000 */

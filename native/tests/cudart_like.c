@@ -596,9 +596,11 @@ static int round_trip(CUdeviceptr p, size_t size) {
 }
 
 static void meminfo_fields(char *out, size_t n) {
-    size_t fr = 0, tot = 0;
+    size_t fr = 0, tot = 0, dev_total = 0;
     CUresult rc = p_cuMemGetInfo(&fr, &tot);
-    snprintf(out, n, ",\"rc\":%d,\"free\":%zu,\"total\":%zu", rc, fr, tot);
+    CUresult rc_total = p_cuDeviceTotalMem(&dev_total, 0);
+    snprintf(out, n, ",\"rc\":%d,\"free\":%zu,\"total\":%zu,\"device_total_rc\":%d,"
+             "\"device_total\":%zu", rc, fr, tot, rc_total, dev_total);
 }
 
 static int scenario_alloc(int path, size_t size) {

@@ -155,6 +155,8 @@ static void fk_phys_uuid_string(int phys, char *out, size_t n) {
 enum {
     FK_ERROR_INVALID_DEVICE = 101,
     FK_ERROR_ILLEGAL_ADDRESS = 700,
+    FK_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    FK_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     FK_MEM_LOCATION_TYPE_HOST_NUMA = 3,
     FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
 };
@@ -1539,6 +1541,8 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     return graph_launch(hGraphExec, hStream, 1);
 }
 
+#include "fake_vmm.c"
+
 /* ------------------------------------------------------------------------------------------ */
 /* Copies and sets                                                                              */
 /* ------------------------------------------------------------------------------------------ */
@@ -1560,6 +1564,7 @@ static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_
     if (src_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (!is_async) wait_device();
     memmove(dst, src, n);
+    fk_note_copy(dst, src, n, dst_dev, src_dev, s);
     return CUDA_SUCCESS;
 }
 
@@ -1816,7 +1821,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
     X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async)           \
     X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async)     \
     X(cuMemsetD32Async_ptsz) X(cuGetErrorName) X(cuGetErrorString) X(cuGetProcAddress)           \
-    X(cuGetProcAddress_v2)
+    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X)
 
 /* Hidden aliases bind inside this library: their addresses are this library's own definitions,
  * whatever a preloaded library exports under the same names. */
@@ -2061,6 +2066,7 @@ int fakecuda_stats_json(char *buf, size_t n) {
            "\"fault_to_device_bytes\":%llu,",
            g_prefetch_to_host_bytes, g_prefetch_to_device_bytes, g_prefetch_to_host_calls,
            g_prefetch_to_device_calls, g_fault_to_device_bytes);
+    FK_VMM_STATS(APPEND);
     APPEND("\"live_device_bytes\":%llu,\"live_managed_bytes\":%llu,\"managed_on_host_bytes\":%llu,"
            "\"peak_device_bytes\":%llu,\"device_total\":%llu,\"live_handles\":%zu,\"live_maps\":%zu,"
            "\"live_allocations\":{",

@@ -14,9 +14,12 @@ CONTEXT = 64 * MiB
 
 PATHS = ["alloc", "pitch", "managed", "async", "pool", "create"]
 # What the driver must see for each path, and whether the memory counts as managed (evictable).
+# cudaMalloc's memory is explicit (GPUSHARE_MEMORY=vmm, the default): physical memory the shim
+# creates and maps into a reserved range, so it can leave the device and come back at the same
+# address.
 DRIVER_CALL = {
-    "alloc": ("cuMemAllocManaged", True),
-    "pitch": ("cuMemAllocManaged", True),
+    "alloc": ("cuMemCreate", True),
+    "pitch": ("cuMemCreate", True),
     "managed": ("cuMemAllocManaged", True),
     "async": ("cuMemAllocAsync", False),
     "pool": ("cuMemAllocFromPoolAsync", False),
@@ -45,15 +48,31 @@ def test_every_allocation_path_is_intercepted_and_counted(harness, path):
         assert st["pinned_bytes"] == CONTEXT + size, st
     assert run.calls(call) == 1, run.stats["calls"]
     if path in ("alloc", "pitch"):
-        # Turned into managed memory: the driver never saw the device-memory call.
+        # Turned into explicit memory: the driver never saw the device-memory call, and the
+        # shim's physical memory was mapped into a reserved range with access granted.
         assert run.calls("cuMemAlloc_v2") == 0 and run.calls("cuMemAllocPitch_v2") == 0
+        assert run.calls("cuMemAllocManaged") == 0
+        for call in ("cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"):
+            assert run.calls(call) == 1, (call, run.stats["calls"])
     assert run.event("data")["ok"], "data did not round-trip through the allocation"
     freed = run.event("free")
     assert freed["rc"] == 0
     assert freed["status"]["used_bytes"] == CONTEXT, freed
     stats = run.stats
     assert stats["live_device_bytes"] == 0 and stats["live_managed_bytes"] == 0
+    # Every physical allocation, mapping and reserved range was given back.
+    assert stats["live_handles"] == 0 and stats["live_maps"] == 0, stats
+    assert stats["live_allocations"]["reserved"] == 0, stats
     assert not oom_lines(run)
+
+
+@pytest.mark.parametrize("path", ["alloc", "pitch"])
+def test_managed_mode_makes_cudamalloc_managed(harness, path):
+    run = harness.run("alloc", path, 64 * MiB, context_bytes=CONTEXT, memory="managed").ok()
+    st = run.event("alloc")["status"]
+    assert st["managed_bytes"] == 64 * MiB and st["used_bytes"] == CONTEXT + 64 * MiB, st
+    assert run.calls("cuMemAllocManaged") == 1 and run.calls("cuMemCreate") == 0
+    assert run.event("data")["ok"]
 
 
 def test_managed_off_leaves_device_memory(harness):
@@ -97,6 +116,8 @@ def test_memory_view_is_the_quota(harness):
     before, after = run.all("meminfo")
     assert before["rc"] == 0 and after["rc"] == 0
     assert before["total"] == quota and after["total"] == quota
+    # cuDeviceTotalMem agrees with cuMemGetInfo (frameworks size pools from either).
+    assert before["device_total_rc"] == 0 and before["device_total"] == quota, before
     assert before["free"] == quota - CONTEXT
     assert after["free"] == quota - CONTEXT - size
     for nvml in run.all("nvml"):
@@ -120,6 +141,7 @@ def test_memory_view_without_quota_is_the_device(harness):
     ).ok()
     before, after = run.all("meminfo")
     assert before["total"] == total == after["total"]
+    assert before["device_total"] == total, before
     assert before["free"] == total - CONTEXT
     assert after["free"] == total - CONTEXT - 128 * MiB
 
