@@ -7,7 +7,7 @@
  * dlsym(handle, ...): "real" is the driver's function, "shim" is the shim's exported wrapper
  * (gate check, call counter, stream note, then the driver's function). The shim, loaded locally,
  * finds the driver itself (dlopen of GPUSHARE_REAL_LIBCUDA, default libcuda.so.1: the same object
- * this program loaded) and never resolves its "real" pointers to its own wrappers (hook.c,
+ * this program loaded) and never resolves its "real" pointers to its own wrappers (loader.c,
  * fill_table), so the wrapper is exactly the code an LD_PRELOADed process runs per launch.
  *
  * The context comes from the SHIM's cuDevicePrimaryCtxRetain, so the shim's client starts and

@@ -108,14 +108,6 @@ static const char *env(const char *name)
     return (v && *v) ? v : NULL;
 }
 
-/* Set while load_config() runs on this thread: its warnings must not re-enter pthread_once. */
-static __thread int tl_loading;
-
-int gs_log_level_now(void)
-{
-    return tl_loading ? g_config.log_level : gs_config()->log_level;
-}
-
 /* Half the machine's memory: staging mirrors device memory on the host, and the host must keep
  * room for the programs themselves. */
 static uint64_t default_host_budget(void)
@@ -127,8 +119,7 @@ static uint64_t default_host_budget(void)
 static void load_config(void)
 {
     struct gs_config *c = &g_config;
-    tl_loading = 1;
-    c->log_level = GS_LOG_WARN;
+    c->log_level = gs_log_level_now(); /* log.c reads GPUSHARE_LOG itself: it sits below */
     c->memory_mode = GS_MEMORY_VMM;
     c->host_budget = default_host_budget();
     c->context_bytes = 536870912ull;
@@ -138,17 +129,6 @@ static void load_config(void)
     c->real_libcuda = "libcuda.so.1";
 
     const char *v;
-    if ((v = env("GPUSHARE_LOG"))) {
-        if (!strcasecmp(v, "quiet") || !strcasecmp(v, "off") || !strcasecmp(v, "none"))
-            c->log_level = GS_LOG_QUIET;
-        else if (!strcasecmp(v, "warn") || !strcasecmp(v, "warning"))
-            c->log_level = GS_LOG_WARN;
-        else if (!strcasecmp(v, "info"))
-            c->log_level = GS_LOG_INFO;
-        else if (!strcasecmp(v, "debug"))
-            c->log_level = GS_LOG_DEBUG;
-    }
-    /* From here on gs_log() may be used: the level is known. */
     if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
         c->disabled = 1;
     if ((v = env("GPUSHARE_MANAGED")) && strcmp(v, "0") == 0) {
@@ -208,7 +188,6 @@ static void load_config(void)
     }
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;
-    tl_loading = 0;
 }
 
 const struct gs_config *gs_config(void)

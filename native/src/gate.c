@@ -3,13 +3,9 @@
  * process holds the device the gate word is 1 and the call goes straight on. Otherwise the call
  * lands in gs_gate_slow(), which waits (client.c) until the scheduler grants the device.
  *
- * Also here: the table of recently used streams (for the idle detector) and the chaining SIGINT
- * handler that lets Ctrl-C / a Jupyter interrupt end a wait.
+ * Also here: the per-thread call counters and the table of recently used streams (for the idle
+ * detector). The slow path itself is wait.c's.
  */
-#include <errno.h>
-#include <signal.h>
-#include <string.h>
-
 #include "shim.h"
 
 /* Closed until the process has a context and a scheduler verdict: the first gated call then finds
@@ -92,20 +88,6 @@ void gs_streams_after_fork_child(void)
         atomic_store_explicit(&gs_stream_slots[i], 0, memory_order_relaxed);
 }
 
-CUresult gs_gate_slow(CUstream s, int per_thread)
-{
-    if (gs_config()->disabled) {
-        gs_gate_set_open(1);
-        return CUDA_SUCCESS;
-    }
-    CUresult r = gs_client_wait_for_device();
-    if (r == CUDA_SUCCESS) {
-        atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
-        gs_note_stream(s, per_thread);
-    }
-    return r;
-}
-
 /* ---- streams ---- */
 
 void gs_streams_lock(void) { pthread_mutex_lock(&streams_mu); }
@@ -155,61 +137,4 @@ CUresult gs_stream_destroy(gs_fn_cuStreamDestroy_v2 real, CUstream hStream)
     CUresult r = real(hStream);
     gs_streams_unlock();
     return r;
-}
-
-/* ---- SIGINT while waiting ---- */
-
-static atomic_uint sigint_count;
-static struct sigaction sigint_prev;
-static int sigint_installed;
-
-static void on_sigint(int sig, siginfo_t *info, void *uctx)
-{
-    int saved = errno;
-    atomic_fetch_add_explicit(&sigint_count, 1, memory_order_relaxed);
-    /* Chain, so the program sees its interrupt (Python raises KeyboardInterrupt). */
-    if (sigint_prev.sa_flags & SA_SIGINFO) {
-        if (sigint_prev.sa_sigaction)
-            sigint_prev.sa_sigaction(sig, info, uctx);
-    } else if (sigint_prev.sa_handler == SIG_DFL) {
-        /* Without us the process would have died of SIGINT: let it. */
-        sigaction(SIGINT, &sigint_prev, NULL);
-        raise(SIGINT);
-    } else if (sigint_prev.sa_handler != SIG_IGN) {
-        sigint_prev.sa_handler(sig);
-    }
-    errno = saved;
-}
-
-unsigned gs_sigint_count(void) { return atomic_load_explicit(&sigint_count, memory_order_relaxed); }
-
-/* Called by the client, under its lock, when the first waiter starts / the last one ends. */
-void gs_sigint_begin(void)
-{
-    struct sigaction cur;
-    if (sigint_installed || sigaction(SIGINT, NULL, &cur) != 0)
-        return;
-    if (!(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == SIG_IGN)
-        return; /* an ignored interrupt must not end the wait either */
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_sigint;
-    sa.sa_flags = SA_SIGINFO | SA_RESTART | (cur.sa_flags & SA_ONSTACK);
-    sigemptyset(&sa.sa_mask);
-    sigint_prev = cur;
-    if (sigaction(SIGINT, &sa, NULL) == 0)
-        sigint_installed = 1;
-}
-
-void gs_sigint_end(void)
-{
-    struct sigaction cur;
-    if (!sigint_installed)
-        return;
-    sigint_installed = 0;
-    /* Put the previous handler back only if ours is still in place: the program may have
-     * installed a new one meanwhile, and that one wins. */
-    if (sigaction(SIGINT, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
-        cur.sa_sigaction == on_sigint)
-        sigaction(SIGINT, &sigint_prev, NULL);
 }

@@ -45,100 +45,6 @@ static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
 #undef GS_CUSTOM
 };
 
-/* Real pointers, filled once per library when it is first needed. */
-_Atomic(void *) gs_real_ptrs[GS_N_HOOKS];
-
-/* ---- the real dlsym ---- */
-
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym_ptr;
-static pthread_once_t real_dlsym_once = PTHREAD_ONCE_INIT;
-
-static void find_real_dlsym(void)
-{
-    /* dlvsym(RTLD_NEXT) from inside the shim resolves past the shim, i.e. to libc/libdl. The
-     * version names cover glibc >= 2.34 (dlsym moved into libc) and the older base versions of
-     * x86-64, aarch64 and i386. */
-    static const char *versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
-    for (size_t i = 0; i < sizeof versions / sizeof versions[0] && !real_dlsym_ptr; i++)
-        real_dlsym_ptr = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
-}
-
-static inline dlsym_fn real_dlsym(void)
-{
-    pthread_once(&real_dlsym_once, find_real_dlsym);
-    return real_dlsym_ptr;
-}
-
-/* ---- loading the real libraries, lazily ---- */
-
-static void *cuda_handle, *nvml_handle;
-static pthread_once_t cuda_once = PTHREAD_ONCE_INIT, nvml_once = PTHREAD_ONCE_INIT;
-static atomic_int cuda_ready; /* 1 once cuda_once has run (success or not) */
-/* Set while this thread loads a real library: its constructors may call dlsym, and mapping their
- * answers would re-enter the pthread_once that is loading it. */
-static __thread int tl_loading;
-
-static void fill_table(void *handle, unsigned char lib)
-{
-    dlsym_fn rd = real_dlsym();
-    for (int i = 0; i < GS_N_HOOKS; i++) {
-        if (gs_hooks[i].lib != lib)
-            continue;
-        void *p = handle && rd ? rd(handle, gs_hooks[i].name) : NULL;
-        /* A library that resolves our name to our own wrapper (it re-exports what it found in the
-         * global scope) would send us into a loop: treat it as missing. */
-        if (p == gs_hooks[i].wrapper)
-            p = NULL;
-        atomic_store_explicit(&gs_real_ptrs[i], p, memory_order_release);
-    }
-}
-
-static void load_cuda(void)
-{
-    const char *path = gs_config()->real_libcuda;
-    /* RTLD_LOCAL: loading the driver for our own use must not add its symbols to the global scope
-     * (a later dlopen by the program still gets the same object, with the program's flags). */
-    tl_loading = 1;
-    cuda_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    tl_loading = 0;
-    if (!cuda_handle)
-        GS_WARN("cannot load the CUDA driver %s: %s", path, dlerror());
-    fill_table(cuda_handle, GS_LIB_CUDA);
-    atomic_store_explicit(&cuda_ready, 1, memory_order_release);
-}
-
-static void load_nvml(void)
-{
-    tl_loading = 1;
-    nvml_handle = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    tl_loading = 0;
-    fill_table(nvml_handle, GS_LIB_NVML);
-}
-
-void *gs_real_slow(enum gs_hook_index idx)
-{
-    pthread_once(gs_hooks[idx].lib == GS_LIB_NVML ? &nvml_once : &cuda_once,
-                 gs_hooks[idx].lib == GS_LIB_NVML ? load_nvml : load_cuda);
-    return atomic_load_explicit(&gs_real_ptrs[idx], memory_order_acquire);
-}
-
-void *gs_driver_sym(const char *name)
-{
-    pthread_once(&cuda_once, load_cuda);
-    dlsym_fn rd = real_dlsym();
-    return cuda_handle && rd ? rd(cuda_handle, name) : NULL;
-}
-
-void *gs_nvml_sym(const char *name)
-{
-    pthread_once(&nvml_once, load_nvml);
-    dlsym_fn rd = real_dlsym();
-    return nvml_handle && rd ? rd(nvml_handle, name) : NULL;
-}
-
-int gs_driver_loaded(void) { return atomic_load_explicit(&cuda_ready, memory_order_acquire); }
-
 /* ---- the exports ---- */
 
 #define GS_GATED(name, params, args, stream, per_thread)                                          \
@@ -276,7 +182,7 @@ CUresult gs_getproc_v2(gs_fn_cuGetProcAddress_v2 real, const char *symbol, void 
  */
 static void *dlsym_next(const void *caller, const char *name)
 {
-    dlsym_fn rd = real_dlsym();
+    dlsym_fn rd = gs_loader_real_dlsym();
     Dl_info info;
     struct link_map *lm = NULL;
     if (!rd || !dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm)
@@ -331,11 +237,11 @@ static void *map_dlsym(const char *name, void *p)
          * (libcublas, libcudart and friends have cu* names too). */
         if (!gs_driver_loaded() && !already_loaded(gs_config()->real_libcuda))
             return p;
-        pthread_once(&cuda_once, load_cuda);
+        gs_loader_load(GS_LIB_CUDA);
         void *w = wrapper_for(p, GS_LIB_CUDA);
         if (w)
             return w;
-        if (gs_log_enabled(GS_LOG_DEBUG) && cuda_handle) {
+        if (gs_log_enabled(GS_LOG_DEBUG) && gs_driver_loaded_ok()) {
             /* Only names that really come from the driver matter for coverage. */
             Dl_info a, b;
             void *probe = gs_driver_sym("cuInit");
@@ -347,7 +253,7 @@ static void *map_dlsym(const char *name, void *p)
     if (starts_with(name, "nvmlDeviceGetMemoryInfo")) {
         if (!already_loaded("libnvidia-ml.so.1"))
             return p;
-        pthread_once(&nvml_once, load_nvml);
+        gs_loader_load(GS_LIB_NVML);
         void *w = wrapper_for(p, GS_LIB_NVML);
         return w ? w : p;
     }
@@ -364,13 +270,13 @@ GS_EXPORT void *dlsym(void *handle, const char *name)
     if (handle == RTLD_NEXT) {
         p = dlsym_next(caller, name);
     } else {
-        dlsym_fn rd = real_dlsym();
+        dlsym_fn rd = gs_loader_real_dlsym();
         p = rd ? rd(handle, name) : NULL;
     }
     if (!p) /* name is declared nonnull by <dlfcn.h>, like the real dlsym's */
         return p;
     if ((name[0] == 'c' && name[1] == 'u') || (name[0] == 'n' && name[1] == 'v')) {
-        if (tl_loading || gs_config()->disabled)
+        if (gs_loader_busy() || gs_config()->disabled)
             return p;
         return map_dlsym(name, p);
     }

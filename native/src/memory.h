@@ -37,7 +37,34 @@ typedef struct gs_mem_access_desc {
     int flags; /* CUmemAccess_flags */
 } gs_mem_access_desc;
 
-/* ---- memory.c: quota and totals for the engine ---- */
+/* ---- memory_table.c: the allocation table, quota, totals ---- */
+
+enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2 };
+enum {
+    KIND_MANAGED = 0, /* cuMemAllocManaged, or cuMemAlloc made managed: evictable */
+    KIND_DEVICE = 1,  /* plain device memory (GPUSHARE_MEMORY=device): counted, pinned */
+    KIND_POOL = 2,    /* stream-ordered pools: pinned */
+    KIND_HANDLE = 3,  /* cuMemCreate handles: pinned until cuMemRelease */
+    KIND_ENGINE = 4   /* explicit memory: counted by memory_vmm.c, never in the table */
+};
+
+/* A reservation for an allocation the table will record: bytes and a table slot. */
+CUresult gs_memtab_reserve(uint64_t size);
+void gs_memtab_unreserve(uint64_t size);
+/* Settle a reservation once the driver has answered: a success becomes a counted allocation
+ * under *key, a failure gives the reservation back. Returns r. */
+CUresult gs_memtab_settle(CUresult r, uint64_t reserved, const unsigned long long *key,
+                          uint8_t ns, uint64_t size, uint8_t kind);
+void gs_memtab_uncount(uint64_t key, uint8_t ns);
+struct gs_span {
+    uint64_t ptr, size;
+};
+/* The program's managed allocations whose evicted flag equals `evicted` (malloc'd copy). */
+struct gs_span *gs_memtab_managed_spans(int evicted, size_t *count);
+uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *ok, size_t n,
+                              int to_host);
+void gs_memtab_after_fork_child(void);
+
 
 /* Reserve bytes against the quota and the pool; on refusal logs the one line that says why and
  * returns CUDA_ERROR_OUT_OF_MEMORY. */

@@ -16,38 +16,6 @@
 
 #include "memory_vmm.h"
 
-static CUstream move_stream, precopy_stream;
-static CUcontext streams_ctx;
-
-void gs_vmm_forget_streams(void)
-{
-    move_stream = precopy_stream = NULL;
-    streams_ctx = NULL;
-}
-
-CUstream gs_vmm_move_stream(int low_priority)
-{
-    CUcontext cur = NULL;
-    gs_vmm_drv.ctx_cur(&cur);
-    if (cur != streams_ctx) {
-        /* Streams belong to their context: a new current context needs its own. */
-        gs_vmm_forget_streams();
-        streams_ctx = cur;
-    }
-    CUstream *slot = low_priority ? &precopy_stream : &move_stream;
-    if (!*slot) {
-        int least = 0, greatest = 0;
-        if (gs_vmm_drv.prio_range)
-            gs_vmm_drv.prio_range(&least, &greatest);
-        if (gs_vmm_drv.stream_create(slot, GS_STREAM_NON_BLOCKING,
-                                     low_priority ? least : greatest) != CUDA_SUCCESS) {
-            *slot = NULL;
-            GS_WARN("cannot create a stream for moving memory");
-        }
-    }
-    return *slot;
-}
-
 static int precopy_valid(const struct block *b, uint64_t calls)
 {
     return b->precopied && b->precopy_mark == calls;

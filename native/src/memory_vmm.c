@@ -54,6 +54,40 @@ static CUmemAllocationProp prop_for(CUdevice dev)
                                  .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
 }
 
+/* ---- streams for moves ---- */
+
+static CUstream move_stream, precopy_stream;
+static CUcontext streams_ctx;
+
+void gs_vmm_forget_streams(void)
+{
+    move_stream = precopy_stream = NULL;
+    streams_ctx = NULL;
+}
+
+CUstream gs_vmm_move_stream(int low_priority)
+{
+    CUcontext cur = NULL;
+    gs_vmm_drv.ctx_cur(&cur);
+    if (cur != streams_ctx) {
+        /* Streams belong to their context: a new current context needs its own. */
+        gs_vmm_forget_streams();
+        streams_ctx = cur;
+    }
+    CUstream *slot = low_priority ? &precopy_stream : &move_stream;
+    if (!*slot) {
+        int least = 0, greatest = 0;
+        if (gs_vmm_drv.prio_range)
+            gs_vmm_drv.prio_range(&least, &greatest);
+        if (gs_vmm_drv.stream_create(slot, GS_STREAM_NON_BLOCKING,
+                                     low_priority ? least : greatest) != CUDA_SUCCESS) {
+            *slot = NULL;
+            GS_WARN("cannot create a stream for moving memory");
+        }
+    }
+    return *slot;
+}
+
 /* ---- the sorted block index ---- */
 
 static size_t lower_bound(CUdeviceptr va)

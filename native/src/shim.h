@@ -1,6 +1,10 @@
 /*
  * Declarations shared by the shim's files. Nothing here is exported: the exports are generated in
  * hook.c from hooks.def, plus dlsym and the gpushare.h status API.
+ *
+ * Layering: every file calls only the files below it in native/README.md's table (no call cycle;
+ * tests/native/test_layering.py checks it). The client's state is one explicit object,
+ * struct gs_session (session.h), passed to the modules that need it.
  */
 #ifndef GPUSHARE_SHIM_H
 #define GPUSHARE_SHIM_H
@@ -68,6 +72,13 @@ static inline void *gs_real(enum gs_hook_index idx)
 void *gs_driver_sym(const char *name);
 void *gs_nvml_sym(const char *name);
 int gs_driver_loaded(void);
+/* loader.c: load a real library once; its real dlsym; whether this thread is loading one (its
+ * constructors' dlsym calls must not be mapped); whether the driver could be loaded. */
+typedef void *(*dlsym_fn)(void *, const char *);
+void gs_loader_load(enum gs_lib lib);
+dlsym_fn gs_loader_real_dlsym(void);
+int gs_loader_busy(void);
+int gs_driver_loaded_ok(void);
 
 /* ---- configuration (config.c) ---- */
 
@@ -102,13 +113,13 @@ double gs_now(void); /* CLOCK_MONOTONIC seconds */
 
 /* ---- logging (log.c) ---- */
 
-/* The level, safe to ask while the configuration is being loaded (its warnings log). */
+/* GPUSHARE_LOG, read once (log.c). */
 int gs_log_level_now(void);
 void gs_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #define GS_WARN(...) gs_log(GS_LOG_WARN, __VA_ARGS__)
 #define GS_INFO(...) gs_log(GS_LOG_INFO, __VA_ARGS__)
 #define GS_DEBUG(...) gs_log(GS_LOG_DEBUG, __VA_ARGS__)
-static inline int gs_log_enabled(int level) { return gs_config()->log_level >= level; }
+static inline int gs_log_enabled(int level) { return gs_log_level_now() >= level; }
 
 /* ---- the gate (gate.c) ---- */
 
@@ -202,27 +213,17 @@ void gs_mem_after_fork_child(void);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);
 
-/* ---- the scheduler connection (client.c) ---- */
+/* ---- the session, as the memory engine sees it (session.c) ---- */
 
-void gs_client_on_context(CUcontext ctx, CUdevice dev);
-void gs_client_on_context_destroyed(CUcontext ctx);
-/* Wake the client thread (memory changed, a call wants the device). Async-signal-safe. */
+/* Wake the shim's thread (memory changed). Async-signal-safe. */
 void gs_client_wake(void);
 int gs_client_device_matches_uuid(const char *nvml_uuid);
 int gs_client_has_context(void);
-/* The gate's slow path: block until the device is granted (client.c owns the state it waits on).
- * CUDA_SUCCESS to go on, CUDA_ERROR_NOT_PERMITTED when SIGINT interrupted the wait. */
-CUresult gs_client_wait_for_device(void);
 
-/* SIGINT while waiting (gate.c): install/remove the chaining handler, read its counter. */
+/* SIGINT while waiting (process.c): install/remove the chaining handler, read its counter. */
 void gs_sigint_begin(void);
 void gs_sigint_end(void);
 unsigned gs_sigint_count(void);
-
-/* Status snapshot (status.c reads it). */
-struct gpushare_status;
-void gs_client_status(struct gpushare_status *out);
-int gs_client_release(void);
 
 /* ---- hand-written handlers, declared from hooks.def so their signatures are checked ---- */
 #define GS_GATED(name, params, args, stream, per_thread)

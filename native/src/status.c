@@ -1,9 +1,64 @@
-/* The public status API (native/include/gpushare.h), read by the %gpushare magic through cffi. */
+/* The public status API (native/include/gpushare.h), read by the %gpushare magic through cffi:
+ * a snapshot of the session, and gpushare_release(). */
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "gpushare.h"
-#include "shim.h"
+#include "session.h"
+
+static void snapshot(struct gs_session *s, struct gpushare_status *out)
+{
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    double now = gs_now();
+    pthread_mutex_lock(&s->mu);
+    int st = s->state;
+    if (st == GPUSHARE_STATE_IDLE && s->waiters > 0)
+        st = GPUSHARE_STATE_WAITING;
+    out->state = (uint32_t)st;
+    out->connected = (uint32_t)s->conn.connected;
+    out->evicted = t.evicted > 0;
+    out->used_bytes = t.used;
+    out->managed_bytes = t.managed;
+    out->pinned_bytes = t.pinned;
+    out->evicted_bytes = t.evicted;
+    out->quota_bytes = t.quota;
+    out->pool_bytes = t.pool;
+    out->gated_calls = gs_total_gated_calls();
+    out->waits = s->stats.waits;
+    out->current_wait_seconds = s->waiters ? now - s->stats.wait_began : 0;
+    out->wait_seconds = s->stats.wait_seconds + out->current_wait_seconds;
+    out->holding_seconds =
+        s->stats.holding_seconds + (s->state == GPUSHARE_STATE_HOLDING ? now - s->stats.hold_since : 0);
+    int active = atomic_load_explicit(&gs_activity, memory_order_relaxed);
+    out->idle_seconds = (!s->started || active) ? 0 : now - s->last_activity;
+    snprintf(out->client_id, sizeof out->client_id, "%s", s->id.client_id);
+    snprintf(out->socket_path, sizeof out->socket_path, "%s", s->id.socket_path);
+    snprintf(out->device_uuid, sizeof out->device_uuid, "%s", s->devs.uuid);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int release(struct gs_session *s)
+{
+    pthread_mutex_lock(&s->mu);
+    if (!s->conn.connected) {
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    }
+    if (s->state != GPUSHARE_STATE_HOLDING) {
+        pthread_mutex_unlock(&s->mu);
+        return 0;
+    }
+    s->want_release = 1;
+    gs_session_wake(s);
+    while (s->want_release && s->conn.connected)
+        pthread_cond_wait(&s->cv, &s->mu);
+    int r = s->conn.connected ? 0 : -1;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
 
 GS_EXPORT int gpushare_get_status(struct gpushare_status *out, size_t size)
 {
@@ -13,10 +68,10 @@ GS_EXPORT int gpushare_get_status(struct gpushare_status *out, size_t size)
         return -1;
     memset(out, 0, size);
     out->version = GPUSHARE_STATUS_VERSION;
-    gs_client_status(out);
+    snapshot(gs_session_get(), out);
     return 0;
 }
 
-GS_EXPORT int gpushare_release(void) { return gs_client_release(); }
+GS_EXPORT int gpushare_release(void) { return release(gs_session_get()); }
 
 GS_EXPORT const char *gpushare_version(void) { return GS_VERSION; }

@@ -1,0 +1,48 @@
+/*
+ * The idle detector: a holder that has submitted nothing for GPUSHARE_IDLE_SECONDS and whose
+ * recorded streams have no work pending tells the scheduler, which may then hand the device on
+ * without waiting for the quantum to end (docs/architecture.md).
+ */
+#include "gpushare.h"
+#include "session.h"
+
+/* Fold the gated calls' activity flag into a timestamp (the fast path only sets a flag: reading
+ * the clock there would cost more than the rest of the gate). */
+void gs_idle_sample(struct gs_session *s, double now)
+{
+    if (atomic_exchange_explicit(&gs_activity, 0, memory_order_relaxed)) {
+        pthread_mutex_lock(&s->mu);
+        s->last_activity = now;
+        s->idle_sent = 0;
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+void gs_idle_check(struct gs_session *s, double now)
+{
+    double window = gs_config()->idle_seconds;
+    pthread_mutex_lock(&s->mu);
+    int holding = s->conn.connected && s->state == GPUSHARE_STATE_HOLDING;
+    int due = holding && window > 0 && !s->idle_sent && now - s->last_activity >= window;
+    double idle_for = now - s->last_activity;
+    pthread_mutex_unlock(&s->mu);
+    if (!due)
+        return;
+    int busy = 0;
+    if (gs_device_push(s, NULL) == 0) {
+        busy = gs_streams_busy();
+        gs_device_pop();
+    }
+    if (busy)
+        return; /* work is still running: look again on the next tick */
+    struct gs_writer w;
+    gs_conn_begin(s, &w, GS_MSG_IDLE);
+    gs_w_u64(&w, GS_TAG_IDLE_MS, (uint64_t)(idle_for * 1000));
+    if (gs_conn_send(s, &w) == 0) {
+        pthread_mutex_lock(&s->mu);
+        s->idle_sent = 1;
+        pthread_mutex_unlock(&s->mu);
+        GS_DEBUG("idle for %.1f s: told the scheduler", idle_for);
+    }
+}
+

@@ -1,0 +1,188 @@
+/*
+ * The grant/revoke/evict lifecycle: what the shim does for each message the scheduler sends
+ * (docs/protocol.md). Runs on the shim's thread only.
+ */
+#include <string.h>
+
+#include "gpushare.h"
+#include "session.h"
+
+void gs_life_release(struct gs_session *s, int evict, const char *reason, int solicited)
+{
+    pthread_mutex_lock(&s->mu);
+    if (solicited && s->state != GPUSHARE_STATE_HOLDING) {
+        /* A REVOKE that crossed our own unsolicited RELEASED on the wire: the scheduler takes
+         * that RELEASED as the answer. Answering twice could arrive after a new GRANT and mark
+         * us idle while we run, so a stale REVOKE is dropped (the socket keeps order). */
+        pthread_mutex_unlock(&s->mu);
+        GS_DEBUG("ignored a revoke (%s): not holding the device", reason ? reason : "");
+        return;
+    }
+    if (s->state == GPUSHARE_STATE_HOLDING)
+        s->stats.holding_seconds += gs_now() - s->stats.hold_since;
+    if (s->conn.connected)
+        gs_session_set_state_locked(s, GPUSHARE_STATE_RELEASING);
+    pthread_mutex_unlock(&s->mu);
+
+    double t0 = gs_now();
+    uint64_t moved = 0, us = 0;
+    int evicted = 0;
+    CUdevice dev;
+    if (gs_device_push(s, &dev) == 0) {
+        gs_device_sync_current();
+        if (evict)
+            evicted = gs_mem_evict(dev, &moved, &us) == 0;
+        gs_device_pop();
+    }
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    struct gs_writer w;
+    gs_conn_begin(s, &w, GS_MSG_RELEASED);
+    gs_w_u64(&w, GS_TAG_FLAG, evicted ? 1 : 0);
+    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
+    gs_w_u64(&w, GS_TAG_MICROS, us);
+    gs_conn_send(s, &w);
+    if (evict) {
+        char b[32];
+        GS_INFO("%s (%s): released after %.1f ms, evicted %s in %.1f ms",
+                solicited ? "revoked" : "released", reason && *reason ? reason : "no reason",
+                gs_ms(gs_now() - t0), gs_format_size(moved, b, sizeof b), us / 1000.0);
+    } else {
+        GS_INFO("%s (%s): released after %.1f ms", solicited ? "revoked" : "released",
+                reason && *reason ? reason : "no reason", gs_ms(gs_now() - t0));
+    }
+
+    pthread_mutex_lock(&s->mu);
+    int again = 0;
+    if (s->conn.connected) {
+        gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
+        s->requested = 0;
+        /* Threads that blocked meanwhile still want the device. */
+        if (s->waiters > 0) {
+            s->requested = 1;
+            again = 1;
+        }
+    }
+    s->want_release = 0;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (again)
+        gs_conn_send_request(s);
+}
+
+static void handle_grant(struct gs_session *s, int restore)
+{
+    double t0 = gs_now();
+    if (restore) {
+        uint64_t moved = 0, us = 0;
+        CUdevice dev;
+        struct gs_mem_totals t;
+        gs_mem_totals(&t);
+        if (t.evicted && gs_device_push(s, &dev) == 0) {
+            gs_mem_restore(dev, &moved, &us);
+            gs_device_pop();
+        }
+        struct gs_writer w;
+        gs_conn_begin(s, &w, GS_MSG_RESTORED);
+        gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
+        gs_w_u64(&w, GS_TAG_MICROS, us);
+        gs_conn_send(s, &w);
+        char b[32];
+        GS_INFO("restored %s to the device in %.1f ms", gs_format_size(moved, b, sizeof b),
+                us / 1000.0);
+    }
+    pthread_mutex_lock(&s->mu);
+    if (s->conn.connected && !s->quitting) {
+        double waited = s->waiters ? gs_now() - s->stats.wait_began : 0;
+        s->requested = 0;
+        s->stats.hold_since = gs_now();
+        s->last_activity = s->stats.hold_since;
+        s->idle_sent = 0;
+        gs_session_set_state_locked(s, GPUSHARE_STATE_HOLDING);
+        GS_INFO("granted the device (waited %.1f ms, restore took %.1f ms)", gs_ms(waited),
+                restore ? gs_ms(gs_now() - t0) : 0.0);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void handle_evict(struct gs_session *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int holding = s->state == GPUSHARE_STATE_HOLDING;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t moved = 0, us = 0;
+    CUdevice dev;
+    /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
+    if (!holding && gs_device_push(s, &dev) == 0) {
+        gs_mem_evict(dev, &moved, &us);
+        gs_device_pop();
+    }
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    struct gs_writer w;
+    gs_conn_begin(s, &w, GS_MSG_EVICTED);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
+    gs_w_u64(&w, GS_TAG_MICROS, us);
+    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
+    gs_conn_send(s, &w);
+    char b[32];
+    GS_INFO("evicted %s to the host in %.1f ms", gs_format_size(moved, b, sizeof b), us / 1000.0);
+}
+
+static void dispatch(struct gs_session *s, const struct gs_msg *m)
+{
+    char text[256];
+    switch (m->type) {
+    case GS_MSG_GRANT:
+        handle_grant(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0);
+        break;
+    case GS_MSG_REVOKE:
+        gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
+        gs_life_release(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, text, 1);
+        break;
+    case GS_MSG_EVICT:
+        handle_evict(s);
+        break;
+    case GS_MSG_SET_QUOTA: {
+        uint64_t q = gs_msg_u64(m, GS_TAG_QUOTA, 0);
+        gs_mem_set_quota(q);
+        char b[32];
+        GS_INFO("quota set to %s", q ? gs_format_size(q, b, sizeof b) : "none");
+        break;
+    }
+    case GS_MSG_WELCOME:
+        gs_conn_apply_welcome(s, m);
+        break;
+    case GS_MSG_ERROR:
+        gs_msg_str(m, GS_TAG_MESSAGE, text, sizeof text);
+        GS_WARN("scheduler error %llu: %s", (unsigned long long)gs_msg_u64(m, GS_TAG_ERROR_CODE, 0),
+                text);
+        break;
+    default:
+        break; /* not for shims: ignore */
+    }
+}
+
+/* Dispatch every complete frame in s->conn.rx. */
+void gs_life_drain(struct gs_session *s)
+{
+    for (;;) {
+        struct gs_msg m;
+        size_t flen;
+        int pr = gs_parse(s->conn.rx, s->conn.rx_len, &m, &flen);
+        if (pr == GS_PARSE_MORE)
+            return;
+        if (pr == GS_PARSE_ERROR) {
+            gs_conn_lost(s, "malformed frame from the scheduler");
+            return;
+        }
+        /* Copy the frame out first: handlers may run for a while but never touch s->conn.rx. */
+        dispatch(s, &m);
+        if (s->conn.rx_len < flen) /* the connection was lost while dispatching */
+            return;
+        memmove(s->conn.rx, s->conn.rx + flen, s->conn.rx_len - flen);
+        s->conn.rx_len -= flen;
+    }
+}
+

@@ -1,0 +1,185 @@
+/*
+ * The shim's session with the scheduler: one explicit object, passed to every module that needs it
+ * (in the manner of libnvidia-container's `struct rpc *ctx`). Only entry points that have no
+ * caller to hand it over (the hooks, the status API, the signal and fork handlers, the thread's
+ * start routine) fetch it with gs_session_get(); everything below them takes `struct gs_session *`.
+ *
+ * The fields are grouped by the module that owns them; a module reads another's group only
+ * through that module's functions, except for the few fields every module must see under the
+ * lock (state, waiters, connected). All fields are under s->mu unless marked otherwise.
+ *
+ * Layering: see native/README.md. A file calls only files below it, never one above, so the
+ * call graph between files has no cycle (tests/native/test_layering.py checks it).
+ */
+#ifndef GPUSHARE_SESSION_H
+#define GPUSHARE_SESSION_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "protocol.h"
+#include "shim.h"
+
+#define GS_RESUME_HOLDING 1
+#define GS_RESUME_WAITING 2
+
+/* Identity said in HELLO (conn.c). Written once when the session starts. */
+struct gs_identity {
+    char client_id[128];
+    char socket_path[108];
+    char user[128];
+    char token[160]; /* GPUSHARE_USER_TOKEN: proves `user` where many users share a uid */
+    char label[1024];
+};
+
+/* The application's context and its device (device.c). */
+struct gs_devices {
+    CUcontext ctx;
+    CUdevice dev;
+    int ctx_is_primary;
+    char uuid[48];
+    char name[256];
+    uint64_t total;
+};
+
+/* The socket (conn.c). rx/tx are used only by whoever does the socket I/O: the starting thread
+ * during the first HELLO, then the shim's thread; never under the lock. */
+struct gs_conn {
+    int fd;
+    int connected;
+    int warned; /* the "not reachable" line was printed for this outage */
+    double next_connect_at, backoff;
+    uint8_t rx[GS_PROTO_HEADER + GS_PROTO_MAX_PAYLOAD + 4096];
+    size_t rx_len;
+    uint8_t tx[8192];
+};
+
+/* Losing the scheduler (docs/reliability.md): what to say when it comes back, and when a
+ * non-holder stops waiting for it and runs unshared. */
+struct gs_resume {
+    int mode;          /* GS_RESUME_HOLDING or GS_RESUME_WAITING: said in the next HELLO */
+    double since;      /* when that grant or that wait began */
+    double unshare_at; /* > 0: the gate stays closed until then, waiting for the scheduler */
+};
+
+/* Time spent waiting and holding (status.c reports it). */
+struct gs_stats {
+    uint64_t waits;
+    double wait_seconds, wait_began, holding_seconds, hold_since;
+};
+
+/* The last MEMORY report sent (thread side only, no lock). */
+struct gs_mem_report {
+    uint64_t gen_sent;
+    struct gs_mem_totals sent;
+    double sent_at;
+};
+
+/* The memory engine behind this session. memory.c keeps its state in file statics today; the
+ * engine rewrite gives it an explicit object, and this pointer is where the session holds it.
+ * Every call from the session into memory goes through the gs_mem_* API. */
+struct gs_mem_engine;
+
+struct gs_session {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int state;          /* enum gpushare_state; never WAITING (that is IDLE with waiters) */
+    int started;        /* the session was started (or is starting) in this process */
+    int thread_running;
+    int quitting;       /* GOODBYE said or being said: gate open for good, no reconnects */
+    int requested;      /* a REQUEST is outstanding (no GRANT yet) */
+    int want_request;   /* a waiter asks the thread to send REQUEST */
+    int want_release;   /* gpushare_release() asks the thread to release */
+    int waiters;
+    uint64_t quantum_ms;
+    double last_activity; /* idle.c */
+    int idle_sent;        /* idle.c */
+    struct gs_identity id;
+    struct gs_devices devs;
+    struct gs_conn conn;
+    struct gs_resume resume;
+    struct gs_stats stats;
+    struct gs_mem_report mem_report;
+    struct gs_mem_engine *mem;
+    /* Waking the thread and waiting for it to finish (async-signal-safe: pipes and atomics). */
+    int wake_pipe[2];
+    int done_pipe[2];
+    atomic_int wake_pending;
+    atomic_int quit_requested;
+};
+
+/* ---- session.c ---- */
+
+/* The process's one session (its lock and condition variable initialised). */
+struct gs_session *gs_session_get(void);
+/* Set the state and re-evaluate the gate; wakes every waiter. Under s->mu. */
+void gs_session_set_state_locked(struct gs_session *s, int state);
+/* Wake the shim's thread. Async-signal-safe. */
+void gs_session_wake(struct gs_session *s);
+/* In a forked child: the parent's thread, connection and context are not the child's. */
+void gs_session_reset_after_fork(struct gs_session *s);
+void gs_session_close_pipes(struct gs_session *s);
+
+static inline double gs_ms(double seconds) { return seconds * 1000.0; }
+
+/* ---- device.c: the application's contexts and devices ---- */
+
+/* Record a context the application made. Returns 1 when the session must start (the first
+ * context), 0 otherwise. Under s->mu. */
+int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary);
+void gs_device_forget_context(struct gs_session *s, CUcontext ctx);
+/* The context current on the calling thread, and its device. 0 on success. */
+int gs_device_current(CUcontext *ctx, CUdevice *dev);
+/* Make the application's context current on this (the shim's) thread. 0 on success. */
+int gs_device_push(struct gs_session *s, CUdevice *dev_out);
+void gs_device_pop(void);
+/* Wait for all of the application's outstanding GPU work (errors tolerated). */
+void gs_device_sync_all(struct gs_session *s);
+/* cuCtxSynchronize on the pushed context. */
+void gs_device_sync_current(void);
+/* UUID, name and total memory of `dev` into s->devs. */
+void gs_device_identify(struct gs_session *s, CUdevice dev);
+
+/* ---- conn.c: the scheduler connection ---- */
+
+void gs_conn_gather_identity(struct gs_session *s);
+void gs_conn_begin(struct gs_session *s, struct gs_writer *w, uint8_t type);
+void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t);
+/* Finish and send a frame on the current connection (thread side). 0 when sent. */
+int gs_conn_send(struct gs_session *s, struct gs_writer *w);
+void gs_conn_send_memory(struct gs_session *s);
+void gs_conn_send_request(struct gs_session *s);
+/* Connect, say HELLO and wait for WELCOME (bounded). The fd, or -1 with `why` set. */
+int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen);
+void gs_conn_connected_locked(struct gs_session *s, int fd, int reconnect);
+void gs_conn_unreachable_locked(struct gs_session *s, const char *why, int lost);
+void gs_conn_lost(struct gs_session *s, const char *why);
+void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m);
+
+/* ---- lifecycle.c: grant, revoke, evict ---- */
+
+void gs_life_release(struct gs_session *s, int evict, const char *reason, int solicited);
+/* Dispatch every complete frame in s->conn.rx. */
+void gs_life_drain(struct gs_session *s);
+
+/* ---- idle.c: the idle detector ---- */
+
+void gs_idle_sample(struct gs_session *s, double now);
+void gs_idle_check(struct gs_session *s, double now);
+
+/* ---- thread.c: the shim's thread ---- */
+
+/* Start the thread (s->thread_running says whether it did). Under s->mu. */
+void gs_thread_start_locked(struct gs_session *s);
+
+/* ---- process.c: fork, exit and the fatal signals ---- */
+
+void gs_proc_install(struct gs_session *s);
+
+/* ---- start.c: starting the session from a context ---- */
+
+void gs_start_on_context(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary);
+void gs_start_from_current(struct gs_session *s);
+
+#endif /* GPUSHARE_SESSION_H */

@@ -1,0 +1,204 @@
+/*
+ * The shim's thread: it owns all socket I/O after the first HELLO. It sends REQUEST when a waiter
+ * asks, handles the scheduler's messages (lifecycle.c), reports memory (coalesced), runs the idle
+ * detector, reconnects after a loss, and says GOODBYE at exit.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "gpushare.h"
+#include "session.h"
+
+#define MEMORY_REPORT_MIN_S 0.05
+
+static void try_reconnect(struct gs_session *s)
+{
+    char why[160] = "";
+    int fd = gs_conn_handshake(s, why, sizeof why);
+    pthread_mutex_lock(&s->mu);
+    if (fd >= 0 && !s->quitting) {
+        gs_conn_connected_locked(s, fd, 1);
+    } else {
+        if (fd >= 0)
+            close(fd);
+        if (!s->quitting)
+            gs_conn_unreachable_locked(s, why, 0);
+    }
+    int ok = s->conn.connected;
+    pthread_mutex_unlock(&s->mu);
+    if (ok) {
+        gs_conn_send_memory(s);
+        gs_life_drain(s);
+    }
+}
+
+static void do_quit(struct gs_session *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->quitting = 1;
+    if (s->state == GPUSHARE_STATE_HOLDING)
+        s->stats.holding_seconds += gs_now() - s->stats.hold_since;
+    int connected = s->conn.connected;
+    gs_session_set_state_locked(s, s->state); /* re-evaluates the gate: open for good */
+    pthread_mutex_unlock(&s->mu);
+
+    gs_device_sync_all(s);
+    if (connected) {
+        struct gs_writer w;
+        gs_conn_begin(s, &w, GS_MSG_GOODBYE);
+        gs_conn_send(s, &w);
+    }
+    pthread_mutex_lock(&s->mu);
+    if (s->conn.fd >= 0)
+        close(s->conn.fd);
+    s->conn.fd = -1;
+    s->conn.connected = 0;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    GS_DEBUG("said goodbye to the scheduler");
+}
+
+static void *thread_main(void *arg)
+{
+    struct gs_session *s = arg;
+    /* Signals belong to the program's threads: SIGINT must reach the waiting thread (Python's main
+     * thread), not ours. */
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+
+    gs_life_drain(s); /* frames that arrived together with WELCOME */
+    if (s->conn.connected)
+        gs_conn_send_memory(s);
+    for (;;) {
+        if (atomic_load(&s->quit_requested)) {
+            do_quit(s);
+            break;
+        }
+        double now = gs_now();
+        pthread_mutex_lock(&s->mu);
+        int reconnect = !s->conn.connected && !s->quitting && now >= s->conn.next_connect_at;
+        if (!s->conn.connected && s->resume.unshare_at > 0 && now >= s->resume.unshare_at) {
+            s->resume.unshare_at = 0;
+            if (s->state == GPUSHARE_STATE_IDLE) {
+                GS_WARN("the scheduler did not come back within %.1f s: running unshared",
+                        gs_config()->reconnect_wait);
+                s->resume.mode = 0; /* it runs now: no place in a queue to claim back */
+                gs_session_set_state_locked(s, GPUSHARE_STATE_UNSHARED);
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (reconnect)
+            try_reconnect(s);
+
+        pthread_mutex_lock(&s->mu);
+        int do_request = s->conn.connected && s->want_request && s->state == GPUSHARE_STATE_IDLE &&
+                         !s->requested && s->waiters > 0;
+        if (do_request)
+            s->requested = 1;
+        s->want_request = 0;
+        int do_release = s->want_release;
+        int holding = s->state == GPUSHARE_STATE_HOLDING;
+        if (do_release && !(s->conn.connected && holding)) {
+            s->want_release = 0;
+            do_release = 0;
+            pthread_cond_broadcast(&s->cv);
+        }
+        int connected = s->conn.connected;
+        int fd = s->conn.fd;
+        double next_connect = s->conn.next_connect_at;
+        pthread_mutex_unlock(&s->mu);
+
+        if (do_request)
+            gs_conn_send_request(s);
+        if (do_release)
+            gs_life_release(s, 0, "released by the program", 0);
+
+        now = gs_now();
+        gs_idle_sample(s, now);
+        int mem_dirty = 0;
+        if (connected) {
+            if (gs_mem_generation() != s->mem_report.gen_sent) {
+                struct gs_mem_totals t;
+                gs_mem_totals(&t);
+                if (t.used == s->mem_report.sent.used && t.managed == s->mem_report.sent.managed &&
+                    t.pinned == s->mem_report.sent.pinned && t.evicted == s->mem_report.sent.evicted)
+                    s->mem_report.gen_sent = gs_mem_generation(); /* nothing the scheduler would see */
+                else if (now - s->mem_report.sent_at >= MEMORY_REPORT_MIN_S)
+                    gs_conn_send_memory(s);
+                else
+                    mem_dirty = 1;
+            }
+            gs_idle_check(s, now);
+        }
+
+        /* Sleep until a message, a wake-up, or the next thing to do. */
+        int timeout_ms;
+        if (!connected) {
+            double until = next_connect;
+            pthread_mutex_lock(&s->mu);
+            if (s->resume.unshare_at > 0 && s->resume.unshare_at < until)
+                until = s->resume.unshare_at;
+            pthread_mutex_unlock(&s->mu);
+            timeout_ms = (int)((until - now) * 1000) + 1;
+        }
+        else if (mem_dirty)
+            timeout_ms = (int)(MEMORY_REPORT_MIN_S * 1000);
+        else if (holding && gs_config()->idle_seconds > 0)
+            timeout_ms = 100;
+        else
+            timeout_ms = 1000;
+        if (timeout_ms < 1)
+            timeout_ms = 1;
+        struct pollfd pfd[2] = {{s->wake_pipe[0], POLLIN, 0}, {connected ? fd : -1, POLLIN, 0}};
+        int pr = poll(pfd, 2, timeout_ms);
+        if (pr <= 0)
+            continue;
+        if (pfd[0].revents & POLLIN) {
+            char buf[64];
+            atomic_store(&s->wake_pending, 0);
+            while (read(s->wake_pipe[0], buf, sizeof buf) > 0) {
+            }
+        }
+        if (connected && (pfd[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+            ssize_t r = recv(fd, s->conn.rx + s->conn.rx_len, sizeof s->conn.rx - s->conn.rx_len, 0);
+            if (r == 0)
+                gs_conn_lost(s, "the scheduler closed the connection");
+            else if (r < 0 && errno != EINTR && errno != EAGAIN)
+                gs_conn_lost(s, strerror(errno));
+            else if (r > 0) {
+                s->conn.rx_len += (size_t)r;
+                gs_life_drain(s);
+            }
+        }
+    }
+    ssize_t w = write(s->done_pipe[1], "d", 1);
+    (void)w;
+    return NULL;
+}
+
+
+void gs_thread_start_locked(struct gs_session *s)
+{
+    if (s->wake_pipe[0] < 0)
+        return;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t tid;
+    /* The thread starts with every signal blocked, before it can run a single instruction with
+     * SIGINT deliverable. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    if (pthread_create(&tid, &attr, thread_main, s) == 0) {
+        s->thread_running = 1;
+        pthread_setname_np(tid, "gpushare");
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+}

@@ -1,0 +1,84 @@
+/*
+ * The gate's slow path: a gated call found the gate closed. It starts the session if a context
+ * appeared without a hook, asks the shim's thread for the device, and waits (in 20 ms slices, so
+ * SIGINT can end the wait) until the GRANT handler opens the gate.
+ */
+#include <time.h>
+
+#include "gpushare.h"
+#include "session.h"
+
+#define WAIT_SLICE_NS 20000000L /* 20 ms: how quickly a waiter notices SIGINT */
+
+static CUresult wait_for_device(struct gs_session *s)
+{
+    CUresult result = CUDA_SUCCESS;
+    int waiting = 0;
+    unsigned sig0 = 0;
+    double t0 = 0;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        int st = s->state;
+        if (s->quitting || st == GPUSHARE_STATE_UNSHARED || st == GPUSHARE_STATE_HOLDING)
+            break;
+        if (st == GPUSHARE_STATE_INACTIVE && !s->started) {
+            pthread_mutex_unlock(&s->mu);
+            gs_start_from_current(s);
+            pthread_mutex_lock(&s->mu);
+            if (s->state == GPUSHARE_STATE_INACTIVE && !s->started)
+                break; /* no context at all: nothing to share, let the driver answer */
+            continue;
+        }
+        if (!waiting) {
+            waiting = 1;
+            t0 = gs_now();
+            sig0 = gs_sigint_count();
+            if (s->waiters++ == 0) {
+                s->stats.wait_began = t0;
+                gs_sigint_begin();
+            }
+            s->stats.waits++;
+        }
+        if (st == GPUSHARE_STATE_IDLE && s->conn.connected && !s->requested && !s->want_request) {
+            s->want_request = 1;
+            gs_session_wake(s);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += WAIT_SLICE_NS;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        if (gs_sigint_count() != sig0) {
+            result = CUDA_ERROR_NOT_PERMITTED;
+            break;
+        }
+    }
+    if (waiting) {
+        s->stats.wait_seconds += gs_now() - t0;
+        if (--s->waiters == 0)
+            gs_sigint_end();
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (result != CUDA_SUCCESS)
+        GS_INFO("interrupted while waiting for the device");
+    return result;
+}
+
+
+CUresult gs_gate_slow(CUstream s, int per_thread)
+{
+    if (gs_config()->disabled) {
+        gs_gate_set_open(1);
+        return CUDA_SUCCESS;
+    }
+    CUresult r = wait_for_device(gs_session_get());
+    if (r == CUDA_SUCCESS) {
+        atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
+        gs_note_stream(s, per_thread);
+    }
+    return r;
+}
+
