@@ -253,6 +253,13 @@ class GPUShareScheduler(LoggingConfigurable):
     idle_check_interval = Float(
         5.0, help="Seconds between the fixed-quantum policy's checks for an idle holder."
     ).tag(config=True)
+    precopy_idle = Bool(
+        True,
+        help="""Ask an idle kernel whose memory is on the GPU to copy it to host memory in the
+        background (PRECOPY) while it stays there, so that evicting it for the next arrival is
+        an unmap of milliseconds instead of a copy of seconds. Costs host memory (the shim's
+        GPUSHARE_HOST_BUDGET bounds the fast part) and PCIe bandwidth while nobody waits.""",
+    ).tag(config=True)
 
     admin_uids = List(
         Int(),
@@ -481,6 +488,7 @@ class GPUShareScheduler(LoggingConfigurable):
             policy=self.scheduling_policy,
             fixed_quantum=self.fixed_quantum,
             idle_check_interval=self.idle_check_interval,
+            precopy_idle=self.precopy_idle,
         )
 
     def pool_for(self, total_bytes: int) -> int:
@@ -1308,7 +1316,7 @@ class GPUShareScheduler(LoggingConfigurable):
         elif mtype == MsgType.MEMORY:
             mem = self._memory_from(conn, msg)
             event = ev.Memory(now, client, mem["used"], mem["managed"], mem["pinned"],
-                              mem["evicted"])  # fmt: skip
+                              mem["evicted"], self._precopied_from(msg, mem))  # fmt: skip
         elif mtype == MsgType.RELEASED:
             evicted = bool(msg.get("flag", 0))
             moved = int(msg.get("bytes_moved") or 0)
@@ -1335,7 +1343,8 @@ class GPUShareScheduler(LoggingConfigurable):
             event = ev.Released(now, client, evicted, moved, micros)
         elif mtype == MsgType.IDLE:
             self.log.debug("idle client=%s idle_ms=%s", client, msg.get("idle_ms", 0))
-            event = ev.Idle(now, client)
+            precopied = self._precopied_from(msg, conn.memory) if "precopied_bytes" in msg else -1
+            event = ev.Idle(now, client, precopied)
         elif mtype == MsgType.EVICTED:
             moved = int(msg.get("bytes_moved") or 0)
             micros = int(msg.get("micros") or 0)
@@ -1345,6 +1354,15 @@ class GPUShareScheduler(LoggingConfigurable):
             if self.metrics is not None:
                 self.metrics.moved(conn.device or "", "evict", moved)
             event = ev.Evicted(now, client, moved, micros)
+        elif mtype == MsgType.PRECOPIED:
+            moved = int(msg.get("bytes_moved") or 0)
+            micros = int(msg.get("micros") or 0)
+            precopied = self._precopied_from(msg, conn.memory)
+            self.log.info(
+                "precopied client=%s %s ms=%.1f valid=%s", client, _bytes(moved),
+                micros / 1000.0, format_size(precopied),
+            )  # fmt: skip
+            event = ev.Precopied(now, client, moved, micros, precopied)
         elif mtype == MsgType.RESTORED:
             moved = int(msg.get("bytes_moved") or 0)
             micros = int(msg.get("micros") or 0)
@@ -1358,6 +1376,12 @@ class GPUShareScheduler(LoggingConfigurable):
             self._client_gone(conn, "goodbye")
             return
         self._handle(event)
+
+    @staticmethod
+    def _precopied_from(msg: Message, mem: dict[str, int]) -> int:
+        """A client's pre-copied bytes: a claim, bounded by what it says it could evict."""
+        claimed = int(msg.get("precopied_bytes") or 0)
+        return max(0, min(claimed, mem.get("managed", 0)))
 
     # ----------------------------------------------------------------------------------------
     # Policy
@@ -1419,6 +1443,9 @@ class GPUShareScheduler(LoggingConfigurable):
                     decision.reason,
                 )  # fmt: skip
                 self._send(conn, Message(MsgType.EVICT, {"reason": decision.reason}))
+            elif isinstance(decision, ev.Precopy):
+                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
+                self._send(conn, Message(MsgType.PRECOPY, {}))
             elif isinstance(decision, ev.QuotaChanged):
                 self.log.info(
                     "quota client=%s quota=%s", decision.client,

@@ -233,6 +233,27 @@ int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
     return move_everything(0, dev, bytes_moved, micros);
 }
 
+void gs_mem_totals(struct gs_mem_totals *out)
+{
+    *out = (struct gs_mem_totals){0};
+    gs_memtab_totals(out);
+    struct gs_vmm_totals v;
+    struct gs_staging_totals st;
+    gs_vmm_totals(&v);
+    gs_staging_totals(&st);
+    out->precopied = v.precopied_valid;
+    out->staging_pinned = st.pinned_bytes;
+    out->staging_pageable = st.pageable_bytes;
+    out->staging_fallbacks = st.fallbacks;
+}
+
+int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros)
+{
+    return gs_vmm_precopy(bytes_copied, micros);
+}
+
+void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
+
 /* ---- fork ---- */
 
 void gs_mem_after_fork_child(void)

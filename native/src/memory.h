@@ -64,6 +64,8 @@ struct gs_span *gs_memtab_managed_spans(int evicted, size_t *count);
 uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *ok, size_t n,
                               int to_host);
 void gs_memtab_after_fork_child(void);
+/* The table's part of gs_mem_totals (memory.c adds the engine's and the staging's). */
+void gs_memtab_totals(struct gs_mem_totals *out);
 
 
 /* Reserve bytes against the quota and the pool; on refusal logs the one line that says why and

@@ -199,6 +199,7 @@ int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
         }
     }
     batch_close(&bt);
+    gs_mem_engine_account(0, 0, 0); /* what is pre-copied changed: report it */
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_copied = copied;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);

@@ -159,7 +159,7 @@ static void changed_locked(void) { atomic_fetch_add_explicit(&mem_gen, 1, memory
 
 uint64_t gs_mem_generation(void) { return atomic_load_explicit(&mem_gen, memory_order_relaxed); }
 
-void gs_mem_totals(struct gs_mem_totals *out)
+void gs_memtab_totals(struct gs_mem_totals *out)
 {
     pthread_mutex_lock(&mem_mu);
     load_quota_locked();

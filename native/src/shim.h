@@ -198,6 +198,10 @@ struct gs_mem_totals {
     uint64_t evicted; /* managed bytes now on the host */
     uint64_t quota;
     uint64_t pool;
+    uint64_t precopied;        /* resident bytes whose host copy is current: evicting is an unmap */
+    uint64_t staging_pinned;   /* host staging registered with the driver (GPUSHARE_HOST_BUDGET) */
+    uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
+    uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
 };
 void gs_mem_totals(struct gs_mem_totals *out);
 void gs_mem_set_quota(uint64_t quota);
@@ -209,6 +213,10 @@ uint64_t gs_mem_generation(void);
  * current on the calling thread. */
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+/* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY). */
+int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros);
+/* Prepare host staging for explicit memory that has none (called when the process goes idle). */
+void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);

@@ -29,6 +29,9 @@
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
+ *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
+ *                               fill BYTES with pattern 1, hold briefly, idle IDLE1 s, fill with
+ *                               pattern 2, hold HOLD2 s, idle IDLE2 s, then check pattern 2
  *   procaddr                    get cuGetProcAddress through cuGetProcAddress_v2 and use it as v1
  */
 #include "cuda_abi.h"
@@ -247,9 +250,9 @@ static long gated_calls(void) {
 }
 
 static const char *state_name(uint32_t s) {
-    static const char *const names[] = {"inactive", "unshared", "idle",
-                                        "waiting",  "holding",  "releasing"};
-    return s < 6 ? names[s] : "unknown";
+    static const char *const names[] = {"inactive", "unshared",  "idle",
+                                        "waiting",  "holding",   "releasing", "asleep"};
+    return s < 7 ? names[s] : "unknown";
 }
 
 /* The status document as JSON fields (",\"status\":{...}" or ",\"status\":null"). */
@@ -272,14 +275,19 @@ static void status_fields(char *out, size_t n) {
              "\"pinned_bytes\":%llu,\"evicted_bytes\":%llu,\"quota_bytes\":%llu,"
              "\"pool_bytes\":%llu,\"gated_calls\":%llu,\"waits\":%llu,\"wait_seconds\":%.6f,"
              "\"current_wait_seconds\":%.6f,\"holding_seconds\":%.6f,\"idle_seconds\":%.6f,"
-             "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\"}",
+             "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\","
+             "\"precopied_bytes\":%llu,\"staging_pinned_bytes\":%llu,"
+             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu}",
              st.version, state_name(st.state), st.state, st.connected, st.evicted,
              (unsigned long long)st.used_bytes, (unsigned long long)st.managed_bytes,
              (unsigned long long)st.pinned_bytes, (unsigned long long)st.evicted_bytes,
              (unsigned long long)st.quota_bytes, (unsigned long long)st.pool_bytes,
              (unsigned long long)st.gated_calls, (unsigned long long)st.waits, st.wait_seconds,
              st.current_wait_seconds, st.holding_seconds, st.idle_seconds, st.client_id,
-             st.socket_path, st.device_uuid);
+             st.socket_path, st.device_uuid, (unsigned long long)st.precopied_bytes,
+             (unsigned long long)st.staging_pinned_bytes,
+             (unsigned long long)st.staging_pageable_bytes,
+             (unsigned long long)st.staging_fallbacks);
 }
 
 static void emit_status(const char *event) {
@@ -1005,6 +1013,51 @@ static int scenario_idle(double seconds, double hold_s, size_t bytes) {
     return 0;
 }
 
+static void fill_pattern(unsigned char *h, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + seed);
+}
+
+/* Pre-copy and its invalidation (tests/native/test_memory_engine.py): the data written after
+ * a pre-copy must be what comes back after an eviction. */
+static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, double idle2) {
+    size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
+    unsigned char *h = malloc(n), *g = malloc(n);
+    CUdeviceptr d = 0;
+    long launches = 0;
+    if (!h || !g || !bytes) return 1;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    fill_pattern(h, n, 1);
+    CHECK(p_cuMemsetD8(d, 1, bytes));
+    CHECK(p_cuMemcpyHtoD(d, h, n));
+    if (hold(0.3, 20000, &launches, 1)) return 1;
+    emit("idle1_start", ",\"launches\":%ld", launches);
+    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle1;) {
+        sleep_s(0.1);
+        emit_tick(launches);
+    }
+    fill_pattern(h, n, 2);
+    CHECK(p_cuMemsetD8(d, 2, bytes));
+    CHECK(p_cuMemcpyHtoD(d, h, n));
+    emit_status("written2");
+    if (hold(hold2, 20000, &launches, 0)) return 1;
+    emit("idle2_start", ",\"launches\":%ld", launches);
+    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle2;) {
+        sleep_s(0.1);
+        emit_tick(launches);
+    }
+    CHECK(p_cuMemcpyDtoH(g, d, n));
+    unsigned char last = 0;
+    CHECK(p_cuMemcpyDtoH(&last, d + bytes - 1, 1));
+    int ok = memcmp(g, h, n) == 0 && (bytes <= n || last == 2);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("cycle_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
+    CHECK(p_cuMemFree(d));
+    free(h);
+    free(g);
+    return !ok;
+}
+
 static int scenario_status(size_t bytes) {
     CUdeviceptr d = 0;
     if (bytes) CHECK(p_cuMemAlloc(&d, bytes));
@@ -1182,6 +1235,9 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
+        rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
+                                    atof(argv[i + 2]), atof(argv[i + 3]));
     } else if (strcmp(scenario, "status") == 0) {
         rc = scenario_status(arg_bytes(argc, argv, i, 0));
     } else if (strcmp(scenario, "procaddr") == 0) {

@@ -30,7 +30,7 @@ def test_status_fields_without_a_scheduler(harness):
     assert e["null_rc"] == -1, "a NULL buffer must be refused"
     st = e["status"]
     assert st["rc"] == 0
-    assert st["version"] == 1
+    assert st["version"] == 2
     assert st["state"] == "unshared"
     assert st["connected"] == 0
     assert st["evicted"] == 0
