@@ -136,7 +136,110 @@ CUresult gs_mem_release(gs_fn_cuMemRelease real, CUmemGenericAllocationHandle ha
 {
     CUresult r = real(handle);
     if (r == CUDA_SUCCESS && !gs_config()->disabled)
-        gs_memtab_uncount(handle, NS_HANDLE);
+        gs_memtab_handle_released(handle);
+    return r;
+}
+
+CUresult gs_mem_retain_handle(gs_fn_cuMemRetainAllocationHandle real,
+                              CUmemGenericAllocationHandle *handle, void *addr)
+{
+    CUresult r = real(handle, addr);
+    if (r == CUDA_SUCCESS && handle && !gs_config()->disabled)
+        gs_memtab_handle_retained(*handle);
+    return r;
+}
+
+CUresult gs_mem_map(gs_fn_cuMemMap real, CUdeviceptr ptr, size_t size, size_t offset,
+                    CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    CUresult r = real(ptr, size, offset, handle, flags);
+    if (r == CUDA_SUCCESS && !gs_config()->disabled)
+        gs_memtab_handle_mapped(handle, ptr, size);
+    return r;
+}
+
+CUresult gs_mem_unmap(gs_fn_cuMemUnmap real, CUdeviceptr ptr, size_t size)
+{
+    CUresult r = real(ptr, size);
+    if (r == CUDA_SUCCESS && !gs_config()->disabled)
+        gs_memtab_range_unmapped(ptr, size);
+    return r;
+}
+
+/* CUDA arrays (textures, surfaces; CuPy's CUDAarray): device memory like any other. The driver
+ * pads them; the descriptor's bytes are counted, the padding is within the context estimate. */
+static uint64_t element_bytes(int format)
+{
+    switch (format) {
+    case 0x01: case 0x08: return 1; /* (UN)SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2; /* (UN)SIGNED_INT16, HALF */
+    default: return 4; /* 32-bit formats, FLOAT, and any newer one counted at 4 per channel */
+    }
+}
+
+static uint64_t array_bytes(size_t w, size_t h, size_t d, int format, unsigned channels,
+                            unsigned levels)
+{
+    uint64_t total = 0;
+    for (unsigned l = 0; l < (levels ? levels : 1); l++) {
+        uint64_t lw = w >> l ? w >> l : 1, lh = h ? (h >> l ? h >> l : 1) : 1;
+        uint64_t ld = d ? (d >> l ? d >> l : 1) : 1;
+        total += lw * lh * ld * (channels ? channels : 1) * element_bytes(format);
+    }
+    return total;
+}
+
+static CUresult count_array(CUresult r, uint64_t bytes, const void *handle_slot)
+{
+    unsigned long long key = r == CUDA_SUCCESS ? (unsigned long long)*(void *const *)handle_slot : 0;
+    return gs_memtab_settle(r, bytes, &key, NS_ARRAY, bytes, KIND_DEVICE);
+}
+
+CUresult gs_mem_array_create(gs_fn_cuArrayCreate_v2 real, CUarray *pHandle,
+                             const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    if (gs_config()->disabled || !pHandle || !desc)
+        return real(pHandle, desc);
+    uint64_t bytes = array_bytes(desc->Width, desc->Height, 0, desc->Format, desc->NumChannels, 1);
+    CUresult r = gs_memtab_reserve(bytes);
+    return r != CUDA_SUCCESS ? r : count_array(real(pHandle, desc), bytes, pHandle);
+}
+
+CUresult gs_mem_array3d_create(gs_fn_cuArray3DCreate_v2 real, CUarray *pHandle,
+                               const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    if (gs_config()->disabled || !pHandle || !desc)
+        return real(pHandle, desc);
+    uint64_t bytes = array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                 desc->NumChannels, 1);
+    CUresult r = gs_memtab_reserve(bytes);
+    return r != CUDA_SUCCESS ? r : count_array(real(pHandle, desc), bytes, pHandle);
+}
+
+CUresult gs_mem_mipmapped_create(gs_fn_cuMipmappedArrayCreate real, CUmipmappedArray *pHandle,
+                                 const CUDA_ARRAY3D_DESCRIPTOR *desc, unsigned int levels)
+{
+    if (gs_config()->disabled || !pHandle || !desc)
+        return real(pHandle, desc, levels);
+    uint64_t bytes = array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                 desc->NumChannels, levels);
+    CUresult r = gs_memtab_reserve(bytes);
+    return r != CUDA_SUCCESS ? r : count_array(real(pHandle, desc, levels), bytes, pHandle);
+}
+
+CUresult gs_mem_array_destroy(gs_fn_cuArrayDestroy real, CUarray h)
+{
+    CUresult r = real(h);
+    if (r == CUDA_SUCCESS && !gs_config()->disabled)
+        gs_memtab_uncount((uint64_t)(uintptr_t)h, NS_ARRAY);
+    return r;
+}
+
+CUresult gs_mem_mipmapped_destroy(gs_fn_cuMipmappedArrayDestroy real, CUmipmappedArray h)
+{
+    CUresult r = real(h);
+    if (r == CUDA_SUCCESS && !gs_config()->disabled)
+        gs_memtab_uncount((uint64_t)(uintptr_t)h, NS_ARRAY);
     return r;
 }
 
@@ -253,6 +356,15 @@ int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros)
 }
 
 void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
+
+void gs_mem_forget_context(CUcontext ctx)
+{
+    if (gs_config()->disabled || !ctx)
+        return;
+    gs_vmm_forget_context(ctx);
+    gs_memtab_forget_context(ctx);
+    move_stream = NULL; /* it belonged to a context that may be this one */
+}
 
 /* ---- fork ---- */
 

@@ -39,13 +39,14 @@ typedef struct gs_mem_access_desc {
 
 /* ---- memory_table.c: the allocation table, quota, totals ---- */
 
-enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2 };
+enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2, NS_ARRAY = 3, NS_MAP = 4 };
 enum {
     KIND_MANAGED = 0, /* cuMemAllocManaged, or cuMemAlloc made managed: evictable */
     KIND_DEVICE = 1,  /* plain device memory (GPUSHARE_MEMORY=device): counted, pinned */
     KIND_POOL = 2,    /* stream-ordered pools: pinned */
     KIND_HANDLE = 3,  /* cuMemCreate handles: pinned until cuMemRelease */
-    KIND_ENGINE = 4   /* explicit memory: counted by memory_vmm.c, never in the table */
+    KIND_ENGINE = 4,  /* explicit memory: counted by memory_vmm.c, never in the table */
+    KIND_MAP = 5      /* a mapping of a counted handle: not counted itself */
 };
 
 /* A reservation for an allocation the table will record: bytes and a table slot. */
@@ -56,6 +57,12 @@ void gs_memtab_unreserve(uint64_t size);
 CUresult gs_memtab_settle(CUresult r, uint64_t reserved, const unsigned long long *key,
                           uint8_t ns, uint64_t size, uint8_t kind);
 void gs_memtab_uncount(uint64_t key, uint8_t ns);
+/* The program's own VMM handles: counted until released by every holder (cuMemRelease after
+ * cuMemCreate and each cuMemRetainAllocationHandle) and unmapped everywhere. */
+void gs_memtab_handle_retained(uint64_t handle);
+void gs_memtab_handle_released(uint64_t handle);
+void gs_memtab_handle_mapped(uint64_t handle, uint64_t ptr, uint64_t size);
+void gs_memtab_range_unmapped(uint64_t ptr, uint64_t size);
 struct gs_span {
     uint64_t ptr, size;
 };
@@ -64,6 +71,7 @@ struct gs_span *gs_memtab_managed_spans(int evicted, size_t *count);
 uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *ok, size_t n,
                               int to_host);
 void gs_memtab_after_fork_child(void);
+void gs_memtab_forget_context(CUcontext ctx);
 /* The table's part of gs_mem_totals (memory.c adds the engine's and the staging's). */
 void gs_memtab_totals(struct gs_mem_totals *out);
 

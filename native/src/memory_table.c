@@ -16,6 +16,10 @@
 struct entry {
     uint64_t key;
     uint64_t size;
+    uint64_t aux;  /* NS_MAP: the handle mapped there */
+    CUcontext ctx; /* current when it was allocated: its memory goes with that context */
+    uint32_t refs; /* NS_HANDLE: cuMemCreate + cuMemRetainAllocationHandle - cuMemRelease */
+    uint32_t maps; /* NS_HANDLE: live cuMemMap mappings of it */
     uint8_t ns;
     uint8_t kind;
     uint8_t evicted;
@@ -89,6 +93,29 @@ static int promise_slot_locked(void)
     return 0;
 }
 
+static CUcontext current_context(void)
+{
+    typedef CUresult (*get_fn)(CUcontext *);
+    static get_fn get;
+    if (!get)
+        get = (get_fn)gs_driver_sym("cuCtxGetCurrent");
+    CUcontext c = NULL;
+    if (get)
+        get(&c);
+    return c;
+}
+
+static void count_locked(const struct entry *e, int sign)
+{
+    uint64_t d = sign > 0 ? e->size : (uint64_t)0 - e->size;
+    if (e->kind == KIND_MANAGED)
+        managed_bytes += d;
+    else if (e->kind != KIND_MAP)
+        pinned_alloc_bytes += d;
+    if (e->evicted && sign < 0)
+        evicted_bytes -= e->size;
+}
+
 static void insert(uint64_t key, uint8_t ns, uint64_t size, uint8_t kind)
 {
     struct entry *e = find(key, ns);
@@ -103,28 +130,16 @@ static void insert(uint64_t key, uint8_t ns, uint64_t size, uint8_t kind)
         table_len++;
     } else {
         /* The driver reused an address we still had (a free we did not see): replace it. */
-        if (e->kind == KIND_MANAGED)
-            managed_bytes -= e->size;
-        else
-            pinned_alloc_bytes -= e->size;
-        if (e->evicted)
-            evicted_bytes -= e->size;
+        count_locked(e, -1);
     }
-    *e = (struct entry){.key = key, .size = size, .ns = ns, .kind = kind, .evicted = 0};
-    if (kind == KIND_MANAGED)
-        managed_bytes += size;
-    else
-        pinned_alloc_bytes += size;
+    *e = (struct entry){.key = key, .size = size, .refs = 1, .ns = ns, .kind = kind,
+                        .ctx = current_context()};
+    count_locked(e, 1);
 }
 
 static void erase(struct entry *e)
 {
-    if (e->kind == KIND_MANAGED)
-        managed_bytes -= e->size;
-    else
-        pinned_alloc_bytes -= e->size;
-    if (e->evicted)
-        evicted_bytes -= e->size;
+    count_locked(e, -1);
     size_t i = (size_t)(e - table);
     /* Backward shift: pull later members of the probe run into the hole. */
     for (size_t j = (i + 1) & (table_cap - 1); table[j].ns != NS_EMPTY;
@@ -303,6 +318,100 @@ void gs_memtab_uncount(uint64_t key, uint8_t ns)
     }
     pthread_mutex_unlock(&mem_mu);
     if (hit)
+        gs_client_wake();
+}
+
+/* The program destroyed a context: what was allocated in it is gone (issue 12, item 4). */
+void gs_memtab_forget_context(CUcontext ctx)
+{
+    int hit = 0;
+    pthread_mutex_lock(&mem_mu);
+    /* Backward-shift deletion only moves entries into the hole at i, so i is looked at again
+     * and nothing unvisited is skipped. */
+    for (size_t i = 0; i < table_cap;) {
+        if (table[i].ns != NS_EMPTY && table[i].ctx == ctx) {
+            erase(&table[i]);
+            hit = 1;
+        } else {
+            i++;
+        }
+    }
+    if (hit)
+        changed_locked();
+    pthread_mutex_unlock(&mem_mu);
+    if (hit)
+        gs_client_wake();
+}
+
+/* ---- physical memory of the VMM API: counted until its last release and its last unmap ---- */
+
+void gs_memtab_handle_retained(uint64_t handle)
+{
+    pthread_mutex_lock(&mem_mu);
+    struct entry *e = find(handle, NS_HANDLE);
+    if (e)
+        e->refs++;
+    pthread_mutex_unlock(&mem_mu);
+}
+
+/* Drop the handle's entry when nothing holds or maps it any more. Under mem_mu. */
+static int drop_if_unused_locked(uint64_t handle)
+{
+    struct entry *e = find(handle, NS_HANDLE);
+    if (!e || e->refs || e->maps)
+        return 0;
+    erase(e);
+    changed_locked();
+    return 1;
+}
+
+void gs_memtab_handle_released(uint64_t handle)
+{
+    pthread_mutex_lock(&mem_mu);
+    struct entry *e = find(handle, NS_HANDLE);
+    if (e && e->refs)
+        e->refs--;
+    int dropped = drop_if_unused_locked(handle);
+    pthread_mutex_unlock(&mem_mu);
+    if (dropped)
+        gs_client_wake();
+}
+
+void gs_memtab_handle_mapped(uint64_t handle, uint64_t ptr, uint64_t size)
+{
+    pthread_mutex_lock(&mem_mu);
+    struct entry *e = find(handle, NS_HANDLE);
+    if (e) {
+        e->maps++;
+        insert(ptr, NS_MAP, size, KIND_MAP);
+        struct entry *m = find(ptr, NS_MAP);
+        if (m)
+            m->aux = handle;
+    }
+    pthread_mutex_unlock(&mem_mu);
+}
+
+void gs_memtab_range_unmapped(uint64_t ptr, uint64_t size)
+{
+    int dropped = 0;
+    pthread_mutex_lock(&mem_mu);
+    /* One cuMemUnmap may cover several consecutive mappings. */
+    for (uint64_t p = ptr; p < ptr + size;) {
+        struct entry *m = find(p, NS_MAP);
+        if (!m)
+            break;
+        uint64_t handle = m->aux, len = m->size;
+        erase(m);
+        struct entry *e = find(handle, NS_HANDLE);
+        if (e && e->maps)
+            e->maps--;
+        dropped |= drop_if_unused_locked(handle);
+        if (!len)
+            break;
+        p += len;
+    }
+    pthread_mutex_unlock(&mem_mu);
+    if (dropped)
         gs_client_wake();
 }
 

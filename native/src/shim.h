@@ -218,6 +218,9 @@ int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);
+/* The program destroyed a context: stop counting what was allocated in it and give back the
+ * shim's explicit memory of it. */
+void gs_mem_forget_context(CUcontext ctx);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);
 

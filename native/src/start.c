@@ -107,7 +107,9 @@ CUresult gs_ctx_create_v4(gs_fn_cuCtxCreate_v4 real, CUcontext *pctx,
 CUresult gs_ctx_destroy(gs_fn_cuCtxDestroy_v2 real, CUcontext ctx)
 {
     CUresult r = real(ctx);
-    if (r == CUDA_SUCCESS)
+    if (r == CUDA_SUCCESS) {
         gs_device_forget_context(gs_session_get(), ctx);
+        gs_mem_forget_context(ctx);
+    }
     return r;
 }

@@ -29,6 +29,8 @@
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
+ *   ctx_teardown BYTES          allocate BYTES through alloc, managed and create in a context of
+ *                               its own, destroy it, then allocate again in the primary one
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
  *                               fill BYTES with pattern 1, hold briefly, idle IDLE1 s, fill with
  *                               pattern 2, hold HOLD2 s, idle IDLE2 s, then check pattern 2
@@ -90,6 +92,9 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
     X(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease_v2,     \
       (CUdevice))                                                                                \
     X(cuCtxSetCurrent, cuCtxSetCurrent, cuCtxSetCurrent, (CUcontext))                            \
+    X(cuCtxCreate, cuCtxCreate_v4, cuCtxCreate_v4,                                               \
+      (CUcontext *, CUctxCreateParams *, unsigned int, CUdevice))                                \
+    X(cuCtxDestroy, cuCtxDestroy_v2, cuCtxDestroy_v2, (CUcontext))                               \
     X(cuCtxGetCurrent, cuCtxGetCurrent, cuCtxGetCurrent, (CUcontext *))                          \
     X(cuCtxSynchronize, cuCtxSynchronize, cuCtxSynchronize, (void))                              \
     X(cuStreamCreate, cuStreamCreate, cuStreamCreate, (CUstream *, unsigned int))                \
@@ -107,6 +112,16 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
       (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                           \
     X(cuMemFree, cuMemFree_v2, cuMemFree_v2, (CUdeviceptr))                                      \
     X(cuMemFreeAsync, cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr, CUstream))              \
+    X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, cuMemRetainAllocationHandle,     \
+      (CUmemGenericAllocationHandle *, void *))                                                  \
+    X(cuArrayCreate, cuArrayCreate_v2, cuArrayCreate_v2, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
+    X(cuArray3DCreate, cuArray3DCreate_v2, cuArray3DCreate_v2,                                    \
+      (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                                              \
+    X(cuMipmappedArrayCreate, cuMipmappedArrayCreate, cuMipmappedArrayCreate,                    \
+      (CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int))                       \
+    X(cuArrayDestroy, cuArrayDestroy, cuArrayDestroy, (CUarray))                                 \
+    X(cuMipmappedArrayDestroy, cuMipmappedArrayDestroy, cuMipmappedArrayDestroy,                 \
+      (CUmipmappedArray))                                                                        \
     X(cuMemCreate, cuMemCreate, cuMemCreate,                                                     \
       (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, cuMemRelease, cuMemRelease, (CUmemGenericAllocationHandle))                  \
@@ -494,12 +509,21 @@ struct allocation {
     size_t size; /* usable bytes */
     size_t mapped;
     CUmemGenericAllocationHandle handle;
+    void *array; /* CUarray or CUmipmappedArray */
     int path;
 };
 
-enum { P_ALLOC, P_PITCH, P_MANAGED, P_ASYNC, P_POOL, P_CREATE, P_COUNT };
-static const char *const path_names[P_COUNT] = {"alloc", "pitch", "managed",
-                                                "async", "pool",  "create"};
+enum {
+    P_ALLOC, P_PITCH, P_MANAGED, P_ASYNC, P_POOL, P_CREATE,
+    /* Ways around a quota that only allocate (no data round trip): */
+    P_CREATE_RELEASED, /* cuMemCreate + map, then cuMemRelease while mapped (NCCL's free path) */
+    P_CREATE_RETAINED, /* ... then cuMemRetainAllocationHandle + cuMemRelease of that */
+    P_ARRAY, P_ARRAY3D, P_MIPMAP,
+    P_COUNT
+};
+static const char *const path_names[P_COUNT] = {
+    "alloc", "pitch", "managed", "async", "pool", "create",
+    "create_released", "create_retained", "array", "array3d", "mipmap"};
 
 static int path_of(const char *s) {
     for (int i = 0; i < P_COUNT; i++)
@@ -527,6 +551,32 @@ static CUresult do_alloc(int path, size_t size, struct allocation *a) {
         CUresult rc = p_cuDeviceGetDefaultMemPool(&pool, g_dev);
         if (rc) return rc;
         return p_cuMemAllocFromPoolAsync(&a->ptr, size, pool, g_stream);
+    }
+    case P_CREATE_RELEASED:
+    case P_CREATE_RETAINED: {
+        CUresult rc = do_alloc(P_CREATE, size, a);
+        a->path = path;
+        if (rc) return rc;
+        if (path == P_CREATE_RETAINED) {
+            CUmemGenericAllocationHandle again = 0;
+            rc = p_cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)a->ptr);
+            if (rc) return rc;
+            if (again != a->handle) return CUDA_ERROR_UNKNOWN;
+        }
+        return p_cuMemRelease(a->handle); /* still mapped: the memory stays */
+    }
+    case P_ARRAY: {
+        /* FLOAT, one channel: 4 bytes an element, rows of 4096 elements. */
+        CUDA_ARRAY_DESCRIPTOR d = {4096, size / (4096 * 4), 0x20, 1};
+        return p_cuArrayCreate((CUarray *)&a->array, &d);
+    }
+    case P_ARRAY3D: {
+        CUDA_ARRAY3D_DESCRIPTOR d = {1024, 1024, size / (1024 * 1024 * 4), 0x20, 1, 0};
+        return p_cuArray3DCreate((CUarray *)&a->array, &d);
+    }
+    case P_MIPMAP: {
+        CUDA_ARRAY3D_DESCRIPTOR d = {4096, size / (4096 * 4), 0, 0x20, 1, 0};
+        return p_cuMipmappedArrayCreate((CUmipmappedArray *)&a->array, &d, 1);
     }
     case P_CREATE: {
         struct CUmemAllocationProp_st prop;
@@ -576,6 +626,18 @@ static CUresult do_free(struct allocation *a) {
         if (rc) return rc;
         return p_cuMemAddressFree(a->ptr, a->mapped);
     }
+    case P_CREATE_RETAINED:
+    case P_CREATE_RELEASED: {
+        /* The retain's own reference, then the memory goes at its last unmap. */
+        CUresult rc = a->path == P_CREATE_RETAINED ? p_cuMemRelease(a->handle) : CUDA_SUCCESS;
+        if (rc) return rc;
+        rc = p_cuMemUnmap(a->ptr, a->mapped);
+        if (rc) return rc;
+        return p_cuMemAddressFree(a->ptr, a->mapped);
+    }
+    case P_ARRAY:
+    case P_ARRAY3D: return p_cuArrayDestroy((CUarray)a->array);
+    case P_MIPMAP: return p_cuMipmappedArrayDestroy((CUmipmappedArray)a->array);
     default: return p_cuMemFree(a->ptr);
     }
 }
@@ -1058,6 +1120,28 @@ static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, doub
     return !ok;
 }
 
+static int scenario_ctx_teardown(size_t bytes) {
+    CUcontext own = NULL;
+    char st[2048];
+    CHECK(p_cuCtxCreate(&own, NULL, 0, g_dev)); /* the 12.5+ entry point (default version) */
+    CHECK(p_cuCtxSetCurrent(own));
+    struct allocation a[3];
+    int paths[3] = {P_ALLOC, P_MANAGED, P_CREATE};
+    for (int i = 0; i < 3; i++) CHECK(do_alloc(paths[i], bytes, &a[i]));
+    status_fields(st, sizeof(st));
+    emit("allocated", "%s", st);
+    CHECK(p_cuCtxDestroy(own)); /* the program never frees: the context takes it all */
+    CHECK(p_cuCtxSetCurrent(g_ctx));
+    status_fields(st, sizeof(st));
+    emit("destroyed", "%s", st);
+    struct allocation again;
+    CUresult rc = do_alloc(P_ALLOC, bytes, &again);
+    if (rc == CUDA_SUCCESS) rc = round_trip(again.ptr, again.size) ? do_free(&again) : 1;
+    status_fields(st, sizeof(st));
+    emit("again", ",\"rc\":%d%s", rc, st);
+    return rc != CUDA_SUCCESS;
+}
+
 static int scenario_status(size_t bytes) {
     CUdeviceptr d = 0;
     if (bytes) CHECK(p_cuMemAlloc(&d, bytes));
@@ -1235,6 +1319,8 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "ctx_teardown") == 0) {
+        rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
         rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
                                     atof(argv[i + 2]), atof(argv[i + 3]));

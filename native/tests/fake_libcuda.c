@@ -288,6 +288,7 @@ struct fk_handle {
     size_t size;
     int released;
     int maps;
+    int extra_refs; /* cuMemRetainAllocationHandle: each needs its own cuMemRelease */
 };
 static struct fk_handle *g_handles;
 static size_t g_nhandles, g_caphandles;
@@ -1133,7 +1134,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     }
     GROW(g_handles, g_nhandles, g_caphandles);
     unsigned long long id = g_next_handle++;
-    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0};
+    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0, 0};
     g_live_device_bytes += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
@@ -1163,6 +1164,11 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     if (!h || h->released) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (h->extra_refs > 0) {
+        h->extra_refs--;
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
     }
     h->released = 1;
     maybe_drop_handle_locked(h);
@@ -1959,6 +1965,7 @@ static const struct fk_proc g_procs[] = {
     {"cuGetErrorString", 6000, 0, "cuGetErrorString"},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress"},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},
+    FK_VMM_PROCS
 };
 
 static void *own_symbol(const char *name) {

@@ -114,9 +114,143 @@ CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) 
     return CUDA_SUCCESS;
 }
 
+/* cuMemRetainAllocationHandle: the handle mapped at addr (the same id cuMemCreate gave). */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    COUNT();
+    NEED_INIT();
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nmaps; i++) {
+        struct fk_mapping *m = &g_maps[i];
+        if ((uintptr_t)addr < m->base || (uintptr_t)addr >= m->base + m->size) continue;
+        struct fk_handle *h = find_handle_locked(m->handle);
+        if (h && h->released) {
+            h->released = 0; /* released but still mapped: the retain holds it again */
+        } else if (h) {
+            h->extra_refs++;
+        }
+        *handle = m->handle;
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* CUDA arrays: device memory of the described size, no contents modelled. */
+struct CUarray_st {
+    size_t size;
+};
+struct CUmipmappedArray_st {
+    size_t size;
+};
+
+static size_t fk_array_bytes(size_t w, size_t h, size_t d, int format, unsigned ch, unsigned lv) {
+    size_t elem = (format == 0x01 || format == 0x08) ? 1 : (format == 0x02 || format == 0x09 ||
+                                                            format == 0x10) ? 2 : 4;
+    size_t total = 0;
+    for (unsigned l = 0; l < (lv ? lv : 1); l++) {
+        size_t lw = w >> l ? w >> l : 1, lh = h ? (h >> l ? h >> l : 1) : 1;
+        size_t ld = d ? (d >> l ? d >> l : 1) : 1;
+        total += lw * lh * ld * (ch ? ch : 1) * elem;
+    }
+    return total;
+}
+
+static CUresult fk_array_take(size_t size) {
+    pthread_mutex_lock(&g_lock);
+    if (g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
+        fk_device_total()) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    g_live_device_bytes += size;
+    note_peak();
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+static void fk_array_give(size_t size) {
+    pthread_mutex_lock(&g_lock);
+    g_live_device_bytes -= size;
+    pthread_mutex_unlock(&g_lock);
+}
+
+static CUresult fk_array_new(void **out, size_t size) {
+    if (!out || !size) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = fk_array_take(size);
+    if (r) return r;
+    size_t *a = malloc(sizeof *a);
+    if (!a) {
+        fk_array_give(size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *a = size;
+    *out = a;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    COUNT();
+    NEED_CTX();
+    if (!d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
+    return fk_array_new((void **)pHandle,
+                        fk_array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels, 1));
+}
+
+CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    COUNT();
+    NEED_CTX();
+    if (!d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
+    return fk_array_new((void **)pHandle, fk_array_bytes(d->Width, d->Height, d->Depth, d->Format,
+                                                         d->NumChannels, 1));
+}
+
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                unsigned int numMipmapLevels) {
+    COUNT();
+    NEED_CTX();
+    if (!d || !d->Width || !numMipmapLevels) return CUDA_ERROR_INVALID_VALUE;
+    return fk_array_new((void **)pHandle, fk_array_bytes(d->Width, d->Height, d->Depth, d->Format,
+                                                         d->NumChannels, numMipmapLevels));
+}
+
+static CUresult fk_array_free(void *h) {
+    if (!h) return CUDA_ERROR_INVALID_VALUE;
+    fk_array_give(*(size_t *)h);
+    free(h);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuArrayDestroy(CUarray hArray) {
+    COUNT();
+    NEED_INIT();
+    return fk_array_free(hArray);
+}
+
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
+    COUNT();
+    NEED_INIT();
+    return fk_array_free(hMipmappedArray);
+}
+
 #define FK_VMM_EXPORTS(X)                                                                        \
     X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuMemHostAlloc) X(cuMemFreeHost)            \
-    X(cuCtxGetStreamPriorityRange)
+    X(cuCtxGetStreamPriorityRange) X(cuMemRetainAllocationHandle) X(cuArrayCreate_v2)            \
+    X(cuArray3DCreate_v2) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy)
+
+/* Appended to the cuGetProcAddress table: (base name, version, per-thread, symbol). */
+#define FK_VMM_PROCS                                                                             \
+    {"cuMemHostRegister", 6050, 0, "cuMemHostRegister_v2"},                                      \
+        {"cuMemHostUnregister", 4000, 0, "cuMemHostUnregister"},                                 \
+        {"cuMemHostAlloc", 2020, 0, "cuMemHostAlloc"}, {"cuMemFreeHost", 2000, 0, "cuMemFreeHost"}, \
+        {"cuCtxGetStreamPriorityRange", 5050, 0, "cuCtxGetStreamPriorityRange"},                 \
+        {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle"},                \
+        {"cuArrayCreate", 3020, 0, "cuArrayCreate_v2"},                                          \
+        {"cuArray3DCreate", 3020, 0, "cuArray3DCreate_v2"},                                      \
+        {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate"},                           \
+        {"cuArrayDestroy", 2000, 0, "cuArrayDestroy"},                                           \
+        {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy"},
 
 /* Appended to fakecuda_stats_json (g_lock held). */
 #define FK_VMM_STATS(APPEND)                                                                     \

@@ -176,3 +176,41 @@ def test_a_refusal_by_the_driver_is_not_counted(harness, path):
     assert not oom_lines(run), run.stderr
     freed = run.event("quota_freed")
     assert freed["realloc_rc"] == 0 and freed["status"]["used_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["create_released", "create_retained", "array", "array3d", "mipmap"]
+)
+def test_quota_holds_on_every_way_around_it(harness, path):
+    """Issue 12, item 5: a VMM handle released while still mapped (NCCL's free path), one
+    retained with cuMemRetainAllocationHandle, and CUDA arrays all count until really gone."""
+    chunk = 32 * MiB
+    run = harness.run(
+        "quota", chunk, path, 64, context_bytes=CONTEXT, memory_limit="300MiB", log="warn"
+    ).ok()
+    q = run.event("quota")
+    # Every one of the seven is still counted although the program dropped its handle.
+    assert q["count"] == 7 and q["rc"] == 2, q
+    assert q["status"]["used_bytes"] == CONTEXT + 7 * chunk, q["status"]
+    assert len(oom_lines(run)) == 1, run.stderr
+    freed = run.event("quota_freed")
+    assert freed["free_errors"] == 0 and freed["realloc_rc"] == 0, freed
+    # Counted until the last unmap / destroy, and not a byte longer.
+    assert freed["status"]["used_bytes"] == CONTEXT, freed["status"]
+    assert run.stats["live_device_bytes"] == 0, run.stats
+
+
+def test_destroying_a_context_stops_counting_its_memory(harness):
+    """Issue 12, item 4: cuCtxDestroy frees what was allocated in the context; the shim's table
+    must forget it too, or the quota stays spent and later allocations are refused."""
+    size = 96 * MiB
+    run = harness.run(
+        "ctx_teardown", size, context_bytes=CONTEXT, memory_limit="512MiB", log="warn"
+    ).ok()
+    allocated = run.event("allocated")["status"]
+    assert allocated["used_bytes"] == CONTEXT + 3 * size, allocated
+    destroyed = run.event("destroyed")["status"]
+    assert destroyed["used_bytes"] == CONTEXT, destroyed
+    again = run.event("again")
+    assert again["rc"] == 0 and again["status"]["used_bytes"] == CONTEXT, again
+    assert not oom_lines(run), run.stderr
