@@ -123,6 +123,11 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
 
+/* cuIpcGetMemHandle's handle: 64 opaque bytes. */
+typedef struct CUipcMemHandle_st {
+    char reserved[64];
+} CUipcMemHandle;
+
 /* CUuuid */
 typedef struct CUuuid_st {
     char bytes[16];

@@ -29,6 +29,7 @@
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
+ *   ipc PATH                    allocate 1 MiB through PATH, ask cuIpcGetMemHandle for it
  *   ctx_teardown BYTES          allocate BYTES through alloc, managed and create in a context of
  *                               its own, destroy it, then allocate again in the primary one
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
@@ -112,6 +113,7 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
       (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                           \
     X(cuMemFree, cuMemFree_v2, cuMemFree_v2, (CUdeviceptr))                                      \
     X(cuMemFreeAsync, cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr, CUstream))              \
+    X(cuIpcGetMemHandle, cuIpcGetMemHandle, cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))  \
     X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, cuMemRetainAllocationHandle,     \
       (CUmemGenericAllocationHandle *, void *))                                                  \
     X(cuArrayCreate, cuArrayCreate_v2, cuArrayCreate_v2, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
@@ -1120,6 +1122,16 @@ static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, doub
     return !ok;
 }
 
+static int scenario_ipc(int path) {
+    struct allocation a;
+    CHECK(do_alloc(path, 1u << 20, &a));
+    CUipcMemHandle h;
+    CUresult rc = p_cuIpcGetMemHandle(&h, a.ptr);
+    emit("ipc", ",\"path\":\"%s\",\"rc\":%d", path_names[path], rc);
+    CHECK(do_free(&a));
+    return 0;
+}
+
 static int scenario_ctx_teardown(size_t bytes) {
     CUcontext own = NULL;
     char st[2048];
@@ -1319,6 +1331,8 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "ipc") == 0 && i < argc && path_of(argv[i]) >= 0) {
+        rc = scenario_ipc(path_of(argv[i]));
     } else if (strcmp(scenario, "ctx_teardown") == 0) {
         rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {

@@ -234,10 +234,27 @@ CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
     return fk_array_free(hMipmappedArray);
 }
 
+/* The legacy IPC handle: like the real driver, only for cuMemAlloc memory (the VMM and managed
+ * memory get "invalid argument"). The handle carries the allocation's address. */
+CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) {
+    COUNT();
+    NEED_CTX();
+    if (!pHandle) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct fk_alloc *a = find_alloc_locked((uintptr_t)dptr, 1);
+    int ok = a && (a->kind == A_DEVICE || a->kind == A_PITCH);
+    pthread_mutex_unlock(&g_lock);
+    if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    memset(pHandle, 0, sizeof *pHandle);
+    memcpy(pHandle->reserved, &dptr, sizeof dptr);
+    return CUDA_SUCCESS;
+}
+
 #define FK_VMM_EXPORTS(X)                                                                        \
     X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuMemHostAlloc) X(cuMemFreeHost)            \
     X(cuCtxGetStreamPriorityRange) X(cuMemRetainAllocationHandle) X(cuArrayCreate_v2)            \
-    X(cuArray3DCreate_v2) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy)
+    X(cuArray3DCreate_v2) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy) \
+    X(cuIpcGetMemHandle)
 
 /* Appended to the cuGetProcAddress table: (base name, version, per-thread, symbol). */
 #define FK_VMM_PROCS                                                                             \
@@ -250,7 +267,8 @@ CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
         {"cuArray3DCreate", 3020, 0, "cuArray3DCreate_v2"},                                      \
         {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate"},                           \
         {"cuArrayDestroy", 2000, 0, "cuArrayDestroy"},                                           \
-        {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy"},
+        {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy"},                         \
+        {"cuIpcGetMemHandle", 4010, 0, "cuIpcGetMemHandle"},
 
 /* Appended to fakecuda_stats_json (g_lock held). */
 #define FK_VMM_STATS(APPEND)                                                                     \

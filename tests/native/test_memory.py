@@ -214,3 +214,17 @@ def test_destroying_a_context_stops_counting_its_memory(harness):
     again = run.event("again")
     assert again["rc"] == 0 and again["status"]["used_bytes"] == CONTEXT, again
     assert not oom_lines(run), run.stderr
+
+
+def test_ipc_of_evictable_memory_is_a_clear_error_naming_the_setting(harness):
+    """torch.multiprocessing shares CUDA tensors with cuIpcGetMemHandle. Memory the shim may
+    evict cannot be mapped by a peer: the refusal must say so and name what works, not be the
+    driver's bare "invalid argument"."""
+    run = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn").ok()
+    assert run.event("ipc")["rc"] == 801  # CUDA_ERROR_NOT_SUPPORTED
+    said = [line for line in run.shim_lines if "cuIpcGetMemHandle" in line]
+    assert len(said) == 1 and "GPUSHARE_MEMORY=device" in said[0], run.stderr
+    # With the setting it names, the handle is given.
+    ok = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn", memory="device").ok()
+    assert ok.event("ipc")["rc"] == 0
+    assert not [line for line in ok.shim_lines if "cuIpcGetMemHandle" in line]
