@@ -211,9 +211,7 @@ void gs_vmm_prepare_staging(void)
     if (!gs_vmm_drv.ok)
         return;
     pthread_mutex_lock(&gs_vmm_mu);
-    for (size_t i = 0; i < gs_vmm_nblocks; i++)
-        if (!gs_vmm_blocks[i]->staging.host)
-            gs_staging_get(&gs_vmm_blocks[i]->staging, gs_vmm_blocks[i]->size);
+    gs_vmm_prepare_kick_locked(); /* in the background: the caller answers the scheduler */
     pthread_mutex_unlock(&gs_vmm_mu);
 }
 

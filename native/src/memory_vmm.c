@@ -207,7 +207,10 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         gs_mem_unreserve(size);
         return r;
     }
+    static uint64_t next_id;
+    b->id = ++next_id;
     gs_mem_engine_account(size, (int64_t)size, 0);
+    gs_vmm_prepare_kick_locked(); /* its host staging, off the critical path */
     *out = b;
     return CUDA_SUCCESS;
 }
@@ -387,4 +390,5 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_nblocks = capblocks = 0;
     granularity = 0;
     gs_vmm_forget_streams();
+    gs_vmm_prepare_after_fork_child();
 }

@@ -25,6 +25,8 @@ struct block {
     CUmemGenericAllocationHandle handle; /* 0 while evicted */
     int resident;
     int precopied;         /* staging holds the contents as of precopy_mark */
+    int preparing;         /* memory_prepare.c is making its staging */
+    uint64_t id;           /* unique for the process's life: found again after the lock was let go */
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
     struct gs_staging staging;
     struct chunk *chunk; /* NULL: one allocation owns the block */
@@ -84,5 +86,10 @@ void gs_vmm_unback(struct block *b);
  * driver refuses. */
 CUstream gs_vmm_move_stream(int low_priority);
 void gs_vmm_forget_streams(void);
+
+/* memory_prepare.c: prepare staging for blocks that have none, in the background. Under
+ * gs_vmm_mu. */
+void gs_vmm_prepare_kick_locked(void);
+void gs_vmm_prepare_after_fork_child(void);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */
