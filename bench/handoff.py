@@ -177,10 +177,12 @@ def precopied_arrival(
         "target_ms": 100.0,
         "met": latency * 1000 <= 100.0,
     }
+    moved = ", ".join(
+        f"{m['bytes'] / GiB:.1f} GiB in {m['seconds'] * 1000:.1f} ms" for m in evictions
+    )
     log(
         f"arrival at {idle_count} pre-copied idle kernels of {size / GiB:g} GiB: first kernel "
-        f"after {latency * 1000:.1f} ms (pre-copies took {precopy_s:.1f} s); evictions "
-        + ", ".join(f"{m['bytes'] / GiB:.1f} GiB in {m['seconds'] * 1000:.1f} ms" for m in evictions)
+        f"after {latency * 1000:.1f} ms (pre-copies took {precopy_s:.1f} s); evictions {moved}"
     )
     return res
 

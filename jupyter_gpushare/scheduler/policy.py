@@ -160,7 +160,7 @@ class _Client:
     holding: Holding | None = None
     waiting_since: float | None = None
     evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
-    precopy_pending: bool = False  # a Precopy was sent, the Precopied answer has not come
+    precopy_asked: bool = False  # a Precopy was sent in this idle period
     precopied: int = 0  # resident bytes with a current host copy, as last reported
     revoke_evict: bool = False  # the pending Revoke asked for eviction
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
@@ -261,6 +261,7 @@ class Policy:
         if isinstance(event, Request):
             self._on_request(client, event)
             client.precopied = 0  # it is about to run: the host copy goes stale
+            client.precopy_asked = False
         elif isinstance(event, Memory):
             client.set_memory(event.used, event.managed, event.pinned, event.evicted)
             client.precopied = event.precopied
@@ -269,7 +270,6 @@ class Policy:
         elif isinstance(event, Evicted):
             self._on_evicted(dev, client, event)
         elif isinstance(event, Precopied):
-            client.precopy_pending = False
             client.precopied = event.precopied
             return []
         elif isinstance(event, Restored):
@@ -277,6 +277,8 @@ class Policy:
             client.evicted = 0
             return []
         elif isinstance(event, Idle):
+            if event.precopied >= 0 or not client.idle:
+                client.precopy_asked = False  # a new idle period (the shim says IDLE once per)
             if event.precopied >= 0:
                 client.precopied = event.precopied
             if not client.idle:
@@ -285,6 +287,7 @@ class Policy:
         elif isinstance(event, Busy):
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
+            client.precopy_asked = False
         elif isinstance(event, Leave):
             self._remove(client)
         elif isinstance(event, AdminRelease):
@@ -303,7 +306,7 @@ class Policy:
         out: list[Decision] = []
         clients = [c for c in self._clients.values() if c.device == dev.uuid]
         for cid in precopy_candidates(clients, decided):
-            self._clients[cid].precopy_pending = True
+            self._clients[cid].precopy_asked = True
             out.append(Precopy(cid))
         return out
 
@@ -967,9 +970,11 @@ def precopy_candidates(clients: Iterable[_Client], decided: Iterable[Decision]) 
     evicting it later is an unmap (milliseconds) instead of a copy (seconds): the next arrival at
     a full GPU is granted as fast as the idle kernels can be unmapped. Worth it for a client that
     is idle (its cell ended: nothing will invalidate the copy soon), resident, not waiting, has
-    memory that is not yet copied, no answer outstanding, and no other decision in this batch
-    (one about to move or run it anyway). Least recently used first: those are the ones an
-    arrival evicts first (:meth:`Policy._eviction_candidates`).
+    memory that is not yet copied, was not asked in this idle period (the shim copies in the
+    background and reports progress in MEMORY; memory it cannot pre-copy, such as the program's
+    own managed memory, must not make the scheduler ask again and again), and has no other
+    decision in this batch (one about to move or run it anyway). Least recently used first:
+    those are the ones an arrival evicts first (:meth:`Policy._eviction_candidates`).
     """
     touched = {d.client for d in decided}
     chosen = [
@@ -978,7 +983,7 @@ def precopy_candidates(clients: Iterable[_Client], decided: Iterable[Decision]) 
         if c.idle
         and c.resident
         and c.waiting_since is None
-        and not c.precopy_pending
+        and not c.precopy_asked
         and not c.evict_pending
         and c.movable > c.precopied
         and c.id not in touched

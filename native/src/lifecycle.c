@@ -131,30 +131,25 @@ static void handle_evict(struct gs_session *s)
 }
 
 /* PRECOPY: copy resident memory to the host at low priority while it stays resident, so that a
- * later eviction is an unmap. Skipped while a thread waits for the device (it is about to run);
- * any gated call after the copy started makes it stale (memory_move.c). */
+ * later eviction is an unmap. The copy runs on the memory engine's own thread (this one must stay
+ * free to answer a revoke); the answer says what is valid now, MEMORY reports the rest as it
+ * completes. Any gated call after the copy started makes it stale (memory_move.c). */
 static void handle_precopy(struct gs_session *s)
 {
     pthread_mutex_lock(&s->mu);
     int waiting = s->waiters > 0;
     pthread_mutex_unlock(&s->mu);
-    uint64_t copied = 0, us = 0;
-    CUdevice dev;
-    if (!waiting && gs_device_push(s, &dev) == 0) {
-        gs_mem_precopy(&copied, &us);
-        gs_device_pop();
-    }
+    if (!waiting)
+        gs_mem_precopy_async();
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_PRECOPIED);
-    gs_w_u64(&w, GS_TAG_BYTES_MOVED, copied);
-    gs_w_u64(&w, GS_TAG_MICROS, us);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
+    gs_w_u64(&w, GS_TAG_MICROS, 0);
     gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
     gs_conn_send(s, &w);
-    char a[32], b[32];
-    GS_INFO("pre-copied %s to the host in %.1f ms (%s valid)", gs_format_size(copied, a, sizeof a),
-            us / 1000.0, gs_format_size(t.precopied, b, sizeof b));
+    GS_DEBUG("pre-copy %s", waiting ? "skipped: a thread waits for the device" : "started");
 }
 
 static void dispatch(struct gs_session *s, const struct gs_msg *m)

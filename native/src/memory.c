@@ -23,6 +23,8 @@ static CUresult alloc_movable(gs_fn_cuMemAllocManaged managed, CUdeviceptr *dptr
     if (mode == GS_MEMORY_VMM) {
         r = gs_vmm_alloc(dptr, bytes); /* counts itself */
         *kind = KIND_ENGINE;
+        if (r == CUDA_SUCCESS)
+            gs_vmm_preparer_start(); /* its staging is made in the background */
         if (r != CUDA_ERROR_NOT_SUPPORTED)
             return r;
     }
@@ -350,10 +352,7 @@ void gs_mem_totals(struct gs_mem_totals *out)
     out->staging_fallbacks = st.fallbacks;
 }
 
-int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros)
-{
-    return gs_vmm_precopy(bytes_copied, micros);
-}
+void gs_mem_precopy_async(void) { gs_vmm_precopy_async(); }
 
 void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
 
@@ -372,6 +371,7 @@ void gs_mem_after_fork_child(void)
 {
     gs_memtab_after_fork_child();
     gs_vmm_after_fork_child();
+    gs_vmm_prepare_after_fork_child();
     gs_staging_after_fork_child();
     move_stream = NULL;
 }

@@ -121,6 +121,12 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros);
 int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros);
 /* Prepare staging for every block that has none (off the critical path: on idle). */
 void gs_vmm_prepare_staging(void);
+/* memory_prepare.c: the background thread that prepares staging and runs pre-copies. */
+void gs_vmm_preparer_start(void);
+/* A pre-copy in the background, after every block's staging is ready; progress shows in
+ * gs_vmm_totals (precopied_valid). */
+void gs_vmm_precopy_async(void);
+void gs_vmm_prepare_after_fork_child(void);
 struct gs_vmm_totals {
     uint64_t bytes, evicted, precopied_valid, blocks;
 };

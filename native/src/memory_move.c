@@ -203,6 +203,9 @@ int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_copied = copied;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
+    char b[32];
+    GS_INFO("pre-copied %s to the host in %.1f ms", gs_format_size(copied, b, sizeof b),
+            *micros / 1000.0);
     return failed ? -1 : 0;
 }
 
@@ -211,7 +214,7 @@ void gs_vmm_prepare_staging(void)
     if (!gs_vmm_drv.ok)
         return;
     pthread_mutex_lock(&gs_vmm_mu);
-    gs_vmm_prepare_kick_locked(); /* in the background: the caller answers the scheduler */
+    gs_vmm_wake_preparer_locked(); /* in the background: the caller answers the scheduler */
     pthread_mutex_unlock(&gs_vmm_mu);
 }
 

@@ -4,14 +4,16 @@
  * the scheduler) waits for it, and an eviction — of a busy kernel at a quantum's end as much as
  * of an idle one — copies into registered, touched host memory from its first byte.
  *
+ * The same thread runs the pre-copies the scheduler asks for (PRECOPY), after the staging they
+ * copy into is ready: the shim's own thread answers at once and reports progress in MEMORY.
+ *
  * Populating and registering host memory is slow (16 GiB: ~1.8 s to register touched memory,
  * several more to touch it), so the thread takes the engine's lock only to pick a block and to
  * hand it the buffer; a block freed meanwhile is found gone by its id and the buffer released.
  */
 #include "memory_vmm.h"
 
-static pthread_cond_t prepare_cv = PTHREAD_COND_INITIALIZER;
-static int prepare_pending, prepare_started;
+static int prepare_started;
 
 static struct block *block_by_id(uint64_t id)
 {
@@ -28,14 +30,26 @@ static void *preparer(void *arg)
     set_ctx_fn set_ctx = (set_ctx_fn)gs_driver_sym("cuCtxSetCurrent");
     pthread_mutex_lock(&gs_vmm_mu);
     for (;;) {
-        while (!prepare_pending)
-            pthread_cond_wait(&prepare_cv, &gs_vmm_mu);
+        while (!gs_vmm_prepare_pending)
+            pthread_cond_wait(&gs_vmm_prepare_cv, &gs_vmm_mu);
         struct block *b = NULL;
         for (size_t i = 0; i < gs_vmm_nblocks && !b; i++)
             if (!gs_vmm_blocks[i]->staging.host && !gs_vmm_blocks[i]->preparing)
                 b = gs_vmm_blocks[i];
+        if (!b && gs_vmm_precopy_wanted) {
+            /* Every block has its staging: the pre-copy the scheduler asked for runs here, so
+             * the shim's thread stays free to answer (a revoke must not wait behind it). */
+            gs_vmm_precopy_wanted = 0;
+            CUcontext ctx = gs_vmm_nblocks ? gs_vmm_blocks[0]->ctx : NULL;
+            pthread_mutex_unlock(&gs_vmm_mu);
+            uint64_t copied, us;
+            if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS)
+                gs_vmm_precopy(&copied, &us);
+            pthread_mutex_lock(&gs_vmm_mu);
+            continue;
+        }
         if (!b) {
-            prepare_pending = 0;
+            gs_vmm_prepare_pending = 0;
             continue;
         }
         b->preparing = 1;
@@ -66,9 +80,9 @@ static void *preparer(void *arg)
     return NULL;
 }
 
-void gs_vmm_prepare_kick_locked(void)
+void gs_vmm_preparer_start(void)
 {
-    prepare_pending = 1;
+    pthread_mutex_lock(&gs_vmm_mu);
     if (!prepare_started) {
         pthread_t t;
         pthread_attr_t attr;
@@ -79,12 +93,20 @@ void gs_vmm_prepare_kick_locked(void)
         if (!prepare_started)
             GS_WARN("cannot start the thread that prepares host staging: evictions prepare it");
     }
-    pthread_cond_signal(&prepare_cv);
+    pthread_mutex_unlock(&gs_vmm_mu);
+}
+
+void gs_vmm_precopy_async(void)
+{
+    gs_vmm_preparer_start();
+    pthread_mutex_lock(&gs_vmm_mu);
+    gs_vmm_precopy_wanted = 1;
+    gs_vmm_wake_preparer_locked();
+    pthread_mutex_unlock(&gs_vmm_mu);
 }
 
 void gs_vmm_prepare_after_fork_child(void)
 {
     /* Threads do not survive fork: the child starts its own when it allocates. */
-    pthread_cond_init(&prepare_cv, NULL);
-    prepare_pending = prepare_started = 0;
+    prepare_started = 0;
 }

@@ -23,6 +23,14 @@ struct gs_vmm_driver gs_vmm_drv;
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
 pthread_mutex_t gs_vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t gs_vmm_prepare_cv = PTHREAD_COND_INITIALIZER;
+int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+
+void gs_vmm_wake_preparer_locked(void)
+{
+    gs_vmm_prepare_pending = 1;
+    pthread_cond_signal(&gs_vmm_prepare_cv);
+}
 struct block **gs_vmm_blocks;
 size_t gs_vmm_nblocks;
 static size_t capblocks;
@@ -210,7 +218,7 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     static uint64_t next_id;
     b->id = ++next_id;
     gs_mem_engine_account(size, (int64_t)size, 0);
-    gs_vmm_prepare_kick_locked(); /* its host staging, off the critical path */
+    gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
     *out = b;
     return CUDA_SUCCESS;
 }
@@ -390,5 +398,6 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_nblocks = capblocks = 0;
     granularity = 0;
     gs_vmm_forget_streams();
-    gs_vmm_prepare_after_fork_child();
+    pthread_cond_init(&gs_vmm_prepare_cv, NULL);
+    gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;
 }

@@ -87,9 +87,11 @@ void gs_vmm_unback(struct block *b);
 CUstream gs_vmm_move_stream(int low_priority);
 void gs_vmm_forget_streams(void);
 
-/* memory_prepare.c: prepare staging for blocks that have none, in the background. Under
- * gs_vmm_mu. */
-void gs_vmm_prepare_kick_locked(void);
-void gs_vmm_prepare_after_fork_child(void);
+/* The background preparer (memory_prepare.c) waits on this condition (with gs_vmm_mu) for
+ * blocks without staging, or for a pre-copy wanted. Waking it is data, not a call into it, so
+ * the files below it can ask for work. Under gs_vmm_mu. */
+extern pthread_cond_t gs_vmm_prepare_cv;
+extern int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+void gs_vmm_wake_preparer_locked(void);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */

@@ -213,8 +213,9 @@ uint64_t gs_mem_generation(void);
  * current on the calling thread. */
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
-/* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY). */
-int gs_mem_precopy(uint64_t *bytes_copied, uint64_t *micros);
+/* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY): in
+ * the background; progress shows in gs_mem_totals().precopied. */
+void gs_mem_precopy_async(void);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);

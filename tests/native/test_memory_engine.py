@@ -50,8 +50,8 @@ def test_an_idle_process_is_precopied_and_its_eviction_is_an_unmap(harness):
 
 def test_a_gpu_call_after_the_precopy_makes_it_stale(harness):
     sched = harness.scheduler(pool="1GiB", quantum=1.0)
-    a = harness.spawn("precopy_cycle", BIG, 2.0, 4.0, 0.5, extra=SLOW, **common(client_id="A"))
-    a.wait_event("tick", 20, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    a = harness.spawn("precopy_cycle", BIG, 4.0, 4.0, 0.5, extra=SLOW, **common(client_id="A"))
+    a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
     # A writes new data: the host copy no longer matches, and status says so at once.
     written = a.wait_event("written2", 20)
     assert written["status"]["precopied_bytes"] == 0, written["status"]
@@ -71,13 +71,13 @@ def test_past_the_host_budget_staging_is_pageable_said_once_and_counted(harness)
     a = harness.spawn(
         "precopy_cycle",
         BIG,
-        1.5,
+        6.0,  # pageable copies run at a quarter of the stand-in's rate: ~2.7 s for BIG
         0.3,
         0.3,
         extra=SLOW,
         **common(client_id="A", host_budget="0"),
     )
-    tick = a.wait_event("tick", 20, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    tick = a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
     st = tick["status"]
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] >= BIG, st
     assert st["staging_fallbacks"] >= 1, st
