@@ -130,7 +130,8 @@ def precopied_arrival(
     worker of ``size`` bytes asks for the device: the latency is from its request to its first
     kernel having run. Making room is then an unmap of the least recently used idle kernel (the
     engine's target: granted within 100 ms)."""
-    pool = idle_count * (ctx + size) + 64 * MiB
+    # Room for every idle kernel side by side (with headroom), but not for the arrival too.
+    pool = idle_count * (ctx + size) + size // 2 + 256 * MiB
     with start_scheduler(workdir, "--pool", str(pool)) as sched:
         idle = [
             WorkerProc(shim_env(sched.socket, f"I{i}", GPUSHARE_IDLE_SECONDS="0"), f"I{i}")

@@ -74,14 +74,20 @@ def test_an_idle_kernel_is_precopied_and_leaves_in_milliseconds(scheduler: Sched
     pre-copy; when B arrives and needs the room, A's eviction is an unmap, and A's data is
     intact when it computes again."""
     pytest.importorskip("torch")
-    env = shimmed_env(scheduler.socket, {"GPUSHARE_IDLE_SECONDS": "1"})
+    env = shimmed_env(scheduler.socket, {"GPUSHARE_IDLE_SECONDS": "1", "GPUSHARE_CLIENT_ID": "A"})
     a = start_workload("memory_hog.py", "14", "2", "A", "40", env=env)
     deadline = time.monotonic() + 120
-    while "precopied client=A" not in scheduler.log_text():
+
+    def precopied() -> int:
+        clients = [c for d in scheduler.status()["devices"] for c in d["clients"]]
+        return max((c.get("precopied_bytes", 0) for c in clients if c["id"] == "A"), default=0)
+
+    while precopied() < 13 * GIB:  # the shim reports the background copy's progress in MEMORY
         assert time.monotonic() < deadline, scheduler.log_text()
         assert a.poll() is None or a.returncode == 0
         time.sleep(0.5)
-    b = run_workload("memory_hog.py", "14", "2", "B", env=shimmed_env(scheduler.socket))
+    b_env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "B"})
+    b = run_workload("memory_hog.py", "14", "2", "B", env=b_env)
     assert b.returncode == 0 and b.record["correct"], b.stderr
     out_a, err_a = a.communicate(timeout=120)
     assert a.returncode == 0, err_a
