@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,26 @@ class CustomBuildHook(BuildHookInterface):
         # The wheel now holds a native library, but no Python extension: any Python 3 on this
         # platform can load it, so tag it py3-none-<platform> rather than cpXY-cpXY-<platform>.
         build_data["pure_python"] = False
-        platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-        build_data["tag"] = f"py3-none-{platform}"
+        build_data["tag"] = f"py3-none-{platform_tag()}"
         build_data["artifacts"].append("jupyter_gpushare/lib/libgpushare.so")
+
+
+def platform_tag() -> str:
+    """manylinux_2_<minor>_<arch> from the glibc this build runs on (PEP 600).
+
+    The shim links only libc (and libdl/libpthread, part of it since glibc 2.34); it never links
+    CUDA, which it finds with dlopen at run time. A library built against glibc 2.N runs on any
+    glibc >= 2.N, so the build's own glibc is a safe floor; `auditwheel show` confirms it
+    (tests/packaging). GPUSHARE_WHEEL_PLAT overrides it (e.g. a manylinux2014 image's tag), and
+    a build that is not on glibc (musl, macOS) keeps its plain platform tag, which no index takes
+    but which still installs locally.
+    """
+    override = os.environ.get("GPUSHARE_WHEEL_PLAT")
+    if override:
+        return override
+    plain = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    libc, version = platform.libc_ver()
+    if not plain.startswith("linux_") or libc != "glibc" or not version:
+        return plain
+    major, minor = version.split(".")[:2]
+    return f"manylinux_{major}_{minor}_{plain.removeprefix('linux_')}"

@@ -7,7 +7,9 @@ the cell's GPU burst (one pass over the working set and bf16 matmuls sized to th
 time), "idle" when it ends. Before the clock starts every user has loaded its working set,
 operands and libraries (a running notebook) and given the device back. Modes:
 
-* ``gpushare``: under the shim, the default policy, pool ``--pool``;
+* ``gpushare``: under the shim, the default policy (interactive-first ordering), pool ``--pool``;
+* ``gpushare-fair``: the same with ``c.GPUShareScheduler.ordering = "fair"`` (every kernel that
+  fits co-runs: the ordering before interactive-first);
 * ``colocate``: no shim; a plain process first occupies the card beyond the pool size
   (cudaMalloc, never managed memory), so the users share exactly the pool's room; a cell whose
   allocation does not fit fails (out of memory) and is counted;
@@ -20,7 +22,12 @@ operands and libraries (a running notebook) and given the device back. Modes:
 
 A cell's slowdown is its latency (cell start as the user pressed "run" to its last kernel's
 end) divided by its solo time. The same traces run through the simulator
-(:mod:`bench.simulator`) with the calibrated costs, to compare simulated and real.
+(:mod:`bench.simulator`) with the calibrated costs, to compare simulated and real, with the
+references (equal sharing, ideal LAS, clairvoyant SRPT) on the same cells.
+
+At real time (``run_campaign --only replay-real``) the trace is :func:`bench.trace.scaled` by
+``TIME_SCALE``: think times of minutes, cells of seconds, every timer of every policy at its
+real value; nothing is compressed.
 """
 
 from __future__ import annotations
@@ -43,7 +50,11 @@ from .simulator import SimConfig, Simulation, capacity_sweep, summarize
 from .trace import TIME_SCALE, TraceConfig, generate, scaled, to_json
 from .worker import N
 
-MODES = ("gpushare", "colocate", "fixed-quantum")
+MODES = ("gpushare", "gpushare-fair", "colocate", "fixed-quantum")
+#: Simulated references shown beside the real modes, on the same trace.
+SIM_REFERENCES = ("equal-share", "las", "srpt")
+#: The agreement asked of simulator and real replay (relative, on p50 and p95 slowdown).
+AGREEMENT = 0.15
 #: Seconds between a notebook user's GPU bursts in real use (the replay compresses it).
 REALISTIC_THINK = 4.0 * TIME_SCALE
 CAPACITY_USERS = [2, 4, 6, 8, 12, 16, 24, 32]
@@ -168,7 +179,12 @@ def _play(
             extra["ballast_bytes"] = ans["bytes"]
             socket = ""
         else:
-            sched_cm = start_scheduler(workdir, "--pool", str(pool), "--policy", mode)
+            policy = "fixed-quantum" if mode == "fixed-quantum" else "gpushare"
+            ordering = "fair" if mode == "gpushare-fair" else "interactive"
+            sched_cm = start_scheduler(
+                workdir, "--pool", str(pool), "--policy", policy,
+                f"--GPUShareScheduler.ordering={ordering}",
+            )  # fmt: skip
             sched = sched_cm.__enter__()
             socket = str(sched.socket)
         for u in users:
@@ -273,9 +289,12 @@ def run(
     grace: float = 30.0,
     log: Any = print,
     checkpoint: Any = None,
+    sweeps: bool = True,
 ) -> dict[str, Any]:
     """The replay's record. ``checkpoint(partial)``, if given, receives the record so far after
-    each mode, so that a run cut short (the device's time limit) still leaves results."""
+    each mode, so that a run cut short (the device's time limit) still leaves results.
+    ``sweeps``: also the capacity sweeps and what-ifs of the compressed replay (bench/capacity.py
+    does the real-time ones)."""
     trace_cfg = trace_cfg or TraceConfig()
     users = generate(trace_cfg)
     pool = int(pool_gib * GiB)
@@ -355,8 +374,13 @@ def run(
         extra_bytes=3 * N * N * 2,
     )
     sim = {}
-    for m in (*(m for m in modes if "summary" in runs[m]), "dedicated"):
+    sim_cells = {}  # the simulated latency of each real cell, for the per-cell comparison
+    for m in (*(m for m in modes if "summary" in runs[m]), "dedicated", *SIM_REFERENCES):
         cells = Simulation(generate(trace_cfg), m, trace_cfg.horizon, sim_cfg).run()
+        if m in ("gpushare", "gpushare-fair"):
+            sim_cells[m] = [
+                {k: c[k] for k in ("user", "cell", "arrival", "end", "ok", "solo")} for c in cells
+            ]
         s = summarize(cells, trace_cfg.horizon)
         if m == "dedicated":
             s["gpu_busy_fraction"] /= trace_cfg.users
@@ -365,11 +389,35 @@ def run(
             f"simulated {m}: p50 {s['slowdown_p50']:.2f}x, p95 {s['slowdown_p95']:.2f}x, "
             f"{s['failed']} failed"
         )
-    # The floor of any co-location: the same cells side by side with unlimited memory and free
-    # handoffs, the GPU shared equally (what no scheduler can beat without a second GPU).
-    floor_cfg = dataclasses.replace(sim_cfg, pool_bytes=1 << 60, total_bytes=1 << 60, handoff_s=0)
-    floor = Simulation(generate(trace_cfg), "colocate", trace_cfg.horizon, floor_cfg).run()
-    sim["sharing-floor"] = summarize(floor, trace_cfg.horizon)
+    agreement = {}
+    for m in ("gpushare", "gpushare-fair"):
+        if "summary" in runs.get(m, {}) and m in sim:
+            real, simulated = runs[m]["summary"], sim[m]
+            agreement[m] = {
+                q: {
+                    "real": real[f"slowdown_{q}"],
+                    "simulated": simulated[f"slowdown_{q}"],
+                    "relative": simulated[f"slowdown_{q}"] / real[f"slowdown_{q}"] - 1,
+                }
+                for q in ("p50", "p95")
+            }
+            agreement[m]["within"] = all(
+                abs(agreement[m][q]["relative"]) <= AGREEMENT for q in ("p50", "p95")
+            )
+    common = {
+        "trace": to_json(trace_cfg, users),
+        "time_scale": TIME_SCALE,
+        "pool_bytes": pool,
+        "calibration": cal,
+        "grace_s": grace,
+        "runs": runs,
+        "sim_config": {k: v for k, v in sim_cfg.__dict__.items() if k != "ordering"},
+        "simulated": sim,
+        "simulated_cells": sim_cells,
+        "agreement": agreement,
+    }
+    if not sweeps:
+        return {**common, "real_time": trace_cfg.think_mean >= REALISTIC_THINK - 1e-9}
     # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point, at
     # the replay's compressed think time and at a realistic one (over a longer virtual run).
     # Capacity planning with the same costs: users per GPU vs slowdown, 3 seeds per point, at
@@ -408,17 +456,10 @@ def run(
         )
         what_if_replay.append({"case": label, "think_mean": trace_cfg.think_mean, **row})
     return {
-        "trace": to_json(trace_cfg, users),
+        **common,
         "capacity": capacity,
         "what_if": what_if,
         "what_if_replay_scale": what_if_replay,
-        "time_scale": TIME_SCALE,
-        "pool_bytes": pool,
-        "calibration": cal,
-        "grace_s": grace,
-        "runs": runs,
-        "sim_config": sim_cfg.__dict__,
-        "simulated": sim,
         "target": {"users": 8, "p95_slowdown": 1.3, "failed": 0},
         "met": bool(
             "summary" in runs.get("gpushare", {})

@@ -12,6 +12,8 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
     handoff       ~2.5 min   handoff latency; memory movement vs pinned memcpy (handoff.py)
     kernel_start  ~1.5 min   Jupyter kernel start-to-ready, provisioner vs plain, 20 rotations
     replay        ~7.5 min   8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
+    replay-real   ~9 min     8 users at real time (--real-horizon 420 s), gpushare only, and
+                             the simulator on the same cells (replay.py; docs/performance.md)
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
 directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
@@ -32,7 +34,7 @@ from typing import Any
 
 from .common import record, write_json
 
-PARTS = ("launch", "train", "handoff", "kernel_start", "replay")
+PARTS = ("launch", "train", "handoff", "kernel_start", "replay", "replay-real")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=20.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
+    ap.add_argument(
+        "--real-horizon", type=float, default=420.0, help="replay-real: seconds of arrivals"
+    )
+    ap.add_argument("--real-modes", default="gpushare", help="replay-real: modes, in order")
+    ap.add_argument("--real-grace", type=float, default=30.0, help="replay-real: grace seconds")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -179,6 +186,23 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
 
         res = replay.run(work / part, tc, args.pool_gib, modes, args.grace, log, checkpoint)
         return {"replay": res}
+    if part == "replay-real":
+        from . import replay
+        from .trace import TIME_SCALE, TraceConfig, scaled
+
+        # The default trace at real time: think and GPU times TIME_SCALE x, same duty cycle.
+        tc = scaled(TraceConfig(users=args.users, seed=args.seed), TIME_SCALE, args.real_horizon)
+        modes = tuple(m for m in args.real_modes.split(",") if m)
+
+        def checkpoint_real(partial: dict[str, Any]) -> None:
+            rec = record("replay_real", args.command, **partial)
+            write_json(args.out / "replay_real.json", rec)
+
+        res = replay.run(
+            work / part, tc, args.pool_gib, modes, args.real_grace, log, checkpoint_real,
+            sweeps=False,
+        )  # fmt: skip
+        return {"replay_real": res}
     raise AssertionError(part)
 
 

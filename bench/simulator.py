@@ -9,9 +9,18 @@ planning: ``python -m bench.simulator --sweep 2,4,8,12,16 --real-time --horizon 
 users per GPU vs slowdown for the default trace at real time (think and GPU times
 ``TIME_SCALE`` x the replay's: the same duty cycle).
 
-Modes: ``gpushare`` and ``fixed-quantum`` (the policy's two settings), ``colocate`` (no shim:
-memory that does not fit the pool makes the cell fail), ``dedicated`` (one GPU per user: every
-cell runs alone; the ideal).
+Modes driving the real policy: ``gpushare`` (the default: interactive-first ordering),
+``gpushare-fair`` (ordering "fair": every kernel that fits co-runs) and ``fixed-quantum`` (the
+nvshare-like lock). Modes without the policy: ``colocate`` (no shim: memory that does not fit
+the pool makes the cell fail), ``dedicated`` (one GPU per user: every cell runs alone).
+Reference lines, all without memory costs, on one GPU: ``equal-share`` (every running cell gets
+an equal part: processor sharing, what co-running contexts do), ``las`` (ideal
+least-attained-service: the cells with least GPU time so far share the GPU) and ``srpt``
+(clairvoyant shortest-remaining-time-first: no online scheduler does better on mean latency;
+the limit, not a bound on the p95 of every scheduler).
+
+Every timer of every policy is in seconds of the trace, so a trace at real time
+(:func:`bench.trace.scaled` with ``TIME_SCALE``) runs the idle check and the quanta at real time.
 """
 
 from __future__ import annotations
@@ -20,16 +29,24 @@ import argparse
 import heapq
 import json
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jupyter_gpushare.scheduler import events as ev
+from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
 from .common import GiB, percentile
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
-MODES = ("gpushare", "colocate", "fixed-quantum", "dedicated")
+POLICY_MODES = ("gpushare", "gpushare-fair", "fixed-quantum")
+REFERENCES = ("dedicated", "equal-share", "las", "srpt")
+MODES = (*POLICY_MODES, "colocate", *REFERENCES)
+#: Cells this short (solo seconds) are the "interactive" ones of the targets.
+SHORT_CELL = 1.0
+#: Cells at least this long (solo seconds) are the "long" ones whose throughput is compared.
+LONG_CELL = 10.0
 
 
 @dataclass
@@ -41,11 +58,15 @@ class SimConfig:
     restore_bw: float = 48e9  # bytes/s: host->device
     touch_s_per_gib: float = 0.0007  # each cell reads and writes its working set once
     handoff_s: float = 0.002  # fixed cost of a grant (messages, wake-ups)
+    # After a revoke, the holder's launched work runs on this long on average: half a step of
+    # the replay's workers (bench/worker.py synchronises every STEP_ITERS matmuls, ~25 ms).
+    drain_s: float = 0.0125
     grace: float = 30.0  # seconds after the horizon before unfinished cells are cut
     base_quantum: float = 5.0
     fixed_quantum: float = 30.0
     idle_check_interval: float = 5.0
     extra_bytes: int = 0  # per user, beside the working set (e.g. matmul operands); movable
+    ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
 
 
 @dataclass
@@ -54,6 +75,7 @@ class _U:
     cell: int = -1
     in_cell: bool = False
     work: float = 0.0  # solo seconds of work left in the current cell
+    solo: float = 0.0  # solo seconds of the current cell (attained service = solo - work)
     arrival: float = 0.0
     holding: bool = False
     blocked_until: float = 0.0  # restoring, or the grant's fixed cost
@@ -65,8 +87,32 @@ def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
     return float(cell["gpu"]) + user.working_set / GiB * cfg.touch_s_per_gib
 
 
+def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
+    """The policy's configuration for a simulated mode: the daemon's, with the simulated costs."""
+    ordering = replace(cfg.ordering, mode="fair") if mode == "gpushare-fair" else cfg.ordering
+    return PolicyConfig(
+        base_quantum=cfg.base_quantum,
+        evict_bandwidth=cfg.evict_bw,
+        restore_bandwidth=cfg.restore_bw,
+        policy="fixed-quantum" if mode == "fixed-quantum" else "gpushare",
+        fixed_quantum=cfg.fixed_quantum,
+        idle_check_interval=cfg.idle_check_interval,
+        # The daemon's default. The simulator takes no time for a pre-copy and does not make the
+        # eviction that follows one cheaper: its numbers are those without pre-copy.
+        precopy_idle=True,
+        ordering=ordering,
+    )
+
+
 class Simulation:
-    def __init__(self, users: list[User], mode: str, horizon: float, cfg: SimConfig) -> None:
+    def __init__(
+        self,
+        users: list[User],
+        mode: str,
+        horizon: float,
+        cfg: SimConfig,
+        config: PolicyConfig | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (one of: {', '.join(MODES)})")
         self.mode, self.horizon, self.cfg = mode, horizon, cfg
@@ -76,17 +122,12 @@ class Simulation:
         self._seq = 0
         self.cells: list[dict[str, Any]] = []
         self.policy: Policy | None = None
-        if mode in ("gpushare", "fixed-quantum"):
-            self.policy = Policy(
-                PolicyConfig(
-                    base_quantum=cfg.base_quantum,
-                    evict_bandwidth=cfg.evict_bw,
-                    restore_bandwidth=cfg.restore_bw,
-                    policy=mode,
-                    fixed_quantum=cfg.fixed_quantum,
-                    idle_check_interval=cfg.idle_check_interval,
-                )
-            )
+        #: Every event sent to the policy with the decisions it returned (for the tests).
+        self.log: list[tuple[ev.Event, list[ev.Decision]]] | None = None
+        #: Revokes by reason (the ordering's pauses are REASON_ORDER).
+        self.revokes: Counter[str] = Counter()
+        if mode in POLICY_MODES:
+            self.policy = Policy(config or policy_config(mode, cfg))
             self.policy.add_device(
                 "GPU-sim", total_bytes=cfg.total_bytes, pool_bytes=cfg.pool_bytes
             )
@@ -106,7 +147,10 @@ class Simulation:
 
     def _send(self, event: ev.Event) -> None:
         assert self.policy is not None
-        for d in self.policy.handle(event):
+        decisions = self.policy.handle(event)
+        if self.log is not None:
+            self.log.append((event, decisions))
+        for d in decisions:
             self._decide(d)
 
     def _decide(self, d: ev.Decision) -> None:
@@ -119,13 +163,9 @@ class Simulation:
             if d.restore:
                 self._at(u.blocked_until, "restored", u.user.name, ws)
         elif isinstance(d, ev.Revoke):
-            u.holding = False  # the shim stops launching at once; its kernels drain (short)
-            self._at(
-                self.now + (ws / self.cfg.evict_bw if d.evict else 0.0),
-                "released",
-                u.user.name,
-                d.evict,
-            )
+            self.revokes[d.reason] += 1
+            # The shim closes the gate at once; the work already launched runs on (drains).
+            self._at(self.now + self.cfg.drain_s, "drained", u.user.name, d.evict)
         elif isinstance(d, ev.Evict):
             self._at(self.now + ws / self.cfg.evict_bw, "evicted", u.user.name, ws)
 
@@ -138,6 +178,30 @@ class Simulation:
             and u.blocked_until <= self.now
             and (u.holding or self.policy is None)
         ]
+
+    def _rates(self, active: list[_U]) -> tuple[dict[str, float], float]:
+        """Each running cell's part of the GPU, and how long these parts hold at most.
+
+        Processor sharing among the cells that run (for the policy's modes, those the policy
+        lets through); ``las`` shares among the cells with the least attained service until
+        they catch up with the next; ``srpt`` runs the cells with the least work left.
+        """
+        if not active:
+            return {}, math.inf
+        if self.mode == "dedicated":
+            return {u.user.name: 1.0 for u in active}, math.inf
+        run, until = active, math.inf
+        if self.mode == "las":
+            attained = {u.user.name: u.solo - u.work for u in active}
+            low = min(attained.values())
+            run = [u for u in active if attained[u.user.name] <= low + 1e-9]
+            above = [a for a in attained.values() if a > low + 1e-9]
+            if above:
+                until = (min(above) - low) * len(run)
+        elif self.mode == "srpt":
+            least = min(u.work for u in active)
+            run = [u for u in active if u.work <= least + 1e-9]
+        return {u.user.name: 1.0 / len(run) for u in run}, until
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -163,16 +227,14 @@ class Simulation:
                 if u.in_cell and u.holding and u.blocked_until > self.now
             ]
             t_next = min([t_next, *blocked])
-            if active:
-                share = len(active) if self.mode != "dedicated" else 1
-                t_done = self.now + min(u.work for u in active) * share
-                t_next = min(t_next, t_done)
+            rates, until = self._rates(active)
+            if rates:
+                t_done = min(self.users[n].work / r for n, r in rates.items())
+                t_next = min(t_next, self.now + min(t_done, until))
             if t_next == math.inf or t_next > end:
                 break
-            if active:
-                share = len(active) if self.mode != "dedicated" else 1
-                for u in active:
-                    u.work -= (t_next - self.now) / share
+            for n, r in rates.items():
+                self.users[n].work -= (t_next - self.now) * r
             self.now = t_next
             for u in active:
                 if u.work <= 1e-9:
@@ -220,7 +282,7 @@ class Simulation:
         if kind == "arrive":
             u.in_cell = True
             u.arrival = self.now
-            u.work = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
+            u.work = u.solo = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
             if self.mode == "colocate" and not u.allocated:
                 used = sum(
                     self._movable(x) for x in self.users.values() if x.allocated
@@ -233,6 +295,10 @@ class Simulation:
                 self._send(ev.Busy(self.now, name))
                 if not u.holding:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "drained":
+            u.holding = False
+            evict_s = self._movable(u) / self.cfg.evict_bw if arg else 0.0
+            self._at(self.now + evict_s, "released", name, arg)
         elif kind == "released":
             ws = self._movable(u)
             micros = int(ws / self.cfg.evict_bw * 1e6) if arg else 0
@@ -245,28 +311,47 @@ class Simulation:
             self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
 
 
-def summarize(cells: list[dict[str, Any]], horizon: float) -> dict[str, Any]:
-    """Slowdown (latency / solo time) percentiles, failed and unfinished cells, GPU busy fraction.
+def summarize(cells: list[dict[str, Any]], horizon: float, warmup: float = 0.0) -> dict[str, Any]:
+    """Slowdown and added latency percentiles, failed and unfinished cells, GPU busy fraction.
 
-    Unfinished cells (cut at the end of the run) enter the slowdown distribution with the lower
-    bound of their latency (cut time - arrival), so a stuck queue cannot look fast.
+    Cells that arrived before ``warmup`` are left out (the start-up transient: every user's
+    first cell arrives within one think time of the start). Unfinished cells (cut at the end of
+    the run) enter the distributions with the lower bound of their latency (cut time -
+    arrival), so a stuck queue cannot look fast. ``added`` is latency minus solo time: the
+    seconds a user waits beyond a dedicated GPU. ``short_*`` are the cells under
+    ``SHORT_CELL`` solo seconds; ``long_throughput`` is the solo seconds of the cells of at
+    least ``LONG_CELL`` divided by their latency (1 on a dedicated GPU).
     """
-    done = [c for c in cells if c["ok"] and c["end"] is not None]
-    failed = [c for c in cells if not c["ok"] and c.get("error") != "unfinished"]
-    unfinished = [c for c in cells if c.get("error") == "unfinished"]
+    kept = [c for c in cells if c["arrival"] >= warmup]
+    done = [c for c in kept if c["ok"] and c["end"] is not None]
+    failed = [c for c in kept if not c["ok"] and c.get("error") != "unfinished"]
+    unfinished = [c for c in kept if c.get("error") == "unfinished"]
     cut = max([horizon, *(c["end"] for c in done)])
-    slow = [(c["end"] - c["arrival"]) / c["solo"] for c in done]
-    slow += [(cut - c["arrival"]) / c["solo"] for c in unfinished]
+    measured = [(c, c["end"] - c["arrival"]) for c in done]
+    measured += [(c, cut - c["arrival"]) for c in unfinished]
+    slow = [lat / c["solo"] for c, lat in measured]
+    added = [lat - c["solo"] for c, lat in measured]
+    short = [lat - c["solo"] for c, lat in measured if c["solo"] < SHORT_CELL]
+    long_ = [(c["solo"], lat) for c, lat in measured if c["solo"] >= LONG_CELL]
     busy = sum(c["solo"] for c in done)
+    span = cut - warmup
     return {
-        "cells": len(cells),
+        "cells": len(kept),
         "completed": len(done),
         "failed": len(failed),
         "unfinished": len(unfinished),
         "slowdown_p50": percentile(slow, 50),
         "slowdown_p95": percentile(slow, 95),
         "slowdown_max": max(slow) if slow else float("nan"),
-        "gpu_busy_fraction": busy / cut if cut > 0 else 0.0,
+        "added_p50": percentile(added, 50),
+        "added_p95": percentile(added, 95),
+        "short_cells": len(short),
+        "short_added_p95": percentile(short, 95),
+        "long_cells": len(long_),
+        "long_throughput": (
+            sum(s for s, _ in long_) / sum(lat for _, lat in long_) if long_ else float("nan")
+        ),
+        "gpu_busy_fraction": busy / span if span > 0 else 0.0,
         "makespan": cut,
     }
 

@@ -80,8 +80,12 @@ class Worker:
             self.b = torch.randn(N, N, dtype=torch.bfloat16, device=self.dev)
         assert self.b is not None
         c = self.a
-        for _ in range(iters):
+        for i in range(iters):
             c = torch.mm(self.a, self.b)
+            if (i + 1) % STEP_ITERS == 0:
+                # A training step that reads its loss: the queue of launched work stays short,
+                # so a revoke (which waits for that work) takes effect within a step.
+                self._sync()
         del c
         self._sync()
 
@@ -261,12 +265,17 @@ class Worker:
         }
 
 
+#: Matmuls between two synchronisations in a cell (~25 ms of an H100 at N = 8192, bf16).
+STEP_ITERS = 16
+
+
 class StandinWorker:
     """The same operations on the tests' stand-in driver (no GPU, no PyTorch): ctypes calls
     into libcuda.so.1, whose "sleep" kernel keeps the stream busy. For checking the harnesses
     (tests/bench); its numbers measure nothing about a GPU."""
 
     T_ITER = 0.001  # seconds per "matmul iteration"
+    CHUNK_US = 10_000  # the longest "kernel" compute() launches
 
     def __init__(self) -> None:
         cu = ctypes.CDLL("libcuda.so.1")
@@ -325,7 +334,12 @@ class StandinWorker:
         self._sleep(1)
 
     def compute(self, iters: int) -> None:
-        self._sleep(int(iters * self.T_ITER * 1e6))
+        # Many short kernels, as a real cell's matmuls are: the launch gate can pause between
+        # them (one kernel of the whole cell could not be paused until it ended).
+        left = int(iters * self.T_ITER * 1e6)
+        while left > 0:
+            self._sleep(min(left, self.CHUNK_US))
+            left -= self.CHUNK_US
 
     def init_context(self) -> None:
         """The stand-in makes its context in __init__."""

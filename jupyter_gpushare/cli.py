@@ -3,7 +3,8 @@
     gpushare scheduler [--socket PATH] [--pool 24GiB] [--quantum 5] [--log-level DEBUG]
                        [--users-config users.toml] [--metrics-port 9464] [--log-format json]
     gpushare run [--socket PATH] [--memory-limit 8GiB] [--weight 2] -- python train.py
-    gpushare status [--socket PATH] [--json]
+    gpushare status [--socket PATH] [--json] [--watch [--interval 2]]
+    gpushare release|evict CLIENT [--socket PATH] [--json]
     gpushare keygen PATH [--force] [--token-for USER]
 
 Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
@@ -239,6 +240,11 @@ class RunApp(GPUShareBaseApp):
         except ShimNotFound as exc:
             print(f"gpushare run: {exc}", file=sys.stderr)
             self.exit(1)
+        missing = no_gpu_reason()
+        if missing:
+            print(
+                f"gpushare run: {NO_GPU} ({missing}): the command runs without one", file=sys.stderr
+            )
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -252,6 +258,32 @@ class RunApp(GPUShareBaseApp):
         except OSError as exc:
             print(f"gpushare run: cannot run {self.command[0]}: {exc}", file=sys.stderr)
             self.exit(126)
+
+
+#: The words every user-facing part uses when there is no GPU (the magic and the sidebar too).
+NO_GPU = "no NVIDIA GPU found"
+
+
+def no_gpu_reason() -> str | None:
+    """Why this machine has no usable NVIDIA GPU, or None when the driver reports one.
+
+    Asks the driver itself (libcuda's cuInit and cuDeviceGetCount) in this process, which exec
+    replaces right after: the command's own driver state starts fresh."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "the NVIDIA driver's libcuda.so.1 is not installed"
+    rc = driver.cuInit(0)
+    if rc == 100:  # CUDA_ERROR_NO_DEVICE
+        return "the NVIDIA driver sees no device"
+    if rc != 0:
+        return f"the NVIDIA driver did not start (cuInit returned {rc})"
+    count = ctypes.c_int(0)
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return "the NVIDIA driver sees no device"
+    return None
 
 
 def _split_command(argv: list[str], aliases: dict[Any, Any]) -> tuple[list[str], list[str]]:
@@ -288,14 +320,23 @@ class StatusApp(GPUShareBaseApp):
     )
     json = Bool(False, help="Print the status document as JSON.").tag(config=True)
     device = Unicode("", help="Only this device (UUID).").tag(config=True)
+    watch = Bool(False, help="Redraw the status every --interval seconds until Ctrl-C.").tag(
+        config=True
+    )
+    interval = Float(2.0, help="Seconds between two redraws of --watch.").tag(config=True)
 
     aliases: dict[Any, Any] = {
         **GPUShareBaseApp.aliases,
         "socket": "StatusApp.socket",
         "device": "StatusApp.device",
+        "interval": "StatusApp.interval",
     }
     flags: dict[Any, Any] = {
         "json": ({"StatusApp": {"json": True}}, "Print the status document as JSON."),
+        "watch": (
+            {"StatusApp": {"watch": True}},
+            "Redraw the status every --interval seconds (2 by default) until Ctrl-C.",
+        ),
     }
 
     def initialize(self, argv: Any = None) -> None:
@@ -303,13 +344,43 @@ class StatusApp(GPUShareBaseApp):
         self.load_gpushare_config()
 
     def start(self) -> None:
-        doc = _ask_scheduler(
+        if self.watch:
+            self._watch()
+            return
+        print(self._render(self._ask()))
+
+    def _ask(self) -> Any:
+        return _ask_scheduler(
             self, "status", self.socket, lambda client: client.status_sync(self.device or None)
         )
-        if self.json:
-            print(json.dumps(doc, indent=2))
-        else:
-            print(format_status(doc))
+
+    def _render(self, doc: Any) -> str:
+        return json.dumps(doc, indent=2) if self.json else format_status(doc)
+
+    def _watch(self) -> None:
+        """Like watch(1): clear the terminal, draw, sleep; a scheduler that goes away is said
+        on the screen and retried, Ctrl-C ends it (exit 0)."""
+        import time
+
+        if self.interval <= 0:
+            print("gpushare status: --interval must be positive", file=sys.stderr)
+            self.exit(2)
+        clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+        try:
+            while True:
+                try:
+                    body = self._render(
+                        SchedulerClient(self.socket or None).status_sync(self.device or None)
+                    )
+                except (SchedulerUnavailable, SchedulerError) as exc:
+                    body = f"gpushare status: {exc} (retrying)"
+                stamp = time.strftime("%H:%M:%S")
+                print(
+                    f"{clear}Every {self.interval:g} s, {stamp} (Ctrl-C ends)\n\n{body}", flush=True
+                )
+                time.sleep(self.interval)
+        except KeyboardInterrupt:
+            print()
 
 
 def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
@@ -492,7 +563,19 @@ class ControlApp(GPUShareBaseApp):
     socket = Unicode("", help="The scheduler's socket (default: as the shim computes it).").tag(
         config=True
     )
+    json = Bool(False, help="Print the scheduler's reply as JSON.").tag(config=True)
     aliases: dict[Any, Any] = {**GPUShareBaseApp.aliases, "socket": "ControlApp.socket"}
+    flags: dict[Any, Any] = {
+        "json": ({"ControlApp": {"json": True}}, "Print the scheduler's reply as JSON."),
+    }
+
+    #: What the scheduler now does, per action (the reply only says it took the request).
+    DONE = {
+        "release": "asked {client} to give the GPU back: its running GPU work finishes first, "
+        "and its next GPU call waits for a turn",
+        "evict": "asked {client} to give the GPU back and move its memory to host memory: its "
+        "next GPU call waits for a turn and restores it",
+    }
 
     def initialize(self, argv: Any = None) -> None:
         super().initialize(argv)
@@ -506,7 +589,10 @@ class ControlApp(GPUShareBaseApp):
         reply = _ask_scheduler(
             self, self.action, self.socket, lambda c: c.control_sync(self.action, client=target)
         )
-        print(json.dumps(reply))
+        if self.json:
+            print(json.dumps(reply))
+        else:
+            print(f"gpushare {self.action}: " + self.DONE[self.action].format(client=target))
 
 
 class ReleaseApp(ControlApp):
@@ -538,6 +624,11 @@ gpushare status"""
         "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
         "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
         "evict": (EvictApp, EvictApp.description.splitlines()[0]),
+        # Imported when chosen: its gRPC needs the k8s extra (grpcio, protobuf).
+        "device-plugin": (
+            "jupyter_gpushare.deviceplugin.app.DevicePluginApp",
+            "GPU memory as the Kubernetes resource gpushare.io/gpu-memory (device plugin).",
+        ),
     }
 
     def start(self) -> None:

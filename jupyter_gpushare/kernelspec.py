@@ -59,6 +59,10 @@ __all__ = [
 
 DEFAULT_SUFFIX = "-gpushare"
 DISPLAY_SUFFIX = " (GPU shared)"
+#: The variants' logos (the launcher and the notebook's kernel indicator show them), drawn for
+#: gpushare: logo-svg.svg is the source of the two PNGs.
+LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
+RESOURCES = Path(__file__).resolve().parent / "resources"
 #: Resource files of a kernelspec that are not copied into its variant.
 _SKIP_FILES = {"kernel.json", "__pycache__"}
 
@@ -90,7 +94,24 @@ def make_variant(
     metadata = dict(out.get("metadata") or {})
     metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": config}
     out["metadata"] = metadata
+    if not out.get("kernel_protocol_version"):
+        version = _protocol_version(out.get("argv") or [])
+        if version:
+            out["kernel_protocol_version"] = version
     return out
+
+
+def _protocol_version(argv: list[str]) -> str | None:
+    """The messaging protocol an ipykernel speaks (its kernelspecs leave the field empty)."""
+    from .provisioner import is_ipykernel_argv
+
+    if not is_ipykernel_argv(argv):
+        return None
+    try:
+        from ipykernel._version import kernel_protocol_version
+    except ImportError:
+        return None
+    return str(kernel_protocol_version)
 
 
 class _KernelspecBase(JupyterApp):
@@ -255,13 +276,17 @@ class InstallKernelspecApp(_KernelspecBase):
             destination = ksm._get_destination_dir(
                 variant_name, user=self.user, prefix=self.prefix or None
             )
-            if _same_spec(Path(destination) / "kernel.json", variant):
+            if _same_spec(Path(destination) / "kernel.json", variant) and all(
+                (Path(destination) / logo).is_file() for logo in LOGOS
+            ):
                 print(f"unchanged: {variant_name} ({variant['display_name']}) in {destination}")
                 done += 1
                 continue
             with tempfile.TemporaryDirectory(prefix="gpushare-kernelspec-") as tmp:
                 staging = Path(tmp) / variant_name
                 _copy_resources(Path(entry["resource_dir"]), staging)
+                for logo in LOGOS:
+                    shutil.copy2(RESOURCES / logo, staging / logo)
                 (staging / "kernel.json").write_text(json.dumps(variant, indent=1) + "\n")
                 try:
                     path = ksm.install_kernel_spec(

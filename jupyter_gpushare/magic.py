@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import shim
+from . import shim, waitline
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .paths import default_socket_path
 from .units import format_size, parse_size
@@ -45,6 +45,10 @@ NOT_SHARED = (
     "This kernel does not run under gpushare (libgpushare.so is not preloaded): start it from a "
     '"(GPU shared)" kernel (`jupyter gpushare install-kernelspec`) or ask your administrator to '
     "enable the gpushare provisioner."
+)
+#: What every user-facing part says when there is no GPU (docs/jupyter.md).
+NO_GPU = (
+    "no NVIDIA GPU found (the scheduler finds none through NVML, and no kernel has reported one)"
 )
 
 
@@ -185,20 +189,22 @@ class GPUShareReport:
     def _repr_html_(self) -> str:
         if self.status is None:
             return f'<div class="gpushare-status"><b>gpushare</b>: {html.escape(NOT_SHARED)}</div>'
+        # JupyterLab's theme variables (light and dark themes), with plain fallbacks elsewhere.
         colour = {
-            "running": "#2e7d32",
-            "waiting": "#ef6c00",
-            "evicted": "#6a1b9a",
-            "unshared": "#c62828",
-        }.get(self.state, "#455a64")
+            "running": "var(--jp-success-color1, green)",
+            "waiting": "var(--jp-warn-color1, orange)",
+            "evicted": "var(--jp-info-color1, purple)",
+            "unshared": "var(--jp-error-color1, red)",
+        }.get(self.state, "var(--jp-ui-font-color2, gray)")
         s = self.status
         quota = int(s.get("quota_bytes", 0)) or int(s.get("pool_bytes", 0))
         bar = ""
         if quota:
             pct = min(100.0, 100.0 * int(s.get("used_bytes", 0)) / quota)
             bar = (
-                '<div style="width:16em;height:0.6em;background:#e0e0e0;border-radius:3px;'
-                'margin-top:2px"><div style="height:100%;border-radius:3px;'
+                '<div style="width:16em;height:0.6em;border-radius:3px;margin-top:2px;'
+                'background:var(--jp-layout-color3, lightgray)">'
+                '<div style="height:100%;border-radius:3px;'
                 f'background:{colour};width:{pct:.1f}%"></div></div>'
             )
         rows = []
@@ -227,11 +233,12 @@ def _socket_path(status: dict[str, Any] | None) -> str:
     return str(path) if path else default_socket_path()
 
 
-def _scheduler_view(
-    status: dict[str, Any],
+def find_own_entry(
+    status: dict[str, Any], timeout: float = SCHEDULER_TIMEOUT
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
-    """(this kernel's entry, its device's entry, a note when the scheduler did not answer)."""
-    client = SchedulerClient(_socket_path(status), timeout=SCHEDULER_TIMEOUT)
+    """(this kernel's entry, its device's entry, a note when the scheduler did not answer or
+    does not list the kernel yet), from the scheduler's STATUS as this process's uid sees it."""
+    client = SchedulerClient(_socket_path(status), timeout=timeout)
     try:
         doc = client.status_sync()
     except (SchedulerUnavailable, SchedulerError) as exc:
@@ -252,8 +259,13 @@ def _scheduler_view(
     for device in devices:
         if uuid and device.get("uuid") == uuid:
             return None, device, None
+    if not devices and doc.get("nvml") is not True:
+        return None, None, NO_GPU
     note = "the scheduler does not list this kernel yet (it registers at its first GPU call)"
     return None, (devices[0] if len(devices) == 1 else None), note
+
+
+_scheduler_view = find_own_entry
 
 
 def status_report() -> GPUShareReport:
@@ -293,6 +305,15 @@ def _quota(args: list[str]) -> str:
     client_id = (entry or {}).get("id") or status.get("client_id")
     if entry is None and note and note.startswith("no answer"):
         return f"gpushare: cannot set the quota: {note}"
+    new = format_size(quota) if quota else "none"
+    if entry is None and status.get("state") == "inactive":
+        # Not registered yet (no GPU call so far): the wait line's thread applies it the moment
+        # the kernel registers, before its first allocation is checked against the scheduler.
+        waitline.set_pending_quota(quota)
+        return (
+            f"gpushare: memory quota {current_text} -> {new}: applied when this kernel makes its "
+            "first GPU call (it registers with the scheduler then)"
+        )
     if not client_id:
         return "gpushare: cannot set the quota: this kernel has no client id"
     client = SchedulerClient(_socket_path(status), timeout=SCHEDULER_TIMEOUT)
@@ -300,7 +321,6 @@ def _quota(args: list[str]) -> str:
         client.control_sync("set_quota", client=client_id, quota=quota)
     except (SchedulerUnavailable, SchedulerError) as exc:
         return f"gpushare: cannot set the quota: {exc}"
-    new = format_size(quota) if quota else "none"
     return f"gpushare: memory quota {current_text} -> {new} (asked the scheduler)"
 
 
@@ -350,8 +370,10 @@ def _make_magics_class() -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%gpushare`` (``%load_ext jupyter_gpushare.magic``)."""
+    """Register ``%gpushare`` (``%load_ext jupyter_gpushare.magic``) and, in a kernel under the
+    shim, start the wait line (:mod:`jupyter_gpushare.waitline`)."""
     ipython.register_magics(_make_magics_class())
+    waitline.start_in_kernel(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

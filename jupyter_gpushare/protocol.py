@@ -39,8 +39,10 @@ __all__ = [
     "ProtocolError",
     "decode_frame",
     "decode_payload",
+    "duplicate_client_id",
     "encode",
     "error_message",
+    "kernel_client_id",
     "read_message",
     "read_message_sync",
     "write_message",
@@ -148,7 +150,7 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     40: ("since_ms", FieldType.U64),
     41: ("gpu_ms", FieldType.U64),
     # The memory engine (docs/protocol.md, "Pre-copy").
-    42: ("precopied_bytes", FieldType.U64),
+    43: ("precopied_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}
@@ -190,6 +192,25 @@ class Message:
 
 def error_message(code: ErrorCode | int, text: str) -> Message:
     return Message(MsgType.ERROR, {"error_code": int(code), "message": text})
+
+
+# --------------------------------------------------------------------------------------------
+# Client ids: a kernel's subprocesses inherit its GPUSHARE_CLIENT_ID, so the scheduler tells a
+# second live client of the same id apart by its pid (docs/protocol.md, "Duplicate client ids").
+
+#: What separates a kernel's client id from the suffix a duplicate gets.
+DUPLICATE_SEPARATOR = "#"
+
+
+def duplicate_client_id(client_id: str, pid: int, n: int = 1) -> str:
+    """The id of the ``n``-th duplicate of ``client_id`` from process ``pid``."""
+    base = f"{client_id}{DUPLICATE_SEPARATOR}{pid}"
+    return base if n <= 1 else f"{base}.{n}"
+
+
+def kernel_client_id(client_id: str) -> str:
+    """The kernel's own id of a (possibly duplicate) client id: ``k#123.2`` -> ``k``."""
+    return client_id.split(DUPLICATE_SEPARATOR, 1)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -544,7 +544,10 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             if pin and exc.code == ErrorCode.BAD_REQUEST:
                 why = exc.message
                 raise RuntimeError(f"cannot start the kernel on GPU {pin!r}: {why}") from exc
-            self._unplaced(env, pin, str(exc))
+            if not pin and exc.code == ErrorCode.NOT_FOUND:
+                _no_gpu_once(self.log)  # in plain words, once: not per kernel with a code
+                return
+            self._unplaced(env, pin, exc.message)
             return
         except SchedulerUnavailable as exc:
             self._unplaced(env, pin, str(exc))
@@ -676,6 +679,22 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
 #: The GPUs this process can reach (see _reachable_gpus): unknown until first asked.
 _UNKNOWN: Any = object()
 _reachable: Any = _UNKNOWN
+
+
+_said_no_gpu = False
+
+
+def _no_gpu_once(log: Any) -> None:
+    """The scheduler knows no GPU: say so once per server, in the words users see elsewhere."""
+    global _said_no_gpu
+    if _said_no_gpu:
+        log.debug("gpushare: no NVIDIA GPU found: the kernel starts without a GPU placement")
+        return
+    _said_no_gpu = True
+    log.warning(
+        "gpushare: no NVIDIA GPU found (the scheduler knows none yet): kernels start without a "
+        "GPU placement, and a GPU that a kernel finds is learnt from it"
+    )
 
 
 async def _reachable_gpus() -> list[str] | None:

@@ -74,7 +74,13 @@ def build_shim(output: Path) -> Path:
     # -fvisibility=hidden: only what the shim means to interpose or offer is exported.
     # No libm: the shim must dlopen(RTLD_NOW) into any process (bench/launch_ab.c does), so it
     # calls nothing from it (config.c rounds the weight by hand).
-    return _compile(sorted(SRC.glob("*.c")), output, ["-fvisibility=hidden", "-shared"])
+    # --no-undefined: a handler named in hooks.def but defined nowhere must fail the build, not
+    # the first program that calls it.
+    return _compile(
+        sorted(SRC.glob("*.c")),
+        output,
+        ["-fvisibility=hidden", "-shared", "-Wl,--no-undefined"],
+    )
 
 
 def build_shared(sources: list[Path], output: Path, extra: list[str] | None = None) -> Path:

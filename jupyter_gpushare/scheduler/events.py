@@ -81,12 +81,17 @@ class Released:
 
 @dataclass(frozen=True)
 class Evicted:
-    """Answer to an Evict decision: the client's managed memory is on the host now."""
+    """Answer to an Evict decision: the client's managed memory is on the host now.
+
+    ``ok`` False: the eviction failed (a stream capture outlived the shim's bounded wait, or the
+    driver refused the move): the memory is still on the GPU and must stay counted there.
+    """
 
     now: float
     client: str
     bytes_moved: int = 0
     micros: int = 0
+    ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,12 +229,4 @@ class Precopy:
     client: str
 
 
-@dataclass(frozen=True)
-class QuotaChanged:
-    """Tell the client its effective quota changed."""
-
-    client: str
-    quota: int
-
-
-Decision = Grant | Revoke | Evict | Precopy | QuotaChanged
+Decision = Grant | Revoke | Evict | Precopy

@@ -65,7 +65,6 @@ from .events import (
     Memory,
     Precopied,
     Precopy,
-    QuotaChanged,
     Released,
     Request,
     Restored,
@@ -74,6 +73,7 @@ from .events import (
     SetWeight,
     Tick,
 )
+from .ordering import CellService, Ordering, OrderingConfig
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig"]
 
@@ -89,6 +89,7 @@ REASON_QUANTUM = "quantum expired"
 REASON_GREW = "memory grew past the pool"
 REASON_PRESSURE = "memory pressure"
 REASON_ADMIN = "released by request"
+REASON_ORDER = "paused: shorter cells first"
 
 
 @dataclass
@@ -109,6 +110,8 @@ class PolicyConfig:
     # the bare core (its scenario tests read exact decision lists); the scheduler turns it on
     # (c.GPUShareScheduler.precopy_idle). Only the gpushare policy pre-copies.
     precopy_idle: bool = False
+    # Among busy kernels that fit: who goes through the gate first (see .ordering).
+    ordering: OrderingConfig = field(default_factory=OrderingConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -175,6 +178,8 @@ class _Client:
     # accounting
     gpu_seconds: float = 0.0
     wait_seconds: float = 0.0
+    last_restore: tuple[int, float] | None = None  # (bytes, seconds) of its last restore
+    cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
 
     @property
     def movable(self) -> int:
@@ -219,6 +224,7 @@ class Policy:
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
+        self._order = Ordering(self.config.ordering)
         self._devices: dict[str, _Device] = {}
         self._clients: dict[str, _Client] = {}
         self._now: float | None = None
@@ -275,6 +281,7 @@ class Policy:
         elif isinstance(event, Restored):
             self._measure(dev, "restore", event.bytes_moved, event.micros)
             client.evicted = 0
+            client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
         elif isinstance(event, Idle):
             if event.precopied >= 0 or not client.idle:
@@ -288,13 +295,15 @@ class Policy:
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
+            client.cell.new_cell(from_jupyter=True)
         elif isinstance(event, Leave):
             self._remove(client)
         elif isinstance(event, AdminRelease):
             return self._on_admin_release(dev, client, event)
         elif isinstance(event, SetQuota):
+            # The shell tells the shim (SET_QUOTA) once access has checked the quota.
             client.quota = max(0, event.quota)
-            return [QuotaChanged(client.id, client.quota)]
+            return []
         elif isinstance(event, SetWeight):
             client.weight = event.weight if event.weight > 0 else client.weight
         decisions = self._schedule(dev)
@@ -377,6 +386,9 @@ class Policy:
         dt = now - self._now
         half_life = self.config.usage_half_life
         for dev in self._devices.values():
+            busy = [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
+            for c in busy:  # co-running cells share the GPU: each gets its part of the time
+                c.cell.service += dt / len(busy)
             for c in dev.clients.values():
                 if c.holding is not None:
                     c.gpu_seconds += dt
@@ -455,6 +467,8 @@ class Policy:
         c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
         if c.holding is not None:
             return
+        if c.idle:  # it wants the GPU again after its cell ended: a new cell
+            c.cell.new_cell()
         c.idle = False
         if c.waiting_since is None:
             since = c.resume_since
@@ -487,8 +501,10 @@ class Policy:
         c.precopied = 0  # nothing resident left to have a copy of
 
     def _on_evicted(self, dev: _Device, c: _Client, evt: Evicted) -> None:
-        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
         c.evict_pending = False
+        if not evt.ok:
+            return  # still resident: the room it was to free does not exist (the next pass retries)
+        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
             self._set_evicted(c)
 
@@ -592,12 +608,13 @@ class Policy:
         GPU-seconds divided by the client's weight), then arrival.
         """
 
-        def key(c: _Client) -> tuple[int, int, float, float, int]:
+        def key(c: _Client) -> tuple[int, int, int, float, float, int]:
             since = c.waiting_since
             assert since is not None
             if self._overdue(c, now):
-                return (0, 0, 0.0, since, c.seq)
-            return (1, int(c.idle), self._share(dev, c, now), since, c.seq)
+                return (0, 0, 0, 0.0, since, c.seq)
+            rank = self._order.rank(c, now)
+            return (1, int(c.idle), rank, self._share(dev, c, now), since, c.seq)
 
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
@@ -618,6 +635,9 @@ class Policy:
         return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
 
     def _deadlines(self, dev: _Device) -> Iterable[float]:
+        if self.config.policy == "gpushare":
+            waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
+            yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
         if not any(c.waiting_since is not None for c in dev.clients.values()):
             return
         if self.config.policy == "fixed-quantum":
@@ -641,7 +661,7 @@ class Policy:
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev)
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
 
     def _relieve(self, dev: _Device) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
@@ -681,12 +701,16 @@ class Policy:
         incoming = self._incoming_bytes(dev)
         queue = self._queue(dev, now)
         dev.turns = False
+        gate = self._gate_level(dev)
         for i, w in enumerate(queue):
             if w.evict_pending:
                 continue  # its own eviction is in flight: grant it (with restore) after Evicted
+            if not self._order.passes(w, gate, now):
+                continue  # a longer cell, paused while shorter ones run (interactive ordering)
             need = w.used - w.on_gpu
             if need <= free:
-                out.append(self._grant(w))
+                out.append(self._grant_in_order(dev, w))
+                gate = min(gate, self._order.level(w))
                 free -= need
                 continue
             if dev.turns:
@@ -761,6 +785,33 @@ class Policy:
         elif not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))
         return out
+
+    # ----------------------------------------------------------------------------------------
+    # Interactive-first ordering (PolicyConfig.ordering; the rules are in .ordering)
+
+    @staticmethod
+    def _busy_holders(dev: _Device) -> list[_Client]:
+        return [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
+
+    def _gate_level(self, dev: _Device) -> int:
+        return self._order.gate(self._busy_holders(dev))
+
+    def _paused_for_order(self, dev: _Device, w: _Client) -> bool:
+        """``w`` waits only because shorter cells run (the status says so)."""
+        return not self._order.passes(w, self._gate_level(dev), self._clock)
+
+    def _grant_in_order(self, dev: _Device, w: _Client) -> Grant:
+        """Grant ``w``; one let through by the starvation bound holds for its weighted slice."""
+        if self._order.starved(w, self._clock):
+            busy = self._busy_holders(dev)
+            busy += [c for c in dev.clients.values() if c.waiting_since is not None]
+            self._order.protect(w, sum(c.weight for c in busy), self._clock)
+        return self._grant(w)
+
+    def _pause(self, dev: _Device) -> list[Decision]:
+        """Pause (revoke, no eviction: the memory stays) what the ordering says to pause."""
+        paused = self._order.to_pause(self._busy_holders(dev), self._clock)
+        return [self._revoke(c, False, REASON_ORDER) for c in paused]
 
     # ----------------------------------------------------------------------------------------
     # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
@@ -911,6 +962,13 @@ class Policy:
                     f", {_dur(h['past_quantum_seconds'])} past its "
                     f"{_dur(h['quantum_seconds'])} quantum"
                 )
+        elif self._paused_for_order(dev, c):
+            left = c.waiting_since + self.config.ordering.starvation_window - now
+            reason = "shorter_first"
+            text = (
+                "paused while shorter cells run (memory kept on the GPU): resumes when they "
+                f"end, in {_dur(left)} at most"
+            )
         elif ahead > 0:
             reason = "queue"
             text = f"waiting behind {ahead} other kernel{'s' if ahead > 1 else ''}"
@@ -928,7 +986,15 @@ class Policy:
                 )
         else:
             reason, text = "memory", "waiting for memory to be moved to the host"
-        return {"wait": {"reason": reason, "text": text, "holders": about}}
+        wait: dict[str, Any] = {"reason": reason, "text": text, "holders": about}
+        if reason == "memory":
+            # What is on its way to the host now (the wait line says how much).
+            wait["moving_bytes"] = sum(
+                h.movable
+                for h in dev.clients.values()
+                if h.evict_pending or (h.holding == "revoking" and h.revoke_evict)
+            )
+        return {"wait": wait}
 
     @staticmethod
     def _client_status(c: _Client, dt: float, position: dict[str, int]) -> dict[str, Any]:
@@ -950,6 +1016,9 @@ class Policy:
             "wait_seconds": c.wait_seconds + (dt if c.waiting_since is not None else 0.0),
             "waiting_since": c.waiting_since,
             "queue_position": position.get(c.id),
+            "last_restore": None
+            if c.last_restore is None
+            else {"bytes": c.last_restore[0], "seconds": round(c.last_restore[1], 6)},
         }
 
 

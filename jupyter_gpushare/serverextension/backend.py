@@ -23,6 +23,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from traitlets import default
+
 from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..hub import server_user
 from ..protocol import ErrorCode
@@ -39,20 +41,21 @@ __all__ = [
 
 class NotifyingScheduler(GPUShareScheduler):
     """The embedded scheduler: a :class:`GPUShareScheduler` that calls ``on_change`` whenever an
-    event reaches its policy (join, leave, request, release, memory, tick, control)."""
+    event reaches its policy (join, leave, request, release, memory, tick, control), through the
+    scheduler's public status listener hook."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.on_change: Callable[[], None] | None = None
+        self.add_status_listener(self._notify)
 
-    def _policy_handle(self, event: Any) -> Any:
-        out = super()._policy_handle(event)
+    @default("metrics_in_process")
+    def _metrics_in_process_default(self) -> bool:
+        return True  # the Jupyter server's own /metrics serves them (SchedulerBackend)
+
+    def _notify(self) -> None:
         if self.on_change is not None:
-            try:
-                self.on_change()
-            except Exception:  # a listener must never break the scheduler
-                self.log.exception("gpushare: status change listener failed")
-        return out
+            self.on_change()
 
 
 def probe_socket(path: str, timeout: float = 1.0) -> bool:
@@ -88,6 +91,7 @@ class SchedulerBackend:
         self.mode = mode
         self.socket_path = socket_path
         self._make_scheduler = make_scheduler
+        self._collector: Any = None  # the embedded scheduler's metrics on prometheus' REGISTRY
         self._fallback_socket = fallback_socket
         self.log = log
         self.timeout = timeout
@@ -160,6 +164,7 @@ class SchedulerBackend:
             self._log("error", "gpushare: %s", self.error)
             return
         self.scheduler = scheduler
+        self._expose_metrics(scheduler)
         self._log(
             "info",
             "gpushare: embedded scheduler on %s (NVML: %s)",
@@ -173,12 +178,35 @@ class SchedulerBackend:
             with contextlib.suppress(BaseException):
                 await self._start_task
         scheduler, self.scheduler = self.scheduler, None
+        self._hide_metrics()
         if scheduler is not None:
             scheduler.on_change = None
             await scheduler.stop()
             if os.environ.get("GPUSHARE_SOCKET") == self.socket_path:
                 del os.environ["GPUSHARE_SOCKET"]
         self._listeners.clear()
+
+    # -- metrics on the Jupyter server's /metrics ---------------------------------------------
+
+    def _expose_metrics(self, scheduler: NotifyingScheduler) -> None:
+        """jupyter_server serves prometheus_client's global registry on /metrics: the embedded
+        scheduler's metrics join it through a collector, for as long as the scheduler runs."""
+        if scheduler.metrics is None:
+            return
+        from prometheus_client import REGISTRY
+
+        from ..scheduler.metrics import DelegatingCollector
+
+        self._collector = DelegatingCollector(scheduler.metrics.registry)
+        REGISTRY.register(self._collector)
+
+    def _hide_metrics(self) -> None:
+        collector, self._collector = self._collector, None
+        if collector is not None:
+            from prometheus_client import REGISTRY
+
+            with contextlib.suppress(KeyError):
+                REGISTRY.unregister(collector)
 
     # -- change notification ------------------------------------------------------------------
 
@@ -213,6 +241,15 @@ class SchedulerBackend:
         if self.scheduler is not None:
             return self.scheduler.status_document()
         return await self.client.status()
+
+    async def history(self) -> dict[str, Any]:
+        """The scheduler's last hour per kernel, user and GPU (its ``history`` action)."""
+        await self.ensure_started()
+        self._check()
+        if self.scheduler is not None:
+            return self.scheduler.history_view()
+        reply = await self.client.control("history")
+        return dict(reply.get("history") or {})
 
     async def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
         await self.ensure_started()

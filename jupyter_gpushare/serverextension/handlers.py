@@ -90,6 +90,20 @@ class StatusHandler(_Base):
         self.finish(json.dumps(doc))
 
 
+class HistoryHandler(_Base):
+    """``GET gpushare/api/history``: the last hour per kernel, user and GPU (the sparklines)."""
+
+    @web.authenticated
+    @authorized("read", resource=AUTH_RESOURCE)
+    async def get(self) -> None:
+        try:
+            doc = await self.gpushare.backend.history()
+        except (SchedulerUnavailable, SchedulerError) as exc:
+            raise scheduler_http_error(exc) from exc
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(doc))
+
+
 class KernelActionHandler(_Base):
     """``POST gpushare/api/kernels/{kernel_id}/release`` and ``.../evict``."""
 
@@ -240,6 +254,7 @@ class EventsWebSocket(  # type: ignore[misc]
 def default_handlers() -> list[tuple[str, Any]]:
     return [
         (r"/gpushare/api/status/?", StatusHandler),
+        (r"/gpushare/api/history/?", HistoryHandler),
         (rf"/gpushare/api/kernels/{_KERNEL}/(?P<action>release|evict)/?", KernelActionHandler),
         (rf"/gpushare/api/kernels/{_KERNEL}/quota/?", QuotaHandler),
         (r"/gpushare/api/events/?", EventsWebSocket),

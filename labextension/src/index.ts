@@ -1,17 +1,30 @@
 /**
- * jupyter-gpushare's JupyterLab (and Notebook 7) sidebar: the shared GPU at a glance.
+ * jupyter-gpushare's JupyterLab (and Notebook 7) extension: the sidebar with the shared GPU at a
+ * glance, a status-bar item with my kernels' state, and notifications (your turn came, your idle
+ * kernel was evicted or put to sleep, your kernel is near its quota), all switchable in the
+ * settings (schema/plugin.json).
  */
 import {
   ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
+import { ICommandPalette, Notification } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
+import { Widget } from '@lumino/widgets';
 
+import { buildViewModel, IStatus, IViewModel } from './model';
+import { DEFAULT_PREFS, INotifyPrefs, noticesBetween, statusBarText } from './notify';
 import { GPUSharePanel } from './panel';
 
 export { GPUSharePanel } from './panel';
 export * from './model';
+export * from './notify';
 
 const GPU_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
 <g class="jp-icon3" fill="#616161">
@@ -22,29 +35,152 @@ const GPU_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" 
 export const gpuIcon = new LabIcon({ name: 'jupyter-gpushare:gpu', svgstr: GPU_SVG });
 
 const PANEL_ID = 'jupyter-gpushare-sidebar';
+const PLUGIN_ID = 'jupyter-gpushare:sidebar';
+const COMMAND = 'gpushare:show';
+
+interface IPrefs extends INotifyPrefs {
+  statusBar: boolean;
+  pollSeconds: number;
+}
+
+function readPrefs(settings: ISettingRegistry.ISettings | null): IPrefs {
+  const get = <T>(key: string, fallback: T): T => {
+    const value = settings?.get(key).composite;
+    return value === undefined || value === null ? fallback : (value as T);
+  };
+  return {
+    notifyTurn: get('notifyTurn', DEFAULT_PREFS.notifyTurn),
+    turnAfterSeconds: get('turnAfterSeconds', DEFAULT_PREFS.turnAfterSeconds),
+    notifyEvicted: get('notifyEvicted', DEFAULT_PREFS.notifyEvicted),
+    notifyQuota: get('notifyQuota', DEFAULT_PREFS.notifyQuota),
+    statusBar: get('statusBar', true),
+    pollSeconds: Math.max(1, get('pollSeconds', 3))
+  };
+}
+
+/**
+ * Looks at the status document every few seconds, whether the sidebar is shown or not, and
+ * hands each view model to the status bar and the notifier.
+ */
+class StatusWatcher {
+  constructor(
+    private _settings: ServerConnection.ISettings,
+    private _onModel: (model: IViewModel) => void
+  ) {}
+
+  start(seconds: number): void {
+    this.stop();
+    const tick = async () => {
+      this._onModel(await this._fetch());
+      this._timer = window.setTimeout(tick, seconds * 1000);
+    };
+    void tick();
+  }
+
+  stop(): void {
+    if (this._timer !== null) {
+      window.clearTimeout(this._timer);
+      this._timer = null;
+    }
+  }
+
+  private async _fetch(): Promise<IViewModel> {
+    const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/status');
+    try {
+      const response = await ServerConnection.makeRequest(url, {}, this._settings);
+      if (response.ok) {
+        return buildViewModel({ kind: 'status', status: (await response.json()) as IStatus });
+      }
+      return buildViewModel({ kind: 'error', statusCode: response.status, message: '' });
+    } catch (err) {
+      return buildViewModel({ kind: 'error', statusCode: null, message: String(err) });
+    }
+  }
+
+  private _timer: number | null = null;
+}
 
 const plugin: JupyterFrontEndPlugin<void> = {
-  id: 'jupyter-gpushare:sidebar',
+  id: PLUGIN_ID,
   description: 'A sidebar showing who uses the shared GPU, who waits, and memory against quotas.',
   autoStart: true,
-  optional: [ILayoutRestorer],
-  activate: (app: JupyterFrontEnd, restorer: ILayoutRestorer | null) => {
-    const panel = new GPUSharePanel({ serverSettings: app.serviceManager.serverSettings });
+  optional: [ILayoutRestorer, ICommandPalette, IStatusBar, ISettingRegistry, ITranslator],
+  activate: (
+    app: JupyterFrontEnd,
+    restorer: ILayoutRestorer | null,
+    palette: ICommandPalette | null,
+    statusBar: IStatusBar | null,
+    settingRegistry: ISettingRegistry | null,
+    translator: ITranslator | null
+  ) => {
+    const trans = (translator ?? nullTranslator).load('jupyter_gpushare');
+    const __ = (msg: string, ...args: unknown[]) => trans.__(msg, ...(args as string[]));
+    const serverSettings = app.serviceManager.serverSettings;
+    const panel = new GPUSharePanel({ serverSettings, translator: translator ?? undefined });
     panel.id = PANEL_ID;
     panel.title.icon = gpuIcon;
-    panel.title.caption = 'Shared GPU';
+    panel.title.caption = __('Shared GPU');
     // 'left' exists in JupyterLab and in Notebook 7 (its side panel).
     app.shell.add(panel, 'left', { rank: 650 });
     if (restorer) {
       restorer.add(panel, PANEL_ID);
     }
-    app.commands.addCommand('gpushare:show', {
-      label: 'Show the Shared GPU Panel',
-      caption: 'Who holds the GPU, who waits, and memory against quotas',
+    app.commands.addCommand(COMMAND, {
+      label: __('Show the Shared GPU Panel'),
+      caption: __('Who holds the GPU, who waits, and memory against quotas'),
+      icon: gpuIcon,
       execute: () => {
         app.shell.activateById(panel.id);
       }
     });
+    if (palette) {
+      palette.addItem({ command: COMMAND, category: __('GPU') });
+    }
+
+    let prefs = readPrefs(null);
+    const item = new Widget();
+    item.addClass('jp-gpushare-statusbar');
+    item.node.title = __('Your kernels on the shared GPU (click for the panel)');
+    item.node.addEventListener('click', () => void app.commands.execute(COMMAND));
+    if (statusBar) {
+      statusBar.registerStatusItem('jupyter-gpushare:status', {
+        item,
+        align: 'left',
+        rank: 4,
+        isActive: () => prefs.statusBar
+      });
+    }
+
+    let previous: IViewModel | null = null;
+    const watcher = new StatusWatcher(serverSettings, model => {
+      item.node.textContent = statusBarText(model, __);
+      item.node.dataset.state = model.state;
+      for (const notice of noticesBetween(previous, model, prefs, __)) {
+        Notification.emit(notice.text, notice.level, {
+          autoClose: notice.level === 'warning' ? false : 8000
+        });
+      }
+      if (model.state === 'ok' || previous === null) {
+        previous = model; // a failed look does not count as "nothing of mine is there"
+      }
+    });
+
+    const apply = (settings: ISettingRegistry.ISettings | null) => {
+      prefs = readPrefs(settings);
+      item.setHidden(!prefs.statusBar);
+      watcher.start(prefs.pollSeconds);
+    };
+    if (settingRegistry) {
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(settings => {
+          apply(settings);
+          settings.changed.connect(() => apply(settings));
+        })
+        .catch(() => apply(null));
+    } else {
+      apply(null);
+    }
   }
 };
 

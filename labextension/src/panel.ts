@@ -2,7 +2,9 @@
  * The sidebar widget: fetches the status document, follows the events websocket while shown,
  * and renders the view model (model.ts) with plain DOM.
  */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
+import { ITranslator, nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import { ServerConnection } from '@jupyterlab/services';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
@@ -20,6 +22,20 @@ import {
   IStatus,
   IViewModel
 } from './model';
+import {
+  deviceUse,
+  IHistory,
+  kernelGpuUse,
+  kernelMemory,
+  Series,
+  sparkline
+} from './sparkline';
+
+/** How often the panel fetches the history (the sparklines) while shown. */
+const HISTORY_EVERY_TICKS = 5;
+const SPARK_WIDTH = 120;
+const SPARK_HEIGHT = 18;
+const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** Reconnect delays of the events websocket: doubling from the first to the last. */
 const BACKOFF_FIRST_MS = 500;
@@ -29,6 +45,8 @@ type Connection = 'offline' | 'connecting' | 'live';
 
 export interface IPanelOptions {
   serverSettings?: ServerConnection.ISettings;
+  /** JupyterLab's translator (its `jupyter_gpushare` domain); English without it. */
+  translator?: ITranslator;
 }
 
 function el<K extends keyof HTMLElementTagNameMap>(
@@ -83,9 +101,10 @@ function swatch(color: number): HTMLElement {
 export class GPUSharePanel extends Widget {
   constructor(options: IPanelOptions = {}) {
     super();
+    this._trans = (options.translator ?? nullTranslator).load('jupyter_gpushare');
     this.addClass('jp-gpushare-panel');
     this.node.setAttribute('role', 'region');
-    this.node.setAttribute('aria-label', 'Shared GPU');
+    this.node.setAttribute('aria-label', this._trans.__('Shared GPU'));
     this._settings = options.serverSettings ?? ServerConnection.makeSettings();
     this._onVisibility = () => {
       if (document.hidden) {
@@ -114,6 +133,52 @@ export class GPUSharePanel extends Widget {
     document.removeEventListener('visibilitychange', this._onVisibility);
     this._stop();
     super.dispose();
+  }
+
+  /** Fetch the last hour (the sparklines); without it the panel draws none. */
+  async refreshHistory(): Promise<void> {
+    const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/history');
+    try {
+      const response = await ServerConnection.makeRequest(url, {}, this._settings);
+      this._history = response.ok ? ((await response.json()) as IHistory) : null;
+    } catch {
+      this._history = null;
+    }
+    this._render();
+  }
+
+  /** A sparkline of the last hour (or of what there is of it), as an SVG. */
+  private _spark(series: Series, label: string, kind: string, max?: number): Element | null {
+    const h = this._history;
+    if (!h || !series.length) {
+      return null;
+    }
+    const span = Math.min(h.window_seconds, Math.max(60, h.now - series[0][0]));
+    const points = sparkline(series, {
+      now: h.now,
+      window: span,
+      width: SPARK_WIDTH,
+      height: SPARK_HEIGHT,
+      max
+    });
+    if (!points) {
+      return null;
+    }
+    const svg = document.createElementNS(SVG_NS, 'svg');
+    svg.setAttribute('class', `jp-gpushare-spark jp-gpushare-spark-${kind}`);
+    svg.setAttribute('width', String(SPARK_WIDTH));
+    svg.setAttribute('height', String(SPARK_HEIGHT + 2));
+    svg.setAttribute('viewBox', `0 -1 ${SPARK_WIDTH} ${SPARK_HEIGHT + 2}`);
+    svg.setAttribute('role', 'img');
+    const minutes = Math.max(1, Math.round(span / 60));
+    svg.setAttribute('aria-label', `${label}, last ${minutes} min`);
+    svg.setAttribute('data-points', String(series.length));
+    const title = document.createElementNS(SVG_NS, 'title');
+    title.textContent = `${label}, last ${minutes} min`;
+    const line = document.createElementNS(SVG_NS, 'polyline');
+    line.setAttribute('points', points);
+    svg.append(title, line);
+    return svg;
   }
 
   /** Fetch the status document now (REST), whatever the websocket does. */
@@ -174,7 +239,13 @@ export class GPUSharePanel extends Widget {
     void this.refresh();
     this._connect();
     // Waits grow by themselves: re-render every second while shown.
-    this._ticker = window.setInterval(() => this._render(), 1000);
+    void this.refreshHistory();
+    this._ticker = window.setInterval(() => {
+      if (++this._ticks % HISTORY_EVERY_TICKS === 0) {
+        void this.refreshHistory();
+      }
+      this._render();
+    }, 1000);
   }
 
   private _stop(): void {
@@ -283,6 +354,26 @@ export class GPUSharePanel extends Widget {
     if (!row.kernelId) {
       return;
     }
+    if (action === 'evict') {
+      // Evicting acts on someone's kernel (an admin's action): say what it does first.
+      const answer = await showDialog({
+        title: this._trans.__('Evict %1?', row.name),
+        body: this._trans.__(
+          '%1 (%2) gives the GPU back and its memory (%3 on the GPU) is moved to host memory; ' +
+            'its next GPU call waits for a turn and restores it.',
+          row.name,
+          row.user,
+          formatBytes(row.residentBytes)
+        ),
+        buttons: [
+          Dialog.cancelButton({ label: this._trans.__('Cancel') }),
+          Dialog.warnButton({ label: this._trans.__('Evict') })
+        ]
+      });
+      if (!answer.button.accept) {
+        return;
+      }
+    }
     const url = URLExt.join(
       this._settings.baseUrl,
       'gpushare/api/kernels',
@@ -323,7 +414,7 @@ export class GPUSharePanel extends Widget {
     const header = el(
       'div',
       { className: 'jp-gpushare-header' },
-      el('h2', { className: 'jp-gpushare-title', text: 'Shared GPU' }),
+      el('h2', { className: 'jp-gpushare-title', text: this._trans.__('Shared GPU') }),
       el('span', {
         className: 'jp-gpushare-connection',
         'data-state': this._connection,
@@ -465,19 +556,42 @@ export class GPUSharePanel extends Widget {
       );
     }
 
+    const use = this._history ? deviceUse(this._history, dev.uuid) : null;
+    const deviceSpark = use
+      ? this._spark(
+          use.series,
+          use.measured ? `Utilisation of ${dev.name}` : `${dev.name} held by a kernel`,
+          'device',
+          100
+        )
+      : null;
+    if (deviceSpark) {
+      section.append(
+        el(
+          'div',
+          { className: 'jp-gpushare-sparkrow' },
+          el('span', {
+            className: 'jp-gpushare-label',
+            text: use?.measured ? this._trans.__('Utilisation') : this._trans.__('GPU held')
+          }),
+          deviceSpark
+        )
+      );
+    }
+
     if (dev.filtered) {
       // Other users' kernels are only summed: their holders and places in the queue by user.
       section.append(
-        this._renderGroup('holders', 'Holding the GPU', dev.holders, dev.otherHolders),
+        this._renderGroup('holders', this._trans.__('Holding the GPU'), dev.holders, dev.otherHolders),
         this._renderQueue(dev.queue, dev.waiters),
-        this._renderGroup('idle', 'Idle', dev.idle),
+        this._renderGroup('idle', this._trans.__('Idle'), dev.idle),
         this._renderOthers(dev.others)
       );
     } else {
       section.append(
-        this._renderGroup('holders', 'Holding the GPU', dev.holders),
-        this._renderGroup('waiters', 'Waiting', dev.waiters),
-        this._renderGroup('idle', 'Idle', dev.idle)
+        this._renderGroup('holders', this._trans.__('Holding the GPU'), dev.holders),
+        this._renderGroup('waiters', this._trans.__('Waiting'), dev.waiters),
+        this._renderGroup('idle', this._trans.__('Idle'), dev.idle)
       );
     }
 
@@ -485,7 +599,7 @@ export class GPUSharePanel extends Widget {
       const mine = el(
         'div',
         { className: 'jp-gpushare-mine', 'aria-label': 'My kernels on this GPU' },
-        el('h3', { className: 'jp-gpushare-group-title', text: 'My kernels' })
+        el('h3', { className: 'jp-gpushare-group-title', text: this._trans.__('My kernels') })
       );
       for (const row of dev.mine) {
         mine.append(this._renderQuota(row));
@@ -535,7 +649,7 @@ export class GPUSharePanel extends Widget {
     // The viewer's waiters the queue does not name (e.g. waiting but not queued yet) go last.
     const rest = waiters.filter(r => !listed.has(r.id));
     const count = queue.length + rest.length;
-    const group = groupOf('waiters', 'Waiting', count);
+    const group = groupOf('waiters', this._trans.__('Waiting'), count);
     if (!count) {
       return group;
     }
@@ -583,7 +697,7 @@ export class GPUSharePanel extends Widget {
 
   /** Other users' kernels, one row per user (filtered documents). */
   private _renderOthers(others: IOtherUserRow[]): HTMLElement {
-    const group = groupOf('others', 'Other users', others.length);
+    const group = groupOf('others', this._trans.__('Other users'), others.length);
     if (!others.length) {
       return group;
     }
@@ -704,7 +818,7 @@ export class GPUSharePanel extends Widget {
       'aria-label': title,
       'data-focus-key': `${action}:${row.id}`,
       disabled: busy,
-      text: action === 'release' ? 'Release' : 'Evict'
+      text: action === 'release' ? this._trans.__('Release') : this._trans.__('Evict')
     });
     button.addEventListener('click', () => {
       void this._act(row, action);
@@ -757,6 +871,22 @@ export class GPUSharePanel extends Widget {
         })
       );
     }
+    if (this._history) {
+      const memory = this._spark(
+        kernelMemory(this._history, row.id),
+        `Memory of ${row.name} on the GPU`,
+        'memory'
+      );
+      const gpu = this._spark(
+        kernelGpuUse(this._history, row.id),
+        `GPU use of ${row.name}`,
+        'gpu',
+        1
+      );
+      if (memory || gpu) {
+        item.append(el('div', { className: 'jp-gpushare-sparkrow' }, memory, gpu));
+      }
+    }
     return item;
   }
 
@@ -770,6 +900,9 @@ export class GPUSharePanel extends Widget {
   private _active = false;
   private _generation = 0;
   private _busy = new Set<string>();
+  private _trans: TranslationBundle;
+  private _history: IHistory | null = null;
+  private _ticks = 0;
   private _feedback: string | null = null;
   private _onVisibility: () => void;
 }

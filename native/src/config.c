@@ -42,9 +42,10 @@ int gs_parse_size(const char *text, uint64_t *out)
     uint64_t whole = 0, frac_num = 0, frac_den = 1;
     int digits = 0;
     while (isdigit((unsigned char)*p)) {
-        if (whole > (UINT64_MAX - 9) / 10)
+        uint64_t digit = (uint64_t)(*p++ - '0');
+        if (whole > (UINT64_MAX - digit) / 10) /* exact: 18446744073709551615 still parses */
             return -1;
-        whole = whole * 10 + (uint64_t)(*p++ - '0');
+        whole = whole * 10 + digit;
         digits++;
     }
     if (*p == '.') {
@@ -78,6 +79,10 @@ int gs_parse_size(const char *text, uint64_t *out)
             /* frac_num < frac_den <= 1e12 and mult <= 2**40: the product fits in 128 bits only,
              * so divide first where it is exact enough (sizes are not measured in picobytes). */
             unsigned __int128 frac = (unsigned __int128)frac_num * mult / frac_den;
+            /* whole * mult fits (checked above), the fraction may not fit beside it: 16777215.99T
+             * would wrap to a few bytes and become a tiny quota instead of an error. */
+            if ((uint64_t)frac > UINT64_MAX - whole * mult)
+                return -1;
             *out = whole * mult + (uint64_t)frac;
             return 0;
         }
@@ -116,6 +121,20 @@ static uint64_t default_host_budget(void)
     return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
 }
 
+/* A duration in seconds from the environment (0 <= s < 1e6); a bad value keeps the default. */
+static void env_seconds(const char *name, double *out, const char *expected)
+{
+    const char *v = env(name);
+    if (!v)
+        return;
+    char *end;
+    double s = strtod(v, &end);
+    if (end != v && !*end && s >= 0 && s < 1e6)
+        *out = s;
+    else
+        GS_WARN("ignoring %s=%s: expected %s", name, v, expected);
+}
+
 static void load_config(void)
 {
     struct gs_config *c = &g_config;
@@ -126,6 +145,7 @@ static void load_config(void)
     c->weight_milli = 1000;
     c->idle_seconds = 2.0;
     c->reconnect_wait = 10.0;
+    c->capture_wait = 10.0;
     c->real_libcuda = "libcuda.so.1";
 
     const char *v;
@@ -169,23 +189,9 @@ static void load_config(void)
         else
             GS_WARN("ignoring GPUSHARE_WEIGHT=%s: expected a positive number", v);
     }
-    if ((v = env("GPUSHARE_IDLE_SECONDS"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0)
-            c->idle_seconds = s;
-        else
-            GS_WARN("ignoring GPUSHARE_IDLE_SECONDS=%s: expected seconds (0 = off)", v);
-    }
-    if ((v = env("GPUSHARE_RECONNECT_WAIT"))) {
-        char *end;
-        double s = strtod(v, &end);
-        if (end != v && !*end && s >= 0 && s < 1e6)
-            c->reconnect_wait = s;
-        else
-            GS_WARN("ignoring GPUSHARE_RECONNECT_WAIT=%s: expected seconds (0 = unshared at once)",
-                    v);
-    }
+    env_seconds("GPUSHARE_IDLE_SECONDS", &c->idle_seconds, "seconds (0 = off)");
+    env_seconds("GPUSHARE_RECONNECT_WAIT", &c->reconnect_wait, "seconds (0 = unshared at once)");
+    env_seconds("GPUSHARE_CAPTURE_WAIT", &c->capture_wait, "seconds");
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;
 }

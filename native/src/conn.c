@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -171,8 +172,59 @@ void gs_conn_send_request(struct gs_session *s)
     GS_DEBUG("requested the device");
 }
 
+/* The socket and its directory must belong to this user or to root, and the directory must not
+ * be writable by others (docs/protocol.md, "Trusting the socket"): the HELLO carries the command
+ * line, the user and the user token, and must never go to a socket another user put there. */
+static int socket_trusted(const char *path, char *why, size_t whylen)
+{
+    char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = 0;
+    else
+        *slash = 0;
+    uid_t me = getuid();
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        snprintf(why, whylen, "%s: %s", dir, strerror(errno));
+        return -1;
+    }
+    if (st.st_uid != me && st.st_uid != 0) {
+        snprintf(why, whylen, "refusing the socket: its directory %s belongs to uid %u", dir,
+                 (unsigned)st.st_uid);
+        return 0;
+    }
+    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+        snprintf(why, whylen, "refusing the socket: its directory %s is writable by %s", dir,
+                 st.st_mode & S_IWOTH ? "everyone" : "its group");
+        return 0;
+    }
+    if (lstat(path, &st) != 0) {
+        snprintf(why, whylen, "%s", strerror(errno));
+        return -1;
+    }
+    if (!S_ISSOCK(st.st_mode) || (st.st_uid != me && st.st_uid != 0)) {
+        snprintf(why, whylen, "refusing %s: %s", path,
+                 S_ISSOCK(st.st_mode) ? "it belongs to another user" : "not a socket");
+        return 0;
+    }
+    return 1;
+}
+
 static int connect_socket(struct gs_session *s, char *why, size_t whylen)
 {
+    int trusted = socket_trusted(s->id.socket_path, why, whylen);
+    if (trusted <= 0) {
+        if (trusted == 0 && !s->conn.refused) {
+            /* Loud, once: this is an attack or a misconfiguration, not an outage. */
+            s->conn.refused = 1;
+            gs_log(GS_LOG_QUIET, "%s; running unshared", why);
+        }
+        return -1;
+    }
     struct sockaddr_un addr;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
@@ -202,6 +254,29 @@ static int connect_socket(struct gs_session *s, char *why, size_t whylen)
         return -1;
     }
     return fd;
+}
+
+int gs_conn_probe(struct gs_session *s)
+{
+    char why[160];
+    int fd = connect_socket(s, why, sizeof why);
+    if (fd < 0)
+        return -1;
+    uint8_t buf[256];
+    struct gs_writer w;
+    gs_w_begin(&w, buf, sizeof buf, GS_MSG_STATUS_REQUEST);
+    gs_w_str(&w, GS_TAG_BODY, "{}");
+    size_t n = gs_w_finish(&w);
+    int alive = -1;
+    if (n && send_all(fd, buf, n) == 0) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        char c;
+        /* Any byte back is an answer: a scheduler that reads and writes is not hung. */
+        if (poll(&pfd, 1, 1000) == 1 && recv(fd, &c, 1, 0) == 1)
+            alive = 0;
+    }
+    close(fd);
+    return alive;
 }
 
 void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m)
@@ -249,6 +324,9 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
         gs_w_u64(&w, GS_TAG_RESUME, (uint64_t)resume);
         gs_w_u64(&w, GS_TAG_SINCE_MS, resume ? (uint64_t)(gs_ms(gs_now() - since) + 0.5) : 0);
         gs_w_u64(&w, GS_TAG_GPU_MS, (uint64_t)(gs_ms(gpu) + 0.5));
+        /* The proof that this is the process the old scheduler granted. */
+        if (resume == GS_RESUME_HOLDING && s->resume.secret[0])
+            gs_w_str(&w, GS_TAG_RESUME_SECRET, s->resume.secret);
     }
     gs_w_str(&w, GS_TAG_USER, s->id.user);
     if (s->id.token[0])
@@ -344,6 +422,7 @@ void gs_conn_connected_locked(struct gs_session *s, int fd, int reconnect)
 {
     s->conn.fd = fd;
     s->conn.connected = 1;
+    s->conn.last_rx = gs_now();
     s->requested = 0;
     s->conn.backoff = 0;
     if (s->conn.warned || reconnect)
@@ -404,14 +483,11 @@ void gs_conn_lost(struct gs_session *s, const char *why)
     }
     pthread_mutex_unlock(&s->mu);
 
-    /* Memory we evicted would come back page by page on demand; bring it back in bulk. */
-    struct gs_mem_totals t;
-    gs_mem_totals(&t);
-    CUdevice dev;
-    if (!s->quitting && t.evicted && gs_device_push(s, &dev) == 0) {
+    /* The holder runs on unshared: memory it had evicted would come back page by page on demand,
+     * so bring it back in bulk. A waiter's stays on the host: another kernel may hold the GPU
+     * (thread.c restores it, within the card's free memory, once the waiter runs unshared). */
+    if (!s->quitting && was_holding) {
         uint64_t moved, us;
-        gs_mem_restore(dev, &moved, &us);
-        gs_device_pop();
+        gs_drain_restore(s, "the restore after losing the scheduler", &moved, &us);
     }
 }
-

@@ -26,6 +26,22 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUkern_st *CUkernel;
+typedef unsigned int cuuint32_t;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphEdgeData_st CUgraphEdgeData;
+typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
+typedef struct CUDA_LAUNCH_PARAMS_st CUDA_LAUNCH_PARAMS;
+
+/* Stream capture (cuda.h CUstreamCaptureMode / CUstreamCaptureStatus). */
+enum {
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+};
+enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
+typedef int CUstreamCaptureMode;
+typedef int CUstreamCaptureStatus;
 
 /* CUresult values the shim produces or inspects. */
 enum {
@@ -40,6 +56,8 @@ enum {
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
     CUDA_ERROR_UNKNOWN = 999
 };
 

@@ -39,27 +39,69 @@ static void drv(void) { pthread_once(&drv_once, load_driver_fns); }
 
 int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary)
 {
-    if (s->started || s->quitting) {
-        if (!s->devs.ctx) { /* the context we knew was destroyed: follow the new one */
-            s->devs.ctx = ctx;
-            s->devs.dev = dev;
-            s->devs.ctx_is_primary = primary;
+    struct gs_devices *d = &s->devs;
+    int known = 0;
+    for (int i = 0; i < d->n; i++)
+        known |= d->ctxs[i].ctx == ctx;
+    if (!known) {
+        if (d->n < GS_MAX_CONTEXTS)
+            d->ctxs[d->n++] = (struct gs_context){ctx, dev, primary};
+        else if (!d->overflow) {
+            d->overflow = 1;
+            GS_WARN("more than %d CUDA contexts: a release drains the first %d only",
+                    GS_MAX_CONTEXTS, GS_MAX_CONTEXTS);
         }
-        return 0;
     }
+    if (s->started || s->quitting)
+        return 0;
     s->started = 1;
-    s->devs.ctx = ctx;
-    s->devs.dev = dev;
-    s->devs.ctx_is_primary = primary;
+    d->dev = dev;
     return 1;
+}
+
+static void remove_at_locked(struct gs_devices *d, int i)
+{
+    memmove(&d->ctxs[i], &d->ctxs[i + 1], (size_t)(d->n - i - 1) * sizeof d->ctxs[0]);
+    d->n--;
 }
 
 void gs_device_forget_context(struct gs_session *s, CUcontext ctx)
 {
     pthread_mutex_lock(&s->mu);
-    if (s->devs.ctx == ctx)
-        s->devs.ctx = NULL;
+    for (int i = 0; i < s->devs.n; i++)
+        if (s->devs.ctxs[i].ctx == ctx)
+            remove_at_locked(&s->devs, i--);
     pthread_mutex_unlock(&s->mu);
+}
+
+void gs_device_forget_primary(struct gs_session *s, CUdevice dev)
+{
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->devs.n; i++)
+        if (s->devs.ctxs[i].primary && s->devs.ctxs[i].dev == dev)
+            remove_at_locked(&s->devs, i--);
+    pthread_mutex_unlock(&s->mu);
+}
+
+int gs_device_primary_active(CUdevice dev)
+{
+    drv();
+    unsigned int flags = 0;
+    int active = 0;
+    return D.primary_state && D.primary_state(dev, &flags, &active) == CUDA_SUCCESS && active;
+}
+
+int gs_device_of_context(struct gs_session *s, CUcontext ctx, CUdevice *dev)
+{
+    int found = -1;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->devs.n && found; i++)
+        if (s->devs.ctxs[i].ctx == ctx) {
+            *dev = s->devs.ctxs[i].dev;
+            found = 0;
+        }
+    pthread_mutex_unlock(&s->mu);
+    return found;
 }
 
 int gs_device_current(CUcontext *ctx, CUdevice *dev)
@@ -73,26 +115,37 @@ int gs_device_current(CUcontext *ctx, CUdevice *dev)
     return -1;
 }
 
+static int snapshot(struct gs_session *s, struct gs_context *out)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = s->devs.n;
+    memcpy(out, s->devs.ctxs, (size_t)n * sizeof *out);
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+/* Push one context. The program may have released its primary context: never push a dead one. */
+static int push_one(const struct gs_context *c)
+{
+    if (!D.ctx_push || !D.ctx_pop)
+        return -1;
+    if (c->primary && D.primary_state && !gs_device_primary_active(c->dev))
+        return -1;
+    return D.ctx_push(c->ctx) == CUDA_SUCCESS ? 0 : -1;
+}
+
 int gs_device_push(struct gs_session *s, CUdevice *dev_out)
 {
     drv();
-    pthread_mutex_lock(&s->mu);
-    CUcontext ctx = s->devs.ctx;
-    CUdevice dev = s->devs.dev;
-    int primary = s->devs.ctx_is_primary;
-    pthread_mutex_unlock(&s->mu);
-    if (dev_out)
-        *dev_out = dev;
-    if (!ctx || !D.ctx_push || !D.ctx_pop)
-        return -1;
-    if (primary && D.primary_state) {
-        /* The program may have released its primary context: never push a dead one. */
-        unsigned int flags = 0;
-        int active = 0;
-        if (D.primary_state(dev, &flags, &active) != CUDA_SUCCESS || !active)
-            return -1;
-    }
-    return D.ctx_push(ctx) == CUDA_SUCCESS ? 0 : -1;
+    struct gs_context ctxs[GS_MAX_CONTEXTS];
+    int n = snapshot(s, ctxs);
+    for (int i = 0; i < n; i++)
+        if (push_one(&ctxs[i]) == 0) {
+            if (dev_out)
+                *dev_out = ctxs[i].dev;
+            return 0;
+        }
+    return -1;
 }
 
 void gs_device_pop(void)
@@ -101,19 +154,36 @@ void gs_device_pop(void)
     D.ctx_pop(&ignored);
 }
 
-void gs_device_sync_current(void)
+int gs_device_sync_all(struct gs_session *s)
 {
-    if (D.ctx_sync)
-        D.ctx_sync();
+    drv();
+    struct gs_context ctxs[GS_MAX_CONTEXTS];
+    int n = snapshot(s, ctxs), failed = 0;
+    for (int i = 0; i < n; i++) {
+        if (push_one(&ctxs[i]) != 0)
+            continue; /* gone (released, destroyed at exit): nothing left to wait for */
+        CUresult r = D.ctx_sync ? D.ctx_sync() : CUDA_SUCCESS;
+        gs_device_pop();
+        if (r != CUDA_SUCCESS) {
+            failed++;
+            GS_WARN("cuCtxSynchronize failed (error %d) on device %d", r, ctxs[i].dev);
+        }
+    }
+    return failed;
 }
 
-void gs_device_sync_all(struct gs_session *s)
+int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes)
 {
-    /* Errors (a context already gone at exit) are tolerated: nothing is left to wait for then. */
-    if (gs_device_push(s, NULL) != 0)
-        return;
-    gs_device_sync_current();
+    typedef CUresult (*mem_info_fn)(size_t *, size_t *);
+    mem_info_fn info = (mem_info_fn)gs_driver_sym("cuMemGetInfo_v2");
+    size_t f = 0, t = 0;
+    if (!info || gs_device_push(s, NULL) != 0)
+        return -1;
+    CUresult r = info(&f, &t); /* the real one: the shim's answers the quota */
     gs_device_pop();
+    *free_bytes = f;
+    *total_bytes = t;
+    return r == CUDA_SUCCESS ? 0 : -1;
 }
 
 void gs_device_identify(struct gs_session *s, CUdevice dev)

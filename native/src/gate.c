@@ -6,7 +6,15 @@
  * Also here: the per-thread call counters and the table of recently used streams (for the idle
  * detector). The slow path itself is wait.c's.
  */
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
 #include "shim.h"
+
+/* <linux/membarrier.h> values, spelled out: the header is not on every build host. */
+#define GS_MEMBARRIER_CMD_PRIVATE_EXPEDITED (1 << 3)
+#define GS_MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED (1 << 4)
 
 /* Closed until the process has a context and a scheduler verdict: the first gated call then finds
  * out what to do in the slow path (start the client, or pass through when there is no context). */
@@ -15,6 +23,7 @@ atomic_int gs_activity = 0;
 _Atomic(uintptr_t) gs_stream_slots[GS_STREAM_SLOTS];
 
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int streams_overflow;
 
 /* ---- per-thread call counters ---- */
 
@@ -22,6 +31,8 @@ __thread struct gs_thread_calls gs_tl_calls __attribute__((tls_model("initial-ex
 static pthread_mutex_t calls_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct gs_thread_calls *calls_list;
 static uint64_t calls_retired; /* counts of threads that have exited */
+/* A thread that used its per-thread stream exited: work it queued may still run. */
+static atomic_int ptds_retired;
 static pthread_key_t calls_key;
 static pthread_once_t calls_once = PTHREAD_ONCE_INIT;
 static int calls_key_ok;
@@ -36,6 +47,8 @@ static void retire_thread_calls(void *arg)
             break;
         }
     calls_retired += atomic_load_explicit(&me->calls, memory_order_relaxed);
+    if (atomic_load_explicit(&me->ptds, memory_order_relaxed))
+        atomic_store_explicit(&ptds_retired, 1, memory_order_relaxed);
     pthread_mutex_unlock(&calls_mu);
 }
 
@@ -72,10 +85,61 @@ void gs_calls_after_fork_child(void)
     if (atomic_load_explicit(&gs_tl_calls.calls, memory_order_relaxed)) {
         atomic_store_explicit(&gs_tl_calls.calls, 0, memory_order_relaxed);
     }
+    atomic_store_explicit(&gs_tl_calls.inflight, 0, memory_order_relaxed);
+    atomic_store_explicit(&gs_tl_calls.ptds, 0, memory_order_relaxed);
+    atomic_store_explicit(&ptds_retired, 0, memory_order_relaxed);
+}
+
+atomic_int gs_gate_self_fence;
+static int membarrier_ok;
+static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
+
+static void choose_barrier(void)
+{
+#ifdef SYS_membarrier
+    membarrier_ok =
+        syscall(SYS_membarrier, GS_MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+#endif
+    atomic_store_explicit(&gs_gate_self_fence, !membarrier_ok, memory_order_relaxed);
+}
+
+/* A full barrier on every thread of the process (or, without membarrier, on this one: the
+ * others fence themselves on every gated call). */
+static void barrier_all_threads(void)
+{
+#ifdef SYS_membarrier
+    if (membarrier_ok && syscall(SYS_membarrier, GS_MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0)
+        return;
+#endif
+    atomic_thread_fence(memory_order_seq_cst);
+}
+
+static int count_inflight(void)
+{
+    int n = 0;
+    pthread_mutex_lock(&calls_mu);
+    for (struct gs_thread_calls *c = calls_list; c; c = c->next)
+        n += atomic_load_explicit(&c->inflight, memory_order_acquire) != 0;
+    pthread_mutex_unlock(&calls_mu);
+    return n;
+}
+
+int gs_gate_drain(double seconds)
+{
+    barrier_all_threads();
+    double deadline = gs_now() + seconds;
+    int n;
+    while ((n = count_inflight()) > 0 && gs_now() < deadline) {
+        struct timespec ts = {0, 100000}; /* 100 us: a call in flight is a few microseconds */
+        nanosleep(&ts, NULL);
+    }
+    return n;
 }
 
 void gs_gate_set_open(int open)
 {
+    if (open) /* before the gate first opens: the fast path reads gs_gate_self_fence */
+        pthread_once(&barrier_once, choose_barrier);
     /* release: work the client thread did before opening (a restore) happens-before the calls
      * that see the gate open. */
     atomic_store_explicit(&gs_gate_word, open ? 1 : 0, memory_order_release);
@@ -86,12 +150,43 @@ void gs_streams_after_fork_child(void)
     pthread_mutex_init(&streams_mu, NULL);
     for (int i = 0; i < GS_STREAM_SLOTS; i++)
         atomic_store_explicit(&gs_stream_slots[i], 0, memory_order_relaxed);
+    atomic_store_explicit(&streams_overflow, 0, memory_order_relaxed);
 }
 
 /* ---- streams ---- */
 
 void gs_streams_lock(void) { pthread_mutex_lock(&streams_mu); }
 void gs_streams_unlock(void) { pthread_mutex_unlock(&streams_mu); }
+
+/* A stream not at its home slot: find it further on, or take the first free slot. A full set is
+ * remembered: the detector then cannot know every stream and answers "busy". */
+
+void gs_note_stream_slow(uintptr_t v, unsigned slot)
+{
+    for (unsigned i = 0; i < GS_STREAM_SLOTS; i++) {
+        unsigned k = (slot + i) & (GS_STREAM_SLOTS - 1);
+        uintptr_t cur = atomic_load_explicit(&gs_stream_slots[k], memory_order_relaxed);
+        if (cur == v)
+            return;
+        if (cur == 0) {
+            uintptr_t expected = 0;
+            if (atomic_compare_exchange_strong(&gs_stream_slots[k], &expected, v) ||
+                expected == v)
+                return;
+        }
+    }
+    atomic_store_explicit(&streams_overflow, 1, memory_order_relaxed);
+}
+
+int gs_streams_ptds_used(void)
+{
+    int used = 0;
+    pthread_mutex_lock(&calls_mu);
+    for (struct gs_thread_calls *c = calls_list; c && !used; c = c->next)
+        used = atomic_load_explicit(&c->ptds, memory_order_relaxed);
+    pthread_mutex_unlock(&calls_mu);
+    return used || atomic_load_explicit(&ptds_retired, memory_order_relaxed);
+}
 
 void gs_stream_forget(CUstream s)
 {
@@ -126,7 +221,7 @@ int gs_streams_busy(void)
         }
     }
     gs_streams_unlock();
-    return busy;
+    return busy || atomic_load_explicit(&streams_overflow, memory_order_relaxed);
 }
 
 CUresult gs_stream_destroy(gs_fn_cuStreamDestroy_v2 real, CUstream hStream)
@@ -136,5 +231,8 @@ CUresult gs_stream_destroy(gs_fn_cuStreamDestroy_v2 real, CUstream hStream)
     gs_stream_forget(hStream);
     CUresult r = real(hStream);
     gs_streams_unlock();
+    /* After the streams' lock: the idle detector takes the capture lock, then this one. */
+    if (r == CUDA_SUCCESS)
+        gs_capture_forget_stream(hStream);
     return r;
 }

@@ -54,9 +54,9 @@ static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
         if (GS_UNLIKELY(gate != CUDA_SUCCESS))                                                   \
             return gate;                                                                         \
         gs_fn_##name real = GS_REAL(name);                                                       \
-        if (GS_UNLIKELY(!real))                                                                  \
-            return CUDA_ERROR_NOT_FOUND;                                                         \
-        return real args;                                                                        \
+        CUresult r = GS_LIKELY(real) ? real args : CUDA_ERROR_NOT_FOUND;                         \
+        gs_gate_leave();                                                                         \
+        return r;                                                                                \
     }
 #define GS_CUSTOM(name, ret, params, args, handler, lib)                                          \
     ret name params                                                                              \

@@ -18,6 +18,26 @@ void gs_idle_sample(struct gs_session *s, double now)
     }
 }
 
+/* Work queued on some thread's per-thread default stream: the shim's thread cannot name that
+ * stream, but an event recorded on the legacy stream completes only after the work of every
+ * blocking stream of the context (per-thread default streams are blocking streams) before it. */
+static int legacy_stream_busy(void)
+{
+    typedef CUresult (*create_fn)(CUevent *, unsigned int);
+    typedef CUresult (*record_fn)(CUevent, CUstream);
+    typedef CUresult (*event_fn)(CUevent);
+    create_fn create = (create_fn)gs_driver_sym("cuEventCreate");
+    record_fn record = (record_fn)gs_driver_sym("cuEventRecord");
+    event_fn query = (event_fn)gs_driver_sym("cuEventQuery");
+    event_fn destroy = (event_fn)gs_driver_sym("cuEventDestroy_v2");
+    CUevent ev = NULL;
+    if (!create || !record || !query || !destroy || create(&ev, 0x2 /* DISABLE_TIMING */))
+        return 1; /* cannot tell: busy */
+    int busy = record(ev, GS_STREAM_LEGACY) != CUDA_SUCCESS || query(ev) != CUDA_SUCCESS;
+    destroy(ev);
+    return busy;
+}
+
 void gs_idle_check(struct gs_session *s, double now)
 {
     double window = gs_config()->idle_seconds;
@@ -28,11 +48,16 @@ void gs_idle_check(struct gs_session *s, double now)
     pthread_mutex_unlock(&s->mu);
     if (!due)
         return;
-    int busy = 0;
-    if (gs_device_push(s, NULL) == 0) {
-        busy = gs_streams_busy();
+    /* A capture in progress is work in progress; and asking about streams then would fail it.
+     * Holding captures off also keeps one from beginning while the legacy stream is used. */
+    if (!gs_capture_hold_off(0))
+        return;
+    int busy = gs_device_push(s, NULL) != 0;
+    if (!busy) {
+        busy = gs_streams_busy() || (gs_streams_ptds_used() && legacy_stream_busy());
         gs_device_pop();
     }
+    gs_capture_unlock();
     if (busy)
         return; /* work is still running: look again on the next tick */
     struct gs_mem_totals t;

@@ -2,6 +2,7 @@
  * The grant/revoke/evict lifecycle: what the shim does for each message the scheduler sends
  * (docs/protocol.md). Runs on the shim's thread only.
  */
+#include <ctype.h>
 #include <string.h>
 
 #include "gpushare.h"
@@ -24,16 +25,19 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
         gs_session_set_state_locked(s, GPUSHARE_STATE_RELEASING);
     pthread_mutex_unlock(&s->mu);
 
+    /* The gate is closed: wait for the calls that passed it before, then for their work. */
     double t0 = gs_now();
+    int stuck = gs_gate_drain(GS_DRAIN_WAIT_S);
+    if (stuck) /* a synchronous call waiting for long GPU work, or a call that never returns: the
+                  synchronisation below waits for the work itself */
+        GS_INFO("%d call(s) still inside the driver after %.0f s: going on with the release",
+                stuck, GS_DRAIN_WAIT_S);
     uint64_t moved = 0, us = 0;
     int evicted = 0;
-    CUdevice dev;
-    if (gs_device_push(s, &dev) == 0) {
-        gs_device_sync_current();
-        if (evict)
-            evicted = gs_mem_evict(dev, &moved, &us) == 0;
-        gs_device_pop();
-    }
+    gs_drain_work(s, "the release", evict, &evicted, &moved, &us);
+    if (evict && !evicted)
+        GS_WARN("the eviction failed: the scheduler keeps counting this process's memory on the "
+                "device");
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     struct gs_writer w;
@@ -43,14 +47,15 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
     gs_w_u64(&w, GS_TAG_MICROS, us);
     gs_conn_send(s, &w);
+    const char *why = reason && *reason ? reason : "no reason";
     if (evict) {
         char b[32];
         GS_INFO("%s (%s): released after %.1f ms, evicted %s in %.1f ms",
-                solicited ? "revoked" : "released", reason && *reason ? reason : "no reason",
-                gs_ms(gs_now() - t0), gs_format_size(moved, b, sizeof b), us / 1000.0);
+                solicited ? "revoked" : "released", why, gs_ms(gs_now() - t0),
+                gs_format_size(moved, b, sizeof b), us / 1000.0);
     } else {
-        GS_INFO("%s (%s): released after %.1f ms", solicited ? "revoked" : "released",
-                reason && *reason ? reason : "no reason", gs_ms(gs_now() - t0));
+        GS_INFO("%s (%s): released after %.1f ms", solicited ? "revoked" : "released", why,
+                gs_ms(gs_now() - t0));
     }
 
     pthread_mutex_lock(&s->mu);
@@ -71,18 +76,20 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
         gs_conn_send_request(s);
 }
 
-static void handle_grant(struct gs_session *s, int restore)
+static void handle_grant(struct gs_session *s, int restore, const struct gs_msg *m)
 {
     double t0 = gs_now();
+    char secret[GS_RESUME_SECRET_LEN + 2];
+    if (gs_msg_str(m, GS_TAG_RESUME_SECRET, secret, sizeof secret)) {
+        /* The latest one wins; one the scheduler could not have made is never sent back. */
+        int ok = strlen(secret) == GS_RESUME_SECRET_LEN;
+        for (int i = 0; ok && secret[i]; i++)
+            ok = isxdigit((unsigned char)secret[i]);
+        memcpy(s->resume.secret, ok ? secret : "", ok ? sizeof s->resume.secret : 1);
+    }
     if (restore) {
         uint64_t moved = 0, us = 0;
-        CUdevice dev;
-        struct gs_mem_totals t;
-        gs_mem_totals(&t);
-        if (t.evicted && gs_device_push(s, &dev) == 0) {
-            gs_mem_restore(dev, &moved, &us);
-            gs_device_pop();
-        }
+        gs_drain_restore(s, "the restore", &moved, &us);
         struct gs_writer w;
         gs_conn_begin(s, &w, GS_MSG_RESTORED);
         gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
@@ -112,22 +119,29 @@ static void handle_evict(struct gs_session *s)
     int holding = s->state == GPUSHARE_STATE_HOLDING;
     pthread_mutex_unlock(&s->mu);
     uint64_t moved = 0, us = 0;
-    CUdevice dev;
+    int evicted = 0;
     /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
-    if (!holding && gs_device_push(s, &dev) == 0) {
-        gs_mem_evict(dev, &moved, &us);
-        gs_device_pop();
-    }
+    if (!holding)
+        gs_drain_work(s, "the eviction", 1, &evicted, &moved, &us);
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_EVICTED);
+    /* FLAG 0: the memory is still on the device; the scheduler must not count it as gone. */
+    gs_w_u64(&w, GS_TAG_FLAG, evicted ? 1 : 0);
     gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
     gs_w_u64(&w, GS_TAG_MICROS, us);
     gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
     gs_conn_send(s, &w);
     char b[32];
-    GS_INFO("evicted %s to the host in %.1f ms", gs_format_size(moved, b, sizeof b), us / 1000.0);
+    if (evicted)
+        GS_INFO("evicted %s to the host in %.1f ms", gs_format_size(moved, b, sizeof b),
+                us / 1000.0);
+    else if (holding)
+        GS_INFO("not evicted: this process holds the device");
+    else
+        GS_WARN("the eviction failed (%s moved): told the scheduler",
+                gs_format_size(moved, b, sizeof b));
 }
 
 /* PRECOPY: copy resident memory to the host at low priority while it stays resident, so that a
@@ -157,7 +171,7 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
     char text[256];
     switch (m->type) {
     case GS_MSG_GRANT:
-        handle_grant(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0);
+        handle_grant(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, m);
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);

@@ -356,13 +356,17 @@ void gs_mem_precopy_async(void) { gs_vmm_precopy_async(); }
 
 void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
 
-void gs_mem_forget_context(CUcontext ctx)
+/* A context was destroyed or reset (ctx NULL: a primary context, by its device). What was
+ * allocated in it is gone: stop counting it and give back the engine's blocks of it (issue 12,
+ * item 4); the private streams that lived in it are dangling and made again when next needed. */
+void gs_mem_context_gone(CUcontext ctx)
 {
-    if (gs_config()->disabled || !ctx)
-        return;
-    gs_vmm_forget_context(ctx);
-    gs_memtab_forget_context(ctx);
-    move_stream = NULL; /* it belonged to a context that may be this one */
+    if (!gs_config()->disabled) {
+        gs_vmm_forget_context(ctx);
+        if (ctx)
+            gs_memtab_forget_context(ctx);
+    }
+    move_stream = NULL;
 }
 
 /* ---- fork ---- */

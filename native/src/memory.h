@@ -131,7 +131,7 @@ struct gs_vmm_totals {
     uint64_t bytes, evicted, precopied_valid, blocks;
 };
 void gs_vmm_totals(struct gs_vmm_totals *out);
-/* Forget the blocks of a destroyed context (their memory went with it). */
+/* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
 void gs_vmm_forget_context(CUcontext ctx);
 void gs_vmm_after_fork_child(void);
 

@@ -381,7 +381,7 @@ void gs_vmm_forget_context(CUcontext ctx)
     /* The program destroyed the context its memory was allocated in: that memory is gone with
      * it as far as the program can tell. Give back what the driver still holds and stop
      * counting it. */
-    for (size_t i = gs_vmm_nblocks; i-- > 0;)
+    for (size_t i = gs_vmm_nblocks; ctx && i-- > 0;)
         if (gs_vmm_blocks[i]->ctx == ctx)
             destroy_block(gs_vmm_blocks[i]);
     gs_vmm_forget_streams();

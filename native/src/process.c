@@ -110,6 +110,7 @@ static void fork_parent(void)
 static void fork_child(void)
 {
     gs_streams_after_fork_child();
+    gs_capture_after_fork_child();
     gs_calls_after_fork_child();
     gs_mem_after_fork_child();
     gs_session_reset_after_fork(gs_session_get());

@@ -71,9 +71,12 @@ enum gs_tag {
     GS_TAG_RESUME = 39,
     GS_TAG_SINCE_MS = 40,
     GS_TAG_GPU_MS = 41,
+    /* GRANT: a secret (32 hex characters) the shim sends back in a HELLO with resume = 1, proving
+     * that it is the process the old scheduler granted (docs/protocol.md). */
+    GS_TAG_RESUME_SECRET = 42,
     /* The memory engine (docs/protocol.md, "Pre-copy"). */
-    GS_TAG_PRECOPIED_BYTES = 42,
-    GS_TAG_MAX = 42
+    GS_TAG_PRECOPIED_BYTES = 43,
+    GS_TAG_MAX = 43
 };
 
 /* ---- encoding ---- */

@@ -80,7 +80,7 @@ void gs_session_reset_after_fork(struct gs_session *s)
     s->conn.fd = -1;
     s->conn.connected = s->started = s->thread_running = s->quitting = 0;
     s->requested = s->want_request = s->want_release = s->waiters = s->conn.warned = 0;
-    s->devs.ctx = NULL;
+    s->devs.n = 0;
     s->id.client_id[0] = s->devs.uuid[0] = 0;
     s->conn.rx_len = 0;
     s->conn.backoff = 0;
@@ -101,7 +101,7 @@ int gs_client_has_context(void)
 {
     struct gs_session *s = gs_session_get();
     pthread_mutex_lock(&s->mu);
-    int r = s->started && s->devs.ctx != NULL;
+    int r = s->started && s->devs.n > 0;
     pthread_mutex_unlock(&s->mu);
     return r;
 }

@@ -21,6 +21,7 @@
 #include "protocol.h"
 #include "shim.h"
 
+#define GS_RESUME_SECRET_LEN 32
 #define GS_RESUME_HOLDING 1
 #define GS_RESUME_WAITING 2
 
@@ -33,11 +34,19 @@ struct gs_identity {
     char label[1024];
 };
 
-/* The application's context and its device (device.c). */
-struct gs_devices {
+/* The application's contexts and their devices (device.c). A process may make several contexts,
+ * on one device or several: a release drains every one of them. */
+#define GS_MAX_CONTEXTS 16
+struct gs_context {
     CUcontext ctx;
     CUdevice dev;
-    int ctx_is_primary;
+    int primary;
+};
+struct gs_devices {
+    struct gs_context ctxs[GS_MAX_CONTEXTS];
+    int n;
+    int overflow; /* more contexts than the table holds: the release synchronises what it knows */
+    CUdevice dev; /* the first context's device: the one registered with the scheduler */
     char uuid[48];
     char name[256];
     uint64_t total;
@@ -49,6 +58,8 @@ struct gs_conn {
     int fd;
     int connected;
     int warned; /* the "not reachable" line was printed for this outage */
+    int refused; /* the socket failed the trust check (said once, loudly) */
+    double last_rx; /* when the scheduler last sent something (thread side) */
     double next_connect_at, backoff;
     uint8_t rx[GS_PROTO_HEADER + GS_PROTO_MAX_PAYLOAD + 4096];
     size_t rx_len;
@@ -61,6 +72,8 @@ struct gs_resume {
     int mode;          /* GS_RESUME_HOLDING or GS_RESUME_WAITING: said in the next HELLO */
     double since;      /* when that grant or that wait began */
     double unshare_at; /* > 0: the gate stays closed until then, waiting for the scheduler */
+    /* The secret of the latest GRANT (thread side only): sent back with resume = 1. */
+    char secret[GS_RESUME_SECRET_LEN + 1];
 };
 
 /* Time spent waiting and holding (status.c reports it). */
@@ -128,18 +141,41 @@ static inline double gs_ms(double seconds) { return seconds * 1000.0; }
 /* Record a context the application made. Returns 1 when the session must start (the first
  * context), 0 otherwise. Under s->mu. */
 int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary);
+/* The context is gone (destroyed, or a primary context released for good or reset). */
 void gs_device_forget_context(struct gs_session *s, CUcontext ctx);
+void gs_device_forget_primary(struct gs_session *s, CUdevice dev);
+/* Whether the primary context of `dev` is still alive. */
+int gs_device_primary_active(CUdevice dev);
+/* The device of a context the session knows (for the memory engine). 0 when found. */
+int gs_device_of_context(struct gs_session *s, CUcontext ctx, CUdevice *dev);
 /* The context current on the calling thread, and its device. 0 on success. */
 int gs_device_current(CUcontext *ctx, CUdevice *dev);
-/* Make the application's context current on this (the shim's) thread. 0 on success. */
+/* Make the application's first live context current on this (the shim's) thread. 0 on success. */
 int gs_device_push(struct gs_session *s, CUdevice *dev_out);
 void gs_device_pop(void);
-/* Wait for all of the application's outstanding GPU work (errors tolerated). */
-void gs_device_sync_all(struct gs_session *s);
-/* cuCtxSynchronize on the pushed context. */
-void gs_device_sync_current(void);
+/* Wait for the application's outstanding work in every live context. The number of contexts
+ * that failed to synchronise (0: all drained; errors of a context already gone do not count). */
+int gs_device_sync_all(struct gs_session *s);
 /* UUID, name and total memory of `dev` into s->devs. */
 void gs_device_identify(struct gs_session *s, CUdevice dev);
+/* Free and total memory of the device of the first live context (cuMemGetInfo). 0 on success. */
+int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* ---- drain.c: synchronising without failing a capture ---- */
+
+/* How long a release waits for gated calls still inside the driver before it goes on anyway
+ * (how long it waits for a capture to end is GPUSHARE_CAPTURE_WAIT; docs/reliability.md). */
+#define GS_DRAIN_WAIT_S 5.0
+
+/* Wait (bounded, logged) until no stream captures, holding new captures off: 1 then, and the
+ * caller synchronises and calls gs_capture_unlock(); 0 when a capture outlived the bound. */
+int gs_drain_quiesce(const char *what, double seconds);
+/* Synchronise every context and, if `evict`, move managed memory to the host. Returns whether
+ * the work drained; *evicted says whether the eviction succeeded. */
+int gs_drain_work(struct gs_session *s, const char *what, int evict, int *evicted,
+                  uint64_t *moved, uint64_t *us);
+/* Bring evicted memory back to the device, once no stream captures (bounded). */
+void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, uint64_t *us);
 
 /* ---- conn.c: the scheduler connection ---- */
 
@@ -155,11 +191,14 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen);
 void gs_conn_connected_locked(struct gs_session *s, int fd, int reconnect);
 void gs_conn_unreachable_locked(struct gs_session *s, const char *why, int lost);
 void gs_conn_lost(struct gs_session *s, const char *why);
+/* Ask the scheduler for its status on a second connection: 0 when it answers within a second. */
+int gs_conn_probe(struct gs_session *s);
 void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m);
 
 /* ---- lifecycle.c: grant, revoke, evict ---- */
 
 void gs_life_release(struct gs_session *s, int evict, const char *reason, int solicited);
+
 /* Dispatch every complete frame in s->conn.rx. */
 void gs_life_drain(struct gs_session *s);
 

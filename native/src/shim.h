@@ -101,6 +101,8 @@ struct gs_config {
     double idle_seconds;    /* GPUSHARE_IDLE_SECONDS, 0 = off */
     double reconnect_wait;  /* GPUSHARE_RECONNECT_WAIT: seconds a non-holder waits for a lost
                                scheduler before it runs unshared */
+    double capture_wait;    /* GPUSHARE_CAPTURE_WAIT: seconds a release (eviction, restore)
+                               waits for a stream capture to end before it gives up */
     const char *real_libcuda;
 };
 
@@ -128,33 +130,47 @@ extern atomic_int gs_gate_word;
 /* Set by a gated call when it is 0; cleared by the client thread when it samples activity. */
 extern atomic_int gs_activity;
 
-#define GS_STREAM_SLOTS 64
+/* Streams the idle detector asks about: an open-addressed set (a collision probes on, it never
+ * overwrites a stream that may be busy). A full set, or a stream the detector cannot ask about,
+ * makes the detector answer "busy": it must never call a busy process idle. */
+#define GS_STREAM_SLOTS 256
 extern _Atomic(uintptr_t) gs_stream_slots[GS_STREAM_SLOTS];
-
-static inline void gs_note_stream(CUstream s, int per_thread)
-{
-    /* The per-thread default stream cannot be queried from the shim's thread (it would name the
-     * shim thread's own stream): skip it. Stream 0 in a legacy variant is the legacy stream. */
-    if (s == GS_NO_STREAM || s == GS_STREAM_PER_THREAD || (per_thread && s == 0))
-        return;
-    uintptr_t v = s ? (uintptr_t)s : (uintptr_t)GS_STREAM_LEGACY;
-    unsigned slot = (unsigned)((v >> 4) ^ (v >> 12)) & (GS_STREAM_SLOTS - 1);
-    if (atomic_load_explicit(&gs_stream_slots[slot], memory_order_relaxed) != v)
-        atomic_store_explicit(&gs_stream_slots[slot], v, memory_order_relaxed);
-}
-
-CUresult gs_gate_slow(CUstream s, int per_thread);
+void gs_note_stream_slow(uintptr_t v, unsigned slot);
 
 /* Gated calls are counted per thread (a shared counter would bounce its cache line between every
  * submitting thread); status sums the threads' counters. The thread's first call registers its
- * counter. initial-exec: a plain offset from the thread pointer, no __tls_get_addr call. */
+ * counter. initial-exec: a plain offset from the thread pointer, no __tls_get_addr call.
+ * `inflight` is 1 while the thread is inside a gated call (past the gate, in the driver): a
+ * release waits until no thread is (gs_gate_drain). `ptds` records that the thread submitted to
+ * its per-thread default stream, which only that thread can name. */
 struct gs_thread_calls {
     _Atomic(uint64_t) calls;
+    atomic_int inflight;
+    atomic_int ptds;
     struct gs_thread_calls *next;
 };
 extern __thread struct gs_thread_calls gs_tl_calls __attribute__((tls_model("initial-exec")));
 void gs_register_thread_calls(void);
 uint64_t gs_total_gated_calls(void);
+
+static inline void gs_note_stream(CUstream s, int per_thread)
+{
+    if (s == GS_NO_STREAM)
+        return;
+    if (s == GS_STREAM_PER_THREAD || (per_thread && s == 0)) {
+        /* The shim's thread cannot query this thread's per-thread stream by name: it asks the
+         * legacy stream, which waits for every blocking stream (idle.c). */
+        if (GS_UNLIKELY(!atomic_load_explicit(&gs_tl_calls.ptds, memory_order_relaxed)))
+            atomic_store_explicit(&gs_tl_calls.ptds, 1, memory_order_relaxed);
+        return;
+    }
+    uintptr_t v = s ? (uintptr_t)s : (uintptr_t)GS_STREAM_LEGACY;
+    unsigned slot = (unsigned)((v >> 4) ^ (v >> 12)) & (GS_STREAM_SLOTS - 1);
+    if (GS_UNLIKELY(atomic_load_explicit(&gs_stream_slots[slot], memory_order_relaxed) != v))
+        gs_note_stream_slow(v, slot);
+}
+
+CUresult gs_gate_slow(CUstream s, int per_thread);
 
 static inline void gs_count_call(void)
 {
@@ -165,12 +181,36 @@ static inline void gs_count_call(void)
         gs_register_thread_calls();
 }
 
-/* Every gated call starts here. While the process holds the device this is the per-thread call
- * count, one acquire load of the gate word, a relaxed load of the activity word and (for
- * stream-ordered calls) of one stream slot: no locks, no shared writes after the first call. */
+/* Set when the asymmetric barrier (membarrier) is not available: the fast path then fences
+ * itself. Written once, before the gate first opens. */
+extern atomic_int gs_gate_self_fence;
+
+/* This thread is inside a gated call from here on. The store must be visible before the gate
+ * word is read (a release closes the gate, then looks at every thread's flag: Dekker). The
+ * releaser issues membarrier(), which orders every thread's store for it, so the fast path needs
+ * only a compiler barrier; without membarrier each call fences. */
+static inline void gs_gate_inflight_begin(void)
+{
+    atomic_store_explicit(&gs_tl_calls.inflight, 1, memory_order_relaxed);
+    if (GS_UNLIKELY(atomic_load_explicit(&gs_gate_self_fence, memory_order_relaxed)))
+        atomic_thread_fence(memory_order_seq_cst);
+    else
+        atomic_signal_fence(memory_order_seq_cst);
+}
+
+static inline void gs_gate_leave(void)
+{
+    atomic_store_explicit(&gs_tl_calls.inflight, 0, memory_order_release);
+}
+
+/* Every gated call starts here, and ends with gs_gate_leave() once the driver returned. While the
+ * process holds the device this is the per-thread call count, the per-thread in-flight flag, one
+ * acquire load of the gate word, a relaxed load of the activity word and (for stream-ordered
+ * calls) of one stream slot: no locks, no shared writes after the first call. */
 static inline CUresult gs_gate_enter(CUstream s, int per_thread)
 {
     gs_count_call();
+    gs_gate_inflight_begin();
     if (GS_LIKELY(atomic_load_explicit(&gs_gate_word, memory_order_acquire))) {
         if (!atomic_load_explicit(&gs_activity, memory_order_relaxed))
             atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
@@ -181,13 +221,33 @@ static inline CUresult gs_gate_enter(CUstream s, int per_thread)
 }
 
 void gs_gate_set_open(int open);
+/* After closing the gate: wait (at most `seconds`) until no thread is inside a gated call.
+ * Returns the number still inside (0: drained). */
+int gs_gate_drain(double seconds);
 /* Query the recorded streams (context must be current). Returns 1 when any has work pending. */
 int gs_streams_busy(void);
+/* Whether some thread submitted to its per-thread default stream. */
+int gs_streams_ptds_used(void);
 void gs_stream_forget(CUstream s);
 void gs_streams_lock(void);
 void gs_streams_unlock(void);
 void gs_streams_after_fork_child(void);
 void gs_calls_after_fork_child(void);
+
+/* ---- stream capture (capture.c) ---- */
+
+/* Captures in progress in this process (any mode). Cheap: an atomic load. */
+int gs_capture_active(void);
+/* Wait until no stream captures, at most `seconds`. 1: none captures, and none can begin until
+ * gs_capture_unlock() (the lock is held); 0: timed out (not held). */
+int gs_capture_hold_off(double seconds);
+/* Whether `s` captures now (asked from the calling thread, which owns its per-thread stream). */
+int gs_capture_stream_capturing(CUstream s, int per_thread);
+/* Hold off new captures while the shim uses the legacy stream (idle.c). */
+void gs_capture_lock(void);
+void gs_capture_unlock(void);
+void gs_capture_forget_stream(CUstream s);
+void gs_capture_after_fork_child(void);
 
 /* ---- memory (memory.c) ---- */
 
@@ -219,9 +279,9 @@ void gs_mem_precopy_async(void);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);
-/* The program destroyed a context: stop counting what was allocated in it and give back the
- * shim's explicit memory of it. */
-void gs_mem_forget_context(CUcontext ctx);
+/* A context was destroyed or reset: what the engine cached in it (its private stream) died with
+ * it. (ctx NULL: a primary context; the engine may forget every cached handle.) */
+void gs_mem_context_gone(CUcontext ctx);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);
 

@@ -104,12 +104,38 @@ CUresult gs_ctx_create_v4(gs_fn_cuCtxCreate_v4 real, CUcontext *pctx,
     return r;
 }
 
+/* ---- teardown: the context, and whatever the shim cached in it, are gone ---- */
+
+static void context_gone(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary)
+{
+    if (primary)
+        gs_device_forget_primary(s, dev);
+    else
+        gs_device_forget_context(s, ctx);
+    gs_mem_context_gone(ctx);
+}
+
 CUresult gs_ctx_destroy(gs_fn_cuCtxDestroy_v2 real, CUcontext ctx)
 {
     CUresult r = real(ctx);
-    if (r == CUDA_SUCCESS) {
-        gs_device_forget_context(gs_session_get(), ctx);
-        gs_mem_forget_context(ctx);
-    }
+    if (r == CUDA_SUCCESS)
+        context_gone(gs_session_get(), ctx, 0, 0);
+    return r;
+}
+
+CUresult gs_ctx_primary_release(gs_fn_cuDevicePrimaryCtxRelease_v2 real, CUdevice dev)
+{
+    CUresult r = real(dev);
+    /* The last release destroys the primary context; earlier ones only drop a reference. */
+    if (r == CUDA_SUCCESS && !gs_device_primary_active(dev))
+        context_gone(gs_session_get(), NULL, dev, 1);
+    return r;
+}
+
+CUresult gs_ctx_primary_reset(gs_fn_cuDevicePrimaryCtxReset_v2 real, CUdevice dev)
+{
+    CUresult r = real(dev);
+    if (r == CUDA_SUCCESS)
+        context_gone(gs_session_get(), NULL, dev, 1);
     return r;
 }

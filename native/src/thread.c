@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -36,6 +37,47 @@ static void try_reconnect(struct gs_session *s)
     }
 }
 
+/* A waiter that runs unshared after losing the scheduler: its evicted memory comes back only if
+ * the card has room for it now (another kernel may hold the GPU and most of its memory). What
+ * does not fit moves back page by page, on demand. */
+static void restore_within_free(struct gs_session *s)
+{
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    if (!t.evicted)
+        return;
+    uint64_t free_bytes = 0, total = 0;
+    char a[32], b[32];
+    if (gs_device_mem_info(s, &free_bytes, &total) != 0 || t.evicted > free_bytes) {
+        GS_WARN("not restoring %s of evicted memory: only %s free on the device",
+                gs_format_size(t.evicted, a, sizeof a), gs_format_size(free_bytes, b, sizeof b));
+        return;
+    }
+    uint64_t moved, us;
+    gs_drain_restore(s, "the restore when running unshared", &moved, &us);
+}
+
+/* A scheduler that hangs with its connection open sends nothing: a waiter that heard nothing for
+ * GPUSHARE_RECONNECT_WAIT seconds asks it for its status on a second connection, and one that
+ * gets no answer treats the scheduler as lost (then runs unshared after the same wait). */
+static void probe_if_silent(struct gs_session *s, double now)
+{
+    double window = gs_config()->reconnect_wait;
+    pthread_mutex_lock(&s->mu);
+    int waiting = s->conn.connected && s->waiters > 0 && s->state == GPUSHARE_STATE_IDLE;
+    double since = s->conn.last_rx > s->stats.wait_began ? s->conn.last_rx : s->stats.wait_began;
+    pthread_mutex_unlock(&s->mu);
+    if (!waiting || window <= 0 || now - since < window)
+        return;
+    if (gs_conn_probe(s) == 0) {
+        s->conn.last_rx = gs_now(); /* alive, only busy: look again after another window */
+        return;
+    }
+    char why[96];
+    snprintf(why, sizeof why, "it answered nothing for %.1f s", gs_now() - since);
+    gs_conn_lost(s, why);
+}
+
 static void do_quit(struct gs_session *s)
 {
     pthread_mutex_lock(&s->mu);
@@ -46,7 +88,11 @@ static void do_quit(struct gs_session *s)
     gs_session_set_state_locked(s, s->state); /* re-evaluates the gate: open for good */
     pthread_mutex_unlock(&s->mu);
 
-    gs_device_sync_all(s);
+    /* Bounded by the quit's own wait: a capture still running at exit is not failed. */
+    if (gs_drain_quiesce("the goodbye", 1.0)) {
+        gs_device_sync_all(s);
+        gs_capture_unlock();
+    }
     if (connected) {
         struct gs_writer w;
         gs_conn_begin(s, &w, GS_MSG_GOODBYE);
@@ -82,6 +128,7 @@ static void *thread_main(void *arg)
         double now = gs_now();
         pthread_mutex_lock(&s->mu);
         int reconnect = !s->conn.connected && !s->quitting && now >= s->conn.next_connect_at;
+        int unshared = 0;
         if (!s->conn.connected && s->resume.unshare_at > 0 && now >= s->resume.unshare_at) {
             s->resume.unshare_at = 0;
             if (s->state == GPUSHARE_STATE_IDLE) {
@@ -89,11 +136,16 @@ static void *thread_main(void *arg)
                         gs_config()->reconnect_wait);
                 s->resume.mode = 0; /* it runs now: no place in a queue to claim back */
                 gs_session_set_state_locked(s, GPUSHARE_STATE_UNSHARED);
+                unshared = 1;
             }
         }
         pthread_mutex_unlock(&s->mu);
+        if (unshared)
+            restore_within_free(s);
         if (reconnect)
             try_reconnect(s);
+        else
+            probe_if_silent(s, now);
 
         pthread_mutex_lock(&s->mu);
         int do_request = s->conn.connected && s->want_request && s->state == GPUSHARE_STATE_IDLE &&
@@ -151,6 +203,8 @@ static void *thread_main(void *arg)
             timeout_ms = (int)(MEMORY_REPORT_MIN_S * 1000);
         else if (holding && gs_config()->idle_seconds > 0)
             timeout_ms = 100;
+        else if (!holding && s->waiters > 0)
+            timeout_ms = 250; /* probe_if_silent's clock */
         else
             timeout_ms = 1000;
         if (timeout_ms < 1)
@@ -173,6 +227,7 @@ static void *thread_main(void *arg)
                 gs_conn_lost(s, strerror(errno));
             else if (r > 0) {
                 s->conn.rx_len += (size_t)r;
+                s->conn.last_rx = gs_now();
                 gs_life_drain(s);
             }
         }

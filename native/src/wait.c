@@ -56,6 +56,9 @@ static CUresult wait_for_device(struct gs_session *s)
             break;
         }
     }
+    if (result == CUDA_SUCCESS)
+        gs_gate_inflight_begin(); /* under the lock: a release that closes the gate after this
+                                     point sees the flag, one that closed it before was seen */
     if (waiting) {
         s->stats.wait_seconds += gs_now() - t0;
         if (--s->waiters == 0)
@@ -72,6 +75,13 @@ CUresult gs_gate_slow(CUstream s, int per_thread)
 {
     if (gs_config()->disabled) {
         gs_gate_set_open(1);
+        return CUDA_SUCCESS; /* still in flight: the export's gs_gate_leave() ends it */
+    }
+    gs_gate_leave(); /* a thread waiting for the grant is not inside a gated call */
+    if (gs_capture_stream_capturing(s, per_thread)) {
+        /* Captured, not run: it needs no device, and a revoke may be waiting for this capture
+         * to end. */
+        gs_gate_inflight_begin();
         return CUDA_SUCCESS;
     }
     CUresult r = wait_for_device(gs_session_get());
@@ -81,4 +91,3 @@ CUresult gs_gate_slow(CUstream s, int per_thread)
     }
     return r;
 }
-

@@ -18,7 +18,13 @@
  *     microseconds) advances it, cuStreamQuery answers CUDA_ERROR_NOT_READY until then and the
  *     synchronise calls wait;
  *   - a context must be current for the calls that need one (CUDA_ERROR_INVALID_CONTEXT otherwise),
- *     and cuInit must have run (CUDA_ERROR_NOT_INITIALIZED otherwise), as on the real driver.
+ *     and cuInit must have run (CUDA_ERROR_NOT_INITIALIZED otherwise), as on the real driver;
+ *   - cuCtxSynchronize waits for its own context's work; a stream belongs to the context it was
+ *     made in and dies with it (cuDevicePrimaryCtxReset, the last cuDevicePrimaryCtxRelease);
+ *   - stream capture (cuStreamBeginCapture*, cuStreamEndCapture, cuStreamIsCapturing): launches
+ *     on a capturing stream are recorded, not run; a cuCtxSynchronize, cuStreamQuery or
+ *     cuStreamSynchronize while a stream captures in global or relaxed mode answers 900 and the
+ *     capture's end 901, as measured on an H100 (counted in the stats' "captures").
  *
  * Kernels (cuModuleLoadData with any image, then cuModuleGetFunction by name):
  *   "sleep"  (unsigned long long us)                                  the stream is busy for us
@@ -38,7 +44,10 @@
  * the default UUID with its last byte plus the device's index), GPUSHARE_FAKE_DRIVER_VERSION
  * (default 13000), GPUSHARE_FAKE_PREFETCH_GBPS (model prefetch time on the stream; default 0 =
  * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch and per
- * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit).
+ * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit),
+ * GPUSHARE_FAKE_LAUNCH_DELAY_US (a launch stays that long inside the driver before its work is
+ * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_OTHER_BYTES (memory other
+ * processes hold on the device: cuMemGetInfo's free shrinks by it).
  *
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed) and
  * fakecuda_call_count(name).
@@ -157,6 +166,7 @@ enum {
     FK_ERROR_ILLEGAL_ADDRESS = 700,
     FK_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     FK_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
+    FK_ERROR_ILLEGAL_STATE = 401,
     FK_MEM_LOCATION_TYPE_HOST_NUMA = 3,
     FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
 };
@@ -227,10 +237,11 @@ struct CUctx_st {
     uint32_t magic;
     int primary;
     CUdevice dev; /* ordinal */
+    uint64_t busy_until; /* CLOCK_MONOTONIC ns: the work of this context's streams */
 };
 static struct CUctx_st g_primary[FK_MAX_DEV] = {
-    {CTX_MAGIC, 1, 0}, {CTX_MAGIC, 1, 1}, {CTX_MAGIC, 1, 2}, {CTX_MAGIC, 1, 3},
-    {CTX_MAGIC, 1, 4}, {CTX_MAGIC, 1, 5}, {CTX_MAGIC, 1, 6}, {CTX_MAGIC, 1, 7}};
+    {CTX_MAGIC, 1, 0, 0}, {CTX_MAGIC, 1, 1, 0}, {CTX_MAGIC, 1, 2, 0}, {CTX_MAGIC, 1, 3, 0},
+    {CTX_MAGIC, 1, 4, 0}, {CTX_MAGIC, 1, 5, 0}, {CTX_MAGIC, 1, 6, 0}, {CTX_MAGIC, 1, 7, 0}};
 static int g_primary_refs[FK_MAX_DEV];
 static __thread CUcontext t_ctx_stack[32];
 static __thread int t_ctx_depth;
@@ -244,9 +255,21 @@ static int ctx_ok(CUcontext c) { return c && c->magic == CTX_MAGIC; }
 struct CUstream_st {
     uint32_t magic;
     uint64_t busy_until; /* CLOCK_MONOTONIC ns */
+    struct CUctx_st *ctx; /* NULL for the implicit streams: the current context's */
+    int capturing;        /* 1 + CUstreamCaptureMode while a capture is in progress */
+    int invalidated;      /* the capture was invalidated by an unsafe call */
 };
-static struct CUstream_st g_legacy_stream = {STREAM_MAGIC, 0};
-static __thread struct CUstream_st t_ptds_stream = {STREAM_MAGIC, 0};
+
+/* ---- core: stream capture and context teardown (see the block "core: captures, contexts and
+ * launch paths" near the end) ---- */
+static int fk_capture_unsafe_call(void);
+static int fk_stream_captured(struct CUstream_st *s);
+static void fk_register_stream(struct CUstream_st *s);
+static unsigned long g_captures_ended, g_captures_invalidated, g_capture_unsafe_calls,
+    g_captured_launches;
+static int g_calls_in_driver; /* launches inside the driver, work not queued yet */
+static struct CUstream_st g_legacy_stream = {STREAM_MAGIC, 0, NULL, 0, 0};
+static __thread struct CUstream_st t_ptds_stream = {STREAM_MAGIC, 0, NULL, 0, 0};
 static uint64_t g_device_busy_until;
 
 /* Events */
@@ -460,11 +483,13 @@ static CUresult get_stream(CUstream h, int per_thread, struct CUstream_st **out)
 }
 
 static void stream_add_busy(struct CUstream_st *s, uint64_t ns) {
+    struct CUctx_st *ctx = s->ctx ? s->ctx : cur_ctx();
     pthread_mutex_lock(&g_lock);
     uint64_t n = now_ns();
     uint64_t start = s->busy_until > n ? s->busy_until : n;
     s->busy_until = start + ns;
     if (s->busy_until > g_device_busy_until) g_device_busy_until = s->busy_until;
+    if (ctx && s->busy_until > ctx->busy_until) ctx->busy_until = s->busy_until;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -791,19 +816,23 @@ CUresult cuCtxGetDevice(CUdevice *device) {
 CUresult cuCtxSynchronize(void) {
     COUNT();
     NEED_CTX();
+    if (fk_capture_unsafe_call()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     uint64_t begin = now_ns();
+    int in_driver = __atomic_load_n(&g_calls_in_driver, __ATOMIC_SEQ_CST);
     pthread_mutex_lock(&g_lock);
-    uint64_t until = g_device_busy_until;
+    uint64_t until = g_device_busy_until, ctx_until = cur_ctx()->busy_until;
     pthread_mutex_unlock(&g_lock);
-    wait_device();
+    sleep_until_ns(ctx_until); /* a context waits for its own work only */
     FILE *f = trace_file();
     if (f) {
         char name[32] = "";
         pthread_getname_np(pthread_self(), name, sizeof(name));
         fprintf(f,
                 "{\"op\":\"ctx_sync\",\"pid\":%d,\"thread\":\"%s\",\"t_begin\":%.6f,"
-                "\"t_end\":%.6f,\"busy_until\":%.6f}\n",
-                (int)getpid(), name, begin / 1e9, now_ns() / 1e9, until / 1e9);
+                "\"t_end\":%.6f,\"busy_until\":%.6f,\"dev\":%d,\"ctx_busy_until\":%.6f,"
+                "\"calls_in_driver\":%d}\n",
+                (int)getpid(), name, begin / 1e9, now_ns() / 1e9, until / 1e9, cur_ctx()->dev,
+                ctx_until / 1e9, in_driver);
     }
     return CUDA_SUCCESS;
 }
@@ -819,6 +848,8 @@ static CUresult stream_create(CUstream *ph) {
     struct CUstream_st *s = calloc(1, sizeof(*s));
     if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
     s->magic = STREAM_MAGIC;
+    s->ctx = cur_ctx();
+    fk_register_stream(s);
     *ph = s;
     return CUDA_SUCCESS;
 }
@@ -855,6 +886,7 @@ static CUresult stream_query(CUstream h, int per_thread) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
+    if (fk_capture_unsafe_call()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     return now_ns() < stream_busy_until(s) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
@@ -872,6 +904,7 @@ static CUresult stream_sync(CUstream h, int per_thread) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
+    if (fk_capture_unsafe_call()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (s == &g_legacy_stream)
         wait_device(); /* the legacy stream synchronises with every blocking stream */
     else
@@ -906,6 +939,11 @@ static CUresult event_record(CUevent e, CUstream h, int per_thread) {
     if (r) return r;
     if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     e->at = stream_busy_until(s);
+    if (s == &g_legacy_stream) { /* the legacy stream waits for every blocking stream */
+        pthread_mutex_lock(&g_lock);
+        if (g_device_busy_until > e->at) e->at = g_device_busy_until;
+        pthread_mutex_unlock(&g_lock);
+    }
     return CUDA_SUCCESS;
 }
 
@@ -1096,6 +1134,8 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     unsigned long long used =
         g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
     pthread_mutex_unlock(&g_lock);
+    /* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device (core). */
+    used += fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
     unsigned long long t = fk_device_total();
     *total = (size_t)t;
     *free = (size_t)(used >= t ? 0 : t - used);
@@ -1417,9 +1457,32 @@ static void fault_in(CUdeviceptr p) {
     pthread_mutex_unlock(&g_lock);
 }
 
+static CUresult launch_now(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                           unsigned int bx, unsigned int by, unsigned int bz, CUstream h,
+                           int per_thread, void **params, void **extra);
+
+/* GPUSHARE_FAKE_LAUNCH_DELAY_US: a launch spends that long inside the driver before its work is
+ * queued (a thread descheduled between the gate and the driver's enqueue). g_calls_in_driver
+ * counts launches in that window; each cuCtxSynchronize traces it. */
+
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                        unsigned int bx, unsigned int by, unsigned int bz, CUstream h, int per_thread,
                        void **params, void **extra) {
+    static long delay_us = -1;
+    if (delay_us < 0) {
+        const char *d = getenv("GPUSHARE_FAKE_LAUNCH_DELAY_US");
+        delay_us = d && *d ? atol(d) : 0;
+    }
+    __atomic_fetch_add(&g_calls_in_driver, 1, __ATOMIC_SEQ_CST);
+    if (delay_us > 0) sleep_until_ns(now_ns() + (uint64_t)delay_us * 1000ULL);
+    CUresult r = launch_now(f, gx, gy, gz, bx, by, bz, h, per_thread, params, extra);
+    __atomic_fetch_sub(&g_calls_in_driver, 1, __ATOMIC_SEQ_CST);
+    return r;
+}
+
+static CUresult launch_now(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                           unsigned int bx, unsigned int by, unsigned int bz, CUstream h,
+                           int per_thread, void **params, void **extra) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
@@ -1428,6 +1491,7 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024)
         return CUDA_ERROR_INVALID_VALUE;
     if (extra && !params) return CUDA_ERROR_NOT_SUPPORTED;
+    if (fk_stream_captured(s)) return CUDA_SUCCESS;
     switch (f->kind) {
     case K_SLEEP: {
         if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
@@ -1529,6 +1593,7 @@ static CUresult graph_launch(CUgraphExec g, CUstream h, int per_thread) {
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
     if (!g) return CUDA_ERROR_INVALID_VALUE;
+    if (fk_stream_captured(s)) return CUDA_SUCCESS;
     stream_add_busy(s, 1000);
     pthread_mutex_lock(&g_lock);
     g_graph_launches++;
@@ -1789,6 +1854,253 @@ CUresult cuGetErrorString(CUresult error, const char **pStr) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* core: captures, contexts and launch paths                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Every stream made, so that a context's teardown can end its streams (a stream of a destroyed
+ * or reset context is a dangling handle, as on the real driver). */
+#define FK_MAX_STREAMS 4096
+static struct CUstream_st *g_streams[FK_MAX_STREAMS];
+static int g_nstreams;
+static int g_unsafe_captures; /* captures in progress in global or relaxed mode */
+
+static void fk_register_stream(struct CUstream_st *s) {
+    pthread_mutex_lock(&g_lock);
+    if (g_nstreams < FK_MAX_STREAMS) g_streams[g_nstreams++] = s;
+    pthread_mutex_unlock(&g_lock);
+}
+
+static void fk_end_streams_of(struct CUctx_st *ctx) {
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < g_nstreams; i++)
+        if (g_streams[i]->ctx == ctx) g_streams[i]->magic = 0;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* An H100 answers cuCtxSynchronize, cuStreamQuery and cuStreamSynchronize made while a stream
+ * captures in global or relaxed mode with 900, and the capture's end then fails with 901. */
+static int fk_capture_unsafe_call(void) {
+    pthread_mutex_lock(&g_lock);
+    int unsafe = g_unsafe_captures > 0;
+    if (unsafe) {
+        g_capture_unsafe_calls++;
+        for (int i = 0; i < g_nstreams; i++)
+            if (g_streams[i]->capturing) g_streams[i]->invalidated = 1;
+        if (g_legacy_stream.capturing) g_legacy_stream.invalidated = 1;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return unsafe;
+}
+
+static int fk_stream_captured(struct CUstream_st *s) {
+    if (!s->capturing) return 0;
+    pthread_mutex_lock(&g_lock);
+    g_captured_launches++;
+    pthread_mutex_unlock(&g_lock);
+    return 1;
+}
+
+static CUresult begin_capture(CUstream h, int per_thread, int mode) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (s == &g_legacy_stream) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    r = s->capturing ? FK_ERROR_ILLEGAL_STATE : CUDA_SUCCESS;
+    if (!r) {
+        s->capturing = 1 + mode;
+        s->invalidated = 0;
+        if (mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) g_unsafe_captures++;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
+CUresult cuStreamBeginCapture(CUstream hStream) {
+    COUNT();
+    return begin_capture(hStream, 0, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+CUresult cuStreamBeginCapture_ptsz(CUstream hStream) {
+    COUNT();
+    return begin_capture(hStream, 1, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode) {
+    COUNT();
+    return begin_capture(hStream, 0, mode);
+}
+CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode) {
+    COUNT();
+    return begin_capture(hStream, 1, mode);
+}
+
+struct CUgraph_st {
+    int dummy;
+};
+static struct CUgraph_st g_graph;
+
+static CUresult end_capture(CUstream h, int per_thread, CUgraph *phGraph) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!phGraph) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    if (!s->capturing) {
+        pthread_mutex_unlock(&g_lock);
+        return FK_ERROR_ILLEGAL_STATE;
+    }
+    if (s->capturing - 1 != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) g_unsafe_captures--;
+    s->capturing = 0;
+    int bad = s->invalidated;
+    s->invalidated = 0;
+    if (bad)
+        g_captures_invalidated++;
+    else
+        g_captures_ended++;
+    pthread_mutex_unlock(&g_lock);
+    *phGraph = bad ? NULL : &g_graph;
+    return bad ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
+}
+
+CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    COUNT();
+    return end_capture(hStream, 0, phGraph);
+}
+CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph) {
+    COUNT();
+    return end_capture(hStream, 1, phGraph);
+}
+
+static CUresult is_capturing(CUstream h, int per_thread, CUstreamCaptureStatus *st) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!st) return CUDA_ERROR_INVALID_VALUE;
+    *st = s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
+    COUNT();
+    return is_capturing(hStream, 0, captureStatus);
+}
+CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
+    COUNT();
+    return is_capturing(hStream, 1, captureStatus);
+}
+
+/* Primary context teardown: Release drops a reference (the last one destroys the context),
+ * Reset destroys it at once; either way its streams die with it. */
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+    COUNT();
+    CUresult r = cuDevicePrimaryCtxRelease_v2(dev);
+    if (!r && !__atomic_load_n(&g_primary_refs[dev], __ATOMIC_RELAXED)) fk_end_streams_of(&g_primary[dev]);
+    return r;
+}
+
+static CUresult primary_reset(CUdevice dev) {
+    NEED_INIT();
+    if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
+    __atomic_store_n(&g_primary_refs[dev], 0, __ATOMIC_RELAXED);
+    fk_end_streams_of(&g_primary[dev]);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
+    COUNT();
+    return primary_reset(dev);
+}
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    COUNT();
+    return primary_reset(dev);
+}
+
+/* Launch paths and stream memory operations beyond cuLaunchKernel: counted, their stream
+ * checked (so a lost per-thread variant shows), and a microsecond of work queued. */
+static CUresult stream_op(CUstream h, int per_thread) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(h, per_thread, &s);
+    if (r) return r;
+    if (!cur_ctx() && !s->ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!fk_stream_captured(s)) stream_add_busy(s, 1000);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunch(CUfunction f) {
+    COUNT();
+    return f ? stream_op(NULL, 0) : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height) {
+    COUNT();
+    return f ? stream_op(NULL, 0) : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream) {
+    COUNT();
+    return f ? stream_op(hStream, 0) : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                              unsigned int numDevices, unsigned int flags) {
+    COUNT();
+    return launchParamsList && numDevices ? stream_op(NULL, 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+#define FK_STREAM_OP(name, per_thread, params, stream)                                           \
+    CUresult name params {                                                                       \
+        COUNT();                                                                                 \
+        return stream_op(stream, per_thread);                                                    \
+    }
+#define FK_STREAM_OP4(base, params)                                                              \
+    FK_STREAM_OP(base, 0, params, stream)                                                        \
+    FK_STREAM_OP(base##_ptsz, 1, params, stream)                                                 \
+    FK_STREAM_OP(base##_v2, 0, params, stream)                                                   \
+    FK_STREAM_OP(base##_v2_ptsz, 1, params, stream)
+FK_STREAM_OP4(cuStreamBatchMemOp, (CUstream stream, unsigned int count,
+                                   CUstreamBatchMemOpParams *paramArray, unsigned int flags))
+FK_STREAM_OP4(cuStreamWriteValue32,
+              (CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags))
+FK_STREAM_OP4(cuStreamWriteValue64,
+              (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags))
+FK_STREAM_OP4(cuStreamWaitValue32,
+              (CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags))
+FK_STREAM_OP4(cuStreamWaitValue64,
+              (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags))
+
+#define FK_OP4_EXPORTS(X, base) X(base) X(base##_ptsz) X(base##_v2) X(base##_v2_ptsz)
+#define FK_EXPORTS_CORE(X)                                                                       \
+    X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2)              \
+    X(cuStreamBeginCapture_v2_ptsz) X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz)             \
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) X(cuDevicePrimaryCtxRelease)              \
+    X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) X(cuLaunch) X(cuLaunchGrid)         \
+    X(cuLaunchGridAsync) X(cuLaunchCooperativeKernelMultiDevice)                                 \
+    FK_OP4_EXPORTS(X, cuStreamBatchMemOp) FK_OP4_EXPORTS(X, cuStreamWriteValue32)               \
+    FK_OP4_EXPORTS(X, cuStreamWriteValue64) FK_OP4_EXPORTS(X, cuStreamWaitValue32)              \
+    FK_OP4_EXPORTS(X, cuStreamWaitValue64)
+
+/* cuGetProcAddress entries (cudaTypedefs.h versions). */
+#define FK_OP4_PROCS(base, v1, v2)                                                               \
+    {#base, v1, 0, #base}, {#base, v1, 1, #base "_ptsz"}, {#base, v2, 0, #base "_v2"},           \
+        {#base, v2, 1, #base "_v2_ptsz"},
+#define FK_PROCS_CORE                                                                            \
+    {"cuStreamBeginCapture", 10000, 0, "cuStreamBeginCapture"},                                  \
+    {"cuStreamBeginCapture", 10000, 1, "cuStreamBeginCapture_ptsz"},                             \
+    {"cuStreamBeginCapture", 10010, 0, "cuStreamBeginCapture_v2"},                               \
+    {"cuStreamBeginCapture", 10010, 1, "cuStreamBeginCapture_v2_ptsz"},                          \
+    {"cuStreamEndCapture", 10000, 0, "cuStreamEndCapture"},                                      \
+    {"cuStreamEndCapture", 10000, 1, "cuStreamEndCapture_ptsz"},                                 \
+    {"cuStreamIsCapturing", 10000, 0, "cuStreamIsCapturing"},                                    \
+    {"cuStreamIsCapturing", 10000, 1, "cuStreamIsCapturing_ptsz"},                               \
+    {"cuDevicePrimaryCtxRelease", 7000, 0, "cuDevicePrimaryCtxRelease"},                         \
+    {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2"},                     \
+    {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset"},                             \
+    {"cuDevicePrimaryCtxReset", 11000, 0, "cuDevicePrimaryCtxReset_v2"},                         \
+    {"cuLaunch", 2000, 0, "cuLaunch"}, {"cuLaunchGrid", 2000, 0, "cuLaunchGrid"},                \
+    {"cuLaunchGridAsync", 2000, 0, "cuLaunchGridAsync"},                                         \
+    {"cuLaunchCooperativeKernelMultiDevice", 9000, 0, "cuLaunchCooperativeKernelMultiDevice"},   \
+    FK_OP4_PROCS(cuStreamBatchMemOp, 8000, 11070) FK_OP4_PROCS(cuStreamWriteValue32, 8000, 11070) \
+    FK_OP4_PROCS(cuStreamWriteValue64, 9000, 11070) FK_OP4_PROCS(cuStreamWaitValue32, 8000, 11070) \
+    FK_OP4_PROCS(cuStreamWaitValue64, 9000, 11070)
+
+/* ------------------------------------------------------------------------------------------ */
 /* cuGetProcAddress                                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -1827,7 +2139,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
     X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async)           \
     X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async)     \
     X(cuMemsetD32Async_ptsz) X(cuGetErrorName) X(cuGetErrorString) X(cuGetProcAddress)           \
-    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X)
+    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X) FK_EXPORTS_CORE(X)
 
 /* Hidden aliases bind inside this library: their addresses are this library's own definitions,
  * whatever a preloaded library exports under the same names. */
@@ -1966,6 +2278,7 @@ static const struct fk_proc g_procs[] = {
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress"},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},
     FK_VMM_PROCS
+    FK_PROCS_CORE
 };
 
 static void *own_symbol(const char *name) {
@@ -2082,7 +2395,10 @@ int fakecuda_stats_json(char *buf, size_t n) {
     for (int k = 0; k < 6; k++) APPEND("%s\"%s\":%lu", k ? "," : "", kind_names[k], by_kind[k]);
     int refs = 0;
     for (int d = 0; d < FK_MAX_DEV; d++) refs += g_primary_refs[d];
-    APPEND("},\"primary_ctx_refs\":%d}", refs);
+    APPEND("},\"primary_ctx_refs\":%d,", refs);
+    APPEND("\"captures\":{\"ended\":%lu,\"invalidated\":%lu,\"unsafe_calls\":%lu,"
+           "\"captured_launches\":%lu}}",
+           g_captures_ended, g_captures_invalidated, g_capture_unsafe_calls, g_captured_launches);
     pthread_mutex_unlock(&g_lock);
 #undef APPEND
     if (off >= sizeof(tmp)) off = sizeof(tmp) - 1;

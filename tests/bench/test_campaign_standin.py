@@ -88,7 +88,12 @@ def test_kernel_start_record(campaign):
 def test_replay_record(campaign):
     rec = load(campaign, "replay")
     assert set(rec["runs"]) == {"gpushare", "colocate", "fixed-quantum", "dedicated"}
-    assert set(rec["simulated"]) == {*rec["runs"], "sharing-floor"}
+    assert set(rec["simulated"]) == {*rec["runs"], "equal-share", "las", "srpt"}
+    # The simulated cells are the real ones: same trace, same count of cells arriving.
+    assert (
+        rec["agreement"]["gpushare"]["p95"]["real"]
+        == rec["runs"]["gpushare"]["summary"]["slowdown_p95"]
+    )
     for mode, run in rec["runs"].items():
         s = run["summary"]
         assert s["cells"] == len(run["cells"]) > 0, mode
@@ -119,7 +124,7 @@ def test_report_from_results(campaign, tmp_path):
     report.main([str(campaign), "--doc", str(doc), "--images", str(tmp_path / "docs" / "images")])
     text = doc.read_text()
     assert "Stand-in driver" in text
-    assert text.count("*No result yet.*") == 1  # training did not run
+    assert text.count("*No result yet.*") == 2  # training and the real-time replay did not run
     for png in ("launch", "handoff", "memory", "replay", "capacity", "kernel-start"):
         assert (tmp_path / "docs" / "images" / f"perf-{png}.png").stat().st_size > 1000
         assert f"](images/perf-{png}.png)" in text
@@ -130,7 +135,8 @@ def test_report_without_results_states_methods_only(tmp_path):
     doc = tmp_path / "performance.md"
     report.main([str(tmp_path / "none"), "--doc", str(doc), "--images", str(tmp_path / "img")])
     text = doc.read_text()
-    assert text.count("*No result yet.*") == 6
+    assert text.count("*No result yet.*") == 7
+    assert "*No result yet* (`python3 -m bench.capacity OUT_DIR`)" in text
     assert "No campaign results yet" in text
     assert not (tmp_path / "img").exists()
 

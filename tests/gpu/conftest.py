@@ -8,6 +8,7 @@ from exhausting the card (oversubscribing managed memory can hang a GPU).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -76,6 +78,15 @@ class Scheduler:
             check=True,
         )
         return out.stdout
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` or fail: a framework missing on the GPU machine is a failure of the GPU
+    suite (it would otherwise pass by skipping what it exists to check), not a skip."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"the GPU suite needs {module} on this machine: {exc}", pytrace=False)
 
 
 def workload_env(extra: dict[str, str] | None = None) -> dict[str, str]:

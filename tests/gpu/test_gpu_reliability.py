@@ -117,4 +117,6 @@ def test_killed_holder_handover_time(long_turns: Scheduler) -> None:
         wait_for(scheduler, lambda st: not clients(st), "clients left behind", timeout=30)
     ms = sorted(round(t * 1000, 1) for t in times)
     print(f"SIGKILL of the holder -> the waiter's first result (ms): {ms}")
-    assert max(times) < 5.0, ms
+    # Recorded on an H100 and on H200s: 0.67-0.88 s (docs/gpu-runs/2026-11-22-*). The bound is the
+    # worst of those plus 70 % for a loaded machine: a regression to seconds fails.
+    assert max(times) < 1.5, ms

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import pytest
+from conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gpushare-gpu-test"
@@ -58,8 +58,8 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, tmp: Path) -> None:
-        pytest.importorskip("jupyter_server")
-        pytest.importorskip("torch")
+        require("jupyter_server")
+        require("torch")
         self.port = _free_port()
         self.runtime = tmp / "runtime"
         data = tmp / "data" / "kernels" / "python3-gpushare"
@@ -258,8 +258,11 @@ def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
         grant_b = next(t for t, line in events if f"grant client={kb}" in line and t >= idle_revoke)
         notice = idle_revoke - ra["end"]
         handoff = grant_b - idle_revoke
-        assert -0.05 < notice < 1.0, f"A was revoked {notice:.3f}s after its cell ended"
-        assert handoff < 30, f"B was granted {handoff:.1f}s after A's revoke"
+        # Recorded on an H100: notice 3 ms, handoff 1.00-1.49 s (docs/gpu-runs/2026-11-22-h100*).
+        # Bounds: notice within 0.25 s (the iopub idle report is immediate; the rest is a loaded
+        # server's event loop), handoff within 4 s (2.7x the slowest record: evicting 14 GiB).
+        assert -0.05 < notice < 0.25, f"A was revoked {notice:.3f}s after its cell ended"
+        assert handoff < 4.0, f"B was granted {handoff:.2f}s after A's revoke"
         print(
             f"A's cell ended; the scheduler revoked A {notice * 1000:.0f} ms later (idle) and "
             f"granted B {handoff:.2f}s after that, evicting A's 14 GiB in between; "

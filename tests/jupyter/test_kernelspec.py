@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ipykernel._version import kernel_protocol_version
 
-from jupyter_gpushare.kernelspec import is_gpushare_spec, make_variant
+from jupyter_gpushare.kernelspec import LOGOS, RESOURCES, is_gpushare_spec, make_variant
 
 BIN = Path(sys.executable).parent
 
@@ -71,6 +72,16 @@ def listing(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {k["name"]: k for k in json.loads(out.stdout)["kernelspecs"]}
 
 
+def test_the_shipped_kernelspec_has_the_logos_and_protocol_version() -> None:
+    """jupyter-data/kernels/python3-gpushare (installed with the wheel) is what install-kernelspec
+    makes of an ipykernel: the same logos and the protocol this ipykernel speaks."""
+    shipped = Path(__file__).resolve().parents[2] / "jupyter-data" / "kernels" / "python3-gpushare"
+    for logo in LOGOS:
+        assert (shipped / logo).read_bytes() == (RESOURCES / logo).read_bytes(), logo
+    spec = json.loads((shipped / "kernel.json").read_text())
+    assert spec["kernel_protocol_version"] == kernel_protocol_version
+
+
 def test_make_variant() -> None:
     spec = {"argv": ["x"], "display_name": "X", "metadata": {"debugger": True}}
     variant = make_variant(spec, {"memory_limit": "8GiB"})
@@ -85,6 +96,12 @@ def test_make_variant() -> None:
     assert is_gpushare_spec(variant) and not is_gpushare_spec(spec)
     assert spec == {"argv": ["x"], "display_name": "X", "metadata": {"debugger": True}}
     assert make_variant(variant, {})["display_name"] == "X (GPU shared)"
+    # An ipykernel's variant says which protocol it speaks, unless its source said.
+    ipy = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]}
+    assert make_variant(ipy, {})["kernel_protocol_version"] == kernel_protocol_version
+    said = make_variant(dict(ipy, kernel_protocol_version="5.5"), {})
+    assert said["kernel_protocol_version"] == "5.5"
+    assert "kernel_protocol_version" not in variant
 
 
 @pytest.mark.skipif(shutil.which("jupyter", path=str(BIN)) is None, reason="no jupyter command")
@@ -116,9 +133,13 @@ def test_install_in_a_prefix_is_idempotent(jupyter_env: dict[str, str], tmp_path
         "provisioner_name": "gpushare-provisioner",
         "config": {"memory_limit": "8GiB", "weight": 2.0},
     }
-    assert (kernels / "ir-gpushare" / "logo-64x64.png").read_bytes() == b"\x89PNG fake"
+    # The variants wear gpushare's logo (the launcher and the kernel indicator show it).
+    for logo in LOGOS:
+        assert (kernels / "ir-gpushare" / logo).read_bytes() == (RESOURCES / logo).read_bytes()
     py = json.loads((kernels / "python3-gpushare" / "kernel.json").read_text())
     assert "ipykernel" in " ".join(py["argv"]) and py["display_name"].endswith("(GPU shared)")
+    # A variant says which protocol its kernel speaks (here the source's own, kept).
+    assert py["kernel_protocol_version"]
     before = {p.name: p.read_bytes() for p in kernels.rglob("*") if p.is_file()}
 
     # Again: nothing changes, and no variant of a variant appears.

@@ -4,6 +4,7 @@ the provisioner without the user doing anything."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from provisioner_helpers import (
@@ -15,7 +16,7 @@ from provisioner_helpers import (
     scheduler_clients,
 )
 
-from jupyter_gpushare.magic import HELP, NOT_SHARED, GPUShareReport, gpushare_command
+from jupyter_gpushare.magic import HELP, NO_GPU, NOT_SHARED, GPUShareReport, gpushare_command
 
 STATUS = {
     "version": 1,
@@ -71,6 +72,8 @@ def test_report_waiting_plain_and_html() -> None:
     assert "waiting for the GPU" in html and "NVIDIA H100" in html
     assert "<b>train</b>" not in html and "&lt;b&gt;train&lt;/b&gt;.ipynb" in html
     assert "width:37.5%" in html  # 3 of 8 GiB
+    # Colours are JupyterLab's theme variables (light and dark themes), not fixed ones.
+    assert "color:var(--jp-warn-color1" in html and not re.search(r"#[0-9a-fA-F]{3,6}\b", html)
     # On a node with several GPUs the device line says which one the kernel is on.
     on_gpu1 = repr(GPUShareReport(dict(STATUS), entry, dict(DEVICE, index=1)))
     assert "device     GPU 1: NVIDIA H100 (GPU-1), turns mode" in on_gpu1, on_gpu1
@@ -127,6 +130,8 @@ async def test_status_release_and_quota_in_a_kernel(harness: Any, kernels: Any) 
     # Loaded by the provisioner: no %load_ext. Before any GPU call the shim is inactive.
     before = (await execute(kc, "%gpushare status")).ok()
     assert "inactive (no CUDA context yet)" in before.text, before.describe()
+    # This scheduler has no NVML and no kernel has reported a GPU yet: plain words say so.
+    assert f"device     {NO_GPU}" in before.text, before.describe()
 
     (await execute(kc, GPU_PRELUDE + "\nprint(alloc(64 << 20)[0], launch(1000), sync())")).ok()
     cell = (await execute(kc, "%gpushare")).ok()

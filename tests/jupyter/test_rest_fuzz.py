@@ -90,6 +90,7 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
     operations = [op for op in operations if not op.path.endswith("/events")]  # the websocket
     assert {op.label for op in operations} == {
         "GET /gpushare/api/status",
+        "GET /gpushare/api/history",
         "POST /gpushare/api/kernels/{kernel_id}/release",
         "POST /gpushare/api/kernels/{kernel_id}/evict",
         "PUT /gpushare/api/kernels/{kernel_id}/quota",
@@ -110,6 +111,7 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
     print(dict(codes))
     # Both the refusals and the successes were explored.
     assert codes["GET /gpushare/api/status positive"][200] > 0, codes
+    assert codes["GET /gpushare/api/history positive"][200] > 0, codes
     for action in ("release", "evict", "quota"):
         method = "PUT" if action == "quota" else "POST"
         assert codes[f"{method} /gpushare/api/kernels/{{kernel_id}}/{action} positive known"][200]
@@ -129,5 +131,10 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
         body='{"quota": "2GiB"}',
     )  # fmt: skip
     assert reply["quota"] == 2 * GiB
+    # The history followed both kernels, and the GPU, with at least one point each.
+    history = await fetch_json(jp_fetch, "gpushare", "api", "history")
+    assert set(history["kernels"]) == {"k-holder", "k-waiter"}, history
+    assert history["kernels"]["k-waiter"]["points"][-1][1:3] == [700 << 20, 0]
+    assert len(history["devices"]) == 1 and history["window_seconds"] == 3600
     await holder.close()
     await waiter.close()

@@ -28,8 +28,12 @@ def test_message_types_agree():
     assert c_side["precopy"] == 0x87 and c_side["precopied"] == 0x09
 
 
+# Fields the C side has and the Python side does not read yet, with why.
+C_ONLY = {"resume_secret": "issue 15: the scheduler's half lands with its own change"}
+
+
 def test_field_tags_agree():
     c_side = _c_enum("GS_TAG_")
     py_side = {name: tag for tag, (name, _type) in FIELDS.items()}
-    assert c_side == py_side
-    assert c_side["precopied_bytes"] == 42
+    assert {k: v for k, v in c_side.items() if k not in C_ONLY} == py_side
+    assert c_side["precopied_bytes"] == 43

@@ -35,7 +35,6 @@ from jupyter_gpushare.scheduler.events import (
     Join,
     Leave,
     Memory,
-    QuotaChanged,
     Released,
     Request,
     Restored,
@@ -121,12 +120,11 @@ class PolicyMachine(RuleBasedStateMachine):
             assert shim.state == "running", f"{d} to a client in state {shim.state}"
             shim.state = "revoking"
             shim.revoke_evict = d.evict
-        elif isinstance(d, Evict):
+        else:
+            assert isinstance(d, Evict), f"unknown decision {d!r}"
             assert shim.state in ("idle", "waiting"), f"{d} to a client in state {shim.state}"
             assert not shim.evict_pending, f"{d} twice"
             shim.evict_pending = True
-        else:
-            assert isinstance(d, QuotaChanged)
 
     def pick(self, index: int, *states: str) -> str | None:
         ids = sorted(c for c, s in self.shims.items() if not states or s.state in states)

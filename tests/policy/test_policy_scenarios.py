@@ -14,7 +14,6 @@ from jupyter_gpushare.scheduler.events import (
     Join,
     Leave,
     Memory,
-    QuotaChanged,
     Released,
     Request,
     Restored,
@@ -22,6 +21,7 @@ from jupyter_gpushare.scheduler.events import (
     SetQuota,
     Tick,
 )
+from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
 GB = 10**9
@@ -29,7 +29,11 @@ DEV = "GPU-0"
 POOL = 100 * GB
 
 
-def make_policy(pool: int = POOL, **config: float) -> Policy:
+def make_policy(pool: int = POOL, **config: object) -> Policy:
+    # These stories are the memory rules: under the "fair" ordering every kernel that fits runs,
+    # so each decision here is memory's. The interactive ordering has its own tests
+    # (test_ordering.py), which also run these rules beneath it.
+    config.setdefault("ordering", OrderingConfig("fair"))
     policy = Policy(PolicyConfig(**config))  # type: ignore[arg-type]
     policy.add_device(DEV, name="Test GPU", total_bytes=pool + 5 * GB, pool_bytes=pool)
     return policy
@@ -96,6 +100,9 @@ def test_two_that_do_not_fit_take_turns_with_evict_and_restore():
     assert p.handle(Tick(t)) == [Revoke("b", evict=True, reason="quantum expired")]
     assert p.handle(Released(t + 1, "b", evicted=True)) == [Grant("a", restore=True)]
     assert p.handle(Restored(t + 2, "a", bytes_moved=int(59.5 * GB), micros=1_200_000)) == []
+    # The status says what the last restore moved and took (the wait line shows it).
+    assert client(p, "a", t + 2)["last_restore"] == {"bytes": int(59.5 * GB), "seconds": 1.2}
+    assert client(p, "b", t + 2)["last_restore"] is None
 
 
 def test_idle_holder_is_revoked_at_once_for_a_waiter():
@@ -154,6 +161,25 @@ def test_idle_memory_is_evicted_least_recently_used_first_and_only_when_needed()
     # old comes back: new (idle, resident) is evicted for it, and old is restored
     assert request(p, "old", 40, now=5) == [Evict("new", reason="room for old")]
     assert p.handle(Evicted(6, "new")) == [Grant("old", restore=True)]
+
+
+def test_a_failed_eviction_never_overcommits_the_pool():
+    """A shim that could not evict (a stream capture outlived its bounded wait) says so: the
+    client's memory stays counted on the GPU, the waiter is not granted into room that does not
+    exist, and the next pass asks again."""
+    p = make_policy()
+    for cid in ("old", "w"):
+        join(p, cid, user=cid)
+    request(p, "old", 80)
+    assert p.handle(Released(1, "old")) == []
+    assert request(p, "w", 30, now=2) == [Evict("old", reason="room for w")]
+    resident = device(p, 2)["resident_bytes"]
+    decisions = p.handle(Evicted(3, "old", bytes_moved=0, micros=0, ok=False))
+    assert Grant("w") not in decisions and Grant("w", restore=False) not in decisions
+    assert decisions == [Evict("old", reason="room for w")]  # retried
+    assert device(p, 3)["resident_bytes"] == resident  # still counted on the GPU
+    assert client(p, "w", 3)["state"] == "waiting"
+    assert p.handle(Evicted(4, "old", bytes_moved=80 * GB, micros=1_000_000)) == [Grant("w")]
 
 
 def test_quantum_scales_with_memory_and_is_clamped():
@@ -242,7 +268,7 @@ def test_admin_release_and_quota():
     p.handle(Released(2, "a"))
     assert p.handle(AdminRelease(3, "a")) == []  # idle, no eviction asked: nothing to do
     assert p.handle(AdminRelease(3, "a", evict=True)) == [Evict("a", reason="released by request")]
-    assert p.handle(SetQuota(4, "a", 8 * GB)) == [QuotaChanged("a", 8 * GB)]
+    assert p.handle(SetQuota(4, "a", 8 * GB)) == []  # the shell tells the shim, not the policy
     assert client(p, "a", 4)["quota_bytes"] == 8 * GB
 
 
@@ -370,6 +396,7 @@ def test_snapshot_shape():
         "wait_seconds": 0.0,
         "waiting_since": None,
         "queue_position": None,
+        "last_restore": None,
         "held_seconds": 4.0,
         "quantum_seconds": 5.0,
         "revoking_seconds": None,
@@ -385,6 +412,10 @@ def test_a_late_answer_to_a_revoke_does_not_drop_a_new_request():
     assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
     # a released on its own before the Revoke reached it (counted as the answer) ...
     assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
+    # meanwhile b waits for a's memory, and is told how much is on its way to the host
+    wait = client(p, "b", 30.5)["wait"]
+    assert wait["reason"] == "memory"
+    assert wait["moving_bytes"] == client(p, "a", 30.5)["managed_bytes"] > 0
     assert p.handle(Evicted(31, "a")) == [Grant("b")]
     assert request(p, "a", 60, now=32) == []
     # ... and its answer to the Revoke comes now, while it waits: it keeps waiting

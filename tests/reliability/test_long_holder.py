@@ -71,7 +71,7 @@ def test_waiters_are_told_about_a_holder_past_its_quantum(harness):
 
     # The operator's levers, by client id.
     a.wait_event("tick", 30, where=lambda e: e["status"]["state"] == "holding")
-    out = cli("evict", "A", "--socket", sock)
+    out = cli("evict", "A", "--socket", sock, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["ok"] is True, out
     sched.wait_log("control evict client=A")
     out = cli("release", "nobody", "--socket", sock)

@@ -134,7 +134,10 @@ def test_a_restart_rebuilds_the_same_state(sizes, script, order) -> None:
     for cid in rejoin_order:
         if clients[cid]["state"] == "waiting":
             t += 0.01
-            decided += q.handle(Request(t, cid, used=used[cid], managed=used[cid]))
+            # The shim's request says what it has on the host (a paused waiter's memory may
+            # have been evicted for a shorter cell).
+            ev = clients[cid]["evicted_bytes"]
+            decided += q.handle(Request(t, cid, used=used[cid], managed=used[cid], evicted=ev))
     after = state(q, t)
     new = {c["id"]: c for c in after["clients"]}
 

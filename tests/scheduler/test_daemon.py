@@ -28,15 +28,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The exposition text as {'name{labels}': value} (labels in the order served)."""
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def series_key(series: str) -> str:
+    """``name{labels}`` with its labels sorted: the exposition's label order is not a contract."""
+    name, _, labels = series.partition("{")
+    return name + "{" + ",".join(sorted(m.group(0) for m in _LABEL.finditer(labels))) + "}"
+
+
+class Scrape(dict):  # type: ignore[type-arg]
+    """{'name{labels}': value}, looked up whatever order the labels are written in."""
+
+    def __getitem__(self, key: str) -> float:
+        return float(super().__getitem__(series_key(key)))
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(series_key(str(key)))
+
+
+def scrape(port: int) -> Scrape:
+    """The exposition text of the scheduler's /metrics as a :class:`Scrape`."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    out = {}
+    out = Scrape()
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            dict.__setitem__(out, series_key(name), float(value))
     return out
 
 
@@ -68,10 +87,12 @@ async def test_metrics_after_a_handoff(make_scheduler: Any, connect: Any, tmp_pa
     await asyncio.sleep(0.3)  # two refreshes of the gauges
 
     m = await asyncio.to_thread(scrape, server.metrics.port)
-    dev = f'device="{DEVICE}"'
+    dev = f'device="{DEVICE}",UUID="{DEVICE}",gpu="",modelName=""'
     assert m[f"gpushare_handoffs_total{{{dev}}}"] == 1
     assert m[f"gpushare_grants_total{{{dev}}}"] == 2
     assert m[f'gpushare_bytes_moved_total{{{dev},direction="evict"}}'] == 800 * MiB
+    assert m[f'gpushare_moved_bytes_total{{{dev},direction="evict"}}'] == 800 * MiB
+    assert m[f'gpushare_user_holding_clients{{{dev},user="bob"}}'] == 1
     assert m[f"gpushare_wait_seconds_count{{{dev}}}"] == 2
     assert m[f'gpushare_wait_seconds_bucket{{{dev},le="+Inf"}}'] == 2
     assert m[f"gpushare_holders{{{dev}}}"] == 1

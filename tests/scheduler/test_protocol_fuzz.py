@@ -331,7 +331,7 @@ async def wait_for_no_fuzz_state(h: Harness) -> None:
     while True:
         sched = h.scheduler
         clients = [c["id"] for dev in sched.status_document()["devices"] for c in dev["clients"]]
-        state = (clients, sorted(sched._clients), len(sched._connections))
+        state = (clients, sorted(sched._shims), len(sched._connections))
         if state == ([GOOD_ID], [GOOD_ID], h.baseline_connections):
             return
         assert loop.time() < deadline, f"state left behind by a closed fuzz connection: {state}"

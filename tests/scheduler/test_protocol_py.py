@@ -46,7 +46,7 @@ def test_constants_match_the_contract() -> None:
     assert [p.FIELDS[t] for t in (39, 40, 41)] == [
         ("resume", p.FieldType.U64), ("since_ms", p.FieldType.U64), ("gpu_ms", p.FieldType.U64),
     ]  # fmt: skip
-    assert p.FIELDS[42] == ("precopied_bytes", p.FieldType.U64)
+    assert p.FIELDS[43] == ("precopied_bytes", p.FieldType.U64)
     assert p.FIELDS[22] == ("body", p.FieldType.JSON)
     assert p.FIELDS[14] == ("flag", p.FieldType.U64)
 

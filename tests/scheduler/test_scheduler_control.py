@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ DEVICE_KEYS = {
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
     "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds",
-    "waiting_since", "queue_position",
+    "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
 
 
@@ -171,7 +172,12 @@ async def test_control_of_another_users_client_is_forbidden(
     with pytest.raises(SchedulerError) as info:
         await client.release("alice-kernel")
     assert info.value.code == ErrorCode.FORBIDDEN
-    assert "1002" in info.value.message and "forbidden" in str(info.value)
+    # The refusal names bob as the scheduler knows him: his user name where uid 1002 has one.
+    try:
+        bob = pwd.getpwuid(1002).pw_name
+    except KeyError:
+        bob = "1002"
+    assert f"{bob} may not release" in info.value.message and "forbidden" in str(info.value)
     # Her own uid may.
     assert (await client.kernel_state("alice-kernel", "idle"))["ok"] is True
     # An admin uid may, once configured.

@@ -223,14 +223,12 @@ async def test_every_decision_becomes_its_frame(scheduler: Any, connect: Any) ->
             ev.Grant("a", restore=True),
             ev.Revoke("a", evict=True, reason="r1"),
             ev.Evict("a", reason="r2"),
-            ev.QuotaChanged("a", 3 * GiB),
             ev.Grant("nobody"),  # a client that is gone: skipped
         ]
     )
     assert (await a.expect(MsgType.GRANT)).fields == {"flag": 1}
     assert (await a.expect(MsgType.REVOKE)).fields == {"flag": 1, "reason": "r1"}
     assert (await a.expect(MsgType.EVICT)).fields == {"reason": "r2"}
-    assert (await a.expect(MsgType.SET_QUOTA)).fields == {"quota": 3 * GiB}
     await a.expect_nothing(0.1)
 
 

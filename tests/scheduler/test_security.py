@@ -163,7 +163,7 @@ async def test_forged_or_missing_token_is_refused(
     assert err["error_code"] == ErrorCode.FORBIDDEN
     assert "GPUSHARE_USER_TOKEN" in err["message"]
     await missing.expect_closed()
-    assert "x" not in hub._clients and "y" not in hub._clients
+    assert "x" not in hub._shims and "y" not in hub._shims
 
     for client in (
         SchedulerClient(sock_path, user="alice", token=token("bob")),

@@ -25,7 +25,6 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,8 +40,6 @@ from ui_helpers import (
     cell_thread,
     change_theme,
     clients_of,
-    require_built_sidebar,
-    require_chromium,
     run_cell,
     save_screenshot,
     text_colors,
@@ -63,22 +60,6 @@ def _measured(c: dict[str, Any]) -> bool:
 
 def _dark(c: dict[str, Any]) -> bool:
     return _measured(c) and c["backgroundLuminance"] < 0.2
-
-
-@pytest.fixture
-def chromium() -> str:
-    return require_chromium()
-
-
-@pytest.fixture
-def lab(tmp_path: Path, native_build: Any) -> Iterator[Lab]:
-    require_built_sidebar()
-    shim = native_build.require_shim()
-    server = Lab(tmp_path, native_build.fake_dir, shim)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.timeout(240)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,12 @@ __all__ = [
     "Lab",
     "MiB",
     "cell_thread",
+    "chromium",
     "clients_of",
     "find_chromium",
     "free_port",
     "keep_screenshot",
+    "lab",
     "notebook",
     "require_built_sidebar",
     "require_chromium",
@@ -182,7 +184,8 @@ class Lab:
             "c.GPUShareScheduler.use_nvml = False\n"
             "c.GPUShareScheduler.pool_size = '1GiB'\n"
             "c.GPUShareScheduler.base_quantum = 60.0\n"
-            "c.GPUShareScheduler.max_quantum = 60.0\n" + APP_CONFIG[app]
+            "c.GPUShareScheduler.max_quantum = 60.0\n"
+            "c.GPUShareScheduler.history_resolution = 0.5\n" + APP_CONFIG[app]
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         env.pop("LD_PRELOAD", None)
@@ -300,6 +303,23 @@ class Lab:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def chromium() -> str:
+    return require_chromium()
+
+
+@pytest.fixture
+def lab(tmp_path: Path, native_build: Any) -> Iterator[Lab]:
+    """JupyterLab with this checkout's sidebar, stopped at the test's end."""
+    require_built_sidebar()
+    shim = native_build.require_shim()
+    server = Lab(tmp_path, native_build.fake_dir, shim)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def run_cell(kc: Any, code: str, out: dict[str, Any], timeout: float = 120) -> None:

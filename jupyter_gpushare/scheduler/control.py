@@ -1,0 +1,288 @@
+"""Control peers' actions: status, release, evict, set_quota, kernel_state, reload, place, MPS.
+
+:class:`ControlActions` is the part of :class:`~.server.GPUShareScheduler` that answers control
+peers (the CLI, the server extension, the provisioner): each message is checked by
+:mod:`.translate`, authorised by :mod:`.access`, and only then reaches the policy or the MPS
+daemons. docs/protocol.md lists the actions and their answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .._version import __version__
+from ..protocol import ErrorCode, Message, MsgType
+from ..units import format_size, parse_size
+from . import events as ev
+from . import translate as tr
+from .access import Access
+from .allocations import confined
+from .devices import Discovery
+from .mps import MPSManager
+from .mps_control import mps_env, mps_terminate
+from .placement import PlacementError
+from .policy import Policy
+from .reservations import Reservations
+from .transport import Connection
+from .users import Identity
+from .views import filter_status
+
+__all__ = ["ControlActions"]
+
+
+class ControlActions:
+    """Answers to control peers; mixed into the scheduler, whose state it reads (below)."""
+
+    # What the scheduler provides (see server.py).
+    log: Any
+    policy: Policy | None
+    access: Access
+    discovery: Discovery
+    socket_path: str
+    placement_estimate: int | str
+    placement_timeout: float
+    _shims: dict[str, Connection]
+    _devices: dict[str, str]
+    _utilization: dict[str, int]
+    _mps: MPSManager | None
+    _reservations: Reservations
+    _handle: Callable[[ev.Event], None]
+    _set_quota: Callable[[Connection, int, float], None]
+    _spawn: Callable[[Coroutine[Any, Any, None]], None]
+    _device_index: Callable[[str], int | None]
+    reload: Callable[[], Coroutine[Any, Any, bool]]
+    _refuse: Callable[[Connection, tr.Refusal], None]
+    _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
+    _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
+
+    def _reply(self, conn: Connection, body: dict[str, Any]) -> None:
+        conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
+
+    def _device_snapshot(self, uuid: str) -> dict[str, Any] | None:
+        assert self.policy is not None
+        for dev in self.policy.snapshot(time.monotonic()):
+            if dev.get("uuid") == uuid:
+                return dev
+        return None
+
+    def status_document(
+        self, device: str | None = None, viewer: Identity | None = None
+    ) -> dict[str, Any]:
+        """The status document of docs/protocol.md (``gpushare status --json`` prints it).
+
+        ``waiting_since`` is a Unix time (seconds); the rest is the policy's snapshot unchanged,
+        plus ``version``, ``socket`` and ``nvml`` (true, or why NVML discovery failed). For a
+        ``viewer`` who is not an admin, other users' clients are summed per user
+        (:func:`.views.filter_status`); ``None`` (an in-process caller) sees everything.
+        """
+        now = time.monotonic()
+        wall = time.time()
+        devices = self.policy.snapshot(now) if self.policy is not None else []
+        if device:
+            devices = [d for d in devices if str(d.get("uuid", "")).lower() == device.lower()]
+        for dev in devices:
+            dev["index"] = self._device_index(str(dev.get("uuid")))
+            dev["utilization_percent"] = self._utilization.get(str(dev.get("uuid")))
+            for client in dev.get("clients", []):
+                # The policy's clock is monotonic; readers want a wall-clock (Unix) time.
+                since = client.get("waiting_since")
+                if isinstance(since, (int, float)):
+                    client["waiting_since"] = round(wall - (now - since), 3)
+        doc = {
+            "version": __version__,
+            "socket": self.socket_path,
+            "nvml": True if self.discovery.error is None else self.discovery.error,
+            "devices": devices,
+        }
+        if self._mps is not None:
+            doc["mps"] = self._mps.describe()
+        return doc if viewer is None else filter_status(doc, viewer)
+
+    async def _on_control_message(self, conn: Connection, msg: Message) -> None:
+        if conn.kind == "new":
+            conn.kind = "control"
+        if conn.kind == "control":
+            # Each control message is identified on its own (it may carry user and token); a
+            # shim asking on its own connection is who its HELLO proved.
+            ident = await self.identify(conn.peer, msg)
+            if conn.closed:
+                return
+            if isinstance(ident, str):
+                conn.error(ErrorCode.FORBIDDEN, ident, self.log)
+                return
+            conn.identity = confined(ident, conn)
+        ident = conn.identity
+        if ident is None:  # pragma: no cover - a shim has its HELLO's identity
+            conn.error(ErrorCode.FORBIDDEN, "unidentified peer", self.log)
+            return
+        action = tr.control_action(msg)
+        body = msg.get("body")
+        if isinstance(action, tr.Refusal):
+            self._refuse(conn, action)
+        elif action == "status":
+            self._on_status_request(conn, msg, ident)
+        elif action in tr.MPS_ACTIONS:
+            await self._on_mps_control(conn, action, body)
+        elif action == "reload":
+            self._on_reload_request(conn, ident)
+        elif action == "place":
+            self._on_place(conn, body)
+        elif action == "allocate":
+            await self._on_allocate(conn, ident, body)
+        elif action == "prune_allocations":
+            await self._on_prune_allocations(conn, ident, body)
+        elif action == "history":
+            self._reply(conn, {"ok": True, "action": action, "history": self.history_view(ident)})
+        else:
+            self._on_client_action(conn, ident, action, body)
+
+    def _on_status_request(self, conn: Connection, msg: Message, viewer: Identity) -> None:
+        device = tr.check_status_request(msg)
+        if isinstance(device, tr.Refusal):
+            self._refuse(conn, device)
+            return
+        conn.write_frame(tr.encode_status(self.status_document(device, viewer)), self.log)
+
+    def _on_client_action(
+        self, conn: Connection, who: Identity, action: str, body: dict[str, Any]
+    ) -> None:
+        request = tr.check_client_action(action, body)
+        if isinstance(request, tr.Refusal):
+            self._refuse(conn, request)
+            return
+        client_id = request.client_id
+        target = self._shims.get(client_id)
+        if target is None or self.policy is None or not self.policy.has_client(client_id):
+            conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
+            return
+        if not self.access.may_act(who, target.identity):
+            owner = target.identity.user if target.identity is not None else "?"
+            self.log.warning(
+                "forbidden: %s asked %s on %s (user %s)", who.describe(), action, client_id, owner
+            )
+            text = (
+                f"{who.user} may not {action} client {client_id!r}: it belongs to another user "
+                "(only its owner or an admin may)"
+            )
+            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+            return
+        log = self.log.debug if action == "kernel_state" else self.log.info
+        log("control %s client=%s by %s %s", action, client_id, who.describe(), body)
+        now = time.monotonic()
+        if action == "set_quota":
+            refusal = self.access.quota_refusal(who, target.identity, request.quota)
+            if refusal:
+                self.log.warning("forbidden: %s: %s", who.describe(), refusal)
+                conn.error(ErrorCode.FORBIDDEN, refusal, self.log)
+                return
+            target.requested_quota = request.quota
+            target.quota_by_admin = who.admin
+            self._set_quota(target, request.quota, now)
+            # The quota in force: an allocation's ceiling (allocations.py) may have cut it.
+            self._reply(conn, {**request.reply(), "quota": target.quota})
+            return
+        self._handle(request.event(now))
+        self._reply(conn, request.reply())
+
+    def _on_reload_request(self, conn: Connection, who: Identity) -> None:
+        if not who.admin:
+            conn.error(ErrorCode.FORBIDDEN, f"{who.user} may not reload: admins only", self.log)
+            return
+        self.log.info("reload asked by %s", who.describe())
+
+        async def run() -> None:
+            if await self.reload():
+                self._reply(conn, {"ok": True, "action": "reload"})
+            else:
+                text = (
+                    "reload failed: the configuration did not load (see the scheduler's log); "
+                    "the previous one is still in force"
+                )
+                conn.error(ErrorCode.BAD_REQUEST, text, self.log)
+
+        self._spawn(run())
+
+    # ----------------------------------------------------------------------------------------
+    # MPS mode (scheduler/mps.py does the work; docs/mps.md)
+
+    async def _on_mps_control(self, conn: Connection, action: str, body: dict[str, Any]) -> None:
+        """The ``mps_env`` and ``mps_terminate`` control actions (docs/protocol.md)."""
+        reply: dict[str, Any] = {"ok": True, "action": action, "enabled": self._mps is not None}
+        if action == "mps_env":
+            counts = {
+                str(dev.get("uuid", "")).lower(): len(dev.get("clients", []))
+                for dev in (self.policy.snapshot(time.monotonic()) if self.policy else [])
+            }
+            refusal = mps_env(self._mps, body, reply, counts)
+            if refusal is None and "env" in reply:
+                self.log.info(
+                    "mps_env client=%s device=%s env=%s",
+                    body.get("client"),
+                    reply["device"],
+                    reply["env"],
+                )
+        else:
+            shims = list(self._shims.values())
+            refusal = await mps_terminate(self._mps, self.access, conn, body, reply, shims)
+        if refusal is not None:
+            if refusal.code == ErrorCode.FORBIDDEN:
+                self.log.warning("forbidden: %s", refusal.text)
+            self._refuse(conn, refusal)
+        else:
+            self._reply(conn, reply)
+
+    # ----------------------------------------------------------------------------------------
+    # Placement (several GPUs): see placement.py for the rule
+
+    def place(
+        self,
+        client: str,
+        need: int | None = None,
+        device: str | int | None = None,
+        reachable: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Choose the GPU of a kernel about to start and reserve room there until it connects.
+
+        Raises PlacementError (no device known, or a pin naming none).
+        """
+        assert self.policy is not None
+        estimate = parse_size(self.placement_estimate)
+        return self._reservations.place(
+            time.monotonic(),
+            self.status_document()["devices"],
+            self.policy.has_client,
+            client,
+            estimate if need is None or need <= 0 else need,
+            estimate,
+            self.placement_timeout,
+            device,
+            reachable,
+        )
+
+    def _on_place(self, conn: Connection, body: dict[str, Any]) -> None:
+        """CONTROL ``place`` (docs/protocol.md) -> the chosen device's uuid and index."""
+        request = tr.check_place(body)
+        if isinstance(request, tr.Refusal):
+            self._refuse(conn, request)
+            return
+        try:
+            answer = self.place(request.client_id, request.need, request.device, request.reachable)
+        except PlacementError as exc:
+            # No device at all (no NVML, nothing connected yet): not_found, the caller goes on
+            # without placement. A pin naming no device: bad_request, the caller's mistake.
+            code = ErrorCode.BAD_REQUEST if self._devices else ErrorCode.NOT_FOUND
+            conn.error(code, f"place: {exc}", self.log)
+            return
+        self.log.info(
+            "place client=%s device=%s index=%s need=%s fits=%s reason=%r by uid %d",
+            request.client_id,
+            answer["device"],
+            answer["index"],
+            format_size(answer["need"]),
+            answer["fits"],
+            answer["reason"],
+            conn.peer.uid,
+        )
+        self._reply(conn, {"ok": True, "action": "place", "client": request.client_id, **answer})

@@ -1,0 +1,318 @@
+"""Shim clients: HELLO, their messages as policy events, and the policy's decisions as frames.
+
+:class:`ShimSessions` is the part of :class:`~.server.GPUShareScheduler` that speaks to shims:
+a HELLO is checked by :mod:`.translate`, its peer identified by :mod:`.access` (quota ceilings
+and weights applied), then joins the policy under a client id that is unique among live shims
+(docs/protocol.md, "Duplicate client ids"); each later message becomes one policy event, and
+each decision one GRANT/REVOKE/EVICT frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._version import __version__
+from ..protocol import ErrorCode, Message, MsgType
+from ..units import format_size
+from . import events as ev
+from . import translate as tr
+from .access import Access
+from .allocations import cap_quota, confined
+from .metrics_feed import MetricsFeed
+from .transport import Connection, PeerCred
+from .users import Identity, Limits
+
+__all__ = ["ShimSessions"]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _bytes(n: int) -> str:
+    return f"bytes={n} ({format_size(n)})"
+
+
+class ShimSessions:
+    """Shim clients' sessions; mixed into the scheduler, whose state it reads (below)."""
+
+    # What the scheduler provides (see server.py).
+    log: Any
+    access: Access
+    metrics: Any
+    base_quantum: float
+    revoke_warning_seconds: float
+    _stopping: bool
+    _shims: dict[str, Connection]
+    _metrics_feed: MetricsFeed
+    _handle: Callable[[ev.Event], None]
+    _decide: Callable[[ev.Event], list[ev.Decision]]
+    _reschedule: Callable[[], None]
+    _device_for_hello: Callable[[tr.Hello], str]
+    _device_snapshot: Callable[[str], dict[str, Any] | None]
+    limits_for: Callable[[Identity], Limits]
+    identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
+
+    def _send(self, conn: Connection, msg: Message) -> bool:
+        return conn.send(msg, self.log)
+
+    def _refuse(self, conn: Connection, refusal: tr.Refusal) -> None:
+        conn.error(refusal.code, refusal.text, self.log)
+
+    def _shim_gone(self, conn: Connection, why: str) -> None:
+        """The shim's connection is done: Leave at once (its grant and memory go)."""
+        if conn.kind != "shim" or conn.left or conn.client_id is None:
+            return
+        conn.left = True
+        now = time.monotonic()
+        self._metrics_feed.account(conn, now)
+        if self._shims.get(conn.client_id) is conn:
+            del self._shims[conn.client_id]
+        if self._stopping:
+            return
+        held = None if conn.granted_at is None else now - conn.granted_at
+        self.log.info(
+            "leave client=%s (%s) %s held_ms=%s",
+            conn.client_id,
+            why,
+            _bytes(conn.memory["used"]),
+            _ms(held),
+        )
+        self._handle(ev.Leave(now, conn.client_id))
+
+    def _assign_client_id(self, requested: str, conn: Connection) -> str:
+        existing = self._shims.get(requested)
+        if existing is None:
+            return requested
+        if existing.peer.pid > 0 and existing.peer == conn.peer:
+            self.log.info("client %s reconnected: the old connection leaves", requested)
+            self._shim_gone(existing, "replaced by a reconnection")
+            if existing.writer is not None:
+                existing.writer.close()
+            return requested
+        client_id = tr.free_client_id(requested, conn.peer.pid, self._shims)
+        self.log.info(
+            "client id %s is taken by %s: the new client (pid %d) is %s",
+            requested,
+            existing.name,
+            conn.peer.pid,
+            client_id,
+        )
+        return client_id
+
+    async def _on_hello(self, conn: Connection, msg: Message) -> None:
+        assert self.policy is not None
+        hello = tr.check_hello(msg, conn.peer.pid)
+        if isinstance(hello, tr.Refusal):
+            self._refuse(conn, hello)
+            return
+        ident = await self.identify(conn.peer, msg)
+        if conn.closed or self._stopping:
+            return
+        if isinstance(ident, str):
+            self.log.warning("refused HELLO of %s: %s", conn.name, ident)
+            conn.error(ErrorCode.FORBIDDEN, ident, self.log)
+            conn.closed = True  # the reader loop ends and closes the socket after the ERROR
+            return
+        conn.identity = ident = confined(ident, conn)
+        client_id = self._assign_client_id(hello.requested_id, conn)
+        device = self._device_for_hello(hello)
+        conn.kind, conn.client_id, conn.device = "shim", client_id, device
+        self._shims[client_id] = conn
+        limits = self.limits_for(ident)
+        conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
+        quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
+        if quota != hello.quota:
+            self.log.info(
+                "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
+                client_id,
+                ident.user,
+                format_size(quota),
+                format_size(hello.quota) if hello.quota else "none",
+            )
+        weight = round(limits.effective_weight(hello.weight) * 1000) / 1000.0
+        conn.memory.update(hello.memory)
+        join = hello.join(
+            time.monotonic(), client_id, device, ident.user, conn.peer.uid, weight, quota
+        )
+        self.log.info(
+            "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
+            client_id,
+            device,
+            ident.user,
+            conn.peer.uid,
+            hello.pid,
+            format_size(quota) if quota else "none",
+            weight,
+            hello.label,
+            hello.version,
+        )
+        if hello.resume:
+            self.log.info("resume client=%s %s", client_id, hello.resume)
+        rest: list[ev.Decision] = []
+        resumed = 0
+        for decision in self._decide(join):
+            if isinstance(decision, ev.Grant) and decision.client == client_id:
+                # A resumed grant: the WELCOME says so (resume = 1); no GRANT follows.
+                resumed = 1
+                conn.granted_at = time.monotonic()
+                self.log.info("grant client=%s resumed", client_id)
+            else:
+                rest.append(decision)
+        dev = self._device_snapshot(device)
+        base_ms = int(self.base_quantum * 1000)
+        quantum_ms = int(dev.get("quantum_ms", base_ms)) if dev else 0
+        welcome = {
+            "pool_bytes": int(dev.get("pool_bytes", 0)) if dev else 0,
+            "quota": quota,
+            "quantum_ms": quantum_ms or base_ms,
+            "version": __version__,
+        }
+        if "resume" in hello.resume:
+            welcome["resume"] = resumed
+        self._send(conn, Message(MsgType.WELCOME, welcome))
+        self._execute(rest)
+        self._reschedule()
+
+    def _on_shim_message(self, conn: Connection, client_id: str, msg: Message) -> None:
+        now = time.monotonic()
+        event = tr.shim_event(msg, client_id, now, conn.memory)
+        if isinstance(event, ev.Leave):
+            self.log.debug("goodbye client=%s", client_id)
+            self._shim_gone(conn, "goodbye")
+            return
+        conn.memory.update(tr.memory_after(conn.memory, msg))
+        if isinstance(event, ev.Request):
+            if conn.requested_at is None:
+                conn.requested_at = now
+            self.log.debug("request client=%s %s", client_id, _bytes(event.used))
+        elif isinstance(event, ev.Released):
+            moved, ms = event.bytes_moved, event.micros / 1000.0
+            held = None if conn.granted_at is None else now - conn.granted_at
+            self.log.info(
+                "release client=%s evicted=%d %s ms=%.1f held_ms=%s",
+                client_id,
+                int(event.evicted),
+                _bytes(moved),
+                ms,
+                _ms(held),
+            )
+            if event.evicted:
+                self.log.info(
+                    "evicted client=%s %s ms=%.1f (on release)", client_id, _bytes(moved), ms
+                )
+            self._metrics_feed.account(conn, now)
+            if self.metrics is not None:
+                self.metrics.released(
+                    conn.device or "", conn.revoking, moved if event.evicted else 0
+                )
+            conn.granted_at = conn.accounted_at = conn.revoked_at = None
+            conn.revoking = False
+        elif isinstance(event, ev.Idle):
+            self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
+        elif isinstance(event, ev.Precopied):
+            self.log.info(
+                "precopied client=%s %s ms=%.1f valid=%s",
+                client_id,
+                _bytes(event.bytes_moved),
+                event.micros / 1000.0,
+                _bytes(event.precopied),
+            )
+        elif isinstance(event, (ev.Evicted, ev.Restored)):
+            # The scheduler's log and metrics name the two directions of a move.
+            evict = isinstance(event, ev.Evicted)
+            if not evict:
+                conn.memory["evicted"] = 0
+            done = "evicted" if evict else "restored"
+            ms = event.micros / 1000.0
+            if isinstance(event, ev.Evicted) and not event.ok:
+                self.log.warning(
+                    "eviction failed client=%s: its memory stays counted on the device", client_id
+                )
+            else:
+                self.log.info(
+                    "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
+                )
+            if self.metrics is not None:
+                direction = "evict" if evict else "restore"
+                self.metrics.moved(conn.device or "", direction, event.bytes_moved)
+        self._handle(event)
+
+    def _set_quota(self, conn: Connection, quota: int, now: float) -> None:
+        """Tell the shim and the policy a client's effective quota."""
+        if conn.client_id is None:
+            return
+        conn.quota = quota = cap_quota(quota, conn.ceiling)  # not even an admin lifts it
+        self.log.info(
+            "quota client=%s quota=%s", conn.client_id, format_size(quota) if quota else "none"
+        )
+        self._send(conn, Message(MsgType.SET_QUOTA, {"quota": quota}))
+        self._handle(ev.SetQuota(now, conn.client_id, quota))
+
+    def _execute(self, decisions: list[ev.Decision]) -> None:
+        now = time.monotonic()
+        for decision in decisions:
+            conn = self._shims.get(decision.client)
+            if conn is None or conn.closed:
+                self.log.debug("decision %r for a client that is gone", decision)
+                continue
+            mem = conn.memory
+            if isinstance(decision, ev.Grant):
+                waited = None if conn.requested_at is None else now - conn.requested_at
+                moving = mem["evicted"] if decision.restore else mem["used"]
+                self.log.info(
+                    "grant client=%s restore=%d %s waited_ms=%s",
+                    decision.client,
+                    int(decision.restore),
+                    _bytes(moving),
+                    _ms(waited),
+                )
+                conn.requested_at = None
+                conn.granted_at = conn.accounted_at = now
+                if self.metrics is not None:
+                    self.metrics.granted(conn.device or "", waited)
+            elif isinstance(decision, ev.Revoke):
+                held = None if conn.granted_at is None else now - conn.granted_at
+                self.log.info(
+                    "revoke client=%s evict=%d %s held_ms=%s reason=%r",
+                    decision.client,
+                    int(decision.evict),
+                    _bytes(mem["managed"] if decision.evict else mem["used"]),
+                    _ms(held),
+                    decision.reason,
+                )
+                conn.revoking = True
+                self._watch_revoke(conn, now)
+            elif isinstance(decision, ev.Precopy):
+                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
+            else:
+                self.log.info(
+                    "evict client=%s %s reason=%r",
+                    decision.client,
+                    _bytes(mem["managed"]),
+                    decision.reason,
+                )
+            self._send(conn, tr.decision_message(decision))
+
+    def _watch_revoke(self, conn: Connection, sent: float) -> None:
+        """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a
+        GPU kernel that runs that long keeps the device from everyone who waits."""
+        conn.revoked_at = sent
+        if self.revoke_warning_seconds <= 0:
+            return
+
+        def check() -> None:
+            if conn.closed or conn.left or conn.revoked_at != sent or self._stopping:
+                return
+            self.log.warning(
+                "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
+                "its GPU work still runs while others wait (interrupt or end the kernel)",
+                conn.client_id,
+                conn.peer.pid,
+                time.monotonic() - sent,
+            )
+
+        asyncio.get_running_loop().call_later(self.revoke_warning_seconds, check)

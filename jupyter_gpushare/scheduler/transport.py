@@ -1,0 +1,343 @@
+"""The scheduler's transport: the Unix socket, peer credentials, connections and their limits.
+
+Nothing here decides anything about the GPU: it binds the socket safely (a directory of the right
+owner and mode, a stale socket removed, a live one refused), says who a peer is as the kernel
+reports it (``SO_PEERCRED``), reads frames off a connection and hands each decoded message on,
+and writes frames without letting a peer that does not read grow the scheduler's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol import ErrorCode, FrameDecoder, Message, ProtocolError, encode, error_message
+from .users import Identity
+
+__all__ = [
+    "MAX_WRITE_BUFFER",
+    "Connection",
+    "PeerCred",
+    "SchedulerConfigError",
+    "SchedulerStartError",
+    "SocketFile",
+    "listen",
+    "read_peer_credentials",
+]
+
+#: A peer that leaves this much unread data in its socket is not reading: it is dropped.
+MAX_WRITE_BUFFER = 1 << 20
+#: The longest path a Unix socket address holds (sun_path minus its terminating NUL).
+MAX_SOCKET_PATH = 107
+_PEERCRED = struct.Struct("3i")
+#: The scheduler's logger (a traitlets logger: a Logger or a LoggerAdapter).
+Log = Any
+
+
+class SchedulerStartError(RuntimeError):
+    """The scheduler cannot listen (another one runs, a bad directory, a path too long, ...)."""
+
+
+class SchedulerConfigError(SchedulerStartError):
+    """The configuration cannot work (a socket path or directory, a group): the operator must
+    change it (``gpushare scheduler`` exits with 2, as for an invalid value)."""
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """The peer's identity as the kernel reports it (``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+UNKNOWN_PEER = PeerCred(0, -1, -1)
+
+
+def read_peer_credentials(sock: socket.socket | None) -> PeerCred:
+    """The peer's pid, uid and gid from ``SO_PEERCRED``; unknown (uid -1) when unavailable."""
+    if sock is None:
+        return UNKNOWN_PEER
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return UNKNOWN_PEER
+    return PeerCred(*_PEERCRED.unpack(raw))
+
+
+@dataclass
+class Connection:
+    """One accepted connection: a shim (once its HELLO is accepted) or a control peer."""
+
+    serial: int
+    peer: PeerCred
+    writer: asyncio.StreamWriter | None
+    kind: str = "new"  # "new" | "shim" | "control"
+    #: The id the scheduler knows this shim by (after disambiguation); None before HELLO.
+    client_id: str | None = None
+    device: str | None = None
+    left: bool = False  # a Leave for this client went to the policy already
+    closed: bool = False
+    memory: dict[str, int] = field(
+        default_factory=lambda: {"used": 0, "managed": 0, "pinned": 0, "evicted": 0}
+    )
+    requested_at: float | None = None
+    granted_at: float | None = None
+    identity: Identity | None = None  # shims: from HELLO; control peers: from the last message
+    requested_quota: int = 0  # what the kernel (or a set_quota) asked for; 0 = none
+    requested_weight: float = 1.0
+    quota: int = 0  # the effective quota the client was told
+    quota_by_admin: bool = False  # an admin set it: the users config's ceiling does not apply
+    revoking: bool = False  # a REVOKE is out: its RELEASED answer is a handoff (metrics)
+    accounted_at: float | None = None  # GPU time of the current hold counted up to here
+    revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
+    #: Accepted on a device-plugin allocation's socket (scheduler/allocations.py): its id and
+    #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
+    allocation: str = ""
+    ceiling: int = 0
+
+    @property
+    def name(self) -> str:
+        who = self.client_id or self.kind
+        return f"{who} (conn {self.serial}, pid {self.peer.pid}, uid {self.peer.uid})"
+
+    def send(self, msg: Message, log: Log) -> bool:
+        return self.write_frame(encode(msg), log)
+
+    def write_frame(self, frame: bytes, log: Log) -> bool:
+        """Queue ``frame``; a peer whose unread data passes MAX_WRITE_BUFFER is dropped."""
+        writer = self.writer
+        if writer is None or self.closed or writer.is_closing():
+            return False
+        try:
+            writer.write(frame)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            log.debug("cannot write to %s: %s", self.name, exc)
+            return False
+        transport = writer.transport
+        if transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+            log.warning("%s does not read its socket; dropping it", self.name)
+            transport.abort()
+            return False
+        return True
+
+    def error(
+        self,
+        code: ErrorCode,
+        text: str,
+        log: Log,
+    ) -> None:
+        log.debug("error %s to %s: %s", code.name.lower(), self.name, text)
+        self.send(error_message(code, text), log)
+
+
+async def serve_frames(
+    conn: Connection,
+    reader: asyncio.StreamReader,
+    on_message: Callable[[Connection, Message], Awaitable[None]],
+    log: Log,
+) -> None:
+    """Read frames off ``conn`` and hand each message to ``on_message`` until the peer closes,
+    sends something undecodable (answered with an ERROR), or ``conn`` is closed."""
+    writer = conn.writer
+    assert writer is not None
+    decoder = FrameDecoder()
+    try:
+        while not conn.closed:
+            data = await reader.read(65536)
+            if not data:
+                decoder.eof()
+                break
+            for msg in decoder.feed(data):
+                await on_message(conn, msg)
+                if conn.closed:
+                    break
+            if not conn.closed and not writer.is_closing():
+                await writer.drain()
+    except ProtocolError as exc:
+        log.warning("protocol error from %s: %s; closing it", conn.name, exc.message)
+        conn.send(error_message(exc.code, exc.message), log)
+    except (ConnectionError, OSError) as exc:
+        log.debug("connection %s: %s", conn.name, exc)
+
+
+def group_id(group: str) -> int:
+    """A group name or number as a gid (SchedulerConfigError for an unknown name)."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SchedulerConfigError(f"socket_group {group!r}: no such group") from None
+
+
+@dataclass
+class SocketFile:
+    """Where the socket goes and with which permissions; the blocking steps of binding it.
+
+    Every method blocks (file system calls, a probe connection): run them in an executor.
+    """
+
+    path: str
+    mode: int = 0o666
+    dir_mode: int | None = None
+    group: str = ""
+    #: (st_dev, st_ino) of the socket this scheduler published: it removes only its own.
+    published: tuple[int, int] | None = None
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path) or "."
+
+    @property
+    def resume_marker(self) -> str:
+        """Left by a scheduler that stopped with shims connected: they will come back."""
+        return f"{self.path}.clients"
+
+    def check_length(self) -> None:
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            raise SchedulerConfigError(
+                f"socket path is too long for a Unix socket (max {MAX_SOCKET_PATH} bytes): "
+                f"{self.path}"
+            )
+
+    def prepare_directory(self, log: Log) -> bool:
+        """Create the socket's directory; remove a stale socket; refuse a live or foreign one.
+
+        Returns whether the last scheduler here left clients behind (a stale socket: it crashed;
+        or its resume marker: it stopped with clients connected).
+        """
+        directory = self.directory
+        uid = os.getuid()
+        if not os.path.isdir(directory):
+            mode = self.dir_mode
+            if mode is None:
+                per_user = os.path.basename(directory) == f"gpushare-{uid}" and uid != 0
+                mode = 0o700 if per_user else 0o755
+            os.makedirs(directory, mode=mode, exist_ok=True)
+            os.chmod(directory, mode)  # makedirs' mode is filtered by the umask
+            if self.group:
+                os.chown(directory, -1, group_id(self.group))
+        st = os.stat(directory)
+        if uid != 0 and st.st_uid not in (uid, 0):
+            raise SchedulerConfigError(
+                f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
+                "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
+            )
+        stale = False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.resume_marker)
+            stale = True
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return stale
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SchedulerConfigError(
+                f"{self.path} exists and is not a socket; refusing to replace it"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(2.0)
+        try:
+            probe.connect(self.path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing the stale socket %s", self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            return True
+        except OSError as exc:
+            raise SchedulerStartError(
+                f"cannot check the existing socket {self.path}: {exc}"
+            ) from exc
+        finally:
+            probe.close()
+        raise SchedulerStartError(f"another gpushare scheduler is already listening on {self.path}")
+
+    def bind(self) -> tuple[socket.socket, str]:
+        """Bind and listen under a temporary name in the socket's directory.
+
+        :meth:`publish` renames it into place once the server accepts, so the path appears only
+        when connecting to it works (shims and tests poll for the file).
+        """
+        tmp = os.path.join(self.directory, f".gpushare-{os.getpid()}.sock")
+        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
+            tmp = self.path
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(tmp)
+            os.chmod(tmp, self.mode)
+            if self.group:
+                os.chown(tmp, -1, group_id(self.group))
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return sock, tmp
+
+    def publish(self, tmp: str) -> None:
+        if tmp != self.path:
+            os.rename(tmp, self.path)
+        st = os.stat(self.path)
+        self.published = (st.st_dev, st.st_ino)
+
+    def write_resume_marker(self) -> None:
+        with contextlib.suppress(OSError), open(self.resume_marker, "w") as f:
+            f.write(f"{os.getpid()}\n")
+
+    def remove(self) -> None:
+        """Remove the socket file if it is still the one this scheduler published."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        if self.published == (st.st_dev, st.st_ino):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+async def listen(
+    sock_file: SocketFile,
+    on_connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    log: Log,
+) -> tuple[asyncio.AbstractServer, bool]:
+    """Serve ``on_connection`` on the socket; the server and whether the last scheduler there
+    left clients behind (see :meth:`SocketFile.prepare_directory`)."""
+    loop = asyncio.get_running_loop()
+    sock_file.check_length()
+    path = sock_file.path
+    try:
+        left_clients = await loop.run_in_executor(None, sock_file.prepare_directory, log)
+        sock, tmp = await loop.run_in_executor(None, sock_file.bind)
+    except SchedulerStartError:
+        raise
+    except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
+        # A directory that cannot be made or written (or a file in its way): one clear line.
+        raise SchedulerConfigError(
+            f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
+            "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
+        ) from None
+    server: asyncio.AbstractServer | None = None
+    try:
+        server = await asyncio.start_unix_server(on_connection, sock=sock)
+        await loop.run_in_executor(None, sock_file.publish, tmp)
+    except BaseException:
+        if server is not None:
+            server.close()
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return server, left_clients

@@ -1,0 +1,58 @@
+/*
+ * Draining the application's work safely: the steps that synchronise (a release, an eviction, a
+ * restore, the GOODBYE) first wait, bounded, until no stream captures, and hold new captures off
+ * while they run, because a synchronisation during a capture fails the user's capture
+ * (docs/reliability.md).
+ */
+#include "session.h"
+
+int gs_drain_quiesce(const char *what, double seconds)
+{
+    if (gs_capture_hold_off(0))
+        return 1;
+    GS_INFO("%s waits for a stream capture to end", what);
+    double t0 = gs_now();
+    if (gs_capture_hold_off(seconds)) {
+        GS_INFO("%s went on after the capture ended (%.1f ms)", what, gs_ms(gs_now() - t0));
+        return 1;
+    }
+    GS_WARN("%s: a stream still captures after %.1f s; not synchronising (that would fail the "
+            "capture)",
+            what, seconds);
+    return 0;
+}
+
+/* Synchronise every context and, if asked, move managed memory to the host. Returns whether the
+ * work drained; *evicted says whether the eviction succeeded. */
+int gs_drain_work(struct gs_session *s, const char *what, int evict, int *evicted,
+                           uint64_t *moved, uint64_t *us)
+{
+    *evicted = 0;
+    if (!gs_drain_quiesce(what, gs_config()->capture_wait))
+        return 0;
+    int failed = gs_device_sync_all(s);
+    CUdevice dev;
+    if (evict && !failed && gs_device_push(s, &dev) == 0) {
+        *evicted = gs_mem_evict(dev, moved, us) == 0;
+        gs_device_pop();
+    }
+    gs_capture_unlock();
+    return !failed;
+}
+
+/* Bring evicted memory back to the device (the app's work is not running: no capture waits). */
+void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, uint64_t *us)
+{
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    CUdevice dev;
+    *moved = *us = 0;
+    if (!t.evicted || !gs_drain_quiesce(what, gs_config()->capture_wait))
+        return;
+    if (gs_device_push(s, &dev) == 0) {
+        gs_mem_restore(dev, moved, us);
+        gs_device_pop();
+    }
+    gs_capture_unlock();
+}
+

@@ -1,0 +1,63 @@
+"""A short cell overtakes a long one through the real scheduler and shims (stand-in driver).
+
+Two replay users (bench/replay.py's workers on the stand-in driver, under the real shim, with a
+real scheduler subprocess): a long cell starts, and a short cell arrives once the long one has
+had more GPU time than the first level. Under the interactive ordering the short cell goes
+through at once and the long one waits at its launch gate until the short one ends, with its
+memory left in place; under "fair" both run (the stand-in's kernels do not slow each other).
+"""
+
+from __future__ import annotations
+
+import re
+
+from bench import replay
+from bench.common import GiB
+from bench.trace import TraceConfig, User
+from bench.worker import StandinWorker
+
+LONG, SHORT = 4.0, 0.6  # solo seconds of the two cells
+SHORT_ARRIVES = 2.0  # by then the long cell has had ~1.5 s of GPU time: above level 0 (1 s)
+
+
+def play(native_build, tmp_path, monkeypatch, ordering: str) -> tuple[dict, dict, str]:
+    monkeypatch.setenv("GPUSHARE_LIBRARY", str(native_build.require_shim()))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(native_build.fake_dir))
+    monkeypatch.setenv("GPUSHARE_BENCH_BACKEND", "standin")
+    monkeypatch.setenv("GPUSHARE_FAKE_DEVICE_TOTAL", "80GiB")
+    users = [
+        User("ulong", GiB, cells=[{"think": 0.5, "gpu": LONG}]),
+        User("ushort", GiB, cells=[{"think": SHORT_ARRIVES, "gpu": SHORT}]),
+    ]
+    cal = {"t_iter": StandinWorker.T_ITER, "touch_s_per_gib": 0.0}
+    mode = "gpushare" if ordering == "interactive" else "gpushare-fair"
+    rec = replay._play(
+        mode, users, TraceConfig(users=2, horizon=3.0), cal, 12 * GiB, 10.0, tmp_path, print
+    )
+    cells = {c["user"]: c for c in rec["cells"]}
+    assert all(c["ok"] for c in cells.values()), cells
+    logs = "".join(p.read_text() for p in tmp_path.glob("scheduler-*.log"))
+    return cells["ulong"], cells["ushort"], logs
+
+
+def latency(c: dict) -> float:
+    return c["end"] - c["arrival"]
+
+
+def test_interactive_the_short_cell_overtakes_and_the_long_one_pauses(
+    native_build, tmp_path, monkeypatch
+):
+    long_, short, logs = play(native_build, tmp_path, monkeypatch, "interactive")
+    assert short["arrival"] > long_["arrival"] and short["end"] < long_["end"]
+    assert latency(short) < SHORT + 0.4  # through the gate at once: a pause, not a wait
+    assert latency(long_) > LONG + 0.8 * SHORT  # it waited at its gate while the short one ran
+    paused = re.findall(r"revoke client=ulong evict=(\d).*reason='paused: shorter cells", logs)
+    assert paused and set(paused) == {"0"}, logs[-3000:]  # paused, never evicted
+    assert not re.search(r"evicted client=ulong", logs)
+
+
+def test_fair_both_run_and_nobody_pauses(native_build, tmp_path, monkeypatch):
+    long_, _, logs = play(native_build, tmp_path, monkeypatch, "fair")
+    assert "not recognized" not in logs
+    assert latency(long_) < LONG + 0.5 * SHORT
+    assert "paused: shorter cells first" not in logs

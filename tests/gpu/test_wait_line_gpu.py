@@ -1,0 +1,96 @@
+"""The wait, in the cell, on a real GPU with PyTorch: two notebooks on the shipped "Python 3 (GPU
+shared)" kernel (the server of test_jupyter_gpu.py: embedded scheduler, 24 GiB pool, 60 s
+quantum). A's cell holds 14 GiB for 8 s; B's cell allocates 14 GiB and waits. B's cell must show
+one live line naming a.ipynb, updated in place, that ends as "Got the GPU after N s"; A's cell,
+which never waits, shows no such line. This is also the check that PyTorch releases the GIL while
+its allocation blocks in the shim (the wait line's thread needs it to run).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from test_jupyter_gpu import CELL_A, CELL_B, GIB, Server
+
+
+def run_cell_with_displays(kc: Any, code: str, out: dict[str, Any]) -> None:
+    displays: list[tuple[float, str, str, str]] = []
+    chunks: list[str] = []
+
+    def hook(msg: dict) -> None:
+        kind = msg["msg_type"]
+        if kind in ("display_data", "update_display_data"):
+            content = msg["content"]
+            display_id = content.get("transient", {}).get("display_id", "")
+            displays.append((time.time(), kind, display_id, content["data"]["text/plain"]))
+        elif kind == "stream":
+            chunks.append(msg["content"]["text"])
+        elif kind == "error":
+            chunks.append("\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=300, output_hook=hook)
+    out["status"] = reply["content"]["status"]
+    out["text"] = "".join(chunks)
+    out["displays"] = displays
+    lines = [ln for ln in out["text"].splitlines() if ln.startswith("{")]
+    out["record"] = json.loads(lines[-1]) if lines else None
+
+
+def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    try:
+        _sa, ka = server.session("a.ipynb")
+        _sb, kb = server.session("b.ipynb")
+        kca, kcb = server.client(ka), server.client(kb)
+        for kc in (kca, kcb):
+            warm: dict[str, Any] = {}
+            run_cell_with_displays(
+                kc, "import torch; torch.ones(1, device='cuda').sum().item()", warm
+            )
+            assert warm["status"] == "ok", warm["text"]
+
+        a: dict[str, Any] = {}
+        ta = threading.Thread(target=run_cell_with_displays, args=(kca, CELL_A, a))
+        ta.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            c = server.clients().get(ka)
+            if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"A never held its 14 GiB: {server.status()}")
+        b: dict[str, Any] = {}
+        tb = threading.Thread(target=run_cell_with_displays, args=(kcb, CELL_B, b))
+        tb.start()
+        ta.join(timeout=300)
+        tb.join(timeout=300)
+        assert a["status"] == "ok" and b["status"] == "ok", (a["text"], b["text"])
+        assert a["record"]["correct"] and b["record"]["correct"], (a, b)
+
+        assert a["displays"] == [], a["displays"]  # A never waited: nothing in its cell
+        shown = b["displays"]
+        for stamp, kind, display_id, text in shown:
+            print(f"{stamp:.3f} {kind} {display_id} {text}")
+        assert shown, "B's cell showed no wait line"
+        assert shown[0][1] == "display_data" and {s[1] for s in shown[1:]} <= {
+            "update_display_data"
+        }
+        assert len({s[2] for s in shown}) == 1, "more than one line"
+        first, last = shown[0][3], shown[-1][3]
+        assert first.startswith("Waiting for the GPU: ") and "a.ipynb" in first, first
+        assert last.startswith("Got the GPU after "), last
+        waited = float(last.split("after ")[1].split(" s")[0])
+        actual = b["record"]["first"] - b["record"]["t0"]
+        # The line's figure is the shim's own wait; B's cell measured a bit more around it.
+        assert 1.0 <= waited <= actual + 0.5, (waited, actual)
+        # The line appeared about a second into the wait, not at its end.
+        appeared = shown[0][0] - b["record"]["t0"]
+        assert appeared < waited - 1.0, (appeared, waited)
+        print(f"B waited {waited:.1f} s; its line appeared {appeared:.1f} s into the wait")
+    finally:
+        server.stop()

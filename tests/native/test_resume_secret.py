@@ -1,0 +1,121 @@
+"""The resume proof (issue 15): the shim keeps the secret of the latest GRANT (tag 42) and sends
+it back in its HELLO when it claims its grant back (resume = 1) from a restarted scheduler.
+
+The scheduler here is a stand-in on a socket that speaks the wire format directly, so the test
+sees the bytes the shim sends whatever the Python side's field table holds."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from pathlib import Path
+
+from jupyter_gpushare.protocol import FIELD_HEADER, HEADER, MAGIC, U64, VERSION, MsgType
+from tests.native.probe import spawn_probe
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG_FLAG, TAG_RESUME, TAG_SECRET = 14, 39, 42
+
+
+def c_tags() -> dict[str, int]:
+    text = (ROOT / "native" / "src" / "protocol.h").read_text()
+    return {m[0]: int(m[1]) for m in re.findall(r"GS_TAG_(\w+) = (\d+)", text) if m[0] != "MAX"}
+
+
+def frame(mtype: int, fields: list[tuple[int, bytes]]) -> bytes:
+    payload = b"".join(FIELD_HEADER.pack(tag, len(raw)) + raw for tag, raw in fields)
+    return HEADER.pack(MAGIC, VERSION, mtype, 0, len(payload)) + payload
+
+
+def read_frame(conn: socket.socket) -> tuple[int, dict[int, bytes]]:
+    def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return buf
+
+    _magic, _version, mtype, _reserved, length = HEADER.unpack(exactly(HEADER.size))
+    payload = exactly(length)
+    fields: dict[int, bytes] = {}
+    pos = 0
+    while pos < len(payload):
+        tag, flen = FIELD_HEADER.unpack_from(payload, pos)
+        pos += FIELD_HEADER.size
+        fields[tag] = payload[pos : pos + flen]
+        pos += flen
+    return mtype, fields
+
+
+def expect(conn: socket.socket, mtype: int) -> dict[int, bytes]:
+    while True:
+        got, fields = read_frame(conn)
+        if got == mtype:
+            return fields
+
+
+def u64(v: int) -> bytes:
+    return U64.pack(v)
+
+
+def test_the_latest_grant_secret_goes_back_in_a_resuming_hello(harness, shim_probe):
+    assert c_tags()["RESUME_SECRET"] == TAG_SECRET
+    secrets = ["0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"]
+    hellos: list[dict[int, bytes]] = []
+    errors: list[BaseException] = []
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(harness.socket_path))
+    server.listen(4)
+    server.settimeout(30)
+
+    def scheduler() -> None:
+        try:
+            conn, _ = server.accept()
+            hellos.append(expect(conn, MsgType.HELLO))
+            conn.sendall(frame(MsgType.WELCOME, []))
+            for i, secret in enumerate(secrets):
+                expect(conn, MsgType.REQUEST)
+                conn.sendall(
+                    frame(MsgType.GRANT, [(TAG_FLAG, u64(0)), (TAG_SECRET, secret.encode())])
+                )
+                if i == 0:
+                    conn.sendall(frame(MsgType.REVOKE, [(TAG_FLAG, u64(0))]))
+                    expect(conn, MsgType.RELEASED)
+            conn.close()  # the scheduler "restarts" while the shim holds the device
+            conn, _ = server.accept()
+            hellos.append(expect(conn, MsgType.HELLO))
+            conn.sendall(frame(MsgType.WELCOME, [(TAG_RESUME, u64(1))]))
+            conn.settimeout(10)
+            try:
+                while True:
+                    read_frame(conn)
+            except (EOFError, OSError):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=scheduler, daemon=True)
+    thread.start()
+    proc = spawn_probe(harness, shim_probe, "launches", 2, 20000, idle_seconds=0)
+    run = proc.finish(60).ok()
+    thread.join(15)
+    server.close()
+    assert not errors, errors
+    assert len(hellos) == 2, run.describe()
+    first, resumed = hellos
+    assert TAG_SECRET not in first  # nothing to prove on a first HELLO
+    assert U64.unpack(resumed[TAG_RESUME])[0] == 1, run.describe()
+    assert resumed[TAG_SECRET].decode() == secrets[-1]
+
+
+def test_the_c_and_python_tags_agree() -> None:
+    """Every field the Python side knows has the same number in protocol.h (resume_secret is
+    added on the Python side by the scheduler's change; from then on it is checked too)."""
+    from jupyter_gpushare.protocol import FIELD_TAGS
+
+    tags = c_tags()
+    for name, number in FIELD_TAGS.items():
+        assert tags.get(name.upper()) == number, (name, number, tags.get(name.upper()))
