@@ -7,6 +7,8 @@ JSON record: ok, the sums, or the error the parent got.
 
 from __future__ import annotations
 
+from multiprocessing.reduction import ForkingPickler
+
 import torch
 import torch.multiprocessing as mp
 from _common import emit
@@ -28,8 +30,11 @@ def main() -> None:
     p = ctx.Process(target=child, args=(q, done))
     p.start()
     try:
+        # Pickle here first: a Queue pickles in its feeder thread, where torch's error (from
+        # cuIpcGetMemHandle) would be printed and the child would wait for ever.
+        ForkingPickler.dumps(x)
         q.put(x)
-        seen = done.get(timeout=120)
+        seen = done.get(timeout=90)
     except Exception as exc:  # the error torch raised in the parent (or the child never answered)
         p.kill()
         emit(ok=False, error=f"{type(exc).__name__}: {exc}")
