@@ -70,6 +70,7 @@ class MsgType(enum.IntEnum):
     EVICTED = 0x06
     RESTORED = 0x07
     GOODBYE = 0x08
+    PRECOPIED = 0x09
     # control peers -> scheduler
     STATUS_REQUEST = 0x20
     CONTROL = 0x21
@@ -80,6 +81,7 @@ class MsgType(enum.IntEnum):
     EVICT = 0x84
     SET_QUOTA = 0x85
     ERROR = 0x86
+    PRECOPY = 0x87
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1
@@ -95,6 +97,7 @@ SHIM_MESSAGES = frozenset(
         MsgType.EVICTED,
         MsgType.RESTORED,
         MsgType.GOODBYE,
+        MsgType.PRECOPIED,
     }
 )
 CONTROL_MESSAGES = frozenset({MsgType.STATUS_REQUEST, MsgType.CONTROL})
@@ -149,6 +152,8 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     41: ("gpu_ms", FieldType.U64),
     # GRANT -> HELLO with resume = 1: proof that the shim is the process that was granted.
     42: ("resume_secret", FieldType.STR),
+    # The memory engine (docs/protocol.md, "Pre-copy").
+    43: ("precopied_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

@@ -101,6 +101,13 @@ class SchedulerConfig(LoggingConfigurable):
     idle_check_interval = Float(
         5.0, help="Seconds between the fixed-quantum policy's checks for an idle holder."
     ).tag(config=True)
+    precopy_idle = Bool(
+        True,
+        help="""Ask an idle kernel whose memory is on the GPU to copy it to host memory in the
+        background (PRECOPY) while it stays there, so that evicting it for the next arrival is
+        an unmap of milliseconds instead of a copy of seconds. Costs host memory (the shim's
+        GPUSHARE_HOST_BUDGET bounds the fast part) and PCIe bandwidth while nobody waits.""",
+    ).tag(config=True)
 
     # The interactive-first ordering (docs/architecture.md, "The ordering: shorter cells first").
     ordering = Enum(
@@ -398,6 +405,7 @@ class SchedulerConfig(LoggingConfigurable):
             policy=self.scheduling_policy,
             fixed_quantum=self.fixed_quantum,
             idle_check_interval=self.idle_check_interval,
+            precopy_idle=self.precopy_idle,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

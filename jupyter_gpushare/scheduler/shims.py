@@ -291,6 +291,14 @@ class ShimSessions:
             conn.revoking = conn.overdue = False
         elif isinstance(event, ev.Idle):
             self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
+        elif isinstance(event, ev.Precopied):
+            self.log.info(
+                "precopied client=%s %s ms=%.1f valid=%s",
+                client_id,
+                _bytes(event.bytes_moved),
+                event.micros / 1000.0,
+                _bytes(event.precopied),
+            )
         elif isinstance(event, (ev.Evicted, ev.Restored)):
             # The scheduler's log and metrics name the two directions of a move.
             evict = isinstance(event, ev.Evicted)
@@ -356,6 +364,8 @@ class ShimSessions:
                 )
                 conn.revoking, conn.overdue = True, False
                 self._watch_revoke(conn, now)
+            elif isinstance(decision, ev.Precopy):
+                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
             else:
                 self.log.info(
                     "evict client=%s %s reason=%r",

@@ -214,6 +214,11 @@ def bounded_memory(mem: Mapping[str, int], cap: int) -> dict[str, int]:
     }
 
 
+def precopied(msg: Message, memory: Mapping[str, int]) -> int:
+    """A client's pre-copied bytes: a claim, bounded by what it says it could evict."""
+    return max(0, min(int(msg.get("precopied_bytes") or 0), int(memory.get("managed", 0))))
+
+
 def shim_event(
     msg: Message, client_id: str, now: float, memory: Mapping[str, int], cap: int = 0
 ) -> ev.Event:
@@ -222,14 +227,31 @@ def shim_event(
     mtype = msg.type
     moved = int(msg.get("bytes_moved") or 0)
     micros = int(msg.get("micros") or 0)
-    if mtype in (MsgType.REQUEST, MsgType.MEMORY):
+    if mtype == MsgType.REQUEST:
         mem = memory_after(memory, msg, cap)
-        kind = ev.Request if mtype == MsgType.REQUEST else ev.Memory
-        return kind(now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"])
+        return ev.Request(
+            now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"]
+        )
+    if mtype == MsgType.MEMORY:
+        mem = memory_after(memory, msg, cap)
+        return ev.Memory(
+            now,
+            client_id,
+            mem["used"],
+            mem["managed"],
+            mem["pinned"],
+            mem["evicted"],
+            precopied(msg, mem),
+        )
     if mtype == MsgType.RELEASED:
         return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros)
     if mtype == MsgType.IDLE:
-        return ev.Idle(now, client_id)
+        said = "precopied_bytes" in msg
+        return ev.Idle(now, client_id, precopied(msg, memory_after(memory, msg)) if said else -1)
+    if mtype == MsgType.PRECOPIED:
+        return ev.Precopied(
+            now, client_id, moved, micros, precopied(msg, memory_after(memory, msg))
+        )
     if mtype == MsgType.EVICTED:
         # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
         # never reported a failure.
@@ -247,6 +269,8 @@ def decision_message(decision: ev.Decision) -> Message:
         return Message(MsgType.GRANT, {"flag": int(decision.restore)})
     if isinstance(decision, ev.Revoke):
         return Message(MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason})
+    if isinstance(decision, ev.Precopy):
+        return Message(MsgType.PRECOPY, {})
     return Message(MsgType.EVICT, {"reason": decision.reason})
 
 

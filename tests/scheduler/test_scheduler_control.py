@@ -22,8 +22,8 @@ DEVICE_KEYS = {
 }  # fmt: skip
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
-    "evicted_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds", "waiting_since",
-    "queue_position", "last_restore",
+    "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds",
+    "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
 
 

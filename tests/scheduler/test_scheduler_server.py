@@ -520,3 +520,28 @@ def test_discover_devices_without_a_gpu_does_not_raise() -> None:
     result = discover_devices()
     assert isinstance(result.devices, list)
     assert result.error is None or isinstance(result.error, str)
+
+
+async def test_an_idle_resident_client_is_asked_to_precopy(
+    make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c.GPUShareScheduler.precopy_idle: PRECOPY to an idle holder, PRECOPIED logged and kept as
+    a claim bounded by the client's own evictable bytes."""
+    caplog.set_level(logging.INFO)
+    server = await make_scheduler(precopy_idle=True)
+    a = await connect()
+    await a.hello("a")
+    await a.request(BIG)
+    await a.expect(MsgType.GRANT)
+    await a.send(MsgType.IDLE, idle_ms=500)
+    await a.expect(MsgType.PRECOPY)
+    # Claims more than it could evict: bounded.
+    await a.send(MsgType.PRECOPIED, bytes_moved=BIG, micros=20_000, precopied_bytes=100 * BIG)
+    await a.expect_nothing(0.2)
+    assert f"precopied client=a bytes={BIG}" in caplog.text
+    (dev,) = server.status_document()["devices"]
+    (client,) = dev["clients"]
+    assert 0 < client["precopied_bytes"] <= client["managed_bytes"]
+    # Idle again with the copy still valid: no second request.
+    await a.send(MsgType.IDLE, idle_ms=900, precopied_bytes=client["precopied_bytes"])
+    await a.expect_nothing(0.2)
