@@ -347,6 +347,9 @@ void gs_mem_totals(struct gs_mem_totals *out)
     gs_vmm_totals(&v);
     gs_staging_totals(&st);
     out->precopied = v.precopied_valid;
+    /* Memory shared through CUDA IPC stays on the device while imported: pinned, not evictable. */
+    out->managed -= v.ipc_pinned;
+    out->pinned += v.ipc_pinned;
     out->staging_pinned = st.pinned_bytes;
     out->staging_pageable = st.pageable_bytes;
     out->staging_fallbacks = st.fallbacks;

@@ -30,8 +30,8 @@ static size_t queue_copies_out(CUstream s, struct block **out, CUevent *events, 
     size_t k = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
-        if (!b->resident)
-            continue;
+        if (!b->resident || b->ipc_pinned)
+            continue; /* a pinned block is mapped by a peer process: never pulled from under it */
         if (skip_clean && precopy_valid(b, calls)) {
             events[k] = NULL;
             out[k++] = b;
@@ -229,6 +229,8 @@ void gs_vmm_totals(struct gs_vmm_totals *out)
         out->blocks++;
         if (!b->resident)
             out->evicted += b->size;
+        else if (b->ipc_pinned)
+            out->ipc_pinned += b->size;
         else if (precopy_valid(b, calls))
             out->precopied_valid += b->size;
     }

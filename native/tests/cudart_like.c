@@ -30,6 +30,14 @@
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
  *   ipc PATH                    allocate 1 MiB through PATH, ask cuIpcGetMemHandle for it
+ *   ipc_export BYTES SECONDS [EXTRA]
+ *                               allocate BYTES filled with 0x11 (and EXTRA bytes not shared), print
+ *                               the IPC handle, then for up to SECONDS watch for an importer's 0x22
+ *                               in the last byte and for the importer's close (status: pinned
+ *                               bytes back to evictable), with no GPU call meanwhile
+ *   ipc_import HANDLE BYTES SECONDS
+ *                               open the hex HANDLE, check its first byte is 0x11, write 0x22 in
+ *                               byte BYTES-1, hold the import SECONDS, close it
  *   ctx_teardown BYTES          allocate BYTES through alloc, managed and create in a context of
  *                               its own, destroy it, then allocate again in the primary one
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
@@ -114,6 +122,9 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
     X(cuMemFree, cuMemFree_v2, cuMemFree_v2, (CUdeviceptr))                                      \
     X(cuMemFreeAsync, cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr, CUstream))              \
     X(cuIpcGetMemHandle, cuIpcGetMemHandle, cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))  \
+    X(cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2, cuIpcOpenMemHandle_v2,                          \
+      (CUdeviceptr *, CUipcMemHandle, unsigned int))                                             \
+    X(cuIpcCloseMemHandle, cuIpcCloseMemHandle, cuIpcCloseMemHandle, (CUdeviceptr))               \
     X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, cuMemRetainAllocationHandle,     \
       (CUmemGenericAllocationHandle *, void *))                                                  \
     X(cuArrayCreate, cuArrayCreate_v2, cuArrayCreate_v2, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
@@ -1132,6 +1143,71 @@ static int scenario_ipc(int path) {
     return 0;
 }
 
+static int usage(void);
+
+static unsigned long long status_pinned(void) {
+    char st[2048];
+    status_fields(st, sizeof(st));
+    const char *p = strstr(st, "\"pinned_bytes\":");
+    return p ? strtoull(p + 15, NULL, 10) : 0;
+}
+
+static int scenario_ipc_export(size_t bytes, double seconds, size_t extra) {
+    CUdeviceptr d, e = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    if (extra) CHECK(p_cuMemAlloc(&e, extra));
+    CHECK(p_cuMemsetD8(d, 0x11, bytes));
+    CUipcMemHandle h;
+    CUresult rc = p_cuIpcGetMemHandle(&h, d);
+    char hex[2 * sizeof h + 1];
+    for (size_t i = 0; i < sizeof h; i++)
+        snprintf(hex + 2 * i, 3, "%02x", (unsigned char)h.reserved[i]);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("ipc_handle", ",\"rc\":%d,\"handle\":\"%s\"%s", rc, hex, st);
+    if (rc != CUDA_SUCCESS) return 1;
+    unsigned char last = 0;
+    double t0 = clock_s(CLOCK_MONOTONIC);
+    while (last != 0x22 && clock_s(CLOCK_MONOTONIC) - t0 < seconds) {
+        CHECK(p_cuMemcpyDtoH(&last, d + bytes - 1, 1));
+        if (last != 0x22) sleep_s(0.05);
+    }
+    unsigned long long pinned = status_pinned();
+    status_fields(st, sizeof(st));
+    emit("ipc_seen", ",\"last\":%u%s", last, st);
+    while (status_pinned() >= pinned && clock_s(CLOCK_MONOTONIC) - t0 < seconds) sleep_s(0.05);
+    emit_status("ipc_released");
+    unsigned char first = 0;
+    CHECK(p_cuMemcpyDtoH(&first, d, 1));
+    CHECK(p_cuMemFree(d));
+    if (extra) CHECK(p_cuMemFree(e));
+    if (first != 0x11) return 1;
+    emit_status("ipc_freed");
+    return last == 0x22 ? 0 : 1;
+}
+
+static int scenario_ipc_import(const char *hex, size_t size, double seconds) {
+    CUipcMemHandle h;
+    if (strlen(hex) != 2 * sizeof h) return usage();
+    for (size_t i = 0; i < sizeof h; i++) {
+        unsigned v = 0;
+        sscanf(hex + 2 * i, "%2x", &v);
+        h.reserved[i] = (char)v;
+    }
+    CUdeviceptr d = 0;
+    CUresult rc = p_cuIpcOpenMemHandle(&d, h, 1);
+    emit("ipc_open", ",\"rc\":%d", rc);
+    if (rc != CUDA_SUCCESS) return 1;
+    unsigned char first = 0;
+    CHECK(p_cuMemcpyDtoH(&first, d, 1));
+    CHECK(p_cuMemsetD8(d + size - 1, 0x22, 1));
+    emit("ipc_opened", ",\"first\":%u,\"size\":%zu", first, size);
+    sleep_s(seconds);
+    rc = p_cuIpcCloseMemHandle(d);
+    emit("ipc_closed", ",\"rc\":%d", rc);
+    return first == 0x11 && rc == CUDA_SUCCESS ? 0 : 1;
+}
+
 static int scenario_ctx_teardown(size_t bytes) {
     CUcontext own = NULL;
     char st[2048];
@@ -1333,6 +1409,11 @@ int main(int argc, char **argv) {
                            arg_bytes(argc, argv, i + 2, 0));
     } else if (strcmp(scenario, "ipc") == 0 && i < argc && path_of(argv[i]) >= 0) {
         rc = scenario_ipc(path_of(argv[i]));
+    } else if (strcmp(scenario, "ipc_export") == 0 && i + 1 < argc) {
+        rc = scenario_ipc_export(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
+                                 arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "ipc_import") == 0 && i + 2 < argc) {
+        rc = scenario_ipc_import(argv[i], arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "ctx_teardown") == 0) {
         rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
