@@ -223,9 +223,15 @@ CUresult gs_mem_ipc_get_handle(gs_fn_cuIpcGetMemHandle real, CUipcMemHandle *pHa
 {
     if (gs_config()->disabled || !pHandle || !gs_vmm_driver_ready())
         return real(pHandle, dptr);
+    /* The handle names the allocation containing dptr, as the driver's does: an importer gets
+     * the allocation's base, not dptr. */
+    CUdeviceptr base;
+    size_t bytes;
+    if (!gs_vmm_range(dptr, &base, &bytes))
+        return real(pHandle, dptr);
     struct ipc_handle h = {.magic = MAGIC, .pid = (uint32_t)getpid(), .uid = (uint32_t)geteuid()};
     pthread_mutex_lock(&gs_vmm_mu);
-    struct block *b = gs_vmm_find(dptr);
+    struct block *b = gs_vmm_find(base);
     int exportable = b && gs_vmm_exportable;
     if (exportable) {
         static const uint8_t none[16];
@@ -234,7 +240,7 @@ CUresult gs_mem_ipc_get_handle(gs_fn_cuIpcGetMemHandle real, CUipcMemHandle *pHa
             exportable = 0;
         b->ipc_pinned = exportable; /* from now until its last importer is gone */
         h.id = b->id;
-        h.offset = dptr - b->va;
+        h.offset = base - b->va;
         h.size = b->size;
         memcpy(h.key, b->ipc_key, sizeof h.key);
     }
