@@ -357,6 +357,14 @@ void gs_mem_totals(struct gs_mem_totals *out)
 
 void gs_mem_precopy_async(void) { gs_vmm_precopy_async(); }
 
+void gs_mem_defer_backing(void)
+{
+    if (gs_config()->memory_mode == GS_MEMORY_VMM)
+        gs_vmm_defer_backing();
+}
+
+void gs_mem_back_deferred(void) { gs_vmm_back_deferred(); }
+
 void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
 
 /* A context was destroyed or reset (ctx NULL: a primary context, by its device). What was

@@ -132,6 +132,10 @@ struct gs_vmm_totals {
     uint64_t ipc_pinned; /* resident blocks pinned for CUDA IPC: not evictable */
 };
 void gs_vmm_totals(struct gs_vmm_totals *out);
+/* From now on, new blocks get no physical memory until gs_vmm_back_deferred, which backs them
+ * (and stops deferring) before the gate opens. */
+void gs_vmm_defer_backing(void);
+void gs_vmm_back_deferred(void);
 /* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
 void gs_vmm_forget_context(CUcontext ctx);
 void gs_vmm_after_fork_child(void);

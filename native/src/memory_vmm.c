@@ -60,6 +60,7 @@ static void load_driver(void)
  * twice the memory. Where the driver refuses the handle type, blocks are made without it and
  * IPC says it cannot work. */
 int gs_vmm_exportable = 1;
+atomic_int gs_vmm_defer;
 
 static CUmemAllocationProp prop_for(CUdevice dev)
 {
@@ -221,8 +222,9 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         gs_vmm_drv.ctx_dev(&b->dev);
         gs_vmm_drv.ctx_cur(&b->ctx);
         r = gs_vmm_drv.reserve(&b->va, size, granularity, 0, 0);
+        b->unbacked = r == CUDA_SUCCESS && atomic_load(&gs_vmm_defer);
         if (r == CUDA_SUCCESS) {
-            r = gs_vmm_back(b);
+            r = b->unbacked ? CUDA_SUCCESS : gs_vmm_back(b);
             if (r == CUDA_SUCCESS && index_add(b) != 0) {
                 gs_vmm_unback(b);
                 r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -239,7 +241,8 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     }
     static uint64_t next_id;
     b->id = ++next_id;
-    gs_mem_engine_account(size, (int64_t)size, 0);
+    /* An unbacked block counts as on the host: the scheduler never sees it resident. */
+    gs_mem_engine_account(size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
     gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
     *out = b;
     return CUDA_SUCCESS;
@@ -418,6 +421,7 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_blocks = NULL;
     gs_vmm_nblocks = capblocks = 0;
     granularity = 0;
+    atomic_store(&gs_vmm_defer, 0);
     gs_vmm_forget_streams();
     pthread_cond_init(&gs_vmm_prepare_cv, NULL);
     gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;

@@ -32,6 +32,8 @@ struct block {
     struct chunk *chunk; /* NULL: one allocation owns the block */
     /* CUDA IPC (memory_ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
      * eviction and pre-copy skip a pinned block. */
+    int unbacked; /* made while the process waited for the device: no physical memory yet, and
+                   * nothing to copy back; the grant backs it (gs_vmm_back_deferred) */
     int ipc_pinned;
     unsigned ipc_importers;
     uint8_t ipc_key[16];
@@ -92,6 +94,9 @@ struct block *gs_vmm_find(CUdeviceptr p);
 int gs_vmm_driver_ready(void);
 /* 1 while cuMemCreate accepts POSIX file descriptor handles (blocks can be exported). */
 extern int gs_vmm_exportable;
+/* 1 while the process waits for the device: new blocks get their address range but no physical
+ * memory until the grant (so a waiter's memory never needs evicting). Read under gs_vmm_mu. */
+extern atomic_int gs_vmm_defer;
 void gs_vmm_unback(struct block *b);
 /* Streams for moves, in the current context (recreated when the context changes). NULL when the
  * driver refuses. */

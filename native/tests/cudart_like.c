@@ -1031,6 +1031,15 @@ static int hold(double seconds, unsigned long long us, long *launches_out, int r
     return 0;
 }
 
+/* The stand-in's physical device memory in use (its stats' live_device_bytes), or -1. */
+static long long fake_device_bytes(void) {
+    int (*f)(char *, size_t) = (int (*)(char *, size_t))fake_sym("fakecuda_stats_json");
+    char buf[16384];
+    if (!f || f(buf, sizeof(buf)) < 0) return -1;
+    const char *p = strstr(buf, "\"live_device_bytes\":");
+    return p ? atoll(p + strlen("\"live_device_bytes\":")) : -1;
+}
+
 static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
     CUdeviceptr d = 0;
     unsigned char *h = NULL, *g = NULL;
@@ -1041,7 +1050,10 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
         g = malloc(n);
         if (!h || !g) return 1;
         for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + 1);
-        emit("allocated", ",\"bytes\":%zu", bytes);
+        char st[2048];
+        status_fields(st, sizeof(st));
+        emit("allocated", ",\"bytes\":%zu,\"device_bytes\":%lld%s", bytes, fake_device_bytes(),
+             st);
     }
     emit("hold_start", ",\"seconds\":%.3f,\"bytes\":%zu,\"kernel_us\":%llu", seconds, bytes, us);
     long launches = 0;
@@ -1050,7 +1062,11 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
         double t0 = clock_s(CLOCK_MONOTONIC);
         CHECK(p_cuMemsetD8(d, 0, bytes));
         CHECK(p_cuMemcpyHtoD(d, h, n));
-        emit("first_copy", ",\"waited\":%.6f", clock_s(CLOCK_MONOTONIC) - t0);
+        double waited = clock_s(CLOCK_MONOTONIC) - t0;
+        char st[2048];
+        status_fields(st, sizeof(st));
+        emit("first_copy", ",\"waited\":%.6f,\"device_bytes\":%lld%s", waited,
+             fake_device_bytes(), st);
     }
     if (hold(seconds, us, &launches, 1)) return 1;
     int ok = 1;
