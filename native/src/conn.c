@@ -207,10 +207,10 @@ static int socket_trusted(const char *path, char *why, size_t whylen)
     snprintf(own_dir, sizeof own_dir, "gpushare-%u", (unsigned)me);
     const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
     if (!dir_mine && strcmp(base, own_dir) == 0) {
+        /* The reason first: a long path must not cut it off. */
         snprintf(why, whylen,
-                 "refusing the socket: %s belongs to uid %u, not to this user (another user made "
-                 "this user's socket directory)",
-                 dir, (unsigned)dir_owner);
+                 "refusing the socket: another user (uid %u) made this user's socket directory %s",
+                 (unsigned)dir_owner, dir);
         return 0;
     }
     if (lstat(path, &st) != 0) {
