@@ -22,6 +22,9 @@
  *                                 one thread per device (0 and 1), each on that device's primary
  *                                 context: BYTES allocated, then US-long kernels back to back for
  *                                 SECONDS, an event {"event":"launch","dev":N} after each
+ *   shim_probe otherdev N         N no-op launches on device 0 (held) timed, before and after a
+ *                                 context on device 1 (not held) exists: the cost of a call on a
+ *                                 held device while another device of the process is not held
  *   shim_probe reset              alloc, wait for a revoke, cuDevicePrimaryCtxReset, retain again,
  *                                 alloc, wait for a second revoke: the shim's RELEASED verdicts
  *   shim_probe ptds US QUIET      a US-long kernel on the per-thread default stream, then QUIET
@@ -358,6 +361,36 @@ static int scenario_twodev(double seconds, unsigned long long us, size_t bytes)
     return args[0].rc || args[1].rc;
 }
 
+/* ---- otherdev ---- */
+
+static double time_noops(int n)
+{
+    double t0 = now();
+    for (int i = 0; i < n; i++)
+        if (launch_noop(g_stream) != CUDA_SUCCESS)
+            return -1;
+    double dt = now() - t0;
+    cuStreamSynchronize(g_stream);
+    return dt / n * 1e9;
+}
+
+static int scenario_otherdev(int n)
+{
+    if (setup_on(0))
+        return 1;
+    CHECK(launch_noop(g_stream)); /* device 0 granted */
+    double alone = time_noops(n);
+    CUdevice dev1;
+    CUcontext ctx1;
+    CHECK(cuDeviceGet(&dev1, 1));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx1, dev1)); /* device 1 registered, never asked for */
+    CHECK(cuCtxSetCurrent(g_ctx));
+    double with_other = time_noops(n);
+    emit("otherdev", ",\"n\":%d,\"ns_alone\":%.1f,\"ns_other_not_held\":%.1f", n, alone,
+         with_other);
+    return 0;
+}
+
 /* ---- reset ---- */
 
 static int wait_not_holding(double timeout)
@@ -487,6 +520,8 @@ int main(int argc, char **argv)
         rc = scenario_twoctx((unsigned long long)a);
     else if (!strcmp(s, "twodev"))
         rc = scenario_twodev(a, (unsigned long long)b, (size_t)c);
+    else if (!strcmp(s, "otherdev"))
+        rc = scenario_otherdev((int)a);
     else if (!strcmp(s, "reset"))
         rc = scenario_reset();
     else if (!strcmp(s, "ptds"))
