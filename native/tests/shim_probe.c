@@ -21,7 +21,8 @@
  *   shim_probe twodev SECONDS US BYTES
  *                                 one thread per device (0 and 1), each on that device's primary
  *                                 context: BYTES allocated, then US-long kernels back to back for
- *                                 SECONDS, an event {"event":"launch","dev":N} after each
+ *                                 SECONDS, an event {"event":"launch","dev":N,"state":S} after
+ *                                 each (S: the status API's state then)
  *   shim_probe otherdev N         N no-op launches on device 0 (held) timed, before and after a
  *                                 context on device 1 (not held) exists: the cost of a call on a
  *                                 held device while another device of the process is not held
@@ -339,7 +340,9 @@ static void *twodev_thread(void *p)
         TCHECK(cuMemAlloc_v2(&mem, a->bytes));
     for (double end = now() + a->seconds; now() < end;) {
         TCHECK(launch_sleep(st, a->us));
-        emit("launch", ",\"dev\":%d", a->ordinal);
+        struct gpushare_status s;
+        emit("launch", ",\"dev\":%d,\"state\":%d", a->ordinal,
+             status(&s) == 0 ? (int)s.state : -1);
         TCHECK(cuStreamSynchronize(st));
     }
 #undef TCHECK

@@ -92,6 +92,13 @@ def test_a_revoke_of_one_device_leaves_the_other_running(harness, shim_probe):
     assert len(dev0) >= 0.25 * (window[1] - window[0]) / (KERNEL_US / 1e6), dev0
     gaps = [b - a for a, b in itertools.pairwise(dev0)]
     assert max(gaps) < 0.5, gaps
+    # The status API (the notebook's wait line) says the process waits, though device 0 runs.
+    states = {
+        e["state"]
+        for e in run.events
+        if e.get("event") == "launch" and e["dev"] == 0 and window[0] <= e["t_mono"] < window[1]
+    }
+    assert states == {3}, states  # GPUSHARE_STATE_WAITING
     # Device 1 came back once "other" was done.
     assert _launches(run, 1, t_other_exit), run.describe()
     log = sched.log
