@@ -4,8 +4,9 @@
  * client of that device's pool as well: it waits in that device's queue, holds that device for
  * that device's quantum, and a revoke of that device drains that device's contexts only. The
  * first device keeps the session's own connection (conn.c, lifecycle.c), which carries the
- * process's memory, its idle detector and its reconnects; a link carries none of those (see
- * docs/architecture.md, "Several devices", for what is left to do). Runs on the shim's thread,
+ * process's memory, its idle detector and the reconnect policy; a link follows it (it connects
+ * again once that connection is back) and carries no memory of its own (docs/architecture.md,
+ * "Several devices", says what the memory engine must provide for that). Runs on the shim's thread,
  * except what the gate's slow path reads under s->mu.
  */
 #include <errno.h>
@@ -15,6 +16,11 @@
 #include <unistd.h>
 
 #include "session.h"
+
+/* A link that cannot connect while the first device's connection is up tries this often, this
+ * many times, then its device runs unshared (a scheduler that refuses it will not change). */
+#define LINK_RETRY_S 0.2
+#define LINK_MAX_TRIES 5
 
 /* Send one frame on the link of `dev` (outside the lock: the socket is the thread's). */
 static void send_frame(struct gs_session *s, CUdevice dev, struct gs_writer *w)
@@ -55,8 +61,9 @@ static void set_state(struct gs_session *s, CUdevice dev, int state)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* The link is gone: its device runs unshared (a link does not reconnect; the first device's
- * connection does). */
+/* The link is gone (a scheduler restart, usually): it connects again once the first device's
+ * connection is back, and meanwhile calls on its device wait like the first device's waiters do
+ * (they pass once the session runs unshared: docs/reliability.md). */
 static void link_lost(struct gs_session *s, CUdevice dev, const char *why)
 {
     pthread_mutex_lock(&s->mu);
@@ -65,10 +72,14 @@ static void link_lost(struct gs_session *s, CUdevice dev, const char *why)
         close(l->fd);
         l->fd = -1;
         l->rx_len = 0;
+        l->requested = 0;
+        l->tries = 0;
+        l->next_connect_at = gs_now() + LINK_RETRY_S;
+        l->state = s->quitting ? GS_LINK_UNSHARED : GS_LINK_CONNECTING;
+        gs_session_regate_locked(s);
     }
     pthread_mutex_unlock(&s->mu);
-    set_state(s, dev, GS_LINK_UNSHARED);
-    GS_WARN("device %d: lost the scheduler (%s); this device runs unshared", (int)dev, why);
+    GS_INFO("device %d: lost the scheduler (%s); connecting again", (int)dev, why);
 }
 
 /* HELLO for a device after the first (docs/protocol.md, "Several devices"): its own client id and
@@ -112,9 +123,10 @@ void gs_link_open_new(struct gs_session *s)
 {
     CUdevice todo[GS_MAX_LINKS];
     int n = 0;
+    double now = gs_now();
     pthread_mutex_lock(&s->mu);
-    for (int i = 0; i < s->links.n; i++)
-        if (s->links.l[i].state == GS_LINK_CONNECTING)
+    for (int i = 0; i < s->links.n && s->conn.connected && !s->quitting; i++)
+        if (s->links.l[i].state == GS_LINK_CONNECTING && now >= s->links.l[i].next_connect_at)
             todo[n++] = s->links.l[i].dev;
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < n; i++) {
@@ -123,23 +135,29 @@ void gs_link_open_new(struct gs_session *s)
         int fd = handshake(s, todo[i], fresh.rx, sizeof fresh.rx, &fresh.rx_len, why, sizeof why);
         pthread_mutex_lock(&s->mu);
         struct gs_link *l = gs_session_link_locked(s, todo[i]);
+        int gave_up = 0;
         if (l && fd >= 0 && !s->quitting) {
             l->fd = fd;
             memcpy(l->rx, fresh.rx, fresh.rx_len);
             l->rx_len = fresh.rx_len;
             l->state = GS_LINK_IDLE;
+            l->tries = 0;
         } else {
             if (fd >= 0)
                 close(fd);
-            if (l)
+            if (l && (s->quitting || ++l->tries >= LINK_MAX_TRIES)) {
                 l->state = GS_LINK_UNSHARED;
+                gave_up = 1;
+            } else if (l) {
+                l->next_connect_at = gs_now() + LINK_RETRY_S * l->tries;
+            }
         }
         gs_session_regate_locked(s);
         pthread_mutex_unlock(&s->mu);
         if (fd >= 0)
             GS_DEBUG("device %d registered with the scheduler as %s/%d", (int)todo[i],
                      s->id.client_id, (int)todo[i]);
-        else
+        else if (gave_up)
             GS_WARN("device %d: cannot register with the scheduler (%s); it runs unshared",
                     (int)todo[i], why);
     }

@@ -58,7 +58,8 @@ struct gs_devices {
  * (docs/protocol.md, "Several devices"). Under s->mu except rx, which only the thread uses. */
 #define GS_MAX_LINKS 7
 enum gs_link_state {
-    GS_LINK_CONNECTING = 0, /* a context appeared on the device: the thread connects */
+    GS_LINK_CONNECTING = 0, /* a context appeared on the device, or its connection was lost: the
+                               thread connects once the first device's connection is up */
     GS_LINK_IDLE,      /* connected, not granted: calls on this device wait */
     GS_LINK_HOLDING,   /* granted: calls on this device pass */
     GS_LINK_RELEASING, /* a revoke drains this device's contexts */
@@ -70,6 +71,8 @@ struct gs_link {
     int state;
     int requested;    /* REQUEST sent, no GRANT yet */
     int waiters;      /* calls waiting for this device (also counted in s->waiters) */
+    int tries;        /* connection attempts since it last had one */
+    double next_connect_at;
     int want_request; /* a waiter asks the thread to send REQUEST */
     uint8_t rx[GS_PROTO_HEADER + 4096];
     size_t rx_len;

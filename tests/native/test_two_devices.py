@@ -104,3 +104,25 @@ def test_a_revoke_of_one_device_leaves_the_other_running(harness, shim_probe):
     log = sched.log
     assert "revoke client=both/1 " in log, log
     assert "revoke client=both " not in log, log  # device 0 was never revoked
+
+
+def test_both_registrations_come_back_after_a_scheduler_restart(harness, shim_probe):
+    """The scheduler dies and comes back: the first device's connection reconnects (as ever), and
+    the second device's connects again after it; both devices go on computing."""
+    sched = harness.scheduler(pool="1GiB", quantum=30, fake_devices=2)
+    proc = spawn_probe(
+        harness, shim_probe, "twodev", 6, KERNEL_US, 1 << 20, client_id="both", extra=DEVICES
+    )
+    proc.wait_event("launch", where=lambda e: e["dev"] == 1)
+    sched.kill()
+    t_killed = time.monotonic()
+    sched.start()
+    _wait_for(
+        lambda: (
+            {c["id"] for d in sched.status()["devices"] for c in d["clients"]} == {"both", "both/1"}
+        )
+    )
+    t_back = time.monotonic()
+    run = proc.finish(60).ok()
+    assert _launches(run, 0, t_back) and _launches(run, 1, t_back), run.describe()
+    assert "lost the scheduler" in run.stderr and t_back - t_killed < 10, run.describe()
