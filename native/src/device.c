@@ -55,9 +55,9 @@ static void add_link_locked(struct gs_session *s, CUdevice dev)
     memset(l, 0, sizeof *l);
     l->dev = dev;
     l->fd = -1;
-    /* Without the thread (or the scheduler) nobody can grant it: the device runs unshared like
-     * the first one does. */
-    l->state = s->thread_running && s->conn.connected ? GS_LINK_CONNECTING : GS_LINK_UNSHARED;
+    /* The thread connects it once the first device's connection is up; until then its calls
+     * wait like the first device's (and pass while the process runs unshared). */
+    l->state = GS_LINK_CONNECTING;
     gs_session_regate_locked(s);
     gs_session_wake(s);
 }

@@ -43,10 +43,11 @@ void gs_session_regate_locked(struct gs_session *s)
     /* One gate word for every device keeps the fast path one load: it is open only while every
      * device the process uses is held. When some are not, calls take the slow path, which lets a
      * call through on a device that is held (wait.c). */
-    int open = s->state == GPUSHARE_STATE_HOLDING || s->state == GPUSHARE_STATE_UNSHARED;
+    int open = s->state == GPUSHARE_STATE_HOLDING;
     for (int i = 0; i < s->links.n && open; i++)
         open = s->links.l[i].state == GS_LINK_HOLDING || s->links.l[i].state == GS_LINK_UNSHARED;
-    gs_gate_set_open(open || s->quitting);
+    /* Unshared (no scheduler), every device runs, whatever its link's state. */
+    gs_gate_set_open(open || s->state == GPUSHARE_STATE_UNSHARED || s->quitting);
     pthread_cond_broadcast(&s->cv);
 }
 

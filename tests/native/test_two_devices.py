@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from jupyter_gpushare.client import SchedulerClient
-from tests.native.probe import spawn_probe
+from tests.native.probe import run_probe, spawn_probe
 
 DEVICES = {"GPUSHARE_FAKE_DEVICES": "2"}
 KERNEL_US = 20000  # 20 ms kernels: ~50 launches a second per device
@@ -126,3 +126,10 @@ def test_both_registrations_come_back_after_a_scheduler_restart(harness, shim_pr
     run = proc.finish(60).ok()
     assert _launches(run, 0, t_back) and _launches(run, 1, t_back), run.describe()
     assert "lost the scheduler" in run.stderr and t_back - t_killed < 10, run.describe()
+
+
+def test_without_a_scheduler_both_devices_run_unshared(harness, shim_probe):
+    """No scheduler at all: the process runs unshared on both devices (a second device's link,
+    which cannot connect, never holds a call back)."""
+    run = run_probe(harness, shim_probe, "twodev", 0.5, KERNEL_US, 1 << 20, extra=DEVICES).ok()
+    assert _launches(run, 0, 0) and _launches(run, 1, 0), run.describe()
