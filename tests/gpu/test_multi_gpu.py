@@ -226,16 +226,22 @@ def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        pytest.skip("CUDA_VISIBLE_DEVICES is set: the process must see both GPUs")
     # 2 GiB pools with a 512 MiB context estimate each: on GPU 1, "both/1" (its context) and
     # "other" (1.2 GiB and its context) do not fit together, so they take turns.
     with running_scheduler(tmp_path, pool="2GiB", quantum=30) as sched:
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         both = start_workload(
             "two_gpus.py",
-            "40",
-            "256",
-            env=shimmed_env(sched.socket, {**env, "GPUSHARE_CLIENT_ID": "both"}),
+            "60",
+            "128",
+            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"}),
         )
+        # Read its ~100 lines a second as they come: a full pipe would stall its GPU threads.
+        lines: list[str] = []
+        assert both.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
+        reader.start()
         try:
             deadline = time.monotonic() + 90
             ids: dict[str, str] = {}
@@ -266,7 +272,9 @@ def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
             _, other_err = other.communicate(timeout=300)
             t_other_done = time.monotonic()
             assert other.returncode == 0, other_err
-            out, err = both.communicate(timeout=300)
+            both.wait(timeout=300)
+            reader.join(timeout=30)
+            out, err = "".join(lines), both.stderr.read() if both.stderr else ""
         finally:
             if both.poll() is None:
                 both.kill()

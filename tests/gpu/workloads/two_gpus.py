@@ -49,6 +49,7 @@ def main() -> None:
     seconds, mib = float(sys.argv[1]), int(sys.argv[2])
     assert torch.cuda.device_count() >= 2, "needs two visible GPUs"
     results: dict[int, bool] = {}
+    torch.zeros(1, device="cuda:0")  # GPU 0's context first: the process registers there first
     threads = [threading.Thread(target=work, args=(d, seconds, mib, results)) for d in (0, 1)]
     for t in threads:
         t.start()
