@@ -306,8 +306,10 @@ p99 ≤ 10 ms** over ≥ 200 handoffs without memory to move; with memory, time 
 process), as the shim timed them and the scheduler logged them (bytes, microseconds). The
 first eviction of each process writes host pages never touched before (*cold*); later ones
 reuse them (*warm*). In the same run, a plain process measures pinned `cudaMemcpy` bandwidth
-(4 GiB, host→device and device→host, median of 5). Target: **restore bandwidth ≥ 80% of
-pinned host→device memcpy**; eviction is reported against pinned device→host.
+(4 GiB, host→device and device→host, median of 5). Targets (the explicit memory engine,
+docs/architecture.md): **eviction ≥ 40 GB/s, cold and warm, and restore ≥ 45 GB/s**; each is
+shown against pinned memcpy in the same direction. With `--arrival-gib`, a kernel arrives at a GPU
+full of idle kernels whose memory was pre-copied: target **granted ≤ 100 ms**.
 """
         rec = self.recs.get("memory")
         if rec is None:
@@ -349,9 +351,34 @@ pinned host→device memcpy**; eviction is reported against pinned device→host
             f"Restore reaches {pct}% of pinned host→device memcpy; warm eviction {epct}% of "
             "pinned device→host."
         )
-        self._add("Restore bandwidth", "≥ 80% of pinned H→D", f"{pct}%", rec["met"])
-        verdict = _verdict(rec["met"], f"restore at {pct}% (80%).")
-        return "\n".join([text, *rows, "", body, "", verdict, "", img, "", _meta_line(rec), ""])
+        evict_cold = shim["evict_cold"]["median"]
+        restore = shim["restore"]["median"]
+        self._add(
+            "Eviction / restore bandwidth",
+            "≥ 40 / ≥ 45 GB/s",
+            f"{gbs(min(evict_cold or 0, shim['evict_warm']['median'] or 0))} / {gbs(restore)} GB/s",
+            rec["met"],
+        )
+        verdict = _verdict(
+            rec["met"],
+            f"eviction {gbs(evict_cold)} GB/s cold, {gbs(shim['evict_warm']['median'])} warm "
+            f"(40); restore {gbs(restore)} GB/s (45).",
+        )
+        parts = [text, *rows, "", body, "", verdict, "", img, ""]
+        arrival = rec.get("precopied_arrival")
+        if arrival:
+            ms = arrival["grant_latency_ms"]
+            parts += [
+                f"A kernel arriving at {arrival['idle_kernels']} pre-copied idle kernels of "
+                f"{arrival['bytes'] / 2**30:g} GiB ran its first kernel {ms:.1f} ms after it asked "
+                f"(the pre-copies took {arrival['precopy_seconds']:.1f} s before).",
+                "",
+                _verdict(arrival["met"], f"{ms:.1f} ms (100 ms)."),
+                "",
+            ]
+            self._add("Arrival at pre-copied idle kernels", "≤ 100 ms", f"{ms:.1f} ms",
+                      arrival["met"])  # fmt: skip
+        return "\n".join([*parts, _meta_line(rec), ""])
 
     def replay(self) -> str:
         text = """## 4. Interactive multi-user replay

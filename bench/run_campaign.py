@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--handoff-sizes", default="1,2,4,8,16", help="GiB per process, comma-separated"
     )
+    ap.add_argument(
+        "--arrival-gib",
+        type=float,
+        default=0,
+        help="also: a kernel arriving at idle, pre-copied kernels of this many GiB (0: no)",
+    )
+    ap.add_argument("--arrival-idle", type=int, default=3, help="idle kernels for --arrival-gib")
     ap.add_argument("--kernel-pairs", type=int, default=20)
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
@@ -151,7 +158,15 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
 
         sizes = tuple(float(x) for x in args.handoff_sizes.split(",") if x)
         memcpy = 0 if args.driver_dir else 4 << 30  # the stand-in has no memcpy to compare
-        ho, mem = handoff.run(work / part, args.handoffs, sizes, memcpy_bytes=memcpy, log=log)
+        ho, mem = handoff.run(
+            work / part,
+            args.handoffs,
+            sizes,
+            memcpy_bytes=memcpy,
+            log=log,
+            arrival_gib=args.arrival_gib,
+            arrival_idle=args.arrival_idle,
+        )
         return {"handoff": ho, "memory": mem}
     if part == "replay":
         from . import replay

@@ -97,6 +97,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         policy="fixed-quantum" if mode == "fixed-quantum" else "gpushare",
         fixed_quantum=cfg.fixed_quantum,
         idle_check_interval=cfg.idle_check_interval,
+        # The daemon's default. The simulator takes no time for a pre-copy and does not make the
+        # eviction that follows one cheaper: its numbers are those without pre-copy.
+        precopy_idle=True,
         ordering=ordering,
     )
 

@@ -29,6 +29,7 @@ from traitlets.config import Application
 
 from ._version import __version__
 from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .protocol import printable
 from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .units import format_size, parse_size
 
@@ -426,7 +427,7 @@ def format_status(doc: dict[str, Any]) -> str:
     devices = doc.get("devices") or []
     if not devices:
         lines.append("No devices known yet (they appear when NVML finds them or a shim connects).")
-        return "\n".join(lines)
+        return _printable_lines(lines)
     for dev in devices:
         lines.append("")
         index = dev.get("index")
@@ -497,7 +498,13 @@ def format_status(doc: dict[str, Any]) -> str:
             )
         lines.extend(_table(rows))
         lines.extend(_explanations(clients))
-    return "\n".join(lines)
+    return _printable_lines(lines)
+
+
+def _printable_lines(lines: list[str]) -> str:
+    """The lines for a terminal: ids, labels and names come from other users' processes, so
+    their escape sequences and newlines are shown escaped, never acted on."""
+    return "\n".join(printable(line) for line in lines)
 
 
 class KeygenApp(GPUShareBaseApp):

@@ -24,7 +24,7 @@ import socket
 from typing import Any
 
 from .identity import ENV_TOKEN, ENV_USER
-from .paths import default_socket_path
+from .paths import default_socket_path, socket_distrust
 from .protocol import (
     ErrorCode,
     Message,
@@ -76,6 +76,13 @@ def _unavailable(path: str, exc: BaseException) -> SchedulerUnavailable:
     return SchedulerUnavailable(path, reason)
 
 
+def _check_trusted(path: str) -> None:
+    """Refuse, loudly, a socket another user could have put there (paths.socket_distrust)."""
+    why = socket_distrust(path)
+    if why is not None:
+        raise SchedulerUnavailable(path, why)
+
+
 def _answer(path: str, reply: Message | None, expected: MsgType) -> dict[str, Any]:
     if reply is None:
         raise SchedulerUnavailable(path, "the scheduler closed the connection without answering")
@@ -120,6 +127,7 @@ class SchedulerClient:
 
     async def request(self, msg: Message, expected: MsgType) -> dict[str, Any]:
         path = self.socket_path
+        _check_trusted(path)
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(path), self.timeout
@@ -183,6 +191,7 @@ class SchedulerClient:
 
     def request_sync(self, msg: Message, expected: MsgType) -> dict[str, Any]:
         path = self.socket_path
+        _check_trusted(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:

@@ -103,6 +103,7 @@ class GPUShareReport:
             "idle": "idle (does not hold the GPU)",
             "evicted": "idle, memory evicted to the host",
             "releasing": "releasing the GPU",
+            "asleep": "asleep (memory and context on the host; the next GPU call wakes it)",
             "unshared": "unshared (no scheduler reachable: running alone, retrying)",
             "inactive": "inactive (no CUDA context yet)",
         }.get(state, state)

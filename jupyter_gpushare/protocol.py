@@ -43,6 +43,7 @@ __all__ = [
     "encode",
     "error_message",
     "kernel_client_id",
+    "printable",
     "read_message",
     "read_message_sync",
     "write_message",
@@ -69,6 +70,7 @@ class MsgType(enum.IntEnum):
     EVICTED = 0x06
     RESTORED = 0x07
     GOODBYE = 0x08
+    PRECOPIED = 0x09
     # control peers -> scheduler
     STATUS_REQUEST = 0x20
     CONTROL = 0x21
@@ -79,6 +81,7 @@ class MsgType(enum.IntEnum):
     EVICT = 0x84
     SET_QUOTA = 0x85
     ERROR = 0x86
+    PRECOPY = 0x87
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1
@@ -94,6 +97,7 @@ SHIM_MESSAGES = frozenset(
         MsgType.EVICTED,
         MsgType.RESTORED,
         MsgType.GOODBYE,
+        MsgType.PRECOPIED,
     }
 )
 CONTROL_MESSAGES = frozenset({MsgType.STATUS_REQUEST, MsgType.CONTROL})
@@ -146,6 +150,10 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     39: ("resume", FieldType.U64),
     40: ("since_ms", FieldType.U64),
     41: ("gpu_ms", FieldType.U64),
+    # GRANT -> HELLO with resume = 1: proof that the shim is the process that was granted.
+    42: ("resume_secret", FieldType.STR),
+    # The memory engine (docs/protocol.md, "Pre-copy").
+    43: ("precopied_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}
@@ -201,6 +209,15 @@ def duplicate_client_id(client_id: str, pid: int, n: int = 1) -> str:
     """The id of the ``n``-th duplicate of ``client_id`` from process ``pid``."""
     base = f"{client_id}{DUPLICATE_SEPARATOR}{pid}"
     return base if n <= 1 else f"{base}.{n}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal or a log would act on escaped (``\\x1b``,
+    ``\\n``, ``\\u202e``): ids, labels and names come from peers and must not move a cursor,
+    set a title or forge a log line where they are shown."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def kernel_client_id(client_id: str) -> str:
@@ -326,7 +343,7 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
         else:
             try:
                 fields[name] = json.loads(text)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 raise ProtocolError(
                     ErrorCode.BAD_FRAME, f"field {name!r} is not a JSON document: {exc}"
                 ) from exc

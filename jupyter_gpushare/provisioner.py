@@ -142,6 +142,15 @@ def is_ipykernel_argv(argv: list[str]) -> bool:
     return False
 
 
+def _inherited_quota(env: dict[str, str]) -> int:
+    """An inherited GPUSHARE_MEMORY_LIMIT in bytes; 0 when unset or invalid (the shim ignores an
+    invalid one with a warning, so the kernel runs without a quota)."""
+    try:
+        return parse_size(env.get("GPUSHARE_MEMORY_LIMIT") or 0)
+    except ValueError:
+        return 0
+
+
 def _has_extension(argv: list[str], extension: str) -> bool:
     for i, arg in enumerate(argv):
         for option in _EXTENSION_OPTIONS:
@@ -358,12 +367,13 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         # A token proves one user name (the hub set both): never relabel the kernel away from
         # it, or the scheduler would refuse the kernel.
         proven = env.get("GPUSHARE_USER") if env.get("GPUSHARE_USER_TOKEN") else None
+        # No quota configured: an inherited GPUSHARE_MEMORY_LIMIT (the operator's) stays.
+        quota = self.quota_bytes
         kwargs["env"] = shim_environment(
             env,
             socket=self.socket,
             client_id=self.kernel_id,
-            # No quota configured: an inherited GPUSHARE_MEMORY_LIMIT (the operator's) stays.
-            quota=self.quota_bytes or None,
+            quota=quota or None,
             weight=self.weight,
             user=proven or self.user,
             label=label,
@@ -376,7 +386,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             kwargs["independent"] = True
             kwargs["env"].pop("JPY_PARENT_PID", None)
         self._launch_env = kwargs["env"]
-        await self._mps_environment(kwargs["env"])
+        await self._mps_environment(kwargs["env"], quota or _inherited_quota(env))
         await self._wait_for_stale_client()
         await self._place(kwargs["env"])
         self._term_sent = False
@@ -408,19 +418,19 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     _mps_device: str | None = None
 
-    async def _mps_environment(self, env: dict[str, str]) -> None:
-        """Make the kernel an MPS client when the scheduler runs in MPS mode (see module doc)."""
+    async def _mps_environment(self, env: dict[str, str], quota: int) -> None:
+        """Make the kernel an MPS client when the scheduler runs in MPS mode (see module doc);
+        ``quota``: the kernel's quota in bytes as launched (0: none)."""
         self._mps_device = None
         if not self.mps:
             return
-        quota = env.get("GPUSHARE_MEMORY_LIMIT") or 0
         client = self._scheduler(5.0)
         try:
             reply = await client.control(
                 "mps_env",
                 client=self.kernel_id,
                 weight=self.weight,
-                quota=parse_size(quota) if quota else 0,
+                quota=quota,
                 compute_share=self.compute_share or None,
             )
         except SchedulerUnavailable as exc:

@@ -34,7 +34,7 @@ LIBRARY_NAME = "libgpushare.so"
 #: The declarations of native/include/gpushare.h, as cffi's cdef() takes them
 #: (tests/native/test_status_api.py checks that the two agree).
 CDEF = """
-#define GPUSHARE_STATUS_VERSION 1
+#define GPUSHARE_STATUS_VERSION 2
 
 enum gpushare_state {
     GPUSHARE_STATE_INACTIVE = 0,
@@ -42,7 +42,8 @@ enum gpushare_state {
     GPUSHARE_STATE_IDLE = 2,
     GPUSHARE_STATE_WAITING = 3,
     GPUSHARE_STATE_HOLDING = 4,
-    GPUSHARE_STATE_RELEASING = 5
+    GPUSHARE_STATE_RELEASING = 5,
+    GPUSHARE_STATE_ASLEEP = 6
 };
 
 struct gpushare_status {
@@ -65,6 +66,10 @@ struct gpushare_status {
     char client_id[128];
     char socket_path[108];
     char device_uuid[48];
+    uint64_t precopied_bytes;
+    uint64_t staging_pinned_bytes;
+    uint64_t staging_pageable_bytes;
+    uint64_t staging_fallbacks;
 };
 
 int gpushare_get_status(struct gpushare_status *out, size_t size);
@@ -80,6 +85,7 @@ STATES = {
     3: "waiting",
     4: "holding",
     5: "releasing",
+    6: "asleep",
 }
 
 
@@ -204,6 +210,10 @@ def read_status() -> dict[str, Any] | None:
         "client_id": ffi.string(status.client_id).decode("utf-8", "replace"),
         "socket_path": ffi.string(status.socket_path).decode("utf-8", "replace"),
         "device_uuid": ffi.string(status.device_uuid).decode("utf-8", "replace"),
+        "precopied_bytes": int(status.precopied_bytes),
+        "staging_pinned_bytes": int(status.staging_pinned_bytes),
+        "staging_pageable_bytes": int(status.staging_pageable_bytes),
+        "staging_fallbacks": int(status.staging_fallbacks),
         "library_version": shim_version(),
     }
 

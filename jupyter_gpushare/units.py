@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["SIZE_LIMIT", "format_size", "parse_size"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -28,7 +28,12 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+# ASCII only, as the shim's parser (native/src/config.c): no other scripts' digits or spaces.
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.ASCII)
+#: Sizes travel as u64 (quotas, pools): anything larger is refused, as the shim refuses it.
+SIZE_LIMIT = 1 << 64
+#: Fraction digits the shim keeps (more precision than any size needs); the rest are ignored.
+FRACTION_DIGITS = 12
 
 
 def parse_size(value: str | int) -> int:
@@ -36,7 +41,9 @@ def parse_size(value: str | int) -> int:
 
     Accepts a non-negative int, or a string of a number (decimals allowed) and an optional unit:
     ``B``, ``K``/``KB``/``KiB``, ``M``/``MB``/``MiB``, ``G``/``GB``/``GiB``, ``T``/``TB``/``TiB``
-    (case-insensitive, all 1024-based). Fractions of a byte are rounded down.
+    (case-insensitive, all 1024-based). Fractions of a byte are rounded down; digits after the
+    12th decimal are ignored and sizes of 2**64 or more refused, exactly as the shim's parser
+    (native/src/config.c; tests/scheduler/test_contracts.py compares the two).
 
     Raises ValueError with a message that shows the offending value and the accepted forms.
     """
@@ -45,6 +52,8 @@ def parse_size(value: str | int) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"invalid size {value!r}: a size cannot be negative")
+        if value >= SIZE_LIMIT:
+            raise ValueError(f"invalid size {value!r}: over the u64 limit")
         return value
     if not isinstance(value, str):
         raise ValueError(
@@ -64,12 +73,13 @@ def parse_size(value: str | int) -> int:
             f"invalid size {value!r}: unknown unit {unit!r} "
             "(use B, K, M, G, T, KiB, MiB, GiB or TiB; all are 1024-based)"
         )
-    if "." in number:
-        whole, _, frac = number.partition(".")
-        # Exact arithmetic: 1.5G is 1610612736 bytes, not a float approximation of it.
-        numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
-        return numerator * multiplier // 10 ** len(frac)
-    return int(number) * multiplier
+    whole, _, frac = number.partition(".")
+    frac = frac[:FRACTION_DIGITS]
+    # Exact arithmetic: 1.5G is 1610612736 bytes, not a float approximation of it.
+    size = int(whole or "0") * multiplier + int(frac or "0") * multiplier // 10 ** len(frac)
+    if size >= SIZE_LIMIT:
+        raise ValueError(f"invalid size {value!r}: over the u64 limit")
+    return size
 
 
 def format_size(size: int | float) -> str:

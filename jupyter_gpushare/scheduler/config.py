@@ -7,6 +7,7 @@ keep writing ``c.GPUShareScheduler.pool_size = "24GiB"``.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
@@ -99,6 +100,13 @@ class SchedulerConfig(LoggingConfigurable):
     )
     idle_check_interval = Float(
         5.0, help="Seconds between the fixed-quantum policy's checks for an idle holder."
+    ).tag(config=True)
+    precopy_idle = Bool(
+        True,
+        help="""Ask an idle kernel whose memory is on the GPU to copy it to host memory in the
+        background (PRECOPY) while it stays there, so that evicting it for the next arrival is
+        an unmap of milliseconds instead of a copy of seconds. Costs host memory (the shim's
+        GPUSHARE_HOST_BUDGET bounds the fast part) and PCIe bandwidth while nobody waits.""",
     ).tag(config=True)
 
     # The interactive-first ordering (docs/architecture.md, "The ordering: shorter cells first").
@@ -271,6 +279,47 @@ class SchedulerConfig(LoggingConfigurable):
         window off. See docs/reliability.md.""",
     ).tag(config=True)
 
+    max_connections_per_uid = Int(
+        256,
+        help="""Connections one uid may hold open at once (every kernel, and each of its
+        subprocesses that use CUDA, holds one; so do control requests while they run). A uid
+        past it is refused with an error, so one user cannot take every descriptor and lock out
+        the others. Root and the scheduler's own uid are not limited. 0 = no limit.""",
+    ).tag(config=True)
+
+    handshake_seconds = Float(
+        10.0,
+        help="""Seconds a new connection has to send its first whole message (HELLO, or a
+        control request); one that does not is closed, so half-sent frames cannot pile up.""",
+    ).tag(config=True)
+
+    revoke_deadline_seconds = Float(
+        120.0,
+        help="""Seconds a holder has to answer a revoke. Past it the scheduler stops waiting
+        (docs/reliability.md): it counts the holder as released with its memory still on the
+        GPU, so waiters that fit beside it run; in MPS mode it has the holder's processes
+        terminate_client'ed; with revoke_signal set it signals the holder's process
+        revoke_signal_grace seconds later if it still has not answered. 0 = wait forever.""",
+    ).tag(config=True)
+
+    revoke_signal = Unicode(
+        "",
+        help="""Signal for a holder still silent revoke_signal_grace seconds after its revoke
+        deadline (e.g. 'SIGINT' interrupts a notebook cell, 'SIGKILL' ends the kernel); '' sends
+        none. Only a scheduler that may signal the process (root, or its owner) can.""",
+    ).tag(config=True)
+
+    revoke_signal_grace = Float(
+        30.0, help="Seconds after the revoke deadline before revoke_signal is sent."
+    ).tag(config=True)
+
+    @validate("revoke_signal")
+    def _validate_signal(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if value and not hasattr(signal, value.upper()):
+            raise TraitError(f"revoke_signal: {value!r} is not a signal name (e.g. 'SIGINT')")
+        return value.upper()
+
     revoke_warning_seconds = Float(
         60.0,
         help="""Log a warning when a holder has not answered a revoke for this long (its GPU work
@@ -278,9 +327,14 @@ class SchedulerConfig(LoggingConfigurable):
     ).tag(config=True)
 
     @validate(
-        "base_quantum", "move_factor", "max_quantum", "evict_bandwidth", "restore_bandwidth",
-        "ordering_first_level", "ordering_starvation_window",
-    )  # fmt: skip
+        "base_quantum",
+        "move_factor",
+        "max_quantum",
+        "evict_bandwidth",
+        "restore_bandwidth",
+        "ordering_first_level",
+        "ordering_starvation_window",
+    )
     def _validate_positive(self, proposal: Any) -> Any:
         value = proposal["value"]
         if not value > 0 or value == float("inf"):
@@ -292,6 +346,9 @@ class SchedulerConfig(LoggingConfigurable):
         "utilization_interval",
         "recovery_seconds",
         "revoke_warning_seconds",
+        "handshake_seconds",
+        "revoke_deadline_seconds",
+        "revoke_signal_grace",
         "ordering_min_slice",
     )
     def _validate_non_negative(self, proposal: Any) -> Any:
@@ -317,8 +374,13 @@ class SchedulerConfig(LoggingConfigurable):
     @validate("socket_mode", "socket_dir_mode")
     def _validate_mode(self, proposal: Any) -> Any:
         value = proposal["value"]
+        name = proposal["trait"].name
         if value is not None and not 0 <= value <= 0o777:
-            raise TraitError(f"{proposal['trait'].name} must be permission bits (0 to 0o777)")
+            raise TraitError(f"{name} must be permission bits (0 to 0o777)")
+        if name == "socket_dir_mode" and value is not None and value & 0o022:
+            # Shims and the CLI refuse a socket in a directory others may write (they could swap
+            # the socket): such a mode would lock every client out.
+            raise TraitError(f"{name} must not let the group or others write (got {value:#o})")
         return value
 
     @validate("pool_size", "pool_reserve", "placement_estimate")
@@ -343,6 +405,7 @@ class SchedulerConfig(LoggingConfigurable):
             policy=self.scheduling_policy,
             fixed_quantum=self.fixed_quantum,
             idle_check_interval=self.idle_check_interval,
+            precopy_idle=self.precopy_idle,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

@@ -49,6 +49,9 @@ class ControlActions:
     _mps: MPSManager | None
     _reservations: Reservations
     _handle: Callable[[ev.Event], None]
+    _decide: Callable[[ev.Event], list[ev.Decision]]
+    _execute: Callable[[list[ev.Decision]], None]
+    _reschedule: Callable[[], None]
     _set_quota: Callable[[Connection, int, float], None]
     _spawn: Callable[[Coroutine[Any, Any, None]], None]
     _device_index: Callable[[str], int | None]
@@ -158,15 +161,13 @@ class ControlActions:
             conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
         if not self.access.may_act(who, target.identity):
+            # Another user's client is not found, as one that does not exist: the answer must
+            # not confirm that an id guessed or leaked is live (docs/protocol.md).
             owner = target.identity.user if target.identity is not None else "?"
             self.log.warning(
                 "forbidden: %s asked %s on %s (user %s)", who.describe(), action, client_id, owner
             )
-            text = (
-                f"{who.user} may not {action} client {client_id!r}: it belongs to another user "
-                "(only its owner or an admin may)"
-            )
-            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+            conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
         log = self.log.debug if action == "kernel_state" else self.log.info
         log("control %s client=%s by %s %s", action, client_id, who.describe(), body)
@@ -183,11 +184,18 @@ class ControlActions:
             # The quota in force: an allocation's ceiling (allocations.py) may have cut it.
             self._reply(conn, {**request.reply(), "quota": target.quota})
             return
-        self._handle(request.event(now))
         if action == "kernel_state":
+            self._handle(request.event(now))
             for device_client in self._device_clients(client_id, target):
                 self._handle(tr.ClientAction(action, device_client, state=request.state).event(now))
-        self._reply(conn, request.reply())
+            self._reply(conn, request.reply())
+            return
+        # release / evict: say what happened, not only that the request was taken.
+        decisions = self._decide(request.event(now))
+        reply = {**request.reply(), **_effect(target, decisions, now)}
+        self._execute(decisions)
+        self._reschedule()
+        self._reply(conn, reply)
 
     def _device_clients(self, client_id: str, target: Connection) -> list[str]:
         """The clients of the same process on its other GPUs: ``<id>/<ordinal>``
@@ -303,3 +311,21 @@ class ControlActions:
             conn.peer.uid,
         )
         self._reply(conn, {"ok": True, "action": "place", "client": request.client_id, **answer})
+
+
+def _effect(target: Connection, decisions: list[ev.Decision], now: float) -> dict[str, Any]:
+    """What a release or evict did to ``target``: ``done`` (a REVOKE or EVICT went out) and
+    ``effect``, a sentence for people (docs/protocol.md)."""
+    mine = [d for d in decisions if d.client == target.client_id]
+    if any(isinstance(d, ev.Revoke) for d in mine):
+        evict = any(isinstance(d, ev.Revoke) and d.evict for d in mine)
+        text = "revoke sent: it releases the GPU when its current GPU work ends"
+        return {"done": True, "effect": text + (", then evicts" if evict else "")}
+    if any(isinstance(d, ev.Evict) for d in mine):
+        return {"done": True, "effect": "eviction asked: its memory moves to the host"}
+    if target.revoked_at is not None:
+        text = f"already asked to release {now - target.revoked_at:.0f} s ago; not answered yet"
+        if target.overdue:
+            text += " (past its revoke deadline: the scheduler no longer waits for it)"
+        return {"done": False, "effect": text}
+    return {"done": False, "effect": "nothing to do: it does not hold the GPU"}

@@ -62,6 +62,7 @@ class Memory:
     managed: int
     pinned: int
     evicted: int
+    precopied: int = 0  # resident bytes with a current host copy (a pre-copy's result)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,18 @@ class Evicted:
 
 
 @dataclass(frozen=True)
+class Precopied:
+    """Answer to a Precopy decision: ``precopied`` resident bytes now have a current host copy,
+    so evicting them is an unmap (valid until the client's next GPU call)."""
+
+    now: float
+    client: str
+    bytes_moved: int = 0
+    micros: int = 0
+    precopied: int = 0
+
+
+@dataclass(frozen=True)
 class Restored:
     """After a Grant with restore: the client's memory is back on the device."""
 
@@ -109,6 +122,7 @@ class Idle:
 
     now: float
     client: str
+    precopied: int = -1  # the shim's resident bytes with a current host copy; -1: not said
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,7 @@ Event = (
     | Memory
     | Released
     | Evicted
+    | Precopied
     | Restored
     | Idle
     | Busy
@@ -206,4 +221,12 @@ class Evict:
     reason: str = ""
 
 
-Decision = Grant | Revoke | Evict
+@dataclass(frozen=True)
+class Precopy:
+    """Ask an idle, resident client to copy its memory to the host in the background while it
+    stays resident, so that a later eviction is an unmap."""
+
+    client: str
+
+
+Decision = Grant | Revoke | Evict | Precopy

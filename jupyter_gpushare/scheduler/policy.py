@@ -63,6 +63,8 @@ from .events import (
     Join,
     Leave,
     Memory,
+    Precopied,
+    Precopy,
     Released,
     Request,
     Restored,
@@ -103,6 +105,11 @@ class PolicyConfig:
     policy: str = "gpushare"
     fixed_quantum: float = 30.0  # seconds a holder keeps the lock while others wait
     idle_check_interval: float = 5.0  # seconds between two timer checks for an idle holder
+    # Ask idle, resident clients to copy their memory to the host in the background (PRECOPY),
+    # so that evicting them for the next arrival is an unmap (see precopy_candidates). Off in
+    # the bare core (its scenario tests read exact decision lists); the scheduler turns it on
+    # (c.GPUShareScheduler.precopy_idle). Only the gpushare policy pre-copies.
+    precopy_idle: bool = False
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 
@@ -156,6 +163,8 @@ class _Client:
     holding: Holding | None = None
     waiting_since: float | None = None
     evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
+    precopy_asked: bool = False  # a Precopy was sent in this idle period
+    precopied: int = 0  # resident bytes with a current host copy, as last reported
     revoke_evict: bool = False  # the pending Revoke asked for eviction
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
     restore: bool = False  # its managed memory was evicted: the next grant restores it
@@ -257,23 +266,35 @@ class Policy:
             client.grew_at = self._clock
         if isinstance(event, Request):
             self._on_request(client, event)
+            client.precopied = 0  # it is about to run: the host copy goes stale
+            client.precopy_asked = False
         elif isinstance(event, Memory):
             client.set_memory(event.used, event.managed, event.pinned, event.evicted)
+            client.precopied = event.precopied
         elif isinstance(event, Released):
             self._on_released(dev, client, event)
         elif isinstance(event, Evicted):
             self._on_evicted(dev, client, event)
+        elif isinstance(event, Precopied):
+            client.precopied = event.precopied
+            return []
         elif isinstance(event, Restored):
             self._measure(dev, "restore", event.bytes_moved, event.micros)
             client.evicted = 0
             client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
         elif isinstance(event, Idle):
+            if event.precopied >= 0 or not client.idle:
+                client.precopy_asked = False  # a new idle period (the shim says IDLE once per)
+            if event.precopied >= 0:
+                client.precopied = event.precopied
             if not client.idle:
                 client.idle_since = self._clock
             client.idle = True
         elif isinstance(event, Busy):
             client.idle = False
+            client.precopied = 0  # it runs again: the host copy is about to go stale
+            client.precopy_asked = False
             client.cell.new_cell(from_jupyter=True)
         elif isinstance(event, Leave):
             self._remove(client)
@@ -285,7 +306,18 @@ class Policy:
             return []
         elif isinstance(event, SetWeight):
             client.weight = event.weight if event.weight > 0 else client.weight
-        return self._schedule(dev)
+        decisions = self._schedule(dev)
+        if self.config.precopy_idle and self.config.policy == "gpushare":
+            decisions += self._precopy(dev, decisions)
+        return decisions
+
+    def _precopy(self, dev: _Device, decided: list[Decision]) -> list[Decision]:
+        out: list[Decision] = []
+        clients = [c for c in self._clients.values() if c.device == dev.uuid]
+        for cid in precopy_candidates(clients, decided):
+            self._clients[cid].precopy_asked = True
+            out.append(Precopy(cid))
+        return out
 
     def recover_until(self, until: float) -> None:
         """Hold back every grant and eviction until ``until`` (the scheduler restarted).
@@ -466,6 +498,7 @@ class Policy:
         c.resident = False
         c.restore = True
         c.evicted = c.managed
+        c.precopied = 0  # nothing resident left to have a copy of
 
     def _on_evicted(self, dev: _Device, c: _Client, evt: Evicted) -> None:
         c.evict_pending = False
@@ -976,6 +1009,7 @@ class Policy:
             "managed_bytes": c.managed,
             "pinned_bytes": c.pinned,
             "evicted_bytes": c.evicted,
+            "precopied_bytes": c.precopied,
             "quota_bytes": c.quota,
             "weight": float(c.weight),
             "gpu_seconds": c.gpu_seconds + (dt if c.holding is not None else 0.0),
@@ -996,3 +1030,32 @@ def _dur(seconds: float | None) -> str:
     if s < 7200:
         return f"{s // 60} min"
     return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def precopy_candidates(clients: Iterable[_Client], decided: Iterable[Decision]) -> list[str]:
+    """Which clients to ask for a pre-copy now, least recently used first.
+
+    A pre-copy copies a client's resident memory to the host while it stays resident, so that
+    evicting it later is an unmap (milliseconds) instead of a copy (seconds): the next arrival at
+    a full GPU is granted as fast as the idle kernels can be unmapped. Worth it for a client that
+    is idle (its cell ended: nothing will invalidate the copy soon), resident, not waiting, has
+    memory that is not yet copied, was not asked in this idle period (the shim copies in the
+    background and reports progress in MEMORY; memory it cannot pre-copy, such as the program's
+    own managed memory, must not make the scheduler ask again and again), and has no other
+    decision in this batch (one about to move or run it anyway). Least recently used first:
+    those are the ones an arrival evicts first (:meth:`Policy._eviction_candidates`).
+    """
+    touched = {d.client for d in decided}
+    chosen = [
+        c
+        for c in clients
+        if c.idle
+        and c.resident
+        and c.waiting_since is None
+        and not c.precopy_asked
+        and not c.evict_pending
+        and c.movable > c.precopied
+        and c.id not in touched
+    ]
+    chosen.sort(key=lambda c: (c.last_active, c.seq))
+    return [c.id for c in chosen]

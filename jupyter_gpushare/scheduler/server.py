@@ -50,9 +50,11 @@ from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
 from .reservations import Reservations
+from .resume import ResumeKey
 from .shims import ShimSessions
 from .transport import (
     Connection,
+    LogLimiter,
     PeerCred,
     SchedulerConfigError,
     SchedulerStartError,
@@ -89,7 +91,10 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         self._connections: dict[int, Connection] = {}
         #: client id -> the shim's connection (each shim client the policy knows by this id)
         self._shims: dict[str, Connection] = {}
+        self._id_owners: dict[str, str] = {}
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
+        self._learnt_devices: dict[str, int] = {}  # lower-case uuid -> uid of the HELLO
+        self._device_totals: dict[str, int] = {}  # lower-case uuid -> bytes (0: unknown)
         self._serial = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline: float | None = None
@@ -101,10 +106,14 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         self._reservations = Reservations()
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
+        self._log_limit = LogLimiter(self.log)
         #: The last hour per kernel, user and GPU, recorded at every status change.
         self.history = History(resolution=self.history_resolution)
         self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
         self._mps: MPSManager | None = None
+        self._access_error = ""  # why the last load of the access configuration failed
+        # Replaced at start by the key kept beside the socket (see .resume).
+        self._resume_key = ResumeKey.generate()
 
     # ----------------------------------------------------------------------------------------
     # The public surface besides start/stop: status listeners and the access rules
@@ -222,6 +231,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
+        await self._load_resume_key()
         await self.allocation_sockets.start(self._on_connection)  # before any pod reconnects
         self.log.info(
             "gpushare scheduler %s listening on %s (%d device(s), policy: quantum %.1fs)",
@@ -305,6 +315,20 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
 
+    async def _load_resume_key(self) -> None:
+        """The key resume secrets come from, kept in a private directory beside the socket so
+        that the next scheduler on this socket can check the secrets this one gave."""
+        directory = os.path.join(self.socket_file.directory, ".gpushare-private")
+        loop = asyncio.get_running_loop()
+        try:
+            self._resume_key = await loop.run_in_executor(None, ResumeKey.load_or_create, directory)
+        except OSError as exc:
+            self.log.warning(
+                "gpushare: no resume key in %s (%s): after a restart, holders will wait",
+                directory,
+                exc,
+            )
+
     async def _start_mps(self) -> None:
         devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]
         self._mps = MPSManager(
@@ -353,6 +377,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         pool = self.pool_for(total)
         self.policy.add_device(uuid, name=name, total_bytes=total, pool_bytes=pool)
         self._devices[key] = uuid
+        self._device_totals[key] = total
         self.log.info(
             "device %s (%s): total %s, pool %s",
             uuid,
@@ -362,7 +387,13 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         )
         return uuid
 
-    def _device_for_hello(self, hello: tr.Hello) -> str:
+    #: Devices a uid may make the scheduler learn from its HELLOs (without NVML), and in all:
+    #: each is kept forever and shown to everyone, so one user must not be able to add many.
+    MAX_LEARNT_DEVICES_PER_UID = 16
+    MAX_LEARNT_DEVICES = 64
+
+    def _device_for_hello(self, hello: tr.Hello, uid: int) -> str | tr.Refusal:
+        """The device a HELLO names: a known one, or one learnt from it when NVML knows none."""
         known = self._devices.get(hello.device_uuid.lower())
         if known is not None:
             return known
@@ -371,8 +402,19 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
             if len(self._devices) == 1:
                 return next(iter(self._devices.values()))
             uuid = "GPU-unknown"
+        if self.discovery.devices:
+            # NVML knows this node's GPUs: a HELLO does not add one (nor say its size).
+            text = f"HELLO: device {uuid!r} is not one of this node's GPUs (NVML)"
+            return tr.Refusal(ErrorCode.NOT_FOUND, text)
+        mine = sum(1 for owner in self._learnt_devices.values() if owner == uid)
+        if len(self._learnt_devices) >= self.MAX_LEARNT_DEVICES or (
+            mine >= self.MAX_LEARNT_DEVICES_PER_UID and uid not in (0, self.own_uid)
+        ):
+            text = f"HELLO: too many devices learnt from shims; {uuid!r} is not added"
+            return tr.Refusal(ErrorCode.BAD_REQUEST, text)
         if not hello.device_total:
             self.log.warning("device %s: HELLO did not say its memory size", uuid)
+        self._learnt_devices[uuid.lower()] = uid
         return self._register_device(uuid, hello.device_name, hello.device_total)
 
     @property
@@ -399,6 +441,10 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
             )
         except (UsersConfigError, KeyFileError) as exc:
             self._access_error = str(exc)
+            return False
+        except Exception as exc:  # a reload must always answer, whatever the file holds
+            self.log.exception("gpushare: reading the access configuration failed")
+            self._access_error = f"{type(exc).__name__}: {exc}"
             return False
         self.access.load(files)
         self.log.info(
@@ -488,22 +534,55 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         self._serial += 1
         peer = self.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(self._serial, peer, writer)
+        if self._over_connection_limit(peer.uid):
+            self._log_limit.warning(
+                peer.uid,
+                "refused a connection of uid %d: it holds %d already (max_connections_per_uid)",
+                peer.uid,
+                self.max_connections_per_uid,
+            )
+            text = f"uid {peer.uid} has too many connections open to the scheduler"
+            conn.error(ErrorCode.FORBIDDEN, text, self.log)
+            writer.close()
+            return
         conn.allocation, conn.ceiling = self.accepted_on(writer.get_extra_info("sockname"))
         self._connections[conn.serial] = conn
         self.log.debug("connection %d from pid %d uid %d", conn.serial, peer.pid, peer.uid)
+        deadline = asyncio.get_running_loop().call_later(
+            self.handshake_seconds, self._handshake_expired, conn
+        )
         try:
-            await serve_frames(conn, reader, self._dispatch, self.log)
+            await serve_frames(conn, reader, self._dispatch, self._log_limit.log_for(peer.uid))
         except asyncio.CancelledError:
             raise
         except Exception:
-            self.log.exception("internal error on %s; closing it", conn.name)
+            self._log_limit.exception(peer.uid, "internal error on %s; closing it", conn.name)
         finally:
+            deadline.cancel()
             self._shim_gone(conn, "connection closed")
             conn.closed = True
             self._connections.pop(conn.serial, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    def _over_connection_limit(self, uid: int) -> bool:
+        limit = self.max_connections_per_uid
+        if limit <= 0 or uid in (0, self.own_uid):
+            return False
+        return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+
+    def _handshake_expired(self, conn: Connection) -> None:
+        """A connection that has not finished its first message in time is closed."""
+        if conn.kind == "new" and not conn.closed and conn.writer is not None:
+            self._log_limit.warning(
+                conn.peer.uid,
+                "closing %s: no whole message in %.0f s (handshake_seconds)",
+                conn.name,
+                self.handshake_seconds,
+            )
+            conn.closed = True
+            conn.writer.transport.abort()
 
     async def _dispatch(self, conn: Connection, msg: Message) -> None:
         mtype = msg.type

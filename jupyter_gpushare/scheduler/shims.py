@@ -10,6 +10,9 @@ each decision one GRANT/REVOKE/EVICT frame.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,7 +25,9 @@ from . import translate as tr
 from .access import Access
 from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
-from .transport import Connection, PeerCred
+from .mps import MPSManager
+from .resume import ResumeKey
+from .transport import Connection, LogLimiter, PeerCred
 from .users import Identity, Limits
 
 __all__ = ["ShimSessions"]
@@ -45,13 +50,23 @@ class ShimSessions:
     metrics: Any
     base_quantum: float
     revoke_warning_seconds: float
+    revoke_deadline_seconds: float
+    revoke_signal: str
+    revoke_signal_grace: float
+    _mps: MPSManager | None
+    _spawn: Callable[[Any], None]
     _stopping: bool
     _shims: dict[str, Connection]
+    _device_totals: dict[str, int]
+    _resume_key: ResumeKey
+    #: client id -> the user whose client last had it (oldest first; see _remember_owner)
+    _id_owners: dict[str, str]
     _metrics_feed: MetricsFeed
     _handle: Callable[[ev.Event], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _reschedule: Callable[[], None]
-    _device_for_hello: Callable[[tr.Hello], str]
+    _device_for_hello: Callable[[tr.Hello, int], str | tr.Refusal]
+    _log_limit: LogLimiter
     _device_snapshot: Callable[[str], dict[str, Any] | None]
     limits_for: Callable[[Identity], Limits]
     identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
@@ -83,8 +98,46 @@ class ShimSessions:
         )
         self._handle(ev.Leave(now, conn.client_id))
 
-    def _assign_client_id(self, requested: str, conn: Connection) -> str:
+    #: How many ids the scheduler remembers the owner of after their clients leave.
+    ID_OWNERS_KEPT = 16384
+
+    def _remember_owner(self, client_id: str, user: str) -> None:
+        self._id_owners.pop(client_id, None)
+        self._id_owners[client_id] = user
+        while len(self._id_owners) > self.ID_OWNERS_KEPT:
+            del self._id_owners[next(iter(self._id_owners))]
+
+    def _memory_cap(self, conn: Connection) -> int:
+        """The most a client's memory claim may say: its quota, else its device's size."""
+        total = self._device_totals.get((conn.device or "").lower(), 0)
+        return min(q for q in (conn.quota, total) if q > 0) if conn.quota or total else 0
+
+    def _resume_secret(self, conn: Connection) -> str:
+        """The secret a GRANT gives ``conn``'s shim (bound to the id it asked for and its uid)."""
+        return self._resume_key.secret(conn.requested_id, conn.peer.uid)
+
+    def _resume_proven(self, conn: Connection, hello: tr.Hello) -> bool:
+        return self._resume_key.verify(hello.requested_id, conn.peer.uid, hello.resume_secret)
+
+    def _assign_client_id(self, requested: str, conn: Connection, proven: bool = False) -> str:
+        """The id of a new shim asking for ``requested``; ``proven``: its resume secret proves
+        that the id was granted to its uid (it wins over whoever took the id since)."""
         existing = self._shims.get(requested)
+        user = conn.identity.user if conn.identity is not None else ""
+        owner = self._id_owners.get(requested)
+        if existing is None and owner not in (None, user) and not proven:
+            # The id was last another user's (a kernel restarting, a leaked id): bound to that
+            # user, so the newcomer gets its own id and the owner's control actions stay its own.
+            client_id = tr.free_client_id(requested, conn.peer.pid, {requested: None})
+            self.log.warning(
+                "client id %s belongs to user %s: the client of %s (pid %d) is %s",
+                requested,
+                owner,
+                user,
+                conn.peer.pid,
+                client_id,
+            )
+            return client_id
         if existing is None:
             return requested
         if existing.peer.pid > 0 and existing.peer == conn.peer:
@@ -117,11 +170,20 @@ class ShimSessions:
             conn.error(ErrorCode.FORBIDDEN, ident, self.log)
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
+        device = self._device_for_hello(hello, conn.peer.uid)
+        if isinstance(device, tr.Refusal):
+            self._log_limit.warning(
+                conn.peer.uid, "refused HELLO of %s: %s", conn.name, device.text
+            )
+            self._refuse(conn, device)
+            return
         conn.identity = ident = confined(ident, conn)
-        client_id = self._assign_client_id(hello.requested_id, conn)
-        device = self._device_for_hello(hello)
+        proven = bool(hello.resume_secret) and self._resume_proven(conn, hello)
+        client_id = self._assign_client_id(hello.requested_id, conn, proven)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
+        conn.requested_id = hello.requested_id
         self._shims[client_id] = conn
+        self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
         quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
@@ -134,10 +196,13 @@ class ShimSessions:
                 format_size(hello.quota) if hello.quota else "none",
             )
         weight = round(limits.effective_weight(hello.weight) * 1000) / 1000.0
-        conn.memory.update(hello.memory)
         join = hello.join(
             time.monotonic(), client_id, device, ident.user, conn.peer.uid, weight, quota
         )
+        if hello.memory:  # a reconnecting shim's memory: bounded as every later claim
+            memory = tr.bounded_memory(hello.memory, self._memory_cap(conn))
+            conn.memory.update(memory)
+            join = dataclasses.replace(join, **memory)
         self.log.info(
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
             client_id,
@@ -150,6 +215,16 @@ class ShimSessions:
             hello.label,
             hello.version,
         )
+        if hello.resume.get("resume") == "holding" and not proven:
+            # Unproven, a holding claim would let anyone take the grant during the recovery
+            # window (docs/reliability.md): it waits like any other client instead.
+            self.log.warning(
+                "resume client=%s uid=%d: its claim to hold the device has no valid "
+                "resume_secret; it waits",
+                client_id,
+                conn.peer.uid,
+            )
+            join = dataclasses.replace(join, resume="waiting")
         if hello.resume:
             self.log.info("resume client=%s %s", client_id, hello.resume)
         rest: list[ev.Decision] = []
@@ -173,18 +248,21 @@ class ShimSessions:
         }
         if "resume" in hello.resume:
             welcome["resume"] = resumed
+        if resumed:
+            welcome["resume_secret"] = self._resume_secret(conn)
         self._send(conn, Message(MsgType.WELCOME, welcome))
         self._execute(rest)
         self._reschedule()
 
     def _on_shim_message(self, conn: Connection, client_id: str, msg: Message) -> None:
         now = time.monotonic()
-        event = tr.shim_event(msg, client_id, now, conn.memory)
+        cap = self._memory_cap(conn)
+        event = tr.shim_event(msg, client_id, now, conn.memory, cap)
         if isinstance(event, ev.Leave):
             self.log.debug("goodbye client=%s", client_id)
             self._shim_gone(conn, "goodbye")
             return
-        conn.memory.update(tr.memory_after(conn.memory, msg))
+        conn.memory.update(tr.memory_after(conn.memory, msg, cap))
         if isinstance(event, ev.Request):
             if conn.requested_at is None:
                 conn.requested_at = now
@@ -210,9 +288,17 @@ class ShimSessions:
                     conn.device or "", conn.revoking, moved if event.evicted else 0
                 )
             conn.granted_at = conn.accounted_at = conn.revoked_at = None
-            conn.revoking = False
+            conn.revoking = conn.overdue = False
         elif isinstance(event, ev.Idle):
             self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
+        elif isinstance(event, ev.Precopied):
+            self.log.info(
+                "precopied client=%s %s ms=%.1f valid=%s",
+                client_id,
+                _bytes(event.bytes_moved),
+                event.micros / 1000.0,
+                _bytes(event.precopied),
+            )
         elif isinstance(event, (ev.Evicted, ev.Restored)):
             # The scheduler's log and metrics name the two directions of a move.
             evict = isinstance(event, ev.Evicted)
@@ -276,8 +362,10 @@ class ShimSessions:
                     _ms(held),
                     decision.reason,
                 )
-                conn.revoking = True
+                conn.revoking, conn.overdue = True, False
                 self._watch_revoke(conn, now)
+            elif isinstance(decision, ev.Precopy):
+                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
             else:
                 self.log.info(
                     "evict client=%s %s reason=%r",
@@ -285,18 +373,26 @@ class ShimSessions:
                     _bytes(mem["managed"]),
                     decision.reason,
                 )
-            self._send(conn, tr.decision_message(decision))
+            message = tr.decision_message(decision)
+            if isinstance(decision, ev.Grant):
+                message.fields["resume_secret"] = self._resume_secret(conn)
+            self._send(conn, message)
 
     def _watch_revoke(self, conn: Connection, sent: float) -> None:
         """Warn the operator once when a revoke goes unanswered for revoke_warning_seconds: a
         GPU kernel that runs that long keeps the device from everyone who waits."""
         conn.revoked_at = sent
-        if self.revoke_warning_seconds <= 0:
-            return
+        loop = asyncio.get_running_loop()
+        if self.revoke_warning_seconds > 0:
+            loop.call_later(self.revoke_warning_seconds, self._revoke_unanswered, conn, sent)
+        if self.revoke_deadline_seconds > 0:
+            loop.call_later(self.revoke_deadline_seconds, self._revoke_overdue, conn, sent)
 
-        def check() -> None:
-            if conn.closed or conn.left or conn.revoked_at != sent or self._stopping:
-                return
+    def _still_revoking(self, conn: Connection, sent: float) -> bool:
+        return not (conn.closed or conn.left or conn.revoked_at != sent or self._stopping)
+
+    def _revoke_unanswered(self, conn: Connection, sent: float) -> None:
+        if self._still_revoking(conn, sent):
             self.log.warning(
                 "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
                 "its GPU work still runs while others wait (interrupt or end the kernel)",
@@ -305,4 +401,41 @@ class ShimSessions:
                 time.monotonic() - sent,
             )
 
-        asyncio.get_running_loop().call_later(self.revoke_warning_seconds, check)
+    def _revoke_overdue(self, conn: Connection, sent: float) -> None:
+        """The holder let its revoke deadline pass: stop waiting for it (docs/reliability.md)."""
+        if not self._still_revoking(conn, sent) or conn.client_id is None:
+            return
+        conn.overdue = True
+        action = "counted as released, its memory still on the GPU"
+        if self._mps is not None:
+            action = "terminate_client of its processes (MPS)"
+            self._spawn(self._mps.terminate_process(conn.peer.pid, tree=True))
+        elif self.revoke_signal:
+            action += f"; {self.revoke_signal} in {self.revoke_signal_grace:.0f} s"
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.revoke_signal_grace, self._signal_overdue, conn, sent)
+        self.log.warning(
+            "revoke_overdue client=%s pid=%d after_s=%.0f: %s",
+            conn.client_id,
+            conn.peer.pid,
+            time.monotonic() - sent,
+            action,
+        )
+        # Waiters that fit beside its memory run now; the rest wait for it to go.
+        self._handle(ev.Released(time.monotonic(), conn.client_id, False, 0, 0))
+
+    def _signal_overdue(self, conn: Connection, sent: float) -> None:
+        if not self._still_revoking(conn, sent):
+            return
+        signum = getattr(signal, self.revoke_signal)
+        try:
+            os.kill(conn.peer.pid, signum)
+        except OSError as exc:
+            self.log.warning("cannot send %s to pid %d: %s", self.revoke_signal, conn.peer.pid, exc)
+            return
+        self.log.warning(
+            "revoke_signal client=%s pid=%d signal=%s",
+            conn.client_id,
+            conn.peer.pid,
+            self.revoke_signal,
+        )

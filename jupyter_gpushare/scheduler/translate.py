@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode
+from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
 from ..units import parse_size
 from . import events as ev
 
@@ -27,6 +27,7 @@ __all__ = [
     "MPSEnv",
     "Place",
     "Refusal",
+    "bounded_memory",
     "check_client_action",
     "check_hello",
     "check_mps_env",
@@ -44,8 +45,11 @@ __all__ = [
 #: The longest device UUID and name a HELLO may carry ("GPU-" or "MIG-" UUIDs have 40 characters).
 MAX_DEVICE_UUID = 64
 MAX_DEVICE_NAME = 256
-#: The longest client id a control action may name.
+#: The longest client id a shim may ask for or a control action name.
 MAX_CLIENT_ID = 256
+#: Labels (a notebook path, a command line) are cut to this many characters: one client's label
+#: must not fill the status frame and hide everyone else.
+MAX_LABEL = 512
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
 SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
@@ -88,6 +92,8 @@ class Hello:
     #: The Join fields of a reconnecting shim (docs/protocol.md, "Scheduler restarts").
     resume: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
+    #: What a reconnecting holder sends back of its last GRANT ('' when nothing).
+    resume_secret: str = ""
 
     def join(
         self,
@@ -142,21 +148,31 @@ def check_hello(msg: Message, peer_pid: int) -> Hello | Refusal:
         )
     pid = peer_pid or int(msg.get("pid") or 0)
     requested = str(msg.get("client_id") or "") or f"pid-{msg.get('pid') or peer_pid}"
+    if len(requested) > MAX_CLIENT_ID or not requested.isprintable():
+        # Ids are shown in status tables and logs and named by control actions: printable, short.
+        return Refusal(
+            ErrorCode.BAD_REQUEST,
+            f"HELLO: client_id must be at most {MAX_CLIENT_ID} printable characters",
+        )
+    label = printable(str(msg.get("label") or ""))
+    if len(label) > MAX_LABEL:
+        label = label[: MAX_LABEL - 1] + "\u2026"
     return Hello(
         requested_id=requested,
         user=str(msg.get("user") or ""),
         token=str(msg.get("token") or ""),
         device_uuid=uuid,
-        device_name=name,
+        device_name=printable(name),
         device_total=int(msg.get("device_total") or 0),
         weight=int(msg.get("weight_milli") or 1000) / 1000.0,
         quota=int(msg.get("quota") or 0),
         context_bytes=int(msg.get("context_bytes") or 0),
-        label=str(msg.get("label") or ""),
+        label=label,
         pid=pid,
         version=str(msg.get("version", "?")),
         resume=_resume_fields(msg),
         memory=memory_after({}, msg) if "used_bytes" in msg else {},
+        resume_secret=str(msg.get("resume_secret") or ""),
     )
 
 
@@ -171,28 +187,71 @@ def free_client_id(requested: str, pid: int, taken: Mapping[str, object]) -> str
     return candidate
 
 
-def memory_after(memory: Mapping[str, int], msg: Message) -> dict[str, int]:
-    """``memory`` updated with the memory fields ``msg`` carries (absent ones keep their value)."""
+def memory_after(memory: Mapping[str, int], msg: Message, cap: int = 0) -> dict[str, int]:
+    """``memory`` updated with the memory fields ``msg`` carries (absent ones keep their value),
+    bounded as :func:`bounded_memory` says."""
     out = {"used": 0, "managed": 0, "pinned": 0, "evicted": 0, **memory}
     for key, name in _MEMORY_FIELDS:
         if name in msg:
             out[key] = int(msg[name])
-    return out
+    return bounded_memory(out, cap)
 
 
-def shim_event(msg: Message, client_id: str, now: float, memory: Mapping[str, int]) -> ev.Event:
-    """The policy event of a shim message after HELLO (GOODBYE is a Leave)."""
+def bounded_memory(mem: Mapping[str, int], cap: int) -> dict[str, int]:
+    """A client's memory claim made consistent and bounded: what it uses is at most ``cap``
+    (its quota, else its device's size; 0 = unknown), and its managed and pinned parts at most
+    what it uses, its evicted part at most its managed part. A claim is only a claim: a
+    ``pinned`` of 2**60 must not make everyone else take turns beside a 1 GiB kernel."""
+    used = max(0, mem["used"])
+    if cap > 0:
+        used = min(used, cap)
+    managed = min(max(0, mem["managed"]), used)
+    return {
+        "used": used,
+        "managed": managed,
+        "pinned": min(max(0, mem["pinned"]), used),
+        "evicted": min(max(0, mem["evicted"]), managed),
+    }
+
+
+def precopied(msg: Message, memory: Mapping[str, int]) -> int:
+    """A client's pre-copied bytes: a claim, bounded by what it says it could evict."""
+    return max(0, min(int(msg.get("precopied_bytes") or 0), int(memory.get("managed", 0))))
+
+
+def shim_event(
+    msg: Message, client_id: str, now: float, memory: Mapping[str, int], cap: int = 0
+) -> ev.Event:
+    """The policy event of a shim message after HELLO (GOODBYE is a Leave); ``cap``: see
+    :func:`bounded_memory`."""
     mtype = msg.type
     moved = int(msg.get("bytes_moved") or 0)
     micros = int(msg.get("micros") or 0)
-    if mtype in (MsgType.REQUEST, MsgType.MEMORY):
-        mem = memory_after(memory, msg)
-        kind = ev.Request if mtype == MsgType.REQUEST else ev.Memory
-        return kind(now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"])
+    if mtype == MsgType.REQUEST:
+        mem = memory_after(memory, msg, cap)
+        return ev.Request(
+            now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"]
+        )
+    if mtype == MsgType.MEMORY:
+        mem = memory_after(memory, msg, cap)
+        return ev.Memory(
+            now,
+            client_id,
+            mem["used"],
+            mem["managed"],
+            mem["pinned"],
+            mem["evicted"],
+            precopied(msg, mem),
+        )
     if mtype == MsgType.RELEASED:
         return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros)
     if mtype == MsgType.IDLE:
-        return ev.Idle(now, client_id)
+        said = "precopied_bytes" in msg
+        return ev.Idle(now, client_id, precopied(msg, memory_after(memory, msg)) if said else -1)
+    if mtype == MsgType.PRECOPIED:
+        return ev.Precopied(
+            now, client_id, moved, micros, precopied(msg, memory_after(memory, msg))
+        )
     if mtype == MsgType.EVICTED:
         # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
         # never reported a failure.
@@ -210,16 +269,28 @@ def decision_message(decision: ev.Decision) -> Message:
         return Message(MsgType.GRANT, {"flag": int(decision.restore)})
     if isinstance(decision, ev.Revoke):
         return Message(MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason})
+    if isinstance(decision, ev.Precopy):
+        return Message(MsgType.PRECOPY, {})
     return Message(MsgType.EVICT, {"reason": decision.reason})
 
 
 def encode_status(doc: dict[str, Any]) -> bytes:
     """The STATUS frame of ``doc``, cut down to fit the 64 KiB frame (and saying so).
 
-    Over the limit (hundreds of clients) the devices stay and the per-client detail goes; still
+    Over the limit the labels go first; then (hundreds of clients) the devices stay and the
+    per-client detail goes; still
     over (devices learnt from HELLOs with long names), the devices go too. Without this the
     encoding raised and STATUS failed for every peer (found by test_protocol_fuzz.py).
     """
+    try:
+        return encode(Message(MsgType.STATUS, {"body": doc}))
+    except ValueError:
+        pass
+    # Labels first: every client stays listed, none can hide the others by its size.
+    for dev in doc["devices"]:
+        for client in dev.get("clients", []):
+            client.pop("label", None)
+    doc["labels_truncated"] = True
     try:
         return encode(Message(MsgType.STATUS, {"body": doc}))
     except ValueError:
@@ -303,11 +374,9 @@ def check_client_action(action: str, body: Mapping[str, Any]) -> ClientAction | 
         try:
             if raw is None or isinstance(raw, (bool, float)):
                 raise ValueError(f"invalid size {raw!r}")
+            # parse_size refuses what a u64 (SET_QUOTA) cannot carry: a larger quota made the
+            # frame's encoding fail after the policy took it (found by test_protocol_fuzz.py).
             quota = parse_size(raw)
-            if quota >= 1 << 64:
-                # The quota goes out as a u64 (SET_QUOTA): a larger one would make the frame's
-                # encoding fail after the policy took it (found by test_protocol_fuzz.py).
-                raise ValueError(f"invalid size {raw!r}: over the u64 limit")
         except ValueError as exc:
             return Refusal(ErrorCode.BAD_REQUEST, f"set_quota: 'quota': {exc}")
         return ClientAction(action, client_id, quota=quota)

@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from .users import Identity
 __all__ = [
     "MAX_WRITE_BUFFER",
     "Connection",
+    "LogLimiter",
     "PeerCred",
     "SchedulerConfigError",
     "SchedulerStartError",
@@ -49,6 +51,60 @@ class SchedulerStartError(RuntimeError):
 class SchedulerConfigError(SchedulerStartError):
     """The configuration cannot work (a socket path or directory, a group): the operator must
     change it (``gpushare scheduler`` exits with 2, as for an invalid value)."""
+
+
+class LogLimiter:
+    """Warnings about peers, at most ``burst`` per uid and ``period`` seconds.
+
+    A peer that opens a thousand bad connections must not grow the log by megabytes a second
+    (nor push everyone else's lines out of it): past its budget its lines are counted, and the
+    count is logged when its next period starts.
+    """
+
+    def __init__(self, log: Log, burst: int = 20, period: float = 60.0) -> None:
+        self.log = log
+        self.burst = burst
+        self.period = period
+        self._budget: dict[int, tuple[float, int, int]] = {}  # uid -> (period start, used, held)
+
+    def allow(self, uid: int) -> bool:
+        now = time.monotonic()
+        start, used, held = self._budget.get(uid, (now, 0, 0))
+        if now - start >= self.period:
+            if held:
+                self.log.warning("uid %d: %d more warning(s) about it were not logged", uid, held)
+            start, used, held = now, 0, 0
+        if used < self.burst:
+            self._budget[uid] = (start, used + 1, held)
+            return True
+        self._budget[uid] = (start, used, held + 1)
+        if len(self._budget) > 4096:  # bounded: forget the oldest periods
+            for key in sorted(self._budget, key=lambda k: self._budget[k][0])[:1024]:
+                del self._budget[key]
+        return False
+
+    def warning(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid):
+            self.log.warning(msg, *args)
+
+    def exception(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid):
+            self.log.exception(msg, *args)
+
+    def log_for(self, uid: int) -> _LimitedLog:
+        """A logger whose warnings about ``uid`` go through the limit (debug lines do not)."""
+        return _LimitedLog(self, uid)
+
+
+class _LimitedLog:
+    def __init__(self, limiter: LogLimiter, uid: int) -> None:
+        self._limiter, self._uid = limiter, uid
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._limiter.warning(self._uid, msg, *args)
+
+    def debug(self, msg: str, *args: Any) -> None:
+        self._limiter.log.debug(msg, *args)
 
 
 @dataclass(frozen=True)
@@ -84,6 +140,8 @@ class Connection:
     kind: str = "new"  # "new" | "shim" | "control"
     #: The id the scheduler knows this shim by (after disambiguation); None before HELLO.
     client_id: str | None = None
+    #: The id its HELLO asked for (its resume secret is bound to it).
+    requested_id: str = ""
     device: str | None = None
     left: bool = False  # a Leave for this client went to the policy already
     closed: bool = False
@@ -100,6 +158,7 @@ class Connection:
     revoking: bool = False  # a REVOKE is out: its RELEASED answer is a handoff (metrics)
     accounted_at: float | None = None  # GPU time of the current hold counted up to here
     revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
+    overdue: bool = False  # its revoke deadline passed: the policy counts it released
     #: Accepted on a device-plugin allocation's socket (scheduler/allocations.py): its id and
     #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
     allocation: str = ""
@@ -228,10 +287,17 @@ class SocketFile:
             if self.group:
                 os.chown(directory, -1, group_id(self.group))
         st = os.stat(directory)
-        if uid != 0 and st.st_uid not in (uid, 0):
+        if st.st_uid not in (uid, 0):
+            # Another user made it (first, in /tmp): they could swap the socket for theirs.
             raise SchedulerConfigError(
                 f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
                 "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "everyone" if st.st_mode & stat.S_IWOTH else "its group"
+            raise SchedulerConfigError(
+                f"refusing to put the socket in {directory}: it is writable by {who}, who could "
+                "replace the socket with their own (use a directory only its owner may write)"
             )
         stale = False
         with contextlib.suppress(FileNotFoundError):

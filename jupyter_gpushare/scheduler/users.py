@@ -39,6 +39,7 @@ import grp
 import math
 import os
 import pwd
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,16 +299,52 @@ def load_users_config(path: str) -> UsersConfig:
     """Read and validate the file at ``path`` (blocking); '' gives the empty config."""
     if not path:
         return UsersConfig()
+    text = _read_config_text(path)
+    if not text.strip():
+        # Most often a file caught half-written by an editor or a deployment: taking it would
+        # silently lift every ceiling. An operator who means "no ceilings" says so in a comment.
+        raise UsersConfigError(
+            f"users config {path} is empty: refusing it (a file with only a comment, or "
+            "users_config = '', means no ceilings)"
+        )
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise UsersConfigError(f"users config {path} does not exist") from None
-    except OSError as exc:
-        raise UsersConfigError(f"cannot read the users config {path}: {exc}") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsersConfigError(f"{path}: not valid TOML: {exc}") from None
     return parse_users_config(doc, path)
+
+
+#: A users config larger than this is refused (it is a few lines per user or group).
+MAX_USERS_CONFIG_BYTES = 4 << 20
+
+
+def _read_config_text(path: str) -> str:
+    """The file's text: a regular file (a FIFO or a device would block the reader), bounded,
+    UTF-8 (TOML's encoding); UsersConfigError otherwise."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; a regular file ignores it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UsersConfigError(f"users config {path} does not exist") from None
+    except OSError as exc:
+        raise UsersConfigError(f"cannot read the users config {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsersConfigError(f"users config {path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_USERS_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsersConfigError(f"cannot read the users config {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_USERS_CONFIG_BYTES:
+        raise UsersConfigError(f"users config {path} is larger than {MAX_USERS_CONFIG_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsersConfigError(
+            f"{path}: not UTF-8 (byte {exc.start}): TOML files are UTF-8"
+        ) from None
 
 
 def describe_limits(limits: Limits) -> str:

@@ -55,7 +55,7 @@ def filter_status(doc: dict[str, Any], viewer: Identity) -> dict[str, Any]:
                 int(c.get("used_bytes") or 0) - int(c.get("evicted_bytes") or 0), 0
             )
         view = dict(dev)
-        view["clients"] = mine
+        view["clients"] = [_without_others_ids(c, own_ids) for c in mine]
         view["holders"] = [h for h in dev.get("holders", []) if h in own_ids]
         view["queue"] = [q for q in dev.get("queue", []) if q in own_ids]
         view["holder_users"] = [users.get(h, "") for h in dev.get("holders", [])]
@@ -64,3 +64,16 @@ def filter_status(doc: dict[str, Any], viewer: Identity) -> dict[str, Any]:
         devices.append(view)
     out["devices"] = devices
     return out
+
+
+def _without_others_ids(client: dict[str, Any], own_ids: set[str]) -> dict[str, Any]:
+    """``client`` with the ids of other users' kernels it waits behind left out (``wait.holders``
+    says their user and state; an id would let the viewer act on, or squat, that kernel's id)."""
+    wait = client.get("wait")
+    if not isinstance(wait, dict) or not wait.get("holders"):
+        return client
+    holders = [
+        h if str(h.get("id")) in own_ids else {k: v for k, v in h.items() if k != "id"}
+        for h in wait["holders"]
+    ]
+    return {**client, "wait": {**wait, "holders": holders}}

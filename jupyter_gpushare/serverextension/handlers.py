@@ -169,7 +169,7 @@ class QuotaHandler(KernelActionHandler):
             raise web.HTTPError(403, "setting a kernel's memory quota needs a gpushare admin")
         try:
             body = json.loads(self.request.body or b"null")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep (a 500)
             raise web.HTTPError(400, f"the body is not JSON: {exc}") from exc
         if not isinstance(body, dict) or "quota" not in body:
             raise web.HTTPError(

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..client import SchedulerError, SchedulerUnavailable
+from ..protocol import kernel_client_id
 from .backend import SchedulerBackend
 
 __all__ = ["StatusBroadcaster", "enrich", "kernel_id_of", "signature"]
@@ -36,7 +37,7 @@ Push = Callable[[dict[str, Any] | None, str | None], Awaitable[None]]
 
 def kernel_id_of(client_id: str) -> str:
     """The kernel id of a scheduler client id (a kernel's subprocess is ``<kernel>#<pid>``)."""
-    return client_id.split("#", 1)[0]
+    return kernel_client_id(client_id)
 
 
 def signature(doc: dict[str, Any] | None, error: str | None = None) -> str:

@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 /* The version of struct gpushare_status; bumped when fields are added at the end. */
-#define GPUSHARE_STATUS_VERSION 1
+#define GPUSHARE_STATUS_VERSION 2
 
 /* What the process is doing with the GPU. */
 enum gpushare_state {
@@ -28,7 +28,8 @@ enum gpushare_state {
     GPUSHARE_STATE_WAITING = 3,  /* a GPU call is blocked until the scheduler grants the device
                                     (of a process on several devices: any of them) */
     GPUSHARE_STATE_HOLDING = 4,  /* holds the device: GPU calls pass straight through */
-    GPUSHARE_STATE_RELEASING = 5 /* handing the device back (synchronising, maybe evicting) */
+    GPUSHARE_STATE_RELEASING = 5, /* handing the device back (synchronising, maybe evicting) */
+    GPUSHARE_STATE_ASLEEP = 6     /* deep idle: memory and context checkpointed to the host */
 };
 
 struct gpushare_status {
@@ -51,6 +52,11 @@ struct gpushare_status {
     char client_id[128];
     char socket_path[108];
     char device_uuid[48];
+    /* Version 2: the memory engine's host side. */
+    uint64_t precopied_bytes;        /* resident bytes whose host copy is current */
+    uint64_t staging_pinned_bytes;   /* host staging registered with the driver */
+    uint64_t staging_pageable_bytes; /* host staging past GPUSHARE_HOST_BUDGET (slower copies) */
+    uint64_t staging_fallbacks;      /* staging buffers that fell back to pageable memory */
 };
 
 /* Fill *out (of `size` bytes, normally sizeof(struct gpushare_status)). Returns 0, or -1 when

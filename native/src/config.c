@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "shim.h"
 
@@ -112,6 +113,14 @@ static const char *env(const char *name)
     return (v && *v) ? v : NULL;
 }
 
+/* Half the machine's memory: staging mirrors device memory on the host, and the host must keep
+ * room for the programs themselves. */
+static uint64_t default_host_budget(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
+}
+
 /* A duration in seconds from the environment (0 <= s < 1e6); a bad value keeps the default. */
 static void env_seconds(const char *name, double *out, const char *expected)
 {
@@ -130,7 +139,8 @@ static void load_config(void)
 {
     struct gs_config *c = &g_config;
     c->log_level = gs_log_level_now(); /* log.c reads GPUSHARE_LOG itself: it sits below */
-    c->managed = 1;
+    c->memory_mode = GS_MEMORY_VMM;
+    c->host_budget = default_host_budget();
     c->context_bytes = 536870912ull;
     c->weight_milli = 1000;
     c->idle_seconds = 2.0;
@@ -141,8 +151,26 @@ static void load_config(void)
     const char *v;
     if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
         c->disabled = 1;
-    if ((v = env("GPUSHARE_MANAGED")))
-        c->managed = strcmp(v, "0") != 0;
+    if ((v = env("GPUSHARE_MANAGED")) && strcmp(v, "0") == 0) {
+        /* The old switch: GPUSHARE_MANAGED=0 meant plain device memory, counted, never moved. */
+        c->memory_mode = GS_MEMORY_DEVICE;
+    }
+    if ((v = env("GPUSHARE_MEMORY"))) {
+        if (!strcasecmp(v, "vmm"))
+            c->memory_mode = GS_MEMORY_VMM;
+        else if (!strcasecmp(v, "managed"))
+            c->memory_mode = GS_MEMORY_MANAGED;
+        else if (!strcasecmp(v, "device"))
+            c->memory_mode = GS_MEMORY_DEVICE;
+        else
+            GS_WARN("ignoring GPUSHARE_MEMORY=%s: expected vmm, managed or device", v);
+    }
+    if ((v = env("GPUSHARE_HOST_BUDGET")) && gs_parse_size(v, &c->host_budget) != 0) {
+        c->host_budget = default_host_budget();
+        GS_WARN("ignoring GPUSHARE_HOST_BUDGET=%s: expected bytes or a size (0 = no pinned "
+                "staging)",
+                v);
+    }
     if ((v = env("GPUSHARE_MEMORY_LIMIT")) && gs_parse_size(v, &c->quota) != 0) {
         c->quota = 0;
         GS_WARN("ignoring GPUSHARE_MEMORY_LIMIT=%s: expected bytes or a size such as 8GiB", v);

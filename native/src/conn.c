@@ -126,6 +126,7 @@ void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t)
     gs_w_u64(w, GS_TAG_MANAGED_BYTES, t->managed);
     gs_w_u64(w, GS_TAG_PINNED_BYTES, t->pinned);
     gs_w_u64(w, GS_TAG_EVICTED_BYTES, t->evicted);
+    gs_w_u64(w, GS_TAG_PRECOPIED_BYTES, t->precopied);
 }
 
 
@@ -187,9 +188,13 @@ void gs_conn_send_request(struct gs_session *s)
     GS_DEBUG("requested the device");
 }
 
-/* The socket and its directory must belong to this user or to root, and the directory must not
- * be writable by others (docs/protocol.md, "Trusting the socket"): the HELLO carries the command
- * line, the user and the user token, and must never go to a socket another user put there. */
+/* The rule of docs/protocol.md, "Trusting the socket" (jupyter_gpushare/paths.py's
+ * socket_distrust says the same; tests/native/test_socket_trust.py checks both): the directory is
+ * not writable by its group or by everyone; it belongs to this user or root, or to one service
+ * account (a node scheduler's, /run/gpushare) whose socket is that account's too, and never to
+ * another user when it is this user's own gpushare-$UID directory, which anyone could have made
+ * first in /tmp. The HELLO carries the command line, the user and the user token, and must never
+ * go to a socket another user put there. */
 static int socket_trusted(const char *path, char *why, size_t whylen)
 {
     char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -207,23 +212,37 @@ static int socket_trusted(const char *path, char *why, size_t whylen)
         snprintf(why, whylen, "%s: %s", dir, strerror(errno));
         return -1;
     }
-    if (st.st_uid != me && st.st_uid != 0) {
-        snprintf(why, whylen, "refusing the socket: its directory %s belongs to uid %u", dir,
-                 (unsigned)st.st_uid);
-        return 0;
-    }
     if (st.st_mode & (S_IWGRP | S_IWOTH)) {
         snprintf(why, whylen, "refusing the socket: its directory %s is writable by %s", dir,
                  st.st_mode & S_IWOTH ? "everyone" : "its group");
+        return 0;
+    }
+    uid_t dir_owner = st.st_uid;
+    int dir_mine = dir_owner == me || dir_owner == 0;
+    char own_dir[32];
+    snprintf(own_dir, sizeof own_dir, "gpushare-%u", (unsigned)me);
+    const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
+    if (!dir_mine && strcmp(base, own_dir) == 0) {
+        snprintf(why, whylen,
+                 "refusing the socket: %s belongs to uid %u, not to this user (another user made "
+                 "this user's socket directory)",
+                 dir, (unsigned)dir_owner);
         return 0;
     }
     if (lstat(path, &st) != 0) {
         snprintf(why, whylen, "%s", strerror(errno));
         return -1;
     }
-    if (!S_ISSOCK(st.st_mode) || (st.st_uid != me && st.st_uid != 0)) {
-        snprintf(why, whylen, "refusing %s: %s", path,
-                 S_ISSOCK(st.st_mode) ? "it belongs to another user" : "not a socket");
+    if (!S_ISSOCK(st.st_mode)) {
+        snprintf(why, whylen, "refusing %s: not a socket", path);
+        return 0;
+    }
+    /* A directory of this user or root: the socket is this user's, root's or the directory
+     * owner's. A service account's directory: the socket is that account's. */
+    int sock_ok = dir_mine ? (st.st_uid == me || st.st_uid == 0 || st.st_uid == dir_owner)
+                           : st.st_uid == dir_owner;
+    if (!sock_ok) {
+        snprintf(why, whylen, "refusing %s: it belongs to uid %u", path, (unsigned)st.st_uid);
         return 0;
     }
     return 1;

@@ -123,6 +123,29 @@ typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
 typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
 typedef struct CUctxCreateParams_st CUctxCreateParams;
 
+/* cuArrayCreate / cuArray3DCreate / cuMipmappedArrayCreate descriptors (the shim counts the bytes
+ * they describe). Format is a CUarray_format. */
+typedef struct CUDA_ARRAY_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    int Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    size_t Depth;
+    int Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+
+/* cuIpcGetMemHandle's handle: 64 opaque bytes. */
+typedef struct CUipcMemHandle_st {
+    char reserved[64];
+} CUipcMemHandle;
+
 /* CUuuid */
 typedef struct CUuuid_st {
     char bytes[16];

@@ -60,14 +60,25 @@ void gs_idle_check(struct gs_session *s, double now)
     gs_capture_unlock();
     if (busy)
         return; /* work is still running: look again on the next tick */
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_IDLE);
     gs_w_u64(&w, GS_TAG_IDLE_MS, (uint64_t)(idle_for * 1000));
+    /* What of a former pre-copy is still valid (calls since then made the rest stale). */
+    gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
     if (gs_conn_send(s, &w) == 0) {
         pthread_mutex_lock(&s->mu);
         s->idle_sent = 1;
         pthread_mutex_unlock(&s->mu);
         GS_DEBUG("idle for %.1f s: told the scheduler", idle_for);
+        /* Host staging is prepared now, off the critical path: an eviction of this idle
+         * process then copies at the bus's speed from its first byte. Registering host memory
+         * needs the application's context. */
+        if (gs_device_push(s, NULL) == 0) {
+            gs_mem_prepare_staging();
+            gs_device_pop();
+        }
     }
 }
 

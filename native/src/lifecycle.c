@@ -145,6 +145,28 @@ static void handle_evict(struct gs_session *s)
                 gs_format_size(moved, b, sizeof b));
 }
 
+/* PRECOPY: copy resident memory to the host at low priority while it stays resident, so that a
+ * later eviction is an unmap. The copy runs on the memory engine's own thread (this one must stay
+ * free to answer a revoke); the answer says what is valid now, MEMORY reports the rest as it
+ * completes. Any gated call after the copy started makes it stale (memory_move.c). */
+static void handle_precopy(struct gs_session *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int waiting = s->waiters > 0;
+    pthread_mutex_unlock(&s->mu);
+    if (!waiting)
+        gs_mem_precopy_async();
+    struct gs_mem_totals t;
+    gs_mem_totals(&t);
+    struct gs_writer w;
+    gs_conn_begin(s, &w, GS_MSG_PRECOPIED);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
+    gs_w_u64(&w, GS_TAG_MICROS, 0);
+    gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
+    gs_conn_send(s, &w);
+    GS_DEBUG("pre-copy %s", waiting ? "skipped: a thread waits for the device" : "started");
+}
+
 static void dispatch(struct gs_session *s, const struct gs_msg *m)
 {
     char text[256];
@@ -158,6 +180,9 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
         break;
     case GS_MSG_EVICT:
         handle_evict(s);
+        break;
+    case GS_MSG_PRECOPY:
+        handle_precopy(s);
         break;
     case GS_MSG_SET_QUOTA: {
         uint64_t q = gs_msg_u64(m, GS_TAG_QUOTA, 0);

@@ -33,15 +33,18 @@ static void send_frame(struct gs_session *s, CUdevice dev, struct gs_writer *w)
         GS_WARN("device %d: sending to the scheduler failed", (int)dev);
 }
 
-/* RELEASED, EVICTED or RESTORED for a link: the engine keeps no per-device account, so a link
- * never moves memory (flag: RELEASED 0 = not evicted; EVICTED 1 = nothing left to evict). */
+/* RELEASED, EVICTED, RESTORED or PRECOPIED for a link: the engine keeps no per-device account,
+ * so a link never moves memory (flag: RELEASED 0 = not evicted; EVICTED 1 = nothing left to
+ * evict). */
 static void send_nothing_moved(struct gs_session *s, CUdevice dev, uint8_t type, int flag)
 {
     uint8_t buf[128];
     struct gs_writer w;
     gs_w_begin(&w, buf, sizeof buf, type);
-    if (type != GS_MSG_RESTORED)
+    if (type == GS_MSG_RELEASED || type == GS_MSG_EVICTED)
         gs_w_u64(&w, GS_TAG_FLAG, (uint64_t)flag);
+    if (type == GS_MSG_PRECOPIED)
+        gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, 0);
     gs_w_u64(&w, GS_TAG_EVICTED_BYTES, 0);
     gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
     gs_w_u64(&w, GS_TAG_MICROS, 0);
@@ -262,6 +265,9 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
         break;
     case GS_MSG_EVICT: /* the link reports no managed memory: there is nothing to move */
         send_nothing_moved(s, dev, GS_MSG_EVICTED, 1);
+        break;
+    case GS_MSG_PRECOPY: /* nothing of this link's to copy ahead: valid now is none */
+        send_nothing_moved(s, dev, GS_MSG_PRECOPIED, 0);
         break;
     case GS_MSG_ERROR:
         gs_msg_str(m, GS_TAG_MESSAGE, text, sizeof text);

@@ -24,6 +24,7 @@ enum gs_msg_type {
     GS_MSG_EVICTED = 0x06,
     GS_MSG_RESTORED = 0x07,
     GS_MSG_GOODBYE = 0x08,
+    GS_MSG_PRECOPIED = 0x09,
     /* control */
     GS_MSG_STATUS_REQUEST = 0x20,
     GS_MSG_CONTROL = 0x21,
@@ -34,6 +35,7 @@ enum gs_msg_type {
     GS_MSG_EVICT = 0x84,
     GS_MSG_SET_QUOTA = 0x85,
     GS_MSG_ERROR = 0x86,
+    GS_MSG_PRECOPY = 0x87,
     GS_MSG_STATUS = 0xA0,
     GS_MSG_CONTROL_REPLY = 0xA1
 };
@@ -72,7 +74,9 @@ enum gs_tag {
     /* GRANT: a secret (32 hex characters) the shim sends back in a HELLO with resume = 1, proving
      * that it is the process the old scheduler granted (docs/protocol.md). */
     GS_TAG_RESUME_SECRET = 42,
-    GS_TAG_MAX = 42
+    /* The memory engine (docs/protocol.md, "Pre-copy"). */
+    GS_TAG_PRECOPIED_BYTES = 43,
+    GS_TAG_MAX = 43
 };
 
 /* ---- encoding ---- */

@@ -84,10 +84,17 @@ int gs_driver_loaded_ok(void);
 
 enum gs_log_level { GS_LOG_QUIET = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
 
+enum gs_memory_mode {
+    GS_MEMORY_VMM = 0,     /* reserved ranges backed by physical allocations (default) */
+    GS_MEMORY_MANAGED = 1, /* every cuMemAlloc becomes managed memory (the first generation) */
+    GS_MEMORY_DEVICE = 2   /* plain device memory: counted, never moved */
+};
+
 struct gs_config {
     int disabled;           /* GPUSHARE_DISABLE=1: pure pass-through */
     int log_level;          /* GPUSHARE_LOG */
-    int managed;            /* GPUSHARE_MANAGED (default 1) */
+    int memory_mode;        /* GPUSHARE_MEMORY: enum gs_memory_mode */
+    uint64_t host_budget;   /* GPUSHARE_HOST_BUDGET: pinned host staging, bytes */
     uint64_t quota;         /* GPUSHARE_MEMORY_LIMIT, 0 = none */
     uint64_t context_bytes; /* GPUSHARE_CONTEXT_BYTES */
     uint64_t weight_milli;  /* GPUSHARE_WEIGHT x 1000 */
@@ -251,6 +258,10 @@ struct gs_mem_totals {
     uint64_t evicted; /* managed bytes now on the host */
     uint64_t quota;
     uint64_t pool;
+    uint64_t precopied;        /* resident bytes whose host copy is current: evicting is an unmap */
+    uint64_t staging_pinned;   /* host staging registered with the driver (GPUSHARE_HOST_BUDGET) */
+    uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
+    uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
 };
 void gs_mem_totals(struct gs_mem_totals *out);
 void gs_mem_set_quota(uint64_t quota);
@@ -262,6 +273,11 @@ uint64_t gs_mem_generation(void);
  * current on the calling thread. */
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+/* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY): in
+ * the background; progress shows in gs_mem_totals().precopied. */
+void gs_mem_precopy_async(void);
+/* Prepare host staging for explicit memory that has none (called when the process goes idle). */
+void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);
 /* A context was destroyed or reset: what the engine cached in it (its private stream) died with
  * it. (ctx NULL: a primary context; the engine may forget every cached handle.) */

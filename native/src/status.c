@@ -38,6 +38,10 @@ static void snapshot(struct gs_session *s, struct gpushare_status *out)
     snprintf(out->client_id, sizeof out->client_id, "%s", s->id.client_id);
     snprintf(out->socket_path, sizeof out->socket_path, "%s", s->id.socket_path);
     snprintf(out->device_uuid, sizeof out->device_uuid, "%s", s->devs.uuid);
+    out->precopied_bytes = t.precopied;
+    out->staging_pinned_bytes = t.staging_pinned;
+    out->staging_pageable_bytes = t.staging_pageable;
+    out->staging_fallbacks = t.staging_fallbacks;
     pthread_mutex_unlock(&s->mu);
 }
 

@@ -183,7 +183,8 @@ static void *thread_main(void *arg)
                 struct gs_mem_totals t;
                 gs_mem_totals(&t);
                 if (t.used == s->mem_report.sent.used && t.managed == s->mem_report.sent.managed &&
-                    t.pinned == s->mem_report.sent.pinned && t.evicted == s->mem_report.sent.evicted)
+                    t.pinned == s->mem_report.sent.pinned && t.evicted == s->mem_report.sent.evicted &&
+                    t.precopied == s->mem_report.sent.precopied)
                     s->mem_report.gen_sent = gs_mem_generation(); /* nothing the scheduler would see */
                 else if (now - s->mem_report.sent_at >= MEMORY_REPORT_MIN_S)
                     gs_conn_send_memory(s);

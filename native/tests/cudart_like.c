@@ -29,6 +29,12 @@
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
+ *   ipc PATH                    allocate 1 MiB through PATH, ask cuIpcGetMemHandle for it
+ *   ctx_teardown BYTES          allocate BYTES through alloc, managed and create in a context of
+ *                               its own, destroy it, then allocate again in the primary one
+ *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
+ *                               fill BYTES with pattern 1, hold briefly, idle IDLE1 s, fill with
+ *                               pattern 2, hold HOLD2 s, idle IDLE2 s, then check pattern 2
  *   procaddr                    get cuGetProcAddress through cuGetProcAddress_v2 and use it as v1
  */
 #include "cuda_abi.h"
@@ -87,6 +93,9 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
     X(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease_v2,     \
       (CUdevice))                                                                                \
     X(cuCtxSetCurrent, cuCtxSetCurrent, cuCtxSetCurrent, (CUcontext))                            \
+    X(cuCtxCreate, cuCtxCreate_v4, cuCtxCreate_v4,                                               \
+      (CUcontext *, CUctxCreateParams *, unsigned int, CUdevice))                                \
+    X(cuCtxDestroy, cuCtxDestroy_v2, cuCtxDestroy_v2, (CUcontext))                               \
     X(cuCtxGetCurrent, cuCtxGetCurrent, cuCtxGetCurrent, (CUcontext *))                          \
     X(cuCtxSynchronize, cuCtxSynchronize, cuCtxSynchronize, (void))                              \
     X(cuStreamCreate, cuStreamCreate, cuStreamCreate, (CUstream *, unsigned int))                \
@@ -104,6 +113,17 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
       (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                           \
     X(cuMemFree, cuMemFree_v2, cuMemFree_v2, (CUdeviceptr))                                      \
     X(cuMemFreeAsync, cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr, CUstream))              \
+    X(cuIpcGetMemHandle, cuIpcGetMemHandle, cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))  \
+    X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, cuMemRetainAllocationHandle,     \
+      (CUmemGenericAllocationHandle *, void *))                                                  \
+    X(cuArrayCreate, cuArrayCreate_v2, cuArrayCreate_v2, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
+    X(cuArray3DCreate, cuArray3DCreate_v2, cuArray3DCreate_v2,                                    \
+      (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                                              \
+    X(cuMipmappedArrayCreate, cuMipmappedArrayCreate, cuMipmappedArrayCreate,                    \
+      (CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int))                       \
+    X(cuArrayDestroy, cuArrayDestroy, cuArrayDestroy, (CUarray))                                 \
+    X(cuMipmappedArrayDestroy, cuMipmappedArrayDestroy, cuMipmappedArrayDestroy,                 \
+      (CUmipmappedArray))                                                                        \
     X(cuMemCreate, cuMemCreate, cuMemCreate,                                                     \
       (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, cuMemRelease, cuMemRelease, (CUmemGenericAllocationHandle))                  \
@@ -247,9 +267,9 @@ static long gated_calls(void) {
 }
 
 static const char *state_name(uint32_t s) {
-    static const char *const names[] = {"inactive", "unshared", "idle",
-                                        "waiting",  "holding",  "releasing"};
-    return s < 6 ? names[s] : "unknown";
+    static const char *const names[] = {"inactive", "unshared",  "idle",
+                                        "waiting",  "holding",   "releasing", "asleep"};
+    return s < 7 ? names[s] : "unknown";
 }
 
 /* The status document as JSON fields (",\"status\":{...}" or ",\"status\":null"). */
@@ -272,14 +292,19 @@ static void status_fields(char *out, size_t n) {
              "\"pinned_bytes\":%llu,\"evicted_bytes\":%llu,\"quota_bytes\":%llu,"
              "\"pool_bytes\":%llu,\"gated_calls\":%llu,\"waits\":%llu,\"wait_seconds\":%.6f,"
              "\"current_wait_seconds\":%.6f,\"holding_seconds\":%.6f,\"idle_seconds\":%.6f,"
-             "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\"}",
+             "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\","
+             "\"precopied_bytes\":%llu,\"staging_pinned_bytes\":%llu,"
+             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu}",
              st.version, state_name(st.state), st.state, st.connected, st.evicted,
              (unsigned long long)st.used_bytes, (unsigned long long)st.managed_bytes,
              (unsigned long long)st.pinned_bytes, (unsigned long long)st.evicted_bytes,
              (unsigned long long)st.quota_bytes, (unsigned long long)st.pool_bytes,
              (unsigned long long)st.gated_calls, (unsigned long long)st.waits, st.wait_seconds,
              st.current_wait_seconds, st.holding_seconds, st.idle_seconds, st.client_id,
-             st.socket_path, st.device_uuid);
+             st.socket_path, st.device_uuid, (unsigned long long)st.precopied_bytes,
+             (unsigned long long)st.staging_pinned_bytes,
+             (unsigned long long)st.staging_pageable_bytes,
+             (unsigned long long)st.staging_fallbacks);
 }
 
 static void emit_status(const char *event) {
@@ -486,12 +511,21 @@ struct allocation {
     size_t size; /* usable bytes */
     size_t mapped;
     CUmemGenericAllocationHandle handle;
+    void *array; /* CUarray or CUmipmappedArray */
     int path;
 };
 
-enum { P_ALLOC, P_PITCH, P_MANAGED, P_ASYNC, P_POOL, P_CREATE, P_COUNT };
-static const char *const path_names[P_COUNT] = {"alloc", "pitch", "managed",
-                                                "async", "pool",  "create"};
+enum {
+    P_ALLOC, P_PITCH, P_MANAGED, P_ASYNC, P_POOL, P_CREATE,
+    /* Ways around a quota that only allocate (no data round trip): */
+    P_CREATE_RELEASED, /* cuMemCreate + map, then cuMemRelease while mapped (NCCL's free path) */
+    P_CREATE_RETAINED, /* ... then cuMemRetainAllocationHandle + cuMemRelease of that */
+    P_ARRAY, P_ARRAY3D, P_MIPMAP,
+    P_COUNT
+};
+static const char *const path_names[P_COUNT] = {
+    "alloc", "pitch", "managed", "async", "pool", "create",
+    "create_released", "create_retained", "array", "array3d", "mipmap"};
 
 static int path_of(const char *s) {
     for (int i = 0; i < P_COUNT; i++)
@@ -519,6 +553,32 @@ static CUresult do_alloc(int path, size_t size, struct allocation *a) {
         CUresult rc = p_cuDeviceGetDefaultMemPool(&pool, g_dev);
         if (rc) return rc;
         return p_cuMemAllocFromPoolAsync(&a->ptr, size, pool, g_stream);
+    }
+    case P_CREATE_RELEASED:
+    case P_CREATE_RETAINED: {
+        CUresult rc = do_alloc(P_CREATE, size, a);
+        a->path = path;
+        if (rc) return rc;
+        if (path == P_CREATE_RETAINED) {
+            CUmemGenericAllocationHandle again = 0;
+            rc = p_cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)a->ptr);
+            if (rc) return rc;
+            if (again != a->handle) return CUDA_ERROR_UNKNOWN;
+        }
+        return p_cuMemRelease(a->handle); /* still mapped: the memory stays */
+    }
+    case P_ARRAY: {
+        /* FLOAT, one channel: 4 bytes an element, rows of 4096 elements. */
+        CUDA_ARRAY_DESCRIPTOR d = {4096, size / (4096 * 4), 0x20, 1};
+        return p_cuArrayCreate((CUarray *)&a->array, &d);
+    }
+    case P_ARRAY3D: {
+        CUDA_ARRAY3D_DESCRIPTOR d = {1024, 1024, size / (1024 * 1024 * 4), 0x20, 1, 0};
+        return p_cuArray3DCreate((CUarray *)&a->array, &d);
+    }
+    case P_MIPMAP: {
+        CUDA_ARRAY3D_DESCRIPTOR d = {4096, size / (4096 * 4), 0, 0x20, 1, 0};
+        return p_cuMipmappedArrayCreate((CUmipmappedArray *)&a->array, &d, 1);
     }
     case P_CREATE: {
         struct CUmemAllocationProp_st prop;
@@ -568,6 +628,18 @@ static CUresult do_free(struct allocation *a) {
         if (rc) return rc;
         return p_cuMemAddressFree(a->ptr, a->mapped);
     }
+    case P_CREATE_RETAINED:
+    case P_CREATE_RELEASED: {
+        /* The retain's own reference, then the memory goes at its last unmap. */
+        CUresult rc = a->path == P_CREATE_RETAINED ? p_cuMemRelease(a->handle) : CUDA_SUCCESS;
+        if (rc) return rc;
+        rc = p_cuMemUnmap(a->ptr, a->mapped);
+        if (rc) return rc;
+        return p_cuMemAddressFree(a->ptr, a->mapped);
+    }
+    case P_ARRAY:
+    case P_ARRAY3D: return p_cuArrayDestroy((CUarray)a->array);
+    case P_MIPMAP: return p_cuMipmappedArrayDestroy((CUmipmappedArray)a->array);
     default: return p_cuMemFree(a->ptr);
     }
 }
@@ -596,9 +668,11 @@ static int round_trip(CUdeviceptr p, size_t size) {
 }
 
 static void meminfo_fields(char *out, size_t n) {
-    size_t fr = 0, tot = 0;
+    size_t fr = 0, tot = 0, dev_total = 0;
     CUresult rc = p_cuMemGetInfo(&fr, &tot);
-    snprintf(out, n, ",\"rc\":%d,\"free\":%zu,\"total\":%zu", rc, fr, tot);
+    CUresult rc_total = p_cuDeviceTotalMem(&dev_total, 0);
+    snprintf(out, n, ",\"rc\":%d,\"free\":%zu,\"total\":%zu,\"device_total_rc\":%d,"
+             "\"device_total\":%zu", rc, fr, tot, rc_total, dev_total);
 }
 
 static int scenario_alloc(int path, size_t size) {
@@ -1003,6 +1077,83 @@ static int scenario_idle(double seconds, double hold_s, size_t bytes) {
     return 0;
 }
 
+static void fill_pattern(unsigned char *h, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + seed);
+}
+
+/* Pre-copy and its invalidation (tests/native/test_memory_engine.py): the data written after
+ * a pre-copy must be what comes back after an eviction. */
+static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, double idle2) {
+    size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
+    unsigned char *h = malloc(n), *g = malloc(n);
+    CUdeviceptr d = 0;
+    long launches = 0;
+    if (!h || !g || !bytes) return 1;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    fill_pattern(h, n, 1);
+    CHECK(p_cuMemsetD8(d, 1, bytes));
+    CHECK(p_cuMemcpyHtoD(d, h, n));
+    if (hold(0.3, 20000, &launches, 1)) return 1;
+    emit("idle1_start", ",\"launches\":%ld", launches);
+    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle1;) {
+        sleep_s(0.1);
+        emit_tick(launches);
+    }
+    fill_pattern(h, n, 2);
+    CHECK(p_cuMemsetD8(d, 2, bytes));
+    CHECK(p_cuMemcpyHtoD(d, h, n));
+    emit_status("written2");
+    if (hold(hold2, 20000, &launches, 0)) return 1;
+    emit("idle2_start", ",\"launches\":%ld", launches);
+    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle2;) {
+        sleep_s(0.1);
+        emit_tick(launches);
+    }
+    CHECK(p_cuMemcpyDtoH(g, d, n));
+    unsigned char last = 0;
+    CHECK(p_cuMemcpyDtoH(&last, d + bytes - 1, 1));
+    int ok = memcmp(g, h, n) == 0 && (bytes <= n || last == 2);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("cycle_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
+    CHECK(p_cuMemFree(d));
+    free(h);
+    free(g);
+    return !ok;
+}
+
+static int scenario_ipc(int path) {
+    struct allocation a;
+    CHECK(do_alloc(path, 1u << 20, &a));
+    CUipcMemHandle h;
+    CUresult rc = p_cuIpcGetMemHandle(&h, a.ptr);
+    emit("ipc", ",\"path\":\"%s\",\"rc\":%d", path_names[path], rc);
+    CHECK(do_free(&a));
+    return 0;
+}
+
+static int scenario_ctx_teardown(size_t bytes) {
+    CUcontext own = NULL;
+    char st[2048];
+    CHECK(p_cuCtxCreate(&own, NULL, 0, g_dev)); /* the 12.5+ entry point (default version) */
+    CHECK(p_cuCtxSetCurrent(own));
+    struct allocation a[3];
+    int paths[3] = {P_ALLOC, P_MANAGED, P_CREATE};
+    for (int i = 0; i < 3; i++) CHECK(do_alloc(paths[i], bytes, &a[i]));
+    status_fields(st, sizeof(st));
+    emit("allocated", "%s", st);
+    CHECK(p_cuCtxDestroy(own)); /* the program never frees: the context takes it all */
+    CHECK(p_cuCtxSetCurrent(g_ctx));
+    status_fields(st, sizeof(st));
+    emit("destroyed", "%s", st);
+    struct allocation again;
+    CUresult rc = do_alloc(P_ALLOC, bytes, &again);
+    if (rc == CUDA_SUCCESS) rc = round_trip(again.ptr, again.size) ? do_free(&again) : 1;
+    status_fields(st, sizeof(st));
+    emit("again", ",\"rc\":%d%s", rc, st);
+    return rc != CUDA_SUCCESS;
+}
+
 static int scenario_status(size_t bytes) {
     CUdeviceptr d = 0;
     if (bytes) CHECK(p_cuMemAlloc(&d, bytes));
@@ -1180,6 +1331,13 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "ipc") == 0 && i < argc && path_of(argv[i]) >= 0) {
+        rc = scenario_ipc(path_of(argv[i]));
+    } else if (strcmp(scenario, "ctx_teardown") == 0) {
+        rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
+    } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
+        rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
+                                    atof(argv[i + 2]), atof(argv[i + 3]));
     } else if (strcmp(scenario, "status") == 0) {
         rc = scenario_status(arg_bytes(argc, argv, i, 0));
     } else if (strcmp(scenario, "procaddr") == 0) {

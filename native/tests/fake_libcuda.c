@@ -164,6 +164,8 @@ static void fk_phys_uuid_string(int phys, char *out, size_t n) {
 enum {
     FK_ERROR_INVALID_DEVICE = 101,
     FK_ERROR_ILLEGAL_ADDRESS = 700,
+    FK_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    FK_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     FK_ERROR_ILLEGAL_STATE = 401,
     FK_MEM_LOCATION_TYPE_HOST_NUMA = 3,
     FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
@@ -309,6 +311,7 @@ struct fk_handle {
     size_t size;
     int released;
     int maps;
+    int extra_refs; /* cuMemRetainAllocationHandle: each needs its own cuMemRelease */
 };
 static struct fk_handle *g_handles;
 static size_t g_nhandles, g_caphandles;
@@ -1171,7 +1174,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     }
     GROW(g_handles, g_nhandles, g_caphandles);
     unsigned long long id = g_next_handle++;
-    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0};
+    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0, 0};
     g_live_device_bytes += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
@@ -1201,6 +1204,11 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     if (!h || h->released) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (h->extra_refs > 0) {
+        h->extra_refs--;
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
     }
     h->released = 1;
     maybe_drop_handle_locked(h);
@@ -1604,6 +1612,8 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     return graph_launch(hGraphExec, hStream, 1);
 }
 
+#include "fake_vmm.c"
+
 /* ------------------------------------------------------------------------------------------ */
 /* Copies and sets                                                                              */
 /* ------------------------------------------------------------------------------------------ */
@@ -1625,6 +1635,7 @@ static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_
     if (src_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (!is_async) wait_device();
     memmove(dst, src, n);
+    fk_note_copy(dst, src, n, dst_dev, src_dev, s);
     return CUDA_SUCCESS;
 }
 
@@ -2128,7 +2139,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
     X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async)           \
     X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async)     \
     X(cuMemsetD32Async_ptsz) X(cuGetErrorName) X(cuGetErrorString) X(cuGetProcAddress)           \
-    X(cuGetProcAddress_v2) FK_EXPORTS_CORE(X)
+    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X) FK_EXPORTS_CORE(X)
 
 /* Hidden aliases bind inside this library: their addresses are this library's own definitions,
  * whatever a preloaded library exports under the same names. */
@@ -2266,6 +2277,7 @@ static const struct fk_proc g_procs[] = {
     {"cuGetErrorString", 6000, 0, "cuGetErrorString"},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress"},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},
+    FK_VMM_PROCS
     FK_PROCS_CORE
 };
 
@@ -2374,6 +2386,7 @@ int fakecuda_stats_json(char *buf, size_t n) {
            "\"fault_to_device_bytes\":%llu,",
            g_prefetch_to_host_bytes, g_prefetch_to_device_bytes, g_prefetch_to_host_calls,
            g_prefetch_to_device_calls, g_fault_to_device_bytes);
+    FK_VMM_STATS(APPEND);
     APPEND("\"live_device_bytes\":%llu,\"live_managed_bytes\":%llu,\"managed_on_host_bytes\":%llu,"
            "\"peak_device_bytes\":%llu,\"device_total\":%llu,\"live_handles\":%zu,\"live_maps\":%zu,"
            "\"live_allocations\":{",

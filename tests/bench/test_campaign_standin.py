@@ -28,7 +28,7 @@ def campaign(native_build, tmp_path_factory) -> Path:
         "--driver-dir", str(native_build.fake_dir),
         "--only", "launch,handoff,kernel_start,replay",
         "--launch-rounds", "6", "--launch-pairs", "2",
-        "--handoffs", "6", "--handoff-sizes", "1",
+        "--handoffs", "6", "--handoff-sizes", "1", "--arrival-gib", "0.5", "--arrival-idle", "2",
         "--kernel-pairs", "1",
         "--users", "3", "--horizon", "3", "--think", "0.8", "--gpu-median", "0.05",
         "--grace", "2", "--pool-gib", "12",
@@ -72,6 +72,12 @@ def test_handoff_and_memory_records(campaign):
     mem = load(campaign, "memory")
     assert mem["pinned_memcpy"]["h2d"] is None  # the stand-in has no memcpy to compare with
     assert mem["met"] is False
+    # A kernel arriving at two pre-copied idle kernels: granted after an eviction of one of
+    # them, which was an unmap (the pre-copy had moved the bytes already).
+    arrival = mem["precopied_arrival"]
+    assert arrival is not None, mem["errors"]
+    assert arrival["idle_kernels"] == 2 and arrival["grant_latency_ms"] > 0
+    assert any(m["bytes"] >= 1 << 29 for m in arrival["evictions"]), arrival
 
 
 def test_kernel_start_record(campaign):

@@ -85,12 +85,15 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         assert first.startswith("Waiting for the GPU: ") and "a.ipynb" in first, first
         assert last.startswith("Got the GPU after "), last
         waited = float(last.split("after ")[1].split(" s")[0])
-        actual = b["record"]["first"] - b["record"]["t0"]
-        # The line's figure is the shim's own wait; B's cell measured a bit more around it.
-        assert 1.0 <= waited <= actual + 0.5, (waited, actual)
-        # The line appeared about a second into the wait, not at its end.
-        appeared = shown[0][0] - b["record"]["t0"]
-        assert appeared < waited - 1.0, (appeared, waited)
+        span = shown[-1][0] - shown[0][0]
+        print(f"record {b['record']}, line span {span:.2f} s, first line at {shown[0][0]:.3f}")
+        # The line's figure is the shim's own wait. Its first version is shown once the wait has
+        # lasted about a second (the kernel thread polls once a second), and it is updated until
+        # the grant: so the figure exceeds the span of the line's own updates by 1 to 2 s (0.2 s
+        # of margin each way for the messages' travel). Seen on an H100: 8.1 s against 7.13 s.
+        assert waited >= 3.0, (waited, shown)  # A's cell held the GPU for several seconds
+        assert 0.8 <= waited - span <= 2.2, (waited, span)
+        appeared = waited - span
         print(f"B waited {waited:.1f} s; its line appeared {appeared:.1f} s into the wait")
     finally:
         server.stop()

@@ -117,7 +117,13 @@ async def test_release_evict_quota(jp_fetch: Any, jp_serverapp: Any) -> None:
     try:
         base = ("gpushare", "api", "kernels", "k-act")
         reply = await fetch_json(jp_fetch, *base, "release", method="POST", body="")
-        assert reply == {"ok": True, "action": "release", "client": "k-act"}
+        assert reply == {
+            "ok": True,
+            "action": "release",
+            "client": "k-act",
+            "done": False,  # the kernel holds nothing: the reply says so
+            "effect": "nothing to do: it does not hold the GPU",
+        }
         reply = await fetch_json(jp_fetch, *base, "evict", method="POST", body="")
         assert reply["ok"] and reply["action"] == "evict"
         reply = await fetch_json(jp_fetch, *base, "quota", method="PUT", body='{"quota": "8GiB"}')

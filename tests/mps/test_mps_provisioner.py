@@ -41,7 +41,7 @@ async def test_launch_environment(mps_scheduler: GPUShareScheduler) -> None:
     pipe = mps_scheduler._mps.daemons[GPU0].pipe_dir
     prov = provisioner(mps_scheduler.socket_path, weight=0.5)
     env = {"CUDA_VISIBLE_DEVICES": "1", "GPUSHARE_MEMORY_LIMIT": str(2 * GiB), "HOME": "/h"}
-    await prov._mps_environment(env)
+    await prov._mps_environment(env, 2 * GiB)
     assert env == {
         "GPUSHARE_MEMORY_LIMIT": str(2 * GiB),
         "HOME": "/h",
@@ -53,24 +53,24 @@ async def test_launch_environment(mps_scheduler: GPUShareScheduler) -> None:
 
     prov = provisioner(mps_scheduler.socket_path, compute_share=30.0)
     env = {}
-    await prov._mps_environment(env)
+    await prov._mps_environment(env, 0)
     assert env == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}
 
     prov = provisioner(mps_scheduler.socket_path, mps=False)
     env = {"CUDA_VISIBLE_DEVICES": "1"}
-    await prov._mps_environment(env)
+    await prov._mps_environment(env, 0)
     assert env == {"CUDA_VISIBLE_DEVICES": "1"} and prov._mps_device is None
 
 
 async def test_no_mps_without_scheduler_or_mps_mode(sock_dir: str) -> None:
     prov = provisioner(os.path.join(sock_dir, "none.sock"))
     env = {"CUDA_VISIBLE_DEVICES": "0"}
-    await prov._mps_environment(env)
+    await prov._mps_environment(env, 0)
     assert env == {"CUDA_VISIBLE_DEVICES": "0"} and prov._mps_device is None
     sched = await start(sock_dir)
     try:
         prov = provisioner(sched.socket_path)
-        await prov._mps_environment(env)
+        await prov._mps_environment(env, 0)
         assert env == {"CUDA_VISIBLE_DEVICES": "0"} and prov._mps_device is None
     finally:
         await sched.stop()
@@ -91,7 +91,7 @@ async def test_terminate_client_before_sigkill(
     monkeypatch.setenv("STUB_MPS_TERMINATE_SECONDS", "0.3")
 
     prov = provisioner(mps_scheduler.socket_path, kill_grace_seconds=0.0)
-    await prov._mps_environment({})
+    await prov._mps_environment({}, 0)
     prov.process = kernel
     prov.pid = kernel.pid
     prov.pgid = os.getpgid(kernel.pid)
@@ -117,7 +117,7 @@ async def test_sigkill_goes_ahead_when_the_scheduler_is_gone(
 ) -> None:
     sched = await start(sock_dir, mps=True, mps_devices=[GPU0], mps_control_binary=str(stub_binary))
     prov = provisioner(sched.socket_path, kill_grace_seconds=0.0)
-    await prov._mps_environment({})
+    await prov._mps_environment({}, 0)
     assert prov._mps_device == GPU0
     await sched.stop()
     proc = sleeper()

@@ -23,9 +23,7 @@ INCLUDE = ROOT / "native" / "include"
 MAX_LINES = 550
 # Files over the limit that another change is replacing, with why. The test fails once such a
 # file is back under the limit, so that the exemption is removed with it.
-OVER_LIMIT_FOR_NOW = {
-    "memory.c": "rewritten as an explicit engine (issue 'Engine v2', helper engine)",
-}
+OVER_LIMIT_FOR_NOW: dict[str, str] = {}
 
 _KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "do", "else", "case", "goto"}
 _TOKEN = re.compile(
@@ -222,7 +220,7 @@ def test_the_checker_sees_calls_through_macros_and_inlines() -> None:
     assert "wait.c" in graph["hook.c"]  # GS_GATED -> gs_gate_enter (inline) -> gs_gate_slow
     assert "memory.c" in graph["hook.c"]  # GS_CUSTOM -> gs_mem_alloc
     assert "loader.c" in graph["memory.c"]  # GS_REAL -> gs_real (inline) -> gs_real_slow
-    assert "session.c" in graph["memory.c"]  # gs_client_wake
+    assert "session.c" in graph["memory_table.c"]  # gs_client_wake
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

@@ -14,9 +14,12 @@ CONTEXT = 64 * MiB
 
 PATHS = ["alloc", "pitch", "managed", "async", "pool", "create"]
 # What the driver must see for each path, and whether the memory counts as managed (evictable).
+# cudaMalloc's memory is explicit (GPUSHARE_MEMORY=vmm, the default): physical memory the shim
+# creates and maps into a reserved range, so it can leave the device and come back at the same
+# address.
 DRIVER_CALL = {
-    "alloc": ("cuMemAllocManaged", True),
-    "pitch": ("cuMemAllocManaged", True),
+    "alloc": ("cuMemCreate", True),
+    "pitch": ("cuMemCreate", True),
     "managed": ("cuMemAllocManaged", True),
     "async": ("cuMemAllocAsync", False),
     "pool": ("cuMemAllocFromPoolAsync", False),
@@ -45,15 +48,31 @@ def test_every_allocation_path_is_intercepted_and_counted(harness, path):
         assert st["pinned_bytes"] == CONTEXT + size, st
     assert run.calls(call) == 1, run.stats["calls"]
     if path in ("alloc", "pitch"):
-        # Turned into managed memory: the driver never saw the device-memory call.
+        # Turned into explicit memory: the driver never saw the device-memory call, and the
+        # shim's physical memory was mapped into a reserved range with access granted.
         assert run.calls("cuMemAlloc_v2") == 0 and run.calls("cuMemAllocPitch_v2") == 0
+        assert run.calls("cuMemAllocManaged") == 0
+        for call in ("cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"):
+            assert run.calls(call) == 1, (call, run.stats["calls"])
     assert run.event("data")["ok"], "data did not round-trip through the allocation"
     freed = run.event("free")
     assert freed["rc"] == 0
     assert freed["status"]["used_bytes"] == CONTEXT, freed
     stats = run.stats
     assert stats["live_device_bytes"] == 0 and stats["live_managed_bytes"] == 0
+    # Every physical allocation, mapping and reserved range was given back.
+    assert stats["live_handles"] == 0 and stats["live_maps"] == 0, stats
+    assert stats["live_allocations"]["reserved"] == 0, stats
     assert not oom_lines(run)
+
+
+@pytest.mark.parametrize("path", ["alloc", "pitch"])
+def test_managed_mode_makes_cudamalloc_managed(harness, path):
+    run = harness.run("alloc", path, 64 * MiB, context_bytes=CONTEXT, memory="managed").ok()
+    st = run.event("alloc")["status"]
+    assert st["managed_bytes"] == 64 * MiB and st["used_bytes"] == CONTEXT + 64 * MiB, st
+    assert run.calls("cuMemAllocManaged") == 1 and run.calls("cuMemCreate") == 0
+    assert run.event("data")["ok"]
 
 
 def test_managed_off_leaves_device_memory(harness):
@@ -97,6 +116,8 @@ def test_memory_view_is_the_quota(harness):
     before, after = run.all("meminfo")
     assert before["rc"] == 0 and after["rc"] == 0
     assert before["total"] == quota and after["total"] == quota
+    # cuDeviceTotalMem agrees with cuMemGetInfo (frameworks size pools from either).
+    assert before["device_total_rc"] == 0 and before["device_total"] == quota, before
     assert before["free"] == quota - CONTEXT
     assert after["free"] == quota - CONTEXT - size
     for nvml in run.all("nvml"):
@@ -120,6 +141,7 @@ def test_memory_view_without_quota_is_the_device(harness):
     ).ok()
     before, after = run.all("meminfo")
     assert before["total"] == total == after["total"]
+    assert before["device_total"] == total, before
     assert before["free"] == total - CONTEXT
     assert after["free"] == total - CONTEXT - 128 * MiB
 
@@ -154,3 +176,55 @@ def test_a_refusal_by_the_driver_is_not_counted(harness, path):
     assert not oom_lines(run), run.stderr
     freed = run.event("quota_freed")
     assert freed["realloc_rc"] == 0 and freed["status"]["used_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["create_released", "create_retained", "array", "array3d", "mipmap"]
+)
+def test_quota_holds_on_every_way_around_it(harness, path):
+    """Issue 12, item 5: a VMM handle released while still mapped (NCCL's free path), one
+    retained with cuMemRetainAllocationHandle, and CUDA arrays all count until really gone."""
+    chunk = 32 * MiB
+    run = harness.run(
+        "quota", chunk, path, 64, context_bytes=CONTEXT, memory_limit="300MiB", log="warn"
+    ).ok()
+    q = run.event("quota")
+    # Every one of the seven is still counted although the program dropped its handle.
+    assert q["count"] == 7 and q["rc"] == 2, q
+    assert q["status"]["used_bytes"] == CONTEXT + 7 * chunk, q["status"]
+    assert len(oom_lines(run)) == 1, run.stderr
+    freed = run.event("quota_freed")
+    assert freed["free_errors"] == 0 and freed["realloc_rc"] == 0, freed
+    # Counted until the last unmap / destroy, and not a byte longer.
+    assert freed["status"]["used_bytes"] == CONTEXT, freed["status"]
+    assert run.stats["live_device_bytes"] == 0, run.stats
+
+
+def test_destroying_a_context_stops_counting_its_memory(harness):
+    """Issue 12, item 4: cuCtxDestroy frees what was allocated in the context; the shim's table
+    must forget it too, or the quota stays spent and later allocations are refused."""
+    size = 96 * MiB
+    run = harness.run(
+        "ctx_teardown", size, context_bytes=CONTEXT, memory_limit="512MiB", log="warn"
+    ).ok()
+    allocated = run.event("allocated")["status"]
+    assert allocated["used_bytes"] == CONTEXT + 3 * size, allocated
+    destroyed = run.event("destroyed")["status"]
+    assert destroyed["used_bytes"] == CONTEXT, destroyed
+    again = run.event("again")
+    assert again["rc"] == 0 and again["status"]["used_bytes"] == CONTEXT, again
+    assert not oom_lines(run), run.stderr
+
+
+def test_ipc_of_evictable_memory_is_a_clear_error_naming_the_setting(harness):
+    """torch.multiprocessing shares CUDA tensors with cuIpcGetMemHandle. Memory the shim may
+    evict cannot be mapped by a peer: the refusal must say so and name what works, not be the
+    driver's bare "invalid argument"."""
+    run = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn").ok()
+    assert run.event("ipc")["rc"] == 801  # CUDA_ERROR_NOT_SUPPORTED
+    said = [line for line in run.shim_lines if "cuIpcGetMemHandle" in line]
+    assert len(said) == 1 and "GPUSHARE_MEMORY=device" in said[0], run.stderr
+    # With the setting it names, the handle is given.
+    ok = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn", memory="device").ok()
+    assert ok.event("ipc")["rc"] == 0
+    assert not [line for line in ok.shim_lines if "cuIpcGetMemHandle" in line]

@@ -14,6 +14,8 @@ import re
 import signal
 import time
 
+import pytest
+
 MiB = 1 << 20
 CONTEXT = 64 * MiB
 BIG = 640 * MiB  # two of these (plus contexts) do not fit a 1 GiB pool; one does
@@ -55,14 +57,16 @@ def test_processes_that_fit_run_side_by_side(harness):
     )
 
 
-def test_turns_and_handoff_when_the_pool_is_too_small(harness):
+@pytest.mark.parametrize("memory", ["vmm", "managed"])
+def test_turns_and_handoff_when_the_pool_is_too_small(harness, memory):
     sched = harness.scheduler(pool="1GiB", quantum=1.0)
-    # Prefetches take time on the stand-in's streams (4 GB/s: 640 MiB in ~170 ms), so a shim
-    # that answered RELEASED before its eviction finished would report too short a move.
-    slow = {"GPUSHARE_FAKE_PREFETCH_GBPS": "4"}
-    a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow, **common(client_id="A"))
+    # Moves take time on the stand-in's streams (4 GB/s: 640 MiB in ~170 ms), so a shim that
+    # answered RELEASED before its eviction finished would report too short a move.
+    slow = {"GPUSHARE_FAKE_PREFETCH_GBPS": "4", "GPUSHARE_FAKE_COPY_GBPS": "4"}
+    mode = common(memory=memory)
+    a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow, **{**mode, "client_id": "A"})
     a_first = a.wait_event("first_launch", 30)
-    b = harness.spawn("hold", 2.0, BIG, 20000, extra=slow, **common(client_id="B"))
+    b = harness.spawn("hold", 2.0, BIG, 20000, extra=slow, **{**mode, "client_id": "B"})
     b_start = b.wait_event("hold_start", 30)
     b_first = b.wait_event("first_copy", 30)
     ra, rb = a.finish(60).ok(), b.finish(60).ok()
@@ -84,11 +88,20 @@ def test_turns_and_handoff_when_the_pool_is_too_small(harness):
     assert ra.event("hold_end")["status"]["waits"] >= 1
     assert rb.event("hold_end")["status"]["waits"] >= 1
 
-    # A was evicted and restored by explicit prefetches, not by page faults.
     sa = ra.stats
-    assert sa["prefetch_to_host_bytes"] >= BIG, sa
-    assert sa["prefetch_to_device_bytes"] >= BIG, sa
-    assert sa["fault_to_device_bytes"] == 0, "memory came back by page faults, not by restore"
+    if memory == "managed":
+        # A was evicted and restored by explicit prefetches, not by page faults.
+        assert sa["prefetch_to_host_bytes"] >= BIG, sa
+        assert sa["prefetch_to_device_bytes"] >= BIG, sa
+        assert sa["fault_to_device_bytes"] == 0, "memory came back by page faults, not by restore"
+    else:
+        # A's explicit memory was copied out into registered (pinned) host staging and back,
+        # its physical memory released in between, and nothing became managed memory.
+        assert sa["copy_to_host_pinned_bytes"] >= BIG, sa
+        assert sa["copy_to_device_pinned_bytes"] >= BIG, sa
+        assert sa["prefetch_to_host_bytes"] == 0 and sa["live_managed_bytes"] == 0, sa
+        assert sa["calls"]["cuMemCreate"] >= 2 and sa["calls"]["cuMemRelease"] >= 2, sa["calls"]
+        assert sa["calls"]["cuMemAddressReserve"] == 1, "the address range must stay the same"
 
     log = sched.log
     assert any(n >= BIG for n in logged_bytes(log, "evicted", "A")), log

@@ -43,8 +43,49 @@ def test_a_socket_of_another_user_is_refused(harness, other_user):
     harness.scheduler()
     os.chown(harness.socket_path, other_user, -1)
     run = harness.run("status").ok()
-    assert any("belongs to another user" in line for line in run.shim_lines), run.describe()
+    assert any(f"belongs to uid {other_user}" in line for line in run.shim_lines), run.describe()
     assert run.event("status")["status"]["connected"] == 0
+
+
+def test_a_service_accounts_directory_and_socket_are_used(harness, other_user):
+    """A node scheduler runs as its own account (deploy/systemd: User=gpushare, so systemd makes
+    /run/gpushare that account's): a directory and a socket that both belong to one account, and
+    that nobody else can write, are trusted; a socket of yet another user in it is not."""
+    harness.scheduler()
+    os.chown(harness.sock_dir, other_user, -1)
+    os.chmod(harness.sock_dir, 0o755)
+    os.chown(harness.socket_path, other_user, -1)
+    run = harness.run("status").ok()
+    assert run.event("status")["status"]["connected"] == 1, run.describe()
+    os.chown(harness.socket_path, os.getuid() + 1 if os.getuid() else 1, -1)
+    run = harness.run("status").ok()
+    assert any("refusing" in line for line in run.shim_lines), run.describe()
+    assert run.event("status")["status"]["connected"] == 0
+
+
+def test_this_users_own_directory_made_by_another_user_is_refused(harness, other_user, tmp_path):
+    """Attack 1 of issue 15: with XDG_RUNTIME_DIR unset the socket is /tmp/gpushare-$UID; another
+    user who makes that directory first (and a socket in it) is refused, though the pair would
+    pass as a service account's anywhere else."""
+    import socket as socketlib
+
+    own = tmp_path / f"gpushare-{os.getuid()}"
+    own.mkdir(mode=0o755)
+    path = own / "scheduler.sock"
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    try:
+        os.chown(own, other_user, -1)
+        os.chown(path, other_user, -1)
+        os.chmod(tmp_path, 0o755)
+        run = harness.run("status", extra={"GPUSHARE_SOCKET": str(path)}).ok()
+        assert any(
+            "another user made this user's socket directory" in line for line in run.shim_lines
+        ), run.describe()
+        assert run.event("status")["status"]["connected"] == 0
+    finally:
+        listener.close()
 
 
 def test_a_socket_of_this_user_in_a_private_directory_is_used(harness):

@@ -389,6 +389,7 @@ def test_snapshot_shape():
         "managed_bytes": int(9.5 * GB),
         "pinned_bytes": GB // 2,
         "evicted_bytes": 0,
+        "precopied_bytes": 0,
         "quota_bytes": 0,
         "weight": 1.0,
         "gpu_seconds": 4.0,

@@ -9,6 +9,7 @@ for _dir in ("scheduler", "jupyter"):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from local_users import local_users  # noqa: E402, F401
 from sched_helpers import (  # noqa: E402, F401
     connect,
     make_scheduler,

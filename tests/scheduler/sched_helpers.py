@@ -67,6 +67,9 @@ async def make_scheduler(sock_path: str) -> AsyncIterator[Any]:
         kwargs.setdefault("use_nvml", False)
         kwargs.setdefault("pool_size", "1GiB")
         kwargs.setdefault("base_quantum", 30.0)
+        # The scripted clients here read exact message sequences; pre-copy requests to idle
+        # clients are tested on their own (test_scheduler_server.py).
+        kwargs.setdefault("precopy_idle", False)
         server = FakeCredScheduler(**kwargs)
         await server.start()
         started.append(server)

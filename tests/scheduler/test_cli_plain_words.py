@@ -80,11 +80,15 @@ def test_release_and_evict_say_what_happens(harness: Any) -> None:
     assert out.returncode == 0 and out.stdout.startswith("gpushare evict: asked A to give"), out
     assert "move its memory to host memory" in out.stdout
     out = cli("evict", "A", "--socket", sock, "--json")
-    assert out.returncode == 0 and json.loads(out.stdout) == {
+    assert out.returncode == 0, out
+    reply = json.loads(out.stdout)
+    assert {k: reply[k] for k in ("ok", "action", "client")} == {
         "ok": True,
         "action": "evict",
         "client": "A",
     }
+    # The scheduler says what it did (docs/protocol.md): a revoke, or why nothing went out.
+    assert isinstance(reply["done"], bool) and reply["effect"]
     out = cli("release", "nobody", "--socket", sock)
     assert out.returncode == 1 and "no client 'nobody'" in out.stderr, out
     holder.kill()

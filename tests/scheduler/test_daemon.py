@@ -232,7 +232,8 @@ async def test_socket_group_and_real_peer_credentials(
     assert doc["devices"][0]["others"][0]["user"] == "root"
     release = Message(MsgType.CONTROL, {"body": {"action": "release", "client": "root-k"}})
     reply = await asyncio.to_thread(as_nobody, path, release, [group])
-    assert reply.type == MsgType.ERROR and reply["error_code"] == ErrorCode.FORBIDDEN
+    # Another user's client is not found, as a missing one: the id is not confirmed.
+    assert reply.type == MsgType.ERROR and reply["error_code"] == ErrorCode.NOT_FOUND
 
 
 # --- logs and the command line --------------------------------------------------------------

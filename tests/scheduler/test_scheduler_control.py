@@ -22,8 +22,8 @@ DEVICE_KEYS = {
 }  # fmt: skip
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
-    "evicted_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds", "waiting_since",
-    "queue_position", "last_restore",
+    "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds",
+    "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
 
 
@@ -89,13 +89,22 @@ async def test_release_evict_and_quota(scheduler: Any, connect: Any, sock_path: 
     await a.expect(MsgType.GRANT)
     client = SchedulerClient(sock_path)
     reply = await client.release("a")
-    assert reply == {"ok": True, "action": "release", "client": "a"}
+    assert reply == {
+        "ok": True,
+        "action": "release",
+        "client": "a",
+        "done": True,
+        "effect": "revoke sent: it releases the GPU when its current GPU work ends",
+    }
     revoke = await a.expect(MsgType.REVOKE)
     assert revoke.fields["flag"] == 0 and revoke.fields["reason"]
+    # Asked again before it answered: the reply says nothing new went out, and why.
+    again = await client.release("a")
+    assert again["done"] is False and again["effect"].startswith("already asked to release")
     await a.send(MsgType.RELEASED, flag=0)
     await a.request(100 * MiB)
     await a.expect(MsgType.GRANT)
-    await client.evict("a")
+    assert (await client.evict("a"))["effect"].endswith("then evicts")
     assert (await a.expect(MsgType.REVOKE)).fields["flag"] == 1
     reply = await client.set_quota("a", 2 * GiB)
     assert reply["quota"] == 2 * GiB
@@ -183,7 +192,7 @@ async def test_status_request_with_a_bad_body(scheduler: Any, connect: Any) -> N
 
 
 async def test_control_of_another_users_client_is_forbidden(
-    make_scheduler: Any, connect: Any, sock_path: str
+    make_scheduler: Any, connect: Any, sock_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     scheduler = await make_scheduler()
     scheduler.own_uid = 5000  # the scheduler runs as a service account
@@ -194,13 +203,18 @@ async def test_control_of_another_users_client_is_forbidden(
     client = SchedulerClient(sock_path)
     with pytest.raises(SchedulerError) as info:
         await client.release("alice-kernel")
-    assert info.value.code == ErrorCode.FORBIDDEN
-    # The refusal names bob as the scheduler knows him: his user name where uid 1002 has one.
+    # Bob is told what he would be told of an id that does not exist...
+    assert info.value.code == ErrorCode.NOT_FOUND
+    assert info.value.message == "no client 'alice-kernel'"
+    # ...and the operator's log names him as the scheduler knows him: his user name where uid
+    # 1002 has one on this host, else the uid.
     try:
         bob = pwd.getpwuid(1002).pw_name
     except KeyError:
         bob = "1002"
-    assert f"{bob} may not release" in info.value.message and "forbidden" in str(info.value)
+    assert any(
+        "forbidden" in r.getMessage() and f"{bob} " in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     # Her own uid may.
     assert (await client.kernel_state("alice-kernel", "idle"))["ok"] is True
     # An admin uid may, once configured.

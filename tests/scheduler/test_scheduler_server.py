@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -226,7 +227,8 @@ async def test_every_decision_becomes_its_frame(scheduler: Any, connect: Any) ->
             ev.Grant("nobody"),  # a client that is gone: skipped
         ]
     )
-    assert (await a.expect(MsgType.GRANT)).fields == {"flag": 1}
+    grant = (await a.expect(MsgType.GRANT)).fields
+    assert grant["flag"] == 1 and re.fullmatch(r"[0-9a-f]{32}", grant["resume_secret"])
     assert (await a.expect(MsgType.REVOKE)).fields == {"flag": 1, "reason": "r1"}
     assert (await a.expect(MsgType.EVICT)).fields == {"reason": "r2"}
     await a.expect_nothing(0.1)
@@ -390,7 +392,12 @@ async def test_socket_file_permissions_and_cleanup(sock_dir: str) -> None:
         assert stat.S_ISSOCK(st.st_mode)
         assert stat.S_IMODE(st.st_mode) == 0o660
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o755
-        assert os.listdir(os.path.dirname(path)) == ["s.sock"]  # the temporary name is gone
+        # The temporary name is gone; the private directory holds the resume key (0700, 0600).
+        assert sorted(os.listdir(os.path.dirname(path))) == [".gpushare-private", "s.sock"]
+        private = os.path.join(os.path.dirname(path), ".gpushare-private")
+        assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+        key = os.path.join(private, "resume.key")
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
     finally:
         await s.stop()
     assert not os.path.exists(path)
@@ -513,3 +520,28 @@ def test_discover_devices_without_a_gpu_does_not_raise() -> None:
     result = discover_devices()
     assert isinstance(result.devices, list)
     assert result.error is None or isinstance(result.error, str)
+
+
+async def test_an_idle_resident_client_is_asked_to_precopy(
+    make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c.GPUShareScheduler.precopy_idle: PRECOPY to an idle holder, PRECOPIED logged and kept as
+    a claim bounded by the client's own evictable bytes."""
+    caplog.set_level(logging.INFO)
+    server = await make_scheduler(precopy_idle=True)
+    a = await connect()
+    await a.hello("a")
+    await a.request(BIG)
+    await a.expect(MsgType.GRANT)
+    await a.send(MsgType.IDLE, idle_ms=500)
+    await a.expect(MsgType.PRECOPY)
+    # Claims more than it could evict: bounded.
+    await a.send(MsgType.PRECOPIED, bytes_moved=BIG, micros=20_000, precopied_bytes=100 * BIG)
+    await a.expect_nothing(0.2)
+    assert f"precopied client=a bytes={BIG}" in caplog.text
+    (dev,) = server.status_document()["devices"]
+    (client,) = dev["clients"]
+    assert 0 < client["precopied_bytes"] <= client["managed_bytes"]
+    # Idle again with the copy still valid: no second request.
+    await a.send(MsgType.IDLE, idle_ms=900, precopied_bytes=client["precopied_bytes"])
+    await a.expect_nothing(0.2)

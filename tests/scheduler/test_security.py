@@ -130,8 +130,8 @@ async def test_only_owner_or_admin_may_act(
     ):
         with pytest.raises(SchedulerError) as exc:
             await bob.control(action, client="a1", **kwargs)
-        assert exc.value.code == ErrorCode.FORBIDDEN
-        assert "belongs to another user" in exc.value.message
+        assert exc.value.code == ErrorCode.NOT_FOUND
+        assert exc.value.message == "no client 'a1'"  # as for an id that does not exist
     await a.expect_nothing()  # none of bob's requests reached alice's kernel
     # The owner may.
     await ctl(sock_path, token, "alice").control("kernel_state", client="a1", state="idle")
@@ -197,7 +197,7 @@ async def test_uid_peers_cannot_claim_another_identity(
     thief = await connect()
     await thief.send(MsgType.CONTROL, body={"action": "release", "client": "v1"}, user="4242")
     err = await thief.expect(MsgType.ERROR)
-    assert err["error_code"] == ErrorCode.FORBIDDEN
+    assert err["error_code"] == ErrorCode.NOT_FOUND
     await thief.close()
     viewer = await connect()
     await viewer.send(MsgType.STATUS_REQUEST, user="4242")

@@ -1,4 +1,5 @@
-"""Hold GIB GiB on the GPU and compute on it for SECONDS: used for taking turns and kills.
+"""Hold GIB GiB on the GPU and compute on it for SECONDS (then stay idle LINGER seconds, default
+0, before the final check): used for taking turns, kills and pre-copies of idle kernels.
 
 Every iteration adds 1.0 to every element of a float32 tensor that starts at 0, so after k
 iterations every element must equal k exactly (k stays far below 2**24). Any lost, duplicated or
@@ -16,6 +17,7 @@ from _common import emit
 
 def main() -> None:
     gib, seconds, tag = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    linger = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     n = int(gib * (1 << 30)) // 4
     t0 = time.time()
     x = torch.zeros(n, dtype=torch.float32, device="cuda")
@@ -28,6 +30,7 @@ def main() -> None:
             x.add_(1.0)
             k += 1
         torch.cuda.synchronize()
+    time.sleep(linger)  # idle: the scheduler may pre-copy and evict this kernel meanwhile
     lo, hi = float(x.min()), float(x.max())
     end = time.time()
     emit(

@@ -1,0 +1,138 @@
+/*
+ * The memory engine's internal interface: memory.c keeps the quota, the allocation table and the
+ * process's view; memory_vmm.c owns explicit device memory (reserved virtual ranges backed by
+ * physical allocations) and moves it between the device and host staging; memory_staging.c owns
+ * the host staging and its budget. Lock order: the engine's lock, then memory.c's.
+ */
+#ifndef GPUSHARE_MEMORY_H
+#define GPUSHARE_MEMORY_H
+
+#include <stdint.h>
+
+#include "shim.h"
+
+/* ---- the driver's virtual memory management ABI (cuda.h 12.x/13.x layouts) ---- */
+
+enum { GS_MEM_ALLOCATION_TYPE_PINNED = 1, GS_MEM_HANDLE_TYPE_NONE = 0 };
+enum { GS_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 };
+enum { GS_MEM_ALLOC_GRANULARITY_MINIMUM = 0 };
+enum { GS_MEMHOSTREGISTER_PORTABLE = 1 };
+enum { GS_EVENT_DISABLE_TIMING = 2 };
+
+struct CUmemAllocationProp_st {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+};
+
+typedef struct gs_mem_access_desc {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} gs_mem_access_desc;
+
+/* ---- memory_table.c: the allocation table, quota, totals ---- */
+
+enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2, NS_ARRAY = 3, NS_MAP = 4 };
+enum {
+    KIND_MANAGED = 0, /* cuMemAllocManaged, or cuMemAlloc made managed: evictable */
+    KIND_DEVICE = 1,  /* plain device memory (GPUSHARE_MEMORY=device): counted, pinned */
+    KIND_POOL = 2,    /* stream-ordered pools: pinned */
+    KIND_HANDLE = 3,  /* cuMemCreate handles: pinned until cuMemRelease */
+    KIND_ENGINE = 4,  /* explicit memory: counted by memory_vmm.c, never in the table */
+    KIND_MAP = 5      /* a mapping of a counted handle: not counted itself */
+};
+
+/* A reservation for an allocation the table will record: bytes and a table slot. */
+CUresult gs_memtab_reserve(uint64_t size);
+void gs_memtab_unreserve(uint64_t size);
+/* Settle a reservation once the driver has answered: a success becomes a counted allocation
+ * under *key, a failure gives the reservation back. Returns r. */
+CUresult gs_memtab_settle(CUresult r, uint64_t reserved, const unsigned long long *key,
+                          uint8_t ns, uint64_t size, uint8_t kind);
+void gs_memtab_uncount(uint64_t key, uint8_t ns);
+/* The program's own VMM handles: counted until released by every holder (cuMemRelease after
+ * cuMemCreate and each cuMemRetainAllocationHandle) and unmapped everywhere. */
+void gs_memtab_handle_retained(uint64_t handle);
+void gs_memtab_handle_released(uint64_t handle);
+void gs_memtab_handle_mapped(uint64_t handle, uint64_t ptr, uint64_t size);
+void gs_memtab_range_unmapped(uint64_t ptr, uint64_t size);
+struct gs_span {
+    uint64_t ptr, size;
+};
+/* The program's managed allocations whose evicted flag equals `evicted` (malloc'd copy). */
+struct gs_span *gs_memtab_managed_spans(int evicted, size_t *count);
+uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *ok, size_t n,
+                              int to_host);
+void gs_memtab_after_fork_child(void);
+void gs_memtab_forget_context(CUcontext ctx);
+/* The table's part of gs_mem_totals (memory.c adds the engine's and the staging's). */
+void gs_memtab_totals(struct gs_mem_totals *out);
+
+
+/* Reserve bytes against the quota and the pool; on refusal logs the one line that says why and
+ * returns CUDA_ERROR_OUT_OF_MEMORY. */
+CUresult gs_mem_reserve(uint64_t size);
+void gs_mem_unreserve(uint64_t size);
+/* Under memory.c's lock: drop `reserved` from the reservations, then change the engine's
+ * counted bytes by `total_delta` and its evicted bytes by `evicted_delta`. */
+/* The process's view: total (quota, else pool, else real_total), free and used. */
+void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out);
+void gs_mem_engine_account(uint64_t reserved, int64_t total_delta, int64_t evicted_delta);
+
+/* ---- memory_staging.c: host memory that copies run from/to at the bus's speed ---- */
+
+struct gs_staging {
+    void *host;
+    uint64_t size;
+    int pinned; /* registered with the driver (counted in the budget) */
+};
+/* Prepare host memory for `size` bytes: registered while the budget lasts, else pageable (said
+ * once in the log and counted). Returns 0, or -1 when the host has no memory at all. */
+int gs_staging_get(struct gs_staging *s, uint64_t size);
+void gs_staging_put(struct gs_staging *s);
+struct gs_staging_totals {
+    uint64_t pinned_bytes, pageable_bytes, budget, fallbacks;
+};
+void gs_staging_totals(struct gs_staging_totals *out);
+void gs_staging_after_fork_child(void);
+
+/* ---- memory_vmm.c: the explicit engine ---- */
+
+/* cudaMalloc's memory, explicit. CUDA_ERROR_NOT_SUPPORTED when the driver lacks the VMM API (the
+ * caller falls back). Counted against the quota (granularity-rounded; small allocations share
+ * granularity-sized chunks, each chunk counted once). */
+CUresult gs_vmm_alloc(CUdeviceptr *dptr, size_t bytes);
+/* 1 when dptr is the engine's (freed, *r the result), 0 when it is not. */
+int gs_vmm_free(CUdeviceptr dptr, CUresult *r);
+/* The allocation containing p, as cuMemGetAddressRange answers. 1 when p is the engine's. */
+int gs_vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size);
+/* Copy out and unmap / map and copy back every block. The app's context must be current. */
+int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros);
+int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros);
+/* Copy resident blocks to staging at low priority, leaving them resident; valid until the next
+ * gated call. */
+int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros);
+/* Prepare staging for every block that has none (off the critical path: on idle). */
+void gs_vmm_prepare_staging(void);
+/* memory_prepare.c: the background thread that prepares staging and runs pre-copies. */
+void gs_vmm_preparer_start(void);
+/* A pre-copy in the background, after every block's staging is ready; progress shows in
+ * gs_vmm_totals (precopied_valid). */
+void gs_vmm_precopy_async(void);
+void gs_vmm_prepare_after_fork_child(void);
+struct gs_vmm_totals {
+    uint64_t bytes, evicted, precopied_valid, blocks;
+};
+void gs_vmm_totals(struct gs_vmm_totals *out);
+/* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
+void gs_vmm_forget_context(CUcontext ctx);
+void gs_vmm_after_fork_child(void);
+
+#endif /* GPUSHARE_MEMORY_H */

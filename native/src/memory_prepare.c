@@ -1,0 +1,112 @@
+/*
+ * Host staging prepared in the background: a block allocated now gets its staging from a thread
+ * of the engine's own, so neither the program's cudaMalloc nor the shim's thread (which answers
+ * the scheduler) waits for it, and an eviction — of a busy kernel at a quantum's end as much as
+ * of an idle one — copies into registered, touched host memory from its first byte.
+ *
+ * The same thread runs the pre-copies the scheduler asks for (PRECOPY), after the staging they
+ * copy into is ready: the shim's own thread answers at once and reports progress in MEMORY.
+ *
+ * Populating and registering host memory is slow (16 GiB: ~1.8 s to register touched memory,
+ * several more to touch it), so the thread takes the engine's lock only to pick a block and to
+ * hand it the buffer; a block freed meanwhile is found gone by its id and the buffer released.
+ */
+#include "memory_vmm.h"
+
+static int prepare_started;
+
+static struct block *block_by_id(uint64_t id)
+{
+    for (size_t i = 0; i < gs_vmm_nblocks; i++)
+        if (gs_vmm_blocks[i]->id == id)
+            return gs_vmm_blocks[i];
+    return NULL;
+}
+
+static void *preparer(void *arg)
+{
+    (void)arg;
+    typedef CUresult (*set_ctx_fn)(CUcontext);
+    set_ctx_fn set_ctx = (set_ctx_fn)gs_driver_sym("cuCtxSetCurrent");
+    pthread_mutex_lock(&gs_vmm_mu);
+    for (;;) {
+        while (!gs_vmm_prepare_pending)
+            pthread_cond_wait(&gs_vmm_prepare_cv, &gs_vmm_mu);
+        struct block *b = NULL;
+        for (size_t i = 0; i < gs_vmm_nblocks && !b; i++)
+            if (!gs_vmm_blocks[i]->staging.host && !gs_vmm_blocks[i]->preparing)
+                b = gs_vmm_blocks[i];
+        if (!b && gs_vmm_precopy_wanted) {
+            /* Every block has its staging: the pre-copy the scheduler asked for runs here, so
+             * the shim's thread stays free to answer (a revoke must not wait behind it). */
+            gs_vmm_precopy_wanted = 0;
+            CUcontext ctx = gs_vmm_nblocks ? gs_vmm_blocks[0]->ctx : NULL;
+            pthread_mutex_unlock(&gs_vmm_mu);
+            uint64_t copied, us;
+            if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS)
+                gs_vmm_precopy(&copied, &us);
+            pthread_mutex_lock(&gs_vmm_mu);
+            continue;
+        }
+        if (!b) {
+            gs_vmm_prepare_pending = 0;
+            continue;
+        }
+        b->preparing = 1;
+        uint64_t id = b->id, size = b->size;
+        CUcontext ctx = b->ctx;
+        pthread_mutex_unlock(&gs_vmm_mu);
+
+        /* Registering host memory needs a context current on this thread. */
+        if (set_ctx)
+            set_ctx(ctx);
+        struct gs_staging st;
+        int have = gs_staging_get(&st, size) == 0;
+
+        pthread_mutex_lock(&gs_vmm_mu);
+        struct block *nb = block_by_id(id);
+        if (nb)
+            nb->preparing = 0;
+        if (have && nb && !nb->staging.host) {
+            nb->staging = st;
+            have = 0;
+        }
+        if (!nb || !have)
+            continue;
+        pthread_mutex_unlock(&gs_vmm_mu); /* an eviction made its own meanwhile */
+        gs_staging_put(&st);
+        pthread_mutex_lock(&gs_vmm_mu);
+    }
+    return NULL;
+}
+
+void gs_vmm_preparer_start(void)
+{
+    pthread_mutex_lock(&gs_vmm_mu);
+    if (!prepare_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        prepare_started = pthread_create(&t, &attr, preparer, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        if (!prepare_started)
+            GS_WARN("cannot start the thread that prepares host staging: evictions prepare it");
+    }
+    pthread_mutex_unlock(&gs_vmm_mu);
+}
+
+void gs_vmm_precopy_async(void)
+{
+    gs_vmm_preparer_start();
+    pthread_mutex_lock(&gs_vmm_mu);
+    gs_vmm_precopy_wanted = 1;
+    gs_vmm_wake_preparer_locked();
+    pthread_mutex_unlock(&gs_vmm_mu);
+}
+
+void gs_vmm_prepare_after_fork_child(void)
+{
+    /* Threads do not survive fork: the child starts its own when it allocates. */
+    prepare_started = 0;
+}

@@ -1,0 +1,403 @@
+/*
+ * Explicit device memory: what the program gets from cuMemAlloc is a reserved virtual range
+ * (cuMemAddressReserve) backed by a physical allocation (cuMemCreate + cuMemMap + cuMemSetAccess).
+ * Eviction copies the block into host staging and unmaps and releases the physical memory; restore
+ * creates new physical memory, maps it at the SAME virtual address and copies back. Pointers stay
+ * valid across moves, the card holds exactly what is mapped (never oversubscribed), and moves run
+ * at the bus's speed instead of managed memory's page-migration speed (docs/architecture.md).
+ *
+ * Blocks: an allocation over half the granularity gets its own block, rounded up to the
+ * granularity (2 MiB on current GPUs). Smaller ones share granularity-sized chunks, carved in
+ * 512-byte units (cudaMalloc promises 256), so a 1 KiB cudaMalloc does not cost 2 MiB. The quota
+ * counts physical memory: a block's rounded size, a chunk once when it is created.
+ *
+ * One mutex guards the gs_vmm_blocks; allocation is not the hot path. Moves hold it for their whole
+ * length: a free during an eviction waits for it.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "memory_vmm.h"
+
+struct gs_vmm_driver gs_vmm_drv;
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+
+pthread_mutex_t gs_vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t gs_vmm_prepare_cv = PTHREAD_COND_INITIALIZER;
+int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+
+void gs_vmm_wake_preparer_locked(void)
+{
+    gs_vmm_prepare_pending = 1;
+    pthread_cond_signal(&gs_vmm_prepare_cv);
+}
+struct block **gs_vmm_blocks;
+size_t gs_vmm_nblocks;
+static size_t capblocks;
+static uint64_t granularity;
+
+#define SYM(field, name) (gs_vmm_drv.field = (__typeof__(gs_vmm_drv.field))gs_driver_sym(name))
+
+static void load_driver(void)
+{
+    gs_vmm_drv.ok = SYM(reserve, "cuMemAddressReserve") && SYM(addr_free, "cuMemAddressFree") &&
+             SYM(map, "cuMemMap") && SYM(unmap, "cuMemUnmap") && SYM(access, "cuMemSetAccess") &&
+             SYM(gran, "cuMemGetAllocationGranularity") && SYM(ctx_dev, "cuCtxGetDevice") &&
+             SYM(ctx_cur, "cuCtxGetCurrent") && SYM(ctx_sync, "cuCtxSynchronize") &&
+             SYM(stream_create, "cuStreamCreateWithPriority") &&
+             SYM(stream_sync, "cuStreamSynchronize") && SYM(event_create, "cuEventCreate") &&
+             SYM(event_record, "cuEventRecord") && SYM(event_sync, "cuEventSynchronize") &&
+             SYM(event_destroy, "cuEventDestroy_v2") && SYM(d2h, "cuMemcpyDtoHAsync_v2") &&
+             SYM(h2d, "cuMemcpyHtoDAsync_v2") && SYM(meminfo, "cuMemGetInfo_v2") &&
+             GS_REAL(cuMemCreate) && GS_REAL(cuMemRelease);
+    SYM(prio_range, "cuCtxGetStreamPriorityRange"); /* optional: low priority pre-copies */
+    if (!gs_vmm_drv.ok)
+        GS_INFO("the driver lacks the virtual memory management API: using managed memory");
+}
+
+static CUmemAllocationProp prop_for(CUdevice dev)
+{
+    return (CUmemAllocationProp){.type = GS_MEM_ALLOCATION_TYPE_PINNED,
+                                 .requestedHandleTypes = GS_MEM_HANDLE_TYPE_NONE,
+                                 .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
+}
+
+/* ---- streams for moves ---- */
+
+static CUstream move_stream, precopy_stream;
+static CUcontext streams_ctx;
+
+void gs_vmm_forget_streams(void)
+{
+    move_stream = precopy_stream = NULL;
+    streams_ctx = NULL;
+}
+
+CUstream gs_vmm_move_stream(int low_priority)
+{
+    CUcontext cur = NULL;
+    gs_vmm_drv.ctx_cur(&cur);
+    if (cur != streams_ctx) {
+        /* Streams belong to their context: a new current context needs its own. */
+        gs_vmm_forget_streams();
+        streams_ctx = cur;
+    }
+    CUstream *slot = low_priority ? &precopy_stream : &move_stream;
+    if (!*slot) {
+        int least = 0, greatest = 0;
+        if (gs_vmm_drv.prio_range)
+            gs_vmm_drv.prio_range(&least, &greatest);
+        if (gs_vmm_drv.stream_create(slot, GS_STREAM_NON_BLOCKING,
+                                     low_priority ? least : greatest) != CUDA_SUCCESS) {
+            *slot = NULL;
+            GS_WARN("cannot create a stream for moving memory");
+        }
+    }
+    return *slot;
+}
+
+/* ---- the sorted block index ---- */
+
+static size_t lower_bound(CUdeviceptr va)
+{
+    size_t lo = 0, hi = gs_vmm_nblocks;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (gs_vmm_blocks[mid]->va < va)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static struct block *containing(CUdeviceptr p)
+{
+    size_t i = lower_bound(p + 1);
+    if (i == 0)
+        return NULL;
+    struct block *b = gs_vmm_blocks[i - 1];
+    return p >= b->va && p - b->va < b->size ? b : NULL;
+}
+
+static int index_add(struct block *b)
+{
+    if (gs_vmm_nblocks == capblocks) {
+        size_t ncap = capblocks ? capblocks * 2 : MAX_BLOCKS_GROWTH;
+        struct block **nb = realloc(gs_vmm_blocks, ncap * sizeof *nb);
+        if (!nb)
+            return -1;
+        gs_vmm_blocks = nb;
+        capblocks = ncap;
+    }
+    size_t i = lower_bound(b->va);
+    memmove(&gs_vmm_blocks[i + 1], &gs_vmm_blocks[i], (gs_vmm_nblocks - i) * sizeof *gs_vmm_blocks);
+    gs_vmm_blocks[i] = b;
+    gs_vmm_nblocks++;
+    return 0;
+}
+
+static void index_remove(struct block *b)
+{
+    size_t i = lower_bound(b->va);
+    if (i < gs_vmm_nblocks && gs_vmm_blocks[i] == b) {
+        memmove(&gs_vmm_blocks[i], &gs_vmm_blocks[i + 1], (gs_vmm_nblocks - i - 1) * sizeof *gs_vmm_blocks);
+        gs_vmm_nblocks--;
+    }
+}
+
+/* ---- physical backing ---- */
+
+/* Back b->va with new physical memory on b->dev. */
+CUresult gs_vmm_back(struct block *b)
+{
+    CUmemAllocationProp prop = prop_for(b->dev);
+    CUmemGenericAllocationHandle h;
+    CUresult r = GS_REAL(cuMemCreate)(&h, b->size, &prop, 0);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = gs_vmm_drv.map(b->va, b->size, 0, h, 0);
+    if (r == CUDA_SUCCESS) {
+        gs_mem_access_desc desc = {{CU_MEM_LOCATION_TYPE_DEVICE, b->dev},
+                                   GS_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        r = gs_vmm_drv.access(b->va, b->size, &desc, 1);
+        if (r != CUDA_SUCCESS)
+            gs_vmm_drv.unmap(b->va, b->size);
+    }
+    if (r != CUDA_SUCCESS) {
+        GS_REAL(cuMemRelease)(h);
+        return r;
+    }
+    b->handle = h;
+    b->resident = 1;
+    return CUDA_SUCCESS;
+}
+
+void gs_vmm_unback(struct block *b)
+{
+    gs_vmm_drv.unmap(b->va, b->size);
+    GS_REAL(cuMemRelease)(b->handle);
+    b->handle = 0;
+    b->resident = 0;
+}
+
+/* A new block of `size` bytes (granularity-aligned), counted against the quota. */
+static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struct block **out)
+{
+    CUresult r = gs_mem_reserve(size);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct block *b = calloc(1, sizeof *b);
+    struct chunk *c = is_chunk ? calloc(1, sizeof *c) : NULL;
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (b && (!is_chunk || c)) {
+        b->size = size;
+        b->requested = requested;
+        b->chunk = c;
+        if (c)
+            c->units = (unsigned)(size / UNIT);
+        gs_vmm_drv.ctx_dev(&b->dev);
+        gs_vmm_drv.ctx_cur(&b->ctx);
+        r = gs_vmm_drv.reserve(&b->va, size, granularity, 0, 0);
+        if (r == CUDA_SUCCESS) {
+            r = gs_vmm_back(b);
+            if (r == CUDA_SUCCESS && index_add(b) != 0) {
+                gs_vmm_unback(b);
+                r = CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            if (r != CUDA_SUCCESS)
+                gs_vmm_drv.addr_free(b->va, size);
+        }
+    }
+    if (r != CUDA_SUCCESS) {
+        free(c);
+        free(b);
+        gs_mem_unreserve(size);
+        return r;
+    }
+    static uint64_t next_id;
+    b->id = ++next_id;
+    gs_mem_engine_account(size, (int64_t)size, 0);
+    gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
+    *out = b;
+    return CUDA_SUCCESS;
+}
+
+static void destroy_block(struct block *b)
+{
+    index_remove(b);
+    if (b->resident)
+        gs_vmm_unback(b);
+    gs_vmm_drv.addr_free(b->va, b->size);
+    gs_staging_put(&b->staging);
+    gs_mem_engine_account(0, -(int64_t)b->size, b->resident ? 0 : -(int64_t)b->size);
+    free(b->chunk);
+    free(b);
+}
+
+/* ---- allocation ---- */
+
+/* First fit of n units in a chunk; returns the first unit or -1. */
+static long chunk_fit(struct chunk *c, unsigned n)
+{
+    unsigned run = 0;
+    for (unsigned u = 0; u < c->units;) {
+        if (c->len[u]) {
+            u += c->len[u];
+            run = 0;
+            continue;
+        }
+        if (++run == n)
+            return (long)(u + 1 - n);
+        u++;
+    }
+    return -1;
+}
+
+static CUresult small_alloc(CUdeviceptr *dptr, uint64_t bytes)
+{
+    unsigned n = (unsigned)((bytes + UNIT - 1) / UNIT);
+    CUdevice dev = 0;
+    CUcontext ctx = NULL;
+    gs_vmm_drv.ctx_dev(&dev);
+    gs_vmm_drv.ctx_cur(&ctx);
+    for (size_t i = 0; i < gs_vmm_nblocks; i++) {
+        struct block *b = gs_vmm_blocks[i];
+        long u;
+        if (!b->chunk || b->ctx != ctx || b->dev != dev || b->chunk->units - b->chunk->used < n ||
+            (u = chunk_fit(b->chunk, n)) < 0)
+            continue;
+        b->chunk->len[u] = (uint16_t)n;
+        b->chunk->used += n;
+        b->precopied = 0; /* a new allocation's contents are not in the staging copy */
+        *dptr = b->va + (CUdeviceptr)u * UNIT;
+        return CUDA_SUCCESS;
+    }
+    struct block *b;
+    CUresult r = new_block(granularity, 0, 1, &b);
+    if (r != CUDA_SUCCESS)
+        return r;
+    b->chunk->len[0] = (uint16_t)n;
+    b->chunk->used = n;
+    *dptr = b->va;
+    return CUDA_SUCCESS;
+}
+
+CUresult gs_vmm_alloc(CUdeviceptr *dptr, size_t bytes)
+{
+    pthread_once(&drv_once, load_driver);
+    if (!gs_vmm_drv.ok)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&gs_vmm_mu);
+    CUresult r = CUDA_SUCCESS;
+    if (!granularity) {
+        CUdevice dev = 0;
+        gs_vmm_drv.ctx_dev(&dev);
+        CUmemAllocationProp prop = prop_for(dev);
+        size_t g = 0;
+        r = gs_vmm_drv.gran(&g, &prop, GS_MEM_ALLOC_GRANULARITY_MINIMUM);
+        if (r == CUDA_SUCCESS && (!g || g % UNIT || g / UNIT > CHUNK_UNITS_MAX))
+            r = CUDA_ERROR_NOT_SUPPORTED;
+        if (r == CUDA_SUCCESS)
+            granularity = g;
+    }
+    if (r == CUDA_SUCCESS) {
+        if (bytes <= granularity / 2) {
+            r = small_alloc(dptr, bytes);
+        } else {
+            uint64_t size = (bytes + granularity - 1) / granularity * granularity;
+            struct block *b;
+            r = size < bytes ? CUDA_ERROR_OUT_OF_MEMORY : new_block(size, bytes, 0, &b);
+            if (r == CUDA_SUCCESS)
+                *dptr = b->va;
+        }
+    }
+    pthread_mutex_unlock(&gs_vmm_mu);
+    return r;
+}
+
+int gs_vmm_free(CUdeviceptr dptr, CUresult *r)
+{
+    if (!gs_vmm_drv.ok)
+        return 0;
+    pthread_mutex_lock(&gs_vmm_mu);
+    struct block *b = containing(dptr);
+    int mine = b != NULL;
+    if (b) {
+        *r = CUDA_SUCCESS;
+        unsigned u = (unsigned)((dptr - b->va) / UNIT);
+        if (b->chunk && ((dptr - b->va) % UNIT || !b->chunk->len[u])) {
+            *r = CUDA_ERROR_INVALID_VALUE; /* inside a chunk but not an allocation's start */
+        } else if (!b->chunk && dptr != b->va) {
+            *r = CUDA_ERROR_INVALID_VALUE;
+        } else {
+            /* cuMemFree synchronises: work still reading the memory finishes first. */
+            gs_vmm_drv.ctx_sync();
+            if (b->chunk) {
+                b->chunk->used -= b->chunk->len[u];
+                b->chunk->len[u] = 0;
+            }
+            if (!b->chunk || !b->chunk->used)
+                destroy_block(b);
+        }
+    }
+    pthread_mutex_unlock(&gs_vmm_mu);
+    return mine;
+}
+
+int gs_vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size)
+{
+    if (!gs_vmm_drv.ok)
+        return 0;
+    pthread_mutex_lock(&gs_vmm_mu);
+    struct block *b = containing(p);
+    int found = 0;
+    if (b && !b->chunk) {
+        found = p - b->va < b->requested;
+        *base = b->va;
+        *size = b->requested;
+    } else if (b) {
+        unsigned want = (unsigned)((p - b->va) / UNIT);
+        for (unsigned u = 0; u < b->chunk->units;) {
+            unsigned n = b->chunk->len[u] ? b->chunk->len[u] : 1;
+            if (b->chunk->len[u] && want >= u && want < u + n) {
+                *base = b->va + (CUdeviceptr)u * UNIT;
+                *size = (size_t)n * UNIT;
+                found = 1;
+                break;
+            }
+            u += n;
+        }
+    }
+    pthread_mutex_unlock(&gs_vmm_mu);
+    return found;
+}
+
+void gs_vmm_forget_context(CUcontext ctx)
+{
+    if (!gs_vmm_drv.ok)
+        return;
+    pthread_mutex_lock(&gs_vmm_mu);
+    /* The program destroyed the context its memory was allocated in: that memory is gone with
+     * it as far as the program can tell. Give back what the driver still holds and stop
+     * counting it. */
+    for (size_t i = gs_vmm_nblocks; ctx && i-- > 0;)
+        if (gs_vmm_blocks[i]->ctx == ctx)
+            destroy_block(gs_vmm_blocks[i]);
+    gs_vmm_forget_streams();
+    pthread_mutex_unlock(&gs_vmm_mu);
+}
+
+void gs_vmm_after_fork_child(void)
+{
+    /* The child has no CUDA context: the parent's blocks are not its own (their host mirrors
+     * stay mapped in the child, copy-on-write, and are simply not used). */
+    pthread_mutex_init(&gs_vmm_mu, NULL);
+    free(gs_vmm_blocks);
+    gs_vmm_blocks = NULL;
+    gs_vmm_nblocks = capblocks = 0;
+    granularity = 0;
+    gs_vmm_forget_streams();
+    pthread_cond_init(&gs_vmm_prepare_cv, NULL);
+    gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;
+}

@@ -1,0 +1,97 @@
+/*
+ * The explicit engine's internals, shared by memory_vmm.c (blocks: allocation, free, lookup) and
+ * memory_move.c (eviction, restore, pre-copy). Nothing else includes this file.
+ */
+#ifndef GPUSHARE_MEMORY_VMM_H
+#define GPUSHARE_MEMORY_VMM_H
+
+#include "memory.h"
+
+#define UNIT 512u
+#define CHUNK_UNITS_MAX 8192u /* up to 4 MiB chunks */
+#define MAX_BLOCKS_GROWTH 256u
+
+struct chunk {
+    unsigned units, used;
+    uint16_t len[CHUNK_UNITS_MAX]; /* at an allocation's first unit: its length in units */
+};
+
+struct block {
+    CUdeviceptr va;
+    uint64_t size;      /* reserved = mapped = physical */
+    uint64_t requested; /* what the program asked for (own blocks) */
+    CUdevice dev;
+    CUcontext ctx;
+    CUmemGenericAllocationHandle handle; /* 0 while evicted */
+    int resident;
+    int precopied;         /* staging holds the contents as of precopy_mark */
+    int preparing;         /* memory_prepare.c is making its staging */
+    uint64_t id;           /* unique for the process's life: found again after the lock was let go */
+    uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
+    struct gs_staging staging;
+    struct chunk *chunk; /* NULL: one allocation owns the block */
+};
+
+typedef CUresult (*reserve_fn)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*addr_free_fn)(CUdeviceptr, size_t);
+typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                           unsigned long long);
+typedef CUresult (*unmap_fn)(CUdeviceptr, size_t);
+typedef CUresult (*access_fn)(CUdeviceptr, size_t, const gs_mem_access_desc *, size_t);
+typedef CUresult (*gran_fn)(size_t *, const CUmemAllocationProp *, int);
+typedef CUresult (*ctx_dev_fn)(CUdevice *);
+typedef CUresult (*ctx_cur_fn)(CUcontext *);
+typedef CUresult (*void_fn)(void);
+typedef CUresult (*stream_prio_fn)(CUstream *, unsigned int, int);
+typedef CUresult (*prio_range_fn)(int *, int *);
+typedef CUresult (*stream_fn)(CUstream);
+typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
+typedef CUresult (*event_record_fn)(CUevent, CUstream);
+typedef CUresult (*event_fn)(CUevent);
+typedef CUresult (*d2h_fn)(void *, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*h2d_fn)(CUdeviceptr, const void *, size_t, CUstream);
+typedef CUresult (*meminfo_fn)(size_t *, size_t *);
+
+struct gs_vmm_driver {
+    reserve_fn reserve;
+    addr_free_fn addr_free;
+    map_fn map;
+    unmap_fn unmap;
+    access_fn access;
+    gran_fn gran;
+    ctx_dev_fn ctx_dev;
+    ctx_cur_fn ctx_cur;
+    void_fn ctx_sync;
+    stream_prio_fn stream_create;
+    prio_range_fn prio_range;
+    stream_fn stream_sync;
+    event_create_fn event_create;
+    event_record_fn event_record;
+    event_fn event_sync, event_destroy;
+    d2h_fn d2h;
+    h2d_fn h2d;
+    meminfo_fn meminfo;
+    int ok;
+};
+extern struct gs_vmm_driver gs_vmm_drv;
+
+/* Guards everything below; moves hold it for their whole length. */
+extern pthread_mutex_t gs_vmm_mu;
+extern struct block **gs_vmm_blocks; /* sorted by va */
+extern size_t gs_vmm_nblocks;
+
+CUresult gs_vmm_back(struct block *b);
+void gs_vmm_unback(struct block *b);
+/* Streams for moves, in the current context (recreated when the context changes). NULL when the
+ * driver refuses. */
+CUstream gs_vmm_move_stream(int low_priority);
+void gs_vmm_forget_streams(void);
+
+/* The background preparer (memory_prepare.c) waits on this condition (with gs_vmm_mu) for
+ * blocks without staging, or for a pre-copy wanted. Waking it is data, not a call into it, so
+ * the files below it can ask for work. Under gs_vmm_mu. */
+extern pthread_cond_t gs_vmm_prepare_cv;
+extern int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+void gs_vmm_wake_preparer_locked(void);
+
+#endif /* GPUSHARE_MEMORY_VMM_H */

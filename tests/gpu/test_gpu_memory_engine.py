@@ -1,0 +1,99 @@
+"""The explicit memory engine on a real GPU (docs/architecture.md, "Memory"): evictions and
+restores at the bus's speed with the data intact, pre-copy, and CUDA IPC's clear answer.
+
+Bounds carry their margin: the targets (issue "Engine v2") are eviction >= 40 GB/s and restore
+>= 45 GB/s on an H100 (PCIe Gen5, pinned copies 54-55 GB/s); these tests fail below 30 and 35
+GB/s, the benchmark (bench/handoff.py) records the exact figures.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import pytest
+from conftest import Result, Scheduler, run_workload, shimmed_env, start_workload
+
+GIB = 1 << 30
+MOVE = re.compile(r"(evicted|restored) client=(\S+) bytes=(\d+) \([^)]*\) ms=([\d.]+)")
+
+
+def rates(log: str, kind: str, at_least: int = 8 * GIB) -> list[float]:
+    return [
+        int(n) / (float(ms) / 1000)
+        for k, _c, n, ms in MOVE.findall(log)
+        if k == kind and int(n) >= at_least and float(ms) > 0
+    ]
+
+
+def test_busy_kernels_move_at_the_bus_speed_and_keep_their_data(scheduler: Scheduler) -> None:
+    """14 + 14 GiB on a 24 GiB pool, both computing: every quantum's end evicts one of them (a
+    busy kernel: no pre-copy helps) and restores the other. memory_hog checks every element."""
+    pytest.importorskip("torch")
+    a = start_workload("memory_hog.py", "14", "20", "A", env=shimmed_env(scheduler.socket))
+    time.sleep(4)
+    b = start_workload("memory_hog.py", "14", "20", "B", env=shimmed_env(scheduler.socket))
+    out_a, err_a = a.communicate(timeout=300)
+    out_b, err_b = b.communicate(timeout=300)
+    assert a.returncode == 0, err_a
+    assert b.returncode == 0, err_b
+    for out, err in ((out_a, err_a), (out_b, err_b)):
+        rec = Result(0, out, err).record
+        assert rec["correct"], rec
+        # Explicit memory: counted as evictable, none of it managed by the driver.
+        assert rec["shim"]["managed_bytes"] >= 14 * GIB, rec["shim"]
+    log = scheduler.log_text()
+    evict, restore = rates(log, "evicted"), rates(log, "restored")
+    assert evict and restore, log
+    print(
+        f"eviction {statistics.median(evict) / 1e9:.1f} GB/s (n={len(evict)}, "
+        f"min {min(evict) / 1e9:.1f}), restore {statistics.median(restore) / 1e9:.1f} GB/s "
+        f"(n={len(restore)})"
+    )
+    assert statistics.median(evict) >= 30e9, evict
+    assert statistics.median(restore) >= 35e9, restore
+
+
+def test_torch_multiprocessing_ipc(scheduler: Scheduler) -> None:
+    """Sharing CUDA tensors between processes: evictable memory cannot be mapped by a peer, so
+    the default says so clearly and names the setting; with that setting it works."""
+    pytest.importorskip("torch")
+    plain = run_workload("torch_ipc.py", env=shimmed_env(scheduler.socket))
+    assert plain.record["ok"] is False, plain.record
+    assert "GPUSHARE_MEMORY=device" in plain.stderr, plain.stderr
+    device = run_workload(
+        "torch_ipc.py", env=shimmed_env(scheduler.socket, {"GPUSHARE_MEMORY": "device"})
+    )
+    assert device.returncode == 0, device.stderr
+    assert device.record["ok"], device.record
+
+
+def test_an_idle_kernel_is_precopied_and_leaves_in_milliseconds(scheduler: Scheduler) -> None:
+    """A computes 2 s then idles 40 s (its shim says IDLE after 1 s): the scheduler asks for a
+    pre-copy; when B arrives and needs the room, A's eviction is an unmap, and A's data is
+    intact when it computes again."""
+    pytest.importorskip("torch")
+    env = shimmed_env(scheduler.socket, {"GPUSHARE_IDLE_SECONDS": "1", "GPUSHARE_CLIENT_ID": "A"})
+    a = start_workload("memory_hog.py", "14", "2", "A", "40", env=env)
+    deadline = time.monotonic() + 120
+
+    def precopied() -> int:
+        clients = [c for d in scheduler.status()["devices"] for c in d["clients"]]
+        return max((c.get("precopied_bytes", 0) for c in clients if c["id"] == "A"), default=0)
+
+    while precopied() < 13 * GIB:  # the shim reports the background copy's progress in MEMORY
+        assert time.monotonic() < deadline, scheduler.log_text()
+        assert a.poll() is None or a.returncode == 0
+        time.sleep(0.5)
+    b_env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "B"})
+    b = run_workload("memory_hog.py", "14", "2", "B", env=b_env)
+    assert b.returncode == 0 and b.record["correct"], b.stderr
+    out_a, err_a = a.communicate(timeout=120)
+    assert a.returncode == 0, err_a
+    assert Result(0, out_a, err_a).record["correct"], "A's data did not survive pre-copy + eviction"
+    log = scheduler.log_text()
+    ms = [float(m) for k, c, n, m in MOVE.findall(log) if k == "evicted" and c == "A"]
+    assert ms, log
+    print(f"A evicted in {ms[0]:.1f} ms after its pre-copy")
+    assert ms[0] < 100, ms

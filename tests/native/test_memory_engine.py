@@ -1,0 +1,101 @@
+"""The explicit memory engine on the stand-in driver with a live scheduler: pre-copy of idle
+processes (eviction becomes an unmap), its invalidation by any later GPU call, host staging past
+its budget, and small allocations sharing physical chunks.
+
+The stand-in's device<->host copies take time on their stream (GPUSHARE_FAKE_COPY_GBPS=1: 640 MiB
+in ~670 ms), so an eviction that copies is told from one that only unmaps (tens of ms on the
+stand-in, whose "physical memory" is a memfd to tear down) by its duration.
+"""
+
+from __future__ import annotations
+
+import re
+
+MiB = 1 << 20
+CONTEXT = 64 * MiB
+BIG = 640 * MiB  # two of these (plus contexts) do not fit a 1 GiB pool; one does
+SLOW = {"GPUSHARE_FAKE_COPY_GBPS": "1"}
+COPY_MS = BIG / 1e9 * 1000  # ~671 ms: what copying BIG out takes on the stand-in
+
+
+def common(**extra):
+    return {"context_bytes": CONTEXT, "idle_seconds": 0.3, "log": "info", **extra}
+
+
+def evictions_ms(log: str, client: str) -> list[float]:
+    pattern = rf"evicted client={re.escape(client)} bytes=(\d+) \([^)]*\) ms=([\d.]+)"
+    return [float(ms) for n, ms in re.findall(pattern, log) if int(n) >= BIG]
+
+
+def test_an_idle_process_is_precopied_and_its_eviction_is_an_unmap(harness):
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    a = harness.spawn("precopy_cycle", BIG, 6.0, 0.3, 0.5, extra=SLOW, **common(client_id="A"))
+    # A goes idle; the scheduler asks for a pre-copy; A's memory stays resident meanwhile.
+    tick = a.wait_event("tick", 20, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    assert tick["status"]["evicted_bytes"] == 0, "a pre-copy must leave the memory resident"
+    assert tick["status"]["staging_pinned_bytes"] >= BIG, tick["status"]
+    sched.wait_log("precopied client=A")
+    # B needs the room: A (idle, pre-copied) is revoked and evicted without copying again.
+    b = harness.spawn("hold", 1.0, BIG, 20000, extra=SLOW, **common(client_id="B"))
+    rb, ra = b.finish(60).ok(), a.finish(60).ok()
+    assert rb.event("hold_end")["data_ok"]
+    assert ra.event("cycle_end")["data_ok"], "data did not survive pre-copy, eviction, restore"
+    evicts = evictions_ms(sched.log, "A")
+    assert evicts, sched.log
+    assert evicts[0] < COPY_MS / 3, f"a clean pre-copied eviction must be an unmap: {evicts}"
+    # The first copy out was the pre-copy; the eviction copied nothing more before B ran.
+    first_grant_b = sched.log.index("grant client=B ")
+    assert "precopied client=A" in sched.log[:first_grant_b]
+
+
+def test_a_gpu_call_after_the_precopy_makes_it_stale(harness):
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    a = harness.spawn("precopy_cycle", BIG, 4.0, 4.0, 0.5, extra=SLOW, **common(client_id="A"))
+    a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    # A writes new data: the host copy no longer matches, and status says so at once.
+    written = a.wait_event("written2", 20)
+    assert written["status"]["precopied_bytes"] == 0, written["status"]
+    # B arrives while A runs: at A's quantum end A is evicted, and this time it must copy.
+    b = harness.spawn("hold", 1.0, BIG, 20000, extra=SLOW, **common(client_id="B"))
+    rb, ra = b.finish(60).ok(), a.finish(60).ok()
+    assert rb.event("hold_end")["data_ok"]
+    end = ra.event("cycle_end")
+    assert end["data_ok"], "a stale pre-copy was restored: the data written after it is lost"
+    evicts = evictions_ms(sched.log, "A")
+    assert evicts and evicts[0] >= COPY_MS * 0.7, f"the eviction did not copy: {evicts}"
+    assert ra.stats["copy_to_host_bytes"] >= 2 * BIG, ra.stats
+
+
+def test_past_the_host_budget_staging_is_pageable_said_once_and_counted(harness):
+    harness.scheduler(pool="1GiB", quantum=1.0)
+    a = harness.spawn(
+        "precopy_cycle",
+        BIG,
+        6.0,  # pageable copies run at a quarter of the stand-in's rate: ~2.7 s for BIG
+        0.3,
+        0.3,
+        extra=SLOW,
+        **common(client_id="A", host_budget="0"),
+    )
+    tick = a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    st = tick["status"]
+    assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] >= BIG, st
+    assert st["staging_fallbacks"] >= 1, st
+    r = a.finish(60).ok()
+    assert r.event("cycle_end")["data_ok"]
+    assert r.stats["copy_to_host_pinned_bytes"] == 0 and r.stats["copy_to_host_bytes"] >= BIG
+    said = [line for line in r.shim_lines if "GPUSHARE_HOST_BUDGET" in line]
+    assert len(said) == 1, r.stderr
+
+
+def test_small_allocations_share_one_physical_chunk(harness):
+    run = harness.run("quota", 4096, "alloc", 100, context_bytes=CONTEXT).ok()
+    q = run.event("quota")
+    assert q["count"] == 100 and q["rc"] == 0, q
+    # 100 allocations of 4 KiB: one 2 MiB chunk on the card, counted once (the scenario's last
+    # allocation, after all were freed and the empty chunk given back, takes a second one).
+    assert run.calls("cuMemCreate") == 2, run.stats["calls"]
+    assert q["status"]["used_bytes"] == CONTEXT + 2 * MiB, q["status"]
+    freed = run.event("quota_freed")
+    assert freed["free_errors"] == 0 and freed["status"]["used_bytes"] == CONTEXT
+    assert run.stats["live_handles"] == 0 and run.stats["live_maps"] == 0
