@@ -6,12 +6,15 @@ with the driver's process checkpoint API (:mod:`.checkpoint`).
 
 The rules:
 
-* A client is *due* once it has been idle (the policy's state ``idle``: it neither holds the
-  device, nor waits for it, nor is being evicted) for ``idle_seconds`` without interruption.
-* A due client whose memory is still on the GPU is first evicted (:class:`EvictFirst`, once per
-  idle period): its data goes to the host through the memory engine as any eviction, so the
-  checkpoint that follows only has the context left to save. One whose memory is on the host
-  (or that has none) is put to sleep (:class:`Sleep`).
+* A client is *due* once it has been quiet for ``idle_seconds`` without interruption: the policy's
+  state ``idle`` (it neither holds the device, nor waits, nor is being evicted), or a holder whose
+  cell ended.
+* A due client whose memory is still on the GPU, or that still holds the device (an idle holder
+  keeps its grant while nobody else wants it), is first released with eviction
+  (:class:`EvictFirst`, once per idle period): its data goes to the host through the memory engine
+  as any eviction, so the checkpoint that follows only has the context left to save, and a locked
+  process never holds a grant (its next call would block in the driver without asking). One
+  whose memory is on the host (or that has none) is put to sleep (:class:`Sleep`).
 * A sleeping or asleep client that asks for the device (``REQUEST``) or whose notebook turns busy
   is woken (:class:`Wake`); a wake asked while the checkpoint is still in flight follows it at once.
 * A grant to a client that is not awake is held back until the wake has completed
@@ -53,6 +56,7 @@ class ClientView:
     pid: int
     state: str  # the policy's: running, revoking, waiting, evicting, idle
     resident_bytes: int  # movable memory still on the GPU (used - pinned - evicted)
+    idle: bool = False  # its cell ended: a holder that is idle may sleep (after a revoke)
     may_checkpoint: bool = True  # the scheduler's uid may checkpoint this process
 
 
@@ -121,8 +125,9 @@ class DeepIdle:
             e.pid = v.pid or e.pid
             if e.phase is not Phase.AWAKE:
                 continue
-            if v.state != "idle":
-                if v.state != "evicting":  # its own eviction before a sleep is not activity
+            holder = v.state == "running"
+            if not (v.state == "idle" or (holder and v.idle)):
+                if v.state not in ("evicting", "revoking"):  # its own release before a sleep
                     self._active(e)
                 continue
             if not (v.may_checkpoint and v.pid > 0):
@@ -132,9 +137,11 @@ class DeepIdle:
                 e.idle_since = now
             if not self._due(e, v, now):
                 continue
-            if v.resident_bytes > 0 and not e.evict_asked:
+            if (holder or v.resident_bytes > 0) and not e.evict_asked:
                 e.evict_asked = True
                 out.append(EvictFirst(v.id))
+            elif holder:
+                continue  # its revoke is answered first: a locked holder would never ask again
             else:
                 e.phase = Phase.SLEEPING
                 out.append(Sleep(v.id, e.pid))

@@ -148,6 +148,7 @@ class DeepIdleShell:
                         pid=conn.peer.pid,
                         state=str(c.get("state")),
                         resident_bytes=max(0, resident),
+                        idle=bool(c.get("idle")),
                         may_checkpoint=may_checkpoint(conn.peer.uid),
                     )
                 )

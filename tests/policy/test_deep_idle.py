@@ -128,3 +128,19 @@ def test_a_client_that_leaves_is_forgotten() -> None:
     d2 = asleep_at()
     d2.observe([], 300.0)  # gone from the policy's view
     assert d2.asleep() == []
+
+
+def test_an_idle_holder_is_released_with_eviction_before_it_sleeps() -> None:
+    d = DeepIdle(60.0)
+    d.observe([view(state="running", idle=True)], 0.0)
+    assert d.observe([view(state="running", idle=True)], 60.0) == [EvictFirst("k")]
+    assert d.observe([view(state="running", idle=True)], 60.1) == []  # never asleep holding
+    assert d.observe([view(state="revoking")], 60.2) == []  # its own revoke is no activity
+    assert d.observe([view()], 60.5) == [Sleep("k", 42)]
+
+
+def test_a_busy_holder_is_never_due() -> None:
+    d = DeepIdle(60.0)
+    d.observe([view(state="running", resident=GiB)], 0.0)
+    assert d.observe([view(state="running", resident=GiB)], 1e6) == []
+    assert d.next_deadline() is None
