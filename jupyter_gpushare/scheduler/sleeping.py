@@ -113,6 +113,8 @@ class DeepIdleShell:
         """After each event and timer: put the clients that are due to sleep; arm the timer."""
         if self._checkpoint_api is None or self.policy is None or self._stopping:
             return
+        if not self._deep_idle.enabled:  # turned off by the driver: sleepers still wake
+            return
         now = time.monotonic()
         actions = self._deep_idle.observe(self._deep_idle_views(now), now)
         self._run_deep_idle(actions)

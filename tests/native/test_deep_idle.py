@@ -141,3 +141,27 @@ def test_a_driver_without_the_api_turns_it_off_with_one_log_line(harness, ckpt):
     assert len(lines) == 1, lines
     assert "cuCheckpointProcessLock" in lines[0] and "CUDA 12.8" in lines[0], lines
     assert "asleep client=" not in sched.log
+
+
+def test_a_driver_that_refuses_the_checkpoint_turns_it_off_once_and_the_kernel_runs_on(
+    harness, ckpt
+):
+    # Managed memory (the shim's older mode) is what the real driver refuses with 801.
+    sched = start(harness, ckpt, IDLE_S)
+    a = harness.spawn(
+        "deep_idle",
+        DATA,
+        5.0,
+        extra=ckpt,
+        client_id="A",
+        context_bytes=CONTEXT,
+        idle_seconds=0.3,
+        memory="managed",
+        log="info",
+    )
+    sched.wait_log("deep idle is off", 20)
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+    lines = [line for line in sched.log.splitlines() if "deep idle is off" in line]
+    assert len(lines) == 1 and "CUDA_ERROR_NOT_SUPPORTED (801)" in lines[0], lines
+    assert "asleep client=" not in sched.log

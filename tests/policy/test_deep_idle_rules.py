@@ -144,3 +144,12 @@ def test_a_busy_holder_is_never_due() -> None:
     d.observe([view(state="running", resident=GiB)], 0.0)
     assert d.observe([view(state="running", resident=GiB)], 1e6) == []
     assert d.next_deadline() is None
+
+
+def test_only_root_or_the_same_user_may_checkpoint() -> None:
+    from jupyter_gpushare.scheduler.checkpoint import may_checkpoint
+
+    assert may_checkpoint(1000, own_euid=0)
+    assert may_checkpoint(1000, own_euid=1000)
+    assert not may_checkpoint(1001, own_euid=1000)
+    assert not may_checkpoint(-1, own_euid=1000)  # a client whose uid is unknown
