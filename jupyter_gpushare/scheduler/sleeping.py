@@ -127,7 +127,7 @@ class DeepIdleShell:
             for client in dev.get("clients", []):
                 cid = str(client.get("id"))
                 phase = self._deep_idle.phase(cid)
-                if phase is not Phase.AWAKE and client.get("state") in ("idle", "waiting"):
+                if phase is not Phase.AWAKE:  # a grant held for a wake is not running yet
                     client["state"] = phase.value
                 extra = self._deep_idle.extra_wait(cid, now)
                 if extra:
