@@ -13,6 +13,7 @@ stays off.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -106,7 +107,7 @@ class DeepIdleShell:
         if not self._deep_idle.hold_grant(decision.client, time.monotonic()):
             return False
         self._held_grants[decision.client] = decision
-        self.log.info("grant client=%s held: waking it from deep idle first", decision.client)
+        self.log.info("grant_held client=%s (waking it from deep idle first)", decision.client)
         return True
 
     def _deep_idle_pass(self) -> None:
@@ -151,7 +152,9 @@ class DeepIdleShell:
                         state=str(c.get("state")),
                         resident_bytes=max(0, resident),
                         idle=bool(c.get("idle")),
-                        may_checkpoint=may_checkpoint(conn.peer.uid),
+                        # Never itself (an embedded scheduler shares the server's process).
+                        may_checkpoint=may_checkpoint(conn.peer.uid)
+                        and conn.peer.pid != os.getpid(),
                     )
                 )
         return views
@@ -169,7 +172,7 @@ class DeepIdleShell:
     def _run_deep_idle(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, EvictFirst):
-                self.log.info("deep idle client=%s: evicting its memory first", action.client)
+                self.log.info("deep_idle client=%s step=evict (its memory first)", action.client)
                 self._handle(ev.AdminRelease(time.monotonic(), action.client, evict=True))
             elif isinstance(action, Sleep):
                 self._spawn(self._sleep_client(action))
@@ -190,7 +193,10 @@ class DeepIdleShell:
                 self._deep_idle_off(f"{exc.call} answers CUDA_ERROR_NOT_SUPPORTED (801)")
             else:
                 self.log.warning(
-                    "deep idle client=%s pid=%d: %s; it stays awake", action.client, action.pid, exc
+                    "sleep_failed client=%s pid=%d: %s; it stays awake",
+                    action.client,
+                    action.pid,
+                    exc,
                 )
         now = time.monotonic()
         conn = self._shims.get(action.client)
@@ -216,7 +222,7 @@ class DeepIdleShell:
             await loop.run_in_executor(None, api.wake, action.pid)
         except CheckpointError as exc:
             # The process cannot be helped from here; its CUDA calls will fail and say so.
-            self.log.error("wake client=%s pid=%d failed: %s", action.client, action.pid, exc)
+            self.log.error("wake_failed client=%s pid=%d: %s", action.client, action.pid, exc)
         now = time.monotonic()
         self.log.info("woke client=%s pid=%d ms=%.1f", action.client, action.pid, (now - t0) * 1000)
         self._deep_idle.woke(action.client, now)

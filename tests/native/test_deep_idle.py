@@ -93,7 +93,7 @@ def test_an_idle_process_sleeps_holds_nothing_and_its_next_call_wakes_it(harness
     assert woken["status"]["state"] == "holding"
     log = sched.wait_log("woke client=A")
     # The grant went out only after the restore and the unlock.
-    held = log.index("grant client=A held")
+    held = log.index("grant_held client=A")
     assert held < log.index("woke client=A") < log.index("grant client=A restore=1", held), log
     assert woken["first_call_s"] < 5.0, woken
 
