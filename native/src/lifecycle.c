@@ -34,7 +34,7 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
                 stuck, GS_DRAIN_WAIT_S);
     uint64_t moved = 0, us = 0;
     int evicted = 0;
-    gs_drain_work(s, "the release", evict, &evicted, &moved, &us);
+    gs_drain_work(s, "the release", evict, !solicited, &evicted, &moved, &us);
     if (evict && !evicted)
         GS_WARN("the eviction failed: the scheduler keeps counting this process's memory on the "
                 "device");
@@ -63,8 +63,9 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     if (s->conn.connected) {
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
         s->requested = 0;
-        /* Threads that blocked meanwhile still want the device. */
-        if (s->waiters > 0) {
+        /* Threads that blocked meanwhile still want the device (those that wait for another
+         * device wait on its link). */
+        if (s->waiters > gs_session_link_waiters_locked(s)) {
             s->requested = 1;
             again = 1;
         }
@@ -122,7 +123,7 @@ static void handle_evict(struct gs_session *s)
     int evicted = 0;
     /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
     if (!holding)
-        gs_drain_work(s, "the eviction", 1, &evicted, &moved, &us);
+        gs_drain_work(s, "the eviction", 1, 1, &evicted, &moved, &us);
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     struct gs_writer w;

@@ -2430,6 +2430,19 @@ __attribute__((destructor)) static void fk_write_stats_at_exit(void) {
     fclose(f);
 }
 
+/* ---- core2: several devices (issue 12 item 3). The shim asks a stream for its context to know
+ * which device a stream-ordered call works on; the stand-in's explicit streams keep the context
+ * that was current when they were made. ---- */
+CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(hStream, 0, &s);
+    if (r != CUDA_SUCCESS) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = s->ctx ? s->ctx : cur_ctx();
+    return *pctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+/* ---- end core2 ---- */
+
 #else /* GPUSHARE_FAKE_NVML */
 
 /* ------------------------------------------------------------------------------------------ */
