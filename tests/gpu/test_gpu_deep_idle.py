@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from conftest import WORKLOADS, Scheduler, require, running_scheduler, shimmed_env
+
+from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
 
 GIB = 1 << 30
 DEEP_IDLE_S = 3.0
@@ -75,9 +80,21 @@ class Kernel:
         assert self.ready["event"] == "ready", self.ready
         return self
 
-    def _line(self) -> dict[str, Any]:
+    def _line(self, timeout: float = 120.0) -> dict[str, Any]:
+        """The workload's next JSON line; a workload silent for ``timeout`` s is killed: a
+        first call that hangs after a sleep must fail the test, not hang the campaign."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        pool = ThreadPoolExecutor(1)
+        try:
+            line = pool.submit(self.proc.stdout.readline).result(timeout)
+        except FutureTimeout:
+            self.kill()
+            raise AssertionError(
+                f"{self.name}: no line in {timeout:.0f} s (a CUDA call that the shim does not "
+                f"gate blocks in the locked driver before any REQUEST?)\n{self.err.read_text()}"
+            ) from None
+        finally:
+            pool.shutdown(wait=False)
         assert line.startswith("{"), f"{self.name}: {line!r}\n{self.err.read_text()}"
         return json.loads(line)
 
@@ -103,6 +120,17 @@ def wait_log(sched: Scheduler, pattern: str, count: int = 1, timeout: float = 60
             return log
         time.sleep(0.1)
     raise AssertionError(f"{pattern!r} x{count} not in the log in {timeout}s:\n{sched.log_text()}")
+
+
+def notebook_busy(sched: Scheduler, client: str) -> None:
+    """What the Jupyter extension says when the kernel starts a cell (kernel_state busy)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(sched.socket))
+        body = {"action": "kernel_state", "client": client, "state": "busy"}
+        write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
+        reply = read_message_sync(s)
+    assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
 
 
 def ms_of(log: str, what: str, client: str) -> float:
@@ -150,7 +178,7 @@ def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path:
 def test_eight_sleeping_kernels_cost_the_card_under_one_gib(tmp_path: Path) -> None:
     """The issue's 32-kernel scenario, smaller: 8 PyTorch kernels of 1 GiB each, all asleep,
     together cost the card under 1 GiB (awake, their contexts alone take ~4 GiB); each wakes in
-    turn with its data."""
+    turn with its data, as in Jupyter: its notebook turns busy, then its cell runs."""
     require("torch")
     baseline = card_used_mib()
     # Long enough that all eight are up and measured awake before the first one sleeps.
@@ -170,6 +198,7 @@ def test_eight_sleeping_kernels_cost_the_card_under_one_gib(tmp_path: Path) -> N
             assert awake >= 8 * 1024, awake
             assert asleep < 1024, asleep
             for k in kernels:
+                notebook_busy(sched, k.name)
                 done = k.go()
                 assert done["correct"], (k.name, done)
                 print(f"{k.name}: first call after sleep {done['first_call_s']:.3f} s")
