@@ -52,6 +52,7 @@ class ControlActions:
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _execute: Callable[[list[ev.Decision]], None]
     _reschedule: Callable[[], None]
+    _deep_idle_overlay: Callable[[list[dict[str, Any]], float], None]
     _set_quota: Callable[[Connection, int, float], None]
     _spawn: Callable[[Coroutine[Any, Any, None]], None]
     _device_index: Callable[[str], int | None]
@@ -93,6 +94,7 @@ class ControlActions:
                 since = client.get("waiting_since")
                 if isinstance(since, (int, float)):
                     client["waiting_since"] = round(wall - (now - since), 3)
+        self._deep_idle_overlay(devices, now)
         doc = {
             "version": __version__,
             "socket": self.socket_path,

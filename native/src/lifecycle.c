@@ -184,6 +184,17 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
     case GS_MSG_PRECOPY:
         handle_precopy(s);
         break;
+    case GS_MSG_SLEEP: {
+        /* Only the status changes: the driver itself blocks this process's CUDA calls while it
+         * is locked, and the scheduler grants nothing before it restored and unlocked it. */
+        int asleep = gs_msg_u64(m, GS_TAG_FLAG, 0) != 0;
+        pthread_mutex_lock(&s->mu);
+        s->asleep = asleep;
+        pthread_mutex_unlock(&s->mu);
+        GS_INFO("%s", asleep ? "asleep: memory and context checkpointed to the host (deep idle)"
+                             : "awake: restored from deep idle");
+        break;
+    }
     case GS_MSG_SET_QUOTA: {
         uint64_t q = gs_msg_u64(m, GS_TAG_QUOTA, 0);
         gs_mem_set_quota(q);

@@ -135,6 +135,7 @@ struct gs_session {
     int requested;      /* a REQUEST is outstanding (no GRANT yet) */
     int want_request;   /* a waiter asks the thread to send REQUEST */
     int want_release;   /* gpushare_release() asks the thread to release */
+    int asleep;         /* SLEEP flag 1: the scheduler checkpointed this process (deep idle) */
     int waiters;
     uint64_t quantum_ms;
     double last_activity; /* idle.c */

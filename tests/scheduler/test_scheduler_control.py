@@ -21,9 +21,9 @@ DEVICE_KEYS = {
     "holders", "queue", "clients", "utilization_percent", "index",
 }  # fmt: skip
 CLIENT_KEYS = {
-    "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
-    "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds",
-    "waiting_since", "queue_position", "last_restore",
+    "id", "pid", "uid", "user", "label", "state", "idle", "used_bytes", "managed_bytes",
+    "pinned_bytes", "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds",
+    "wait_seconds", "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
 
 
