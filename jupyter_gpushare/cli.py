@@ -117,6 +117,7 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         "metrics-address": "GPUShareScheduler.metrics_address",
         "log-format": "SchedulerApp.log_style",
         "policy": "GPUShareScheduler.scheduling_policy",
+        "deep-idle": "GPUShareScheduler.deep_idle_seconds",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (

@@ -82,6 +82,7 @@ class MsgType(enum.IntEnum):
     SET_QUOTA = 0x85
     ERROR = 0x86
     PRECOPY = 0x87
+    SLEEP = 0x88  # deep idle: flag 1 = checkpointed (asleep), 0 = restored (docs/protocol.md)
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1

@@ -523,15 +523,17 @@ class Harness:
         quantum: float = 2.0,
         fake_devices: int = 0,
         args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> SchedulerProc:
         """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at).
 
         ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
-        NVML; devices are learnt from the shims). ``args``: more command-line options."""
+        NVML; devices are learnt from the shims). ``args``: more command-line options; ``env``:
+        more environment (the stand-in driver's settings for the scheduler's own calls)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        env = {}
+        env = dict(env or {})
         if fake_devices:
-            env = {
+            env |= {
                 "LD_LIBRARY_PATH": str(self.build.fake_dir),
                 "GPUSHARE_FAKE_DEVICES": str(fake_devices),
             }

@@ -108,6 +108,24 @@ class SchedulerConfig(LoggingConfigurable):
         an unmap of milliseconds instead of a copy of seconds. Costs host memory (the shim's
         GPUSHARE_HOST_BUDGET bounds the fast part) and PCIe bandwidth while nobody waits.""",
     ).tag(config=True)
+    deep_idle_seconds = Float(
+        600.0,
+        help="""Seconds a kernel must stay idle before it gives back everything, its CUDA context
+        included (deep idle): its memory is evicted, then the scheduler checkpoints the process
+        with the driver (cuCheckpointProcessLock/Checkpoint, CUDA 12.8+) and restores it at its
+        next GPU call or when its notebook turns busy. 0 turns it off. Needs the scheduler to run
+        as root or as the kernel's user; a driver without the API turns it off (logged once).""",
+    ).tag(config=True)
+    checkpoint_library = Unicode(
+        "libcuda.so.1",
+        help="""The CUDA driver library the scheduler calls the process checkpoint API in (deep
+        idle). Tests point it at the stand-in driver.""",
+    ).tag(config=True)
+    checkpoint_lock_timeout = Float(
+        10.0,
+        help="""Seconds cuCheckpointProcessLock may wait for a kernel's CUDA work to finish
+        before the sleep is given up (the kernel stays awake).""",
+    ).tag(config=True)
 
     # The interactive-first ordering (docs/architecture.md, "The ordering: shorter cells first").
     ordering = Enum(

@@ -52,6 +52,7 @@ class ControlActions:
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _execute: Callable[[list[ev.Decision]], None]
     _reschedule: Callable[[], None]
+    _deep_idle_overlay: Callable[[list[dict[str, Any]], float], None]
     _set_quota: Callable[[Connection, int, float], None]
     _spawn: Callable[[Coroutine[Any, Any, None]], None]
     _device_index: Callable[[str], int | None]
@@ -93,6 +94,7 @@ class ControlActions:
                 since = client.get("waiting_since")
                 if isinstance(since, (int, float)):
                     client["waiting_since"] = round(wall - (now - since), 3)
+        self._deep_idle_overlay(devices, now)
         doc = {
             "version": __version__,
             "socket": self.socket_path,
@@ -186,6 +188,8 @@ class ControlActions:
             return
         if action == "kernel_state":
             self._handle(request.event(now))
+            for device_client in self._device_clients(client_id, target):
+                self._handle(tr.ClientAction(action, device_client, state=request.state).event(now))
             self._reply(conn, request.reply())
             return
         # release / evict: say what happened, not only that the request was taken.
@@ -194,6 +198,20 @@ class ControlActions:
         self._execute(decisions)
         self._reschedule()
         self._reply(conn, reply)
+
+    def _device_clients(self, client_id: str, target: Connection) -> list[str]:
+        """The clients of the same process on its other GPUs: ``<id>/<ordinal>``
+        (docs/protocol.md, "Several devices"). Jupyter's view of a kernel (busy, idle) is of the
+        whole process, so it applies to each of them too."""
+        assert self.policy is not None
+        prefix = f"{client_id}/"
+        return [
+            cid
+            for cid, conn in self._shims.items()
+            if cid.startswith(prefix)
+            and conn.peer.pid == target.peer.pid
+            and self.policy.has_client(cid)
+        ]
 
     def _on_reload_request(self, conn: Connection, who: Identity) -> None:
         if not who.admin:

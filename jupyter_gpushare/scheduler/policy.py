@@ -1005,6 +1005,7 @@ class Policy:
             "user": c.user,
             "label": c.label,
             "state": c.state,
+            "idle": c.idle,  # its cell ended (Jupyter or the shim said so): deep idle reads it
             "used_bytes": c.used,
             "managed_bytes": c.managed,
             "pinned_bytes": c.pinned,

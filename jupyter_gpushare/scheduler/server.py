@@ -52,6 +52,7 @@ from .policy import Policy
 from .reservations import Reservations
 from .resume import ResumeKey
 from .shims import ShimSessions
+from .sleeping import DeepIdleShell
 from .transport import (
     Connection,
     LogLimiter,
@@ -74,7 +75,9 @@ __all__ = [
 ]
 
 
-class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, SchedulerConfig):
+class GPUShareScheduler(
+    DeepIdleShell, ShimSessions, ControlActions, AllocationControl, SchedulerConfig
+):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
     history_resolution = Float(
@@ -114,6 +117,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         self._access_error = ""  # why the last load of the access configuration failed
         # Replaced at start by the key kept beside the socket (see .resume).
         self._resume_key = ResumeKey.generate()
+        self._init_deep_idle()
 
     # ----------------------------------------------------------------------------------------
     # The public surface besides start/stop: status listeners and the access rules
@@ -248,6 +252,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
                 raise
         if self.mps:
             await self._start_mps()
+        await self._start_deep_idle()
         if left_clients and self.recovery_seconds > 0:
             self.policy.recover_until(time.monotonic() + self.recovery_seconds)
             self.log.info(
@@ -287,6 +292,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         server.close()
         await self.allocation_sockets.stop()
         self._cancel_timer()
+        self._stop_deep_idle()
         await self._metrics_feed.stop()
         if self._sampler is not None:
             self._sampler.cancel()
@@ -615,16 +621,20 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
         except Exception:
             self.log.exception("policy failed on %r", event)
             decisions = []
+        self._notify_status()
+        return decisions
+
+    def _notify_status(self) -> None:
         for listener in list(self._status_listeners):
             try:
                 listener()
             except Exception:  # a listener must never break the scheduler
                 self.log.exception("gpushare: status change listener failed")
-        return decisions
 
     def _handle(self, event: ev.Event) -> None:
         if self.policy is None:
             return
+        self._deep_idle_event(event)  # a sleeper's REQUEST or busy starts its wake
         self._execute(self._decide(event))
         self._reschedule()
 
@@ -637,6 +647,7 @@ class GPUShareScheduler(ShimSessions, ControlActions, AllocationControl, Schedul
     def _reschedule(self, after_tick: float | None = None) -> None:
         if self.policy is None or self._stopping:
             return
+        self._deep_idle_pass()
         deadline = self.policy.next_deadline()
         if deadline is not None and deadline == self._timer_deadline and self._timer is not None:
             return

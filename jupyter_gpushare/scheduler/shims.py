@@ -65,6 +65,7 @@ class ShimSessions:
     _handle: Callable[[ev.Event], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _reschedule: Callable[[], None]
+    _deep_idle_holds: Callable[[ev.Decision], bool]
     _device_for_hello: Callable[[tr.Hello, int], str | tr.Refusal]
     _log_limit: LogLimiter
     _device_snapshot: Callable[[str], dict[str, Any] | None]
@@ -337,6 +338,8 @@ class ShimSessions:
             if conn is None or conn.closed:
                 self.log.debug("decision %r for a client that is gone", decision)
                 continue
+            if self._deep_idle_holds(decision):
+                continue  # sent once the client's process is restored (sleeping.py)
             mem = conn.memory
             if isinstance(decision, ev.Grant):
                 waited = None if conn.requested_at is None else now - conn.requested_at

@@ -25,7 +25,8 @@ enum gpushare_state {
     GPUSHARE_STATE_INACTIVE = 0, /* no CUDA context yet: nothing to share */
     GPUSHARE_STATE_UNSHARED = 1, /* no scheduler reachable: running alone, retrying to connect */
     GPUSHARE_STATE_IDLE = 2,     /* connected, does not hold the device, not waiting */
-    GPUSHARE_STATE_WAITING = 3,  /* a GPU call is blocked until the scheduler grants the device */
+    GPUSHARE_STATE_WAITING = 3,  /* a GPU call is blocked until the scheduler grants the device
+                                    (of a process on several devices: any of them) */
     GPUSHARE_STATE_HOLDING = 4,  /* holds the device: GPU calls pass straight through */
     GPUSHARE_STATE_RELEASING = 5, /* handing the device back (synchronising, maybe evicting) */
     GPUSHARE_STATE_ASLEEP = 6     /* deep idle: memory and context checkpointed to the host */

@@ -58,9 +58,9 @@ static struct capture *find_locked(CUstream s, int per_thread)
     return NULL;
 }
 
-static void note_begin(CUstream s, int per_thread)
+/* With cap_mu held. */
+static void note_begin_locked(CUstream s, int per_thread)
 {
-    pthread_mutex_lock(&cap_mu);
     struct capture *slot = find_locked(s, per_thread);
     for (int i = 0; i < MAX_CAPTURES && !slot; i++)
         if (!captures[i].stream)
@@ -73,7 +73,6 @@ static void note_begin(CUstream s, int per_thread)
         n_untracked++;
     }
     atomic_fetch_add(&n_active, 1);
-    pthread_mutex_unlock(&cap_mu);
 }
 
 static void note_end(CUstream s, int per_thread)
@@ -175,15 +174,19 @@ void gs_capture_after_fork_child(void)
 /* ---- hooks (hooks.def) ---- */
 
 /* The begin is made under the table's lock: the idle detector holds it while it uses the legacy
- * stream, and a capture that began in the middle of that would be invalidated. */
+ * stream, and a capture that began in the middle of that would be invalidated. The capture is
+ * counted before the lock is let go: a thread that then holds captures off (host staging, a
+ * release) must find it, not a window in which it runs uncounted (seen on an H100: host
+ * registration in that window invalidated torch.cuda.graph's capture, error 900). */
 static CUresult begin(CUresult (*call)(void *, CUstream, CUstreamCaptureMode), void *real,
                       CUstream s, CUstreamCaptureMode mode, int per_thread)
 {
+    pthread_once(&cap_once, init_cv);
     pthread_mutex_lock(&cap_mu);
     CUresult r = call(real, s, mode);
-    pthread_mutex_unlock(&cap_mu);
     if (r == CUDA_SUCCESS)
-        note_begin(s, per_thread);
+        note_begin_locked(s, per_thread);
+    pthread_mutex_unlock(&cap_mu);
     return r;
 }
 
@@ -224,11 +227,12 @@ static CUresult begin_to_graph(gs_fn_cuStreamBeginCaptureToGraph real, CUstream 
                                const CUgraphEdgeData *data, size_t n, CUstreamCaptureMode mode,
                                int per_thread)
 {
+    pthread_once(&cap_once, init_cv);
     pthread_mutex_lock(&cap_mu);
     CUresult r = real(hStream, hGraph, deps, data, n, mode);
-    pthread_mutex_unlock(&cap_mu);
     if (r == CUDA_SUCCESS)
-        note_begin(hStream, per_thread);
+        note_begin_locked(hStream, per_thread);
+    pthread_mutex_unlock(&cap_mu);
     return r;
 }
 

@@ -20,7 +20,7 @@
 #include "gpushare.h"
 #include "session.h"
 
-#define CONNECT_TIMEOUT_S 0.5
+
 #define BACKOFF_MIN_S 0.1
 #define BACKOFF_MAX_S 2.0
 
@@ -130,6 +130,22 @@ void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t)
 }
 
 
+int gs_conn_send_fd(int fd, struct gs_writer *w)
+{
+    size_t n = gs_w_finish(w);
+    return n && fd >= 0 ? send_all(fd, w->buf, n) : -1;
+}
+
+void gs_conn_put_identity(const struct gs_session *s, struct gs_writer *w)
+{
+    gs_w_str(w, GS_TAG_USER, s->id.user);
+    if (s->id.token[0])
+        gs_w_str(w, GS_TAG_TOKEN, s->id.token);
+    gs_w_str(w, GS_TAG_LABEL, s->id.label);
+    gs_w_u64(w, GS_TAG_CONTEXT_BYTES, gs_config()->context_bytes);
+    gs_w_str(w, GS_TAG_VERSION, GS_VERSION);
+}
+
 /* Finish and send a frame on the current connection (thread side). */
 int gs_conn_send(struct gs_session *s, struct gs_writer *w)
 {
@@ -207,10 +223,10 @@ static int socket_trusted(const char *path, char *why, size_t whylen)
     snprintf(own_dir, sizeof own_dir, "gpushare-%u", (unsigned)me);
     const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
     if (!dir_mine && strcmp(base, own_dir) == 0) {
+        /* The reason first: a long path must not cut it off. */
         snprintf(why, whylen,
-                 "refusing the socket: %s belongs to uid %u, not to this user (another user made "
-                 "this user's socket directory)",
-                 dir, (unsigned)dir_owner);
+                 "refusing the socket: another user (uid %u) made this user's socket directory %s",
+                 (unsigned)dir_owner, dir);
         return 0;
     }
     if (lstat(path, &st) != 0) {
@@ -232,7 +248,7 @@ static int socket_trusted(const char *path, char *why, size_t whylen)
     return 1;
 }
 
-static int connect_socket(struct gs_session *s, char *why, size_t whylen)
+int gs_conn_connect(struct gs_session *s, char *why, size_t whylen)
 {
     int trusted = socket_trusted(s->id.socket_path, why, whylen);
     if (trusted <= 0) {
@@ -262,7 +278,7 @@ static int connect_socket(struct gs_session *s, char *why, size_t whylen)
             struct pollfd pfd = {fd, POLLOUT, 0};
             int soerr = 0;
             socklen_t sl = sizeof soerr;
-            if (poll(&pfd, 1, (int)(CONNECT_TIMEOUT_S * 1000)) == 1 &&
+            if (poll(&pfd, 1, (int)(GS_CONNECT_TIMEOUT_S * 1000)) == 1 &&
                 getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0)
                 return fd;
             e = soerr ? soerr : ETIMEDOUT;
@@ -277,7 +293,7 @@ static int connect_socket(struct gs_session *s, char *why, size_t whylen)
 int gs_conn_probe(struct gs_session *s)
 {
     char why[160];
-    int fd = connect_socket(s, why, sizeof why);
+    int fd = gs_conn_connect(s, why, sizeof why);
     if (fd < 0)
         return -1;
     uint8_t buf[256];
@@ -308,13 +324,70 @@ void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m)
     pthread_mutex_unlock(&s->mu);
 }
 
+int gs_conn_await_welcome(struct gs_session *s, int fd, uint8_t *rx, size_t cap, size_t *rx_len,
+                         double deadline, char *why, size_t whylen)
+{
+    for (;;) {
+        struct gs_msg m;
+        size_t flen;
+        int pr = gs_parse(rx, *rx_len, &m, &flen);
+        if (pr == GS_PARSE_ERROR) {
+            snprintf(why, whylen, "malformed answer");
+            break;
+        }
+        if (pr == GS_PARSE_OK) {
+            int type = m.type;
+            if (type == GS_MSG_WELCOME && s) {
+                gs_conn_apply_welcome(s, &m);
+                pthread_mutex_lock(&s->mu);
+                if (s->resume.mode == GS_RESUME_HOLDING && gs_msg_u64(&m, GS_TAG_RESUME, 0) != 1)
+                    s->resume.mode = 0; /* the scheduler did not give the grant back */
+                pthread_mutex_unlock(&s->mu);
+            }
+            else if (type == GS_MSG_ERROR) {
+                char msg[128];
+                gs_msg_str(&m, GS_TAG_MESSAGE, msg, sizeof msg);
+                snprintf(why, whylen, "refused: %s", msg);
+            }
+            memmove(rx, rx + flen, *rx_len - flen);
+            *rx_len -= flen;
+            if (type == GS_MSG_WELCOME)
+                return 0;
+            if (type == GS_MSG_ERROR)
+                break;
+            continue;
+        }
+        int left = (int)((deadline - gs_now()) * 1000);
+        if (left <= 0) {
+            snprintf(why, whylen, "no answer to HELLO within %d ms", (int)(GS_CONNECT_TIMEOUT_S * 1000));
+            break;
+        }
+        struct pollfd pfd = {fd, POLLIN, 0};
+        if (poll(&pfd, 1, left) <= 0)
+            continue;
+        ssize_t r = recv(fd, rx + *rx_len, cap - *rx_len, 0);
+        if (r == 0) {
+            snprintf(why, whylen, "connection closed");
+            break;
+        }
+        if (r < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            snprintf(why, whylen, "%s", strerror(errno));
+            break;
+        }
+        *rx_len += (size_t)r;
+    }
+    return -1;
+}
+
 /* Connect, say HELLO and wait for WELCOME (bounded). Returns the fd, or -1 with `why` set. */
 int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
 {
-    int fd = connect_socket(s, why, whylen);
+    int fd = gs_conn_connect(s, why, whylen);
     if (fd < 0)
         return -1;
-    double deadline = gs_now() + CONNECT_TIMEOUT_S;
+    double deadline = gs_now() + GS_CONNECT_TIMEOUT_S;
     const struct gs_config *cfg = gs_config();
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_HELLO);
@@ -346,12 +419,7 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
         if (resume == GS_RESUME_HOLDING && s->resume.secret[0])
             gs_w_str(&w, GS_TAG_RESUME_SECRET, s->resume.secret);
     }
-    gs_w_str(&w, GS_TAG_USER, s->id.user);
-    if (s->id.token[0])
-        gs_w_str(&w, GS_TAG_TOKEN, s->id.token);
-    gs_w_str(&w, GS_TAG_LABEL, s->id.label);
-    gs_w_u64(&w, GS_TAG_CONTEXT_BYTES, cfg->context_bytes);
-    gs_w_str(&w, GS_TAG_VERSION, GS_VERSION);
+    gs_conn_put_identity(s, &w);
     size_t n = gs_w_finish(&w);
     if (!n || send_all(fd, s->conn.tx, n) != 0) {
         snprintf(why, whylen, "sending HELLO failed");
@@ -359,57 +427,9 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
         return -1;
     }
     s->conn.rx_len = 0;
-    for (;;) {
-        struct gs_msg m;
-        size_t flen;
-        int pr = gs_parse(s->conn.rx, s->conn.rx_len, &m, &flen);
-        if (pr == GS_PARSE_ERROR) {
-            snprintf(why, whylen, "malformed answer");
-            break;
-        }
-        if (pr == GS_PARSE_OK) {
-            int type = m.type;
-            if (type == GS_MSG_WELCOME) {
-                gs_conn_apply_welcome(s, &m);
-                pthread_mutex_lock(&s->mu);
-                if (s->resume.mode == GS_RESUME_HOLDING && gs_msg_u64(&m, GS_TAG_RESUME, 0) != 1)
-                    s->resume.mode = 0; /* the scheduler did not give the grant back */
-                pthread_mutex_unlock(&s->mu);
-            }
-            else if (type == GS_MSG_ERROR) {
-                char msg[128];
-                gs_msg_str(&m, GS_TAG_MESSAGE, msg, sizeof msg);
-                snprintf(why, whylen, "refused: %s", msg);
-            }
-            memmove(s->conn.rx, s->conn.rx + flen, s->conn.rx_len - flen);
-            s->conn.rx_len -= flen;
-            if (type == GS_MSG_WELCOME)
-                return fd; /* anything after it stays in s->conn.rx for the thread */
-            if (type == GS_MSG_ERROR)
-                break;
-            continue;
-        }
-        int left = (int)((deadline - gs_now()) * 1000);
-        if (left <= 0) {
-            snprintf(why, whylen, "no answer to HELLO within %d ms", (int)(CONNECT_TIMEOUT_S * 1000));
-            break;
-        }
-        struct pollfd pfd = {fd, POLLIN, 0};
-        if (poll(&pfd, 1, left) <= 0)
-            continue;
-        ssize_t r = recv(fd, s->conn.rx + s->conn.rx_len, sizeof s->conn.rx - s->conn.rx_len, 0);
-        if (r == 0) {
-            snprintf(why, whylen, "connection closed");
-            break;
-        }
-        if (r < 0) {
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            snprintf(why, whylen, "%s", strerror(errno));
-            break;
-        }
-        s->conn.rx_len += (size_t)r;
-    }
+    if (gs_conn_await_welcome(s, fd, s->conn.rx, sizeof s->conn.rx, &s->conn.rx_len, deadline, why,
+                      whylen) == 0)
+        return fd; /* anything after it stays in s->conn.rx for the thread */
     close(fd);
     s->conn.rx_len = 0;
     return -1;

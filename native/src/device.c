@@ -18,6 +18,7 @@ static struct {
     CUresult (*uuid)(CUuuid *, CUdevice);
     CUresult (*name)(char *, int, CUdevice);
     CUresult (*total_mem)(size_t *, CUdevice);
+    CUresult (*stream_get_ctx)(CUstream, CUcontext *);
 } D;
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
@@ -33,9 +34,33 @@ static void load_driver_fns(void)
     *(void **)&D.uuid = gs_driver_sym("cuDeviceGetUuid");
     *(void **)&D.name = gs_driver_sym("cuDeviceGetName");
     *(void **)&D.total_mem = gs_driver_sym("cuDeviceTotalMem_v2");
+    *(void **)&D.stream_get_ctx = gs_driver_sym("cuStreamGetCtx");
 }
 
 static void drv(void) { pthread_once(&drv_once, load_driver_fns); }
+
+/* A context on a device the session has no registration for: from now on that device's calls
+ * wait for its own grant. The link closes the gate before this returns, so no call on the new
+ * device can pass the fast path on the first device's grant; the thread connects it. */
+static void add_link_locked(struct gs_session *s, CUdevice dev)
+{
+    if (gs_session_link_locked(s, dev))
+        return;
+    if (s->links.n >= GS_MAX_LINKS) {
+        GS_WARN("device %d: more than %d devices in one process; it waits for the first "
+                "device's grant", (int)dev, GS_MAX_LINKS + 1);
+        return;
+    }
+    struct gs_link *l = &s->links.l[s->links.n++];
+    memset(l, 0, sizeof *l);
+    l->dev = dev;
+    l->fd = -1;
+    /* The thread connects it once the first device's connection is up; until then its calls
+     * wait like the first device's (and pass while the process runs unshared). */
+    l->state = GS_LINK_CONNECTING;
+    gs_session_regate_locked(s);
+    gs_session_wake(s);
+}
 
 int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice dev, int primary)
 {
@@ -52,6 +77,8 @@ int gs_device_note_context_locked(struct gs_session *s, CUcontext ctx, CUdevice 
                     GS_MAX_CONTEXTS, GS_MAX_CONTEXTS);
         }
     }
+    if (s->started && !s->quitting && dev != d->dev)
+        add_link_locked(s, dev);
     if (s->started || s->quitting)
         return 0;
     s->started = 1;
@@ -154,12 +181,14 @@ void gs_device_pop(void)
     D.ctx_pop(&ignored);
 }
 
-int gs_device_sync_all(struct gs_session *s)
+static int sync_contexts(struct gs_session *s, int only, CUdevice dev)
 {
     drv();
     struct gs_context ctxs[GS_MAX_CONTEXTS];
     int n = snapshot(s, ctxs), failed = 0;
     for (int i = 0; i < n; i++) {
+        if (only && ctxs[i].dev != dev)
+            continue;
         if (push_one(&ctxs[i]) != 0)
             continue; /* gone (released, destroyed at exit): nothing left to wait for */
         CUresult r = D.ctx_sync ? D.ctx_sync() : CUDA_SUCCESS;
@@ -170,6 +199,24 @@ int gs_device_sync_all(struct gs_session *s)
         }
     }
     return failed;
+}
+
+int gs_device_sync_all(struct gs_session *s) { return sync_contexts(s, 0, 0); }
+
+int gs_device_sync_dev(struct gs_session *s, CUdevice dev) { return sync_contexts(s, 1, dev); }
+
+int gs_device_of_call(struct gs_session *s, CUstream stream, CUdevice *dev)
+{
+    drv();
+    /* A stream belongs to one context, whichever is current: ask the stream first. The special
+     * handles (no stream, the legacy and per-thread streams) mean the current context's. */
+    CUcontext ctx = NULL;
+    if (stream != GS_NO_STREAM && stream != 0 && stream != GS_STREAM_LEGACY &&
+        stream != GS_STREAM_PER_THREAD && D.stream_get_ctx &&
+        D.stream_get_ctx(stream, &ctx) == CUDA_SUCCESS && ctx &&
+        gs_device_of_context(s, ctx, dev) == 0)
+        return 0;
+    return gs_device_current(&ctx, dev);
 }
 
 int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes)
@@ -186,23 +233,35 @@ int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *tot
     return r == CUDA_SUCCESS ? 0 : -1;
 }
 
-void gs_device_identify(struct gs_session *s, CUdevice dev)
+void gs_device_describe(CUdevice dev, char *uuid, size_t uuid_cap, char *name, size_t name_cap,
+                        uint64_t *total)
 {
     drv();
     CUuuid u;
     memset(&u, 0, sizeof u);
+    uuid[0] = 0;
     if ((D.uuid_v2 && D.uuid_v2(&u, dev) == CUDA_SUCCESS) ||
         (D.uuid && D.uuid(&u, dev) == CUDA_SUCCESS)) {
         const unsigned char *b = (const unsigned char *)u.bytes;
-        snprintf(s->devs.uuid, sizeof s->devs.uuid,
+        snprintf(uuid, uuid_cap,
                  "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
                  b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
                  b[14], b[15]);
     }
-    if (!D.name || D.name(s->devs.name, (int)sizeof s->devs.name, dev) != CUDA_SUCCESS)
-        s->devs.name[0] = 0;
-    s->devs.name[sizeof s->devs.name - 1] = 0;
-    size_t total = 0;
-    if (D.total_mem && D.total_mem(&total, dev) == CUDA_SUCCESS)
+    if (!D.name || D.name(name, (int)name_cap, dev) != CUDA_SUCCESS)
+        name[0] = 0;
+    name[name_cap - 1] = 0;
+    size_t t = 0;
+    *total = D.total_mem && D.total_mem(&t, dev) == CUDA_SUCCESS ? t : 0;
+}
+
+void gs_device_identify(struct gs_session *s, CUdevice dev)
+{
+    uint64_t total = 0;
+    char uuid[sizeof s->devs.uuid];
+    gs_device_describe(dev, uuid, sizeof uuid, s->devs.name, sizeof s->devs.name, &total);
+    if (uuid[0]) /* keep what was known when the driver does not say */
+        memcpy(s->devs.uuid, uuid, sizeof uuid);
+    if (total)
         s->devs.total = total;
 }

@@ -24,18 +24,35 @@ int gs_drain_quiesce(const char *what, double seconds)
 
 /* Synchronise every context and, if asked, move managed memory to the host. Returns whether the
  * work drained; *evicted says whether the eviction succeeded. */
-int gs_drain_work(struct gs_session *s, const char *what, int evict, int *evicted,
-                           uint64_t *moved, uint64_t *us)
+int gs_drain_work(struct gs_session *s, const char *what, int evict, int every_device,
+                  int *evicted, uint64_t *moved, uint64_t *us)
 {
     *evicted = 0;
     if (!gs_drain_quiesce(what, gs_config()->capture_wait))
         return 0;
-    int failed = gs_device_sync_all(s);
+    /* A process that uses several devices holds each on its own (link.c): a revoke of the first
+     * waits for that device's work only, unless it evicts (the engine moves every device's
+     * managed memory at once, so every device's work must be done first) or the program gives
+     * every device back (gpushare_release). */
+    pthread_mutex_lock(&s->mu);
+    int several = s->links.n > 0;
+    CUdevice first = s->devs.dev;
+    pthread_mutex_unlock(&s->mu);
+    int failed = several && !evict && !every_device ? gs_device_sync_dev(s, first) : gs_device_sync_all(s);
     CUdevice dev;
     if (evict && !failed && gs_device_push(s, &dev) == 0) {
         *evicted = gs_mem_evict(dev, moved, us) == 0;
         gs_device_pop();
     }
+    gs_capture_unlock();
+    return !failed;
+}
+
+int gs_drain_device(struct gs_session *s, const char *what, CUdevice dev)
+{
+    if (!gs_drain_quiesce(what, gs_config()->capture_wait))
+        return 0;
+    int failed = gs_device_sync_dev(s, dev);
     gs_capture_unlock();
     return !failed;
 }

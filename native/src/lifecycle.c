@@ -34,7 +34,7 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
                 stuck, GS_DRAIN_WAIT_S);
     uint64_t moved = 0, us = 0;
     int evicted = 0;
-    gs_drain_work(s, "the release", evict, &evicted, &moved, &us);
+    gs_drain_work(s, "the release", evict, !solicited, &evicted, &moved, &us);
     if (evict && !evicted)
         GS_WARN("the eviction failed: the scheduler keeps counting this process's memory on the "
                 "device");
@@ -64,8 +64,9 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
         gs_mem_defer_backing(); /* a waiter's new memory is never made resident, never evicted */
         s->requested = 0;
-        /* Threads that blocked meanwhile still want the device. */
-        if (s->waiters > 0) {
+        /* Threads that blocked meanwhile still want the device (those that wait for another
+         * device wait on its link). */
+        if (s->waiters > gs_session_link_waiters_locked(s)) {
             s->requested = 1;
             again = 1;
         }
@@ -124,7 +125,7 @@ static void handle_evict(struct gs_session *s)
     int evicted = 0;
     /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
     if (!holding)
-        gs_drain_work(s, "the eviction", 1, &evicted, &moved, &us);
+        gs_drain_work(s, "the eviction", 1, 1, &evicted, &moved, &us);
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     struct gs_writer w;
@@ -185,6 +186,17 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
     case GS_MSG_PRECOPY:
         handle_precopy(s);
         break;
+    case GS_MSG_SLEEP: {
+        /* Only the status changes: the driver itself blocks this process's CUDA calls while it
+         * is locked, and the scheduler grants nothing before it restored and unlocked it. */
+        int asleep = gs_msg_u64(m, GS_TAG_FLAG, 0) != 0;
+        pthread_mutex_lock(&s->mu);
+        s->asleep = asleep;
+        pthread_mutex_unlock(&s->mu);
+        GS_INFO("%s", asleep ? "asleep: memory and context checkpointed to the host (deep idle)"
+                             : "awake: restored from deep idle");
+        break;
+    }
     case GS_MSG_SET_QUOTA: {
         uint64_t q = gs_msg_u64(m, GS_TAG_QUOTA, 0);
         gs_mem_set_quota(q);

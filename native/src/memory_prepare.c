@@ -23,6 +23,16 @@ static struct block *block_by_id(uint64_t id)
     return NULL;
 }
 
+/* Registering host memory and copying are calls that fail a global or relaxed stream capture
+ * another thread makes (cudaErrorStreamCaptureInvalidated: seen on an H100 under
+ * torch.cuda.graph): wait until no stream captures, and keep new captures from beginning until
+ * gs_capture_unlock(). This is a background thread, so it waits as long as captures last. */
+static void hold_off_captures(void)
+{
+    while (!gs_capture_hold_off(gs_config()->capture_wait))
+        GS_DEBUG("host staging waits for a stream capture to end");
+}
+
 static void *preparer(void *arg)
 {
     (void)arg;
@@ -43,8 +53,11 @@ static void *preparer(void *arg)
             CUcontext ctx = gs_vmm_nblocks ? gs_vmm_blocks[0]->ctx : NULL;
             pthread_mutex_unlock(&gs_vmm_mu);
             uint64_t copied, us;
-            if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS)
+            if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS) {
+                hold_off_captures();
                 gs_vmm_precopy(&copied, &us);
+                gs_capture_unlock();
+            }
             pthread_mutex_lock(&gs_vmm_mu);
             continue;
         }
@@ -61,7 +74,9 @@ static void *preparer(void *arg)
         if (set_ctx)
             set_ctx(ctx);
         struct gs_staging st;
+        hold_off_captures();
         int have = gs_staging_get(&st, size) == 0;
+        gs_capture_unlock();
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);
@@ -74,7 +89,9 @@ static void *preparer(void *arg)
         if (!nb || !have)
             continue;
         pthread_mutex_unlock(&gs_vmm_mu); /* an eviction made its own meanwhile */
+        hold_off_captures();
         gs_staging_put(&st);
+        gs_capture_unlock();
         pthread_mutex_lock(&gs_vmm_mu);
     }
     return NULL;

@@ -36,6 +36,9 @@ enum gs_msg_type {
     GS_MSG_SET_QUOTA = 0x85,
     GS_MSG_ERROR = 0x86,
     GS_MSG_PRECOPY = 0x87,
+    /* Deep idle: flag 1 = the scheduler checkpointed this process (memory and context on the
+     * host), 0 = it restored it; a GRANT follows a wake (docs/protocol.md, "Deep idle"). */
+    GS_MSG_SLEEP = 0x88,
     GS_MSG_STATUS = 0xA0,
     GS_MSG_CONTROL_REPLY = 0xA1
 };

@@ -38,12 +38,39 @@ struct gs_session *gs_session_get(void)
     return &the_session;
 }
 
+void gs_session_regate_locked(struct gs_session *s)
+{
+    /* One gate word for every device keeps the fast path one load: it is open only while every
+     * device the process uses is held. When some are not, calls take the slow path, which lets a
+     * call through on a device that is held (wait.c). */
+    int open = s->state == GPUSHARE_STATE_HOLDING;
+    for (int i = 0; i < s->links.n && open; i++)
+        open = s->links.l[i].state == GS_LINK_HOLDING || s->links.l[i].state == GS_LINK_UNSHARED;
+    /* Unshared (no scheduler), every device runs, whatever its link's state. */
+    gs_gate_set_open(open || s->state == GPUSHARE_STATE_UNSHARED || s->quitting);
+    pthread_cond_broadcast(&s->cv);
+}
+
 void gs_session_set_state_locked(struct gs_session *s, int state)
 {
     s->state = state;
-    int open = state == GPUSHARE_STATE_HOLDING || state == GPUSHARE_STATE_UNSHARED || s->quitting;
-    gs_gate_set_open(open);
-    pthread_cond_broadcast(&s->cv);
+    gs_session_regate_locked(s);
+}
+
+int gs_session_link_waiters_locked(const struct gs_session *s)
+{
+    int n = 0;
+    for (int i = 0; i < s->links.n; i++)
+        n += s->links.l[i].waiters;
+    return n;
+}
+
+struct gs_link *gs_session_link_locked(struct gs_session *s, CUdevice dev)
+{
+    for (int i = 0; i < s->links.n; i++)
+        if (s->links.l[i].dev == dev)
+            return &s->links.l[i];
+    return NULL;
 }
 
 void gs_session_wake(struct gs_session *s)
@@ -78,6 +105,10 @@ void gs_session_reset_after_fork(struct gs_session *s)
     if (s->conn.fd >= 0)
         close(s->conn.fd); /* the child's copy only; the parent's connection is untouched */
     s->conn.fd = -1;
+    for (int i = 0; i < s->links.n; i++)
+        if (s->links.l[i].fd >= 0)
+            close(s->links.l[i].fd); /* the child's copies, as above */
+    memset(&s->links, 0, sizeof s->links);
     s->conn.connected = s->started = s->thread_running = s->quitting = 0;
     s->requested = s->want_request = s->want_release = s->waiters = s->conn.warned = 0;
     s->devs.n = 0;

@@ -16,6 +16,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <poll.h>
 #include <stdint.h>
 
 #include "protocol.h"
@@ -50,6 +51,36 @@ struct gs_devices {
     char uuid[48];
     char name[256];
     uint64_t total;
+};
+
+/* A device the process uses besides the first one (link.c): its own connection to the scheduler,
+ * under the client id `<id>/<ordinal>`, so the process is a client of that device's pool too
+ * (docs/protocol.md, "Several devices"). Under s->mu except rx, which only the thread uses. */
+#define GS_MAX_LINKS 7
+enum gs_link_state {
+    GS_LINK_CONNECTING = 0, /* a context appeared on the device, or its connection was lost: the
+                               thread connects once the first device's connection is up */
+    GS_LINK_IDLE,      /* connected, not granted: calls on this device wait */
+    GS_LINK_HOLDING,   /* granted: calls on this device pass */
+    GS_LINK_RELEASING, /* a revoke drains this device's contexts */
+    GS_LINK_UNSHARED,  /* no connection could be made: this device runs unshared */
+};
+struct gs_link {
+    CUdevice dev;
+    int fd;
+    int state;
+    int requested;    /* REQUEST sent, no GRANT yet */
+    int waiters;      /* calls waiting for this device (also counted in s->waiters) */
+    int tries;        /* connection attempts since it last had one */
+    double next_connect_at;
+    int want_request; /* a waiter asks the thread to send REQUEST */
+    uint8_t rx[GS_PROTO_HEADER + 4096];
+    size_t rx_len;
+};
+struct gs_links {
+    struct gs_link l[GS_MAX_LINKS];
+    int n;
+    int want_open; /* a waiter saw a context on a device without a link */
 };
 
 /* The socket (conn.c). rx/tx are used only by whoever does the socket I/O: the starting thread
@@ -104,12 +135,14 @@ struct gs_session {
     int requested;      /* a REQUEST is outstanding (no GRANT yet) */
     int want_request;   /* a waiter asks the thread to send REQUEST */
     int want_release;   /* gpushare_release() asks the thread to release */
+    int asleep;         /* SLEEP flag 1: the scheduler checkpointed this process (deep idle) */
     int waiters;
     uint64_t quantum_ms;
     double last_activity; /* idle.c */
     int idle_sent;        /* idle.c */
     struct gs_identity id;
     struct gs_devices devs;
+    struct gs_links links;
     struct gs_conn conn;
     struct gs_resume resume;
     struct gs_stats stats;
@@ -128,6 +161,13 @@ struct gs_session {
 struct gs_session *gs_session_get(void);
 /* Set the state and re-evaluate the gate; wakes every waiter. Under s->mu. */
 void gs_session_set_state_locked(struct gs_session *s, int state);
+/* Re-evaluate the gate word: open while the first device and every linked device are held (or
+ * unshared), or the session quits. Wakes every waiter. Under s->mu. */
+void gs_session_regate_locked(struct gs_session *s);
+/* How many of s->waiters wait for a linked device (not the first). Under s->mu. */
+int gs_session_link_waiters_locked(const struct gs_session *s);
+/* The link of `dev`, or NULL (the first device has none). Under s->mu. */
+struct gs_link *gs_session_link_locked(struct gs_session *s, CUdevice dev);
 /* Wake the shim's thread. Async-signal-safe. */
 void gs_session_wake(struct gs_session *s);
 /* In a forked child: the parent's thread, connection and context are not the child's. */
@@ -156,8 +196,16 @@ void gs_device_pop(void);
 /* Wait for the application's outstanding work in every live context. The number of contexts
  * that failed to synchronise (0: all drained; errors of a context already gone do not count). */
 int gs_device_sync_all(struct gs_session *s);
+/* The same for the contexts on one device only (a revoke of that device's link). */
+int gs_device_sync_dev(struct gs_session *s, CUdevice dev);
+/* The device a gated call works on: the context of its stream, else the current context.
+ * 0 when known. */
+int gs_device_of_call(struct gs_session *s, CUstream stream, CUdevice *dev);
 /* UUID, name and total memory of `dev` into s->devs. */
 void gs_device_identify(struct gs_session *s, CUdevice dev);
+/* The same, of any device, into the given buffers (empty / 0 where the driver does not say). */
+void gs_device_describe(CUdevice dev, char *uuid, size_t uuid_cap, char *name, size_t name_cap,
+                        uint64_t *total);
 /* Free and total memory of the device of the first live context (cuMemGetInfo). 0 on success. */
 int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes);
 
@@ -172,8 +220,11 @@ int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *tot
 int gs_drain_quiesce(const char *what, double seconds);
 /* Synchronise every context and, if `evict`, move managed memory to the host. Returns whether
  * the work drained; *evicted says whether the eviction succeeded. */
-int gs_drain_work(struct gs_session *s, const char *what, int evict, int *evicted,
-                  uint64_t *moved, uint64_t *us);
+int gs_drain_work(struct gs_session *s, const char *what, int evict, int every_device,
+                  int *evicted, uint64_t *moved, uint64_t *us);
+/* Synchronise the contexts of one device (a revoke of that device's link), once no stream
+ * captures (bounded). Returns whether the work drained. */
+int gs_drain_device(struct gs_session *s, const char *what, CUdevice dev);
 /* Bring evicted memory back to the device, once no stream captures (bounded). */
 void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, uint64_t *us);
 
@@ -182,6 +233,9 @@ void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, u
 void gs_conn_gather_identity(struct gs_session *s);
 void gs_conn_begin(struct gs_session *s, struct gs_writer *w, uint8_t type);
 void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t);
+/* Who speaks and what runs, as every HELLO says it: user, token, label, context estimate,
+ * version. */
+void gs_conn_put_identity(const struct gs_session *s, struct gs_writer *w);
 /* Finish and send a frame on the current connection (thread side). 0 when sent. */
 int gs_conn_send(struct gs_session *s, struct gs_writer *w);
 void gs_conn_send_memory(struct gs_session *s);
@@ -194,6 +248,32 @@ void gs_conn_lost(struct gs_session *s, const char *why);
 /* Ask the scheduler for its status on a second connection: 0 when it answers within a second. */
 int gs_conn_probe(struct gs_session *s);
 void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m);
+/* How long connecting and the HELLO's answer may take. */
+#define GS_CONNECT_TIMEOUT_S 0.5
+/* Connect to the scheduler's socket (trust check, bounded): the fd, or -1 with `why` set. */
+int gs_conn_connect(struct gs_session *s, char *why, size_t whylen);
+/* Wait (until `deadline`) for the WELCOME that answers a HELLO on `fd`; frames after it stay in
+ * rx. With a session, the WELCOME's pool, quota, quantum and resume verdict apply to it. 0 when
+ * welcomed, -1 with `why` set. */
+int gs_conn_await_welcome(struct gs_session *s, int fd, uint8_t *rx, size_t cap, size_t *rx_len,
+                          double deadline, char *why, size_t whylen);
+/* Send one finished frame on `fd` (bounded). 0 when sent. */
+int gs_conn_send_fd(int fd, struct gs_writer *w);
+
+/* ---- link.c: the devices after the first ---- */
+
+/* Open a link for every device with a context but none yet (thread side). */
+void gs_link_open_new(struct gs_session *s);
+/* Send the REQUESTs waiters asked for (thread side). */
+void gs_link_send_requests(struct gs_session *s);
+/* Fill pollfds for the links' sockets; returns how many. */
+int gs_link_pollfds(struct gs_session *s, struct pollfd *pfd, int cap, CUdevice *devs);
+/* Read and handle what arrived on the link of `dev` (thread side). */
+void gs_link_on_readable(struct gs_session *s, CUdevice dev);
+/* Give back every linked device this process holds (unsolicited RELEASED; thread side). */
+void gs_link_release_all(struct gs_session *s, const char *reason);
+/* GOODBYE on every link and close them (thread side, at exit). */
+void gs_link_close_all(struct gs_session *s, int goodbye);
 
 /* ---- lifecycle.c: grant, revoke, evict ---- */
 

@@ -14,8 +14,12 @@ static void snapshot(struct gs_session *s, struct gpushare_status *out)
     double now = gs_now();
     pthread_mutex_lock(&s->mu);
     int st = s->state;
-    if (st == GPUSHARE_STATE_IDLE && s->waiters > 0)
+    /* A call that waits for any of the process's devices (a later one while the first is held,
+     * link.c) is what the wait line reports. */
+    if ((st == GPUSHARE_STATE_IDLE && s->waiters > 0) || gs_session_link_waiters_locked(s) > 0)
         st = GPUSHARE_STATE_WAITING;
+    if (s->asleep && st != GPUSHARE_STATE_HOLDING)
+        st = GPUSHARE_STATE_ASLEEP; /* a waiter of a sleeping process waits for the wake */
     out->state = (uint32_t)st;
     out->connected = (uint32_t)s->conn.connected;
     out->evicted = t.evicted > 0;

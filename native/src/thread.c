@@ -100,6 +100,7 @@ static void do_quit(struct gs_session *s)
         gs_conn_begin(s, &w, GS_MSG_GOODBYE);
         gs_conn_send(s, &w);
     }
+    gs_link_close_all(s, 1);
     pthread_mutex_lock(&s->mu);
     if (s->conn.fd >= 0)
         close(s->conn.fd);
@@ -169,8 +170,12 @@ static void *thread_main(void *arg)
 
         if (do_request)
             gs_conn_send_request(s);
-        if (do_release)
+        gs_link_open_new(s);
+        gs_link_send_requests(s);
+        if (do_release) {
+            gs_link_release_all(s, "released by the program");
             gs_life_release(s, 0, "released by the program", 0);
+        }
 
         now = gs_now();
         gs_idle_sample(s, now);
@@ -211,10 +216,16 @@ static void *thread_main(void *arg)
             timeout_ms = 1000;
         if (timeout_ms < 1)
             timeout_ms = 1;
-        struct pollfd pfd[2] = {{s->wake_pipe[0], POLLIN, 0}, {connected ? fd : -1, POLLIN, 0}};
-        int pr = poll(pfd, 2, timeout_ms);
+        struct pollfd pfd[2 + GS_MAX_LINKS] = {{s->wake_pipe[0], POLLIN, 0},
+                                               {connected ? fd : -1, POLLIN, 0}};
+        CUdevice link_devs[GS_MAX_LINKS];
+        int nlinks = gs_link_pollfds(s, pfd + 2, GS_MAX_LINKS, link_devs);
+        int pr = poll(pfd, (nfds_t)(2 + nlinks), timeout_ms);
         if (pr <= 0)
             continue;
+        for (int i = 0; i < nlinks; i++)
+            if (pfd[2 + i].revents & (POLLIN | POLLHUP | POLLERR))
+                gs_link_on_readable(s, link_devs[i]);
         if (pfd[0].revents & POLLIN) {
             char buf[64];
             atomic_store(&s->wake_pending, 0);

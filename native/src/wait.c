@@ -10,18 +10,55 @@
 
 #define WAIT_SLICE_NS 20000000L /* 20 ms: how quickly a waiter notices SIGINT */
 
-static CUresult wait_for_device(struct gs_session *s)
+/* Whether a call on `dev` (has_dev: known) may pass now; asks the thread for that device's grant
+ * when it may not. `link` is the call's device's link (NULL: the first device's). Under s->mu. */
+static int may_pass_locked(struct gs_session *s, struct gs_link *link)
+{
+    int st = s->state;
+    if (s->quitting || st == GPUSHARE_STATE_UNSHARED)
+        return 1;
+    if (link) {
+        if (link->state == GS_LINK_HOLDING || link->state == GS_LINK_UNSHARED)
+            return 1;
+        if (link->state == GS_LINK_IDLE && !link->requested && !link->want_request) {
+            link->want_request = 1;
+            gs_session_wake(s);
+        }
+        return 0;
+    }
+    if (st == GPUSHARE_STATE_HOLDING)
+        return 1;
+    if (st == GPUSHARE_STATE_IDLE && s->conn.connected && !s->requested && !s->want_request) {
+        s->want_request = 1;
+        gs_session_wake(s);
+    }
+    return 0;
+}
+
+/* The device of the call, when the process uses several (one only: no driver call). */
+static int call_device(struct gs_session *s, CUstream stream, CUdevice *dev)
+{
+    pthread_mutex_lock(&s->mu);
+    int several = s->links.n > 0;
+    pthread_mutex_unlock(&s->mu);
+    return several && gs_device_of_call(s, stream, dev) == 0;
+}
+
+static CUresult wait_for_device(struct gs_session *s, CUstream stream)
 {
     CUresult result = CUDA_SUCCESS;
     int waiting = 0;
     unsigned sig0 = 0;
     double t0 = 0;
+    CUdevice dev = 0;
+    int has_dev = call_device(s, stream, &dev);
+    struct gs_link *link = NULL;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        int st = s->state;
-        if (s->quitting || st == GPUSHARE_STATE_UNSHARED || st == GPUSHARE_STATE_HOLDING)
-            break;
-        if (st == GPUSHARE_STATE_INACTIVE && !s->started) {
+        /* Links are only ever added (and the table never moves): the pointer stays valid. */
+        if (has_dev && !link && dev != s->devs.dev)
+            link = gs_session_link_locked(s, dev);
+        if (s->state == GPUSHARE_STATE_INACTIVE && !s->started) {
             pthread_mutex_unlock(&s->mu);
             gs_start_from_current(s);
             pthread_mutex_lock(&s->mu);
@@ -29,6 +66,8 @@ static CUresult wait_for_device(struct gs_session *s)
                 break; /* no context at all: nothing to share, let the driver answer */
             continue;
         }
+        if (may_pass_locked(s, link))
+            break;
         if (!waiting) {
             waiting = 1;
             t0 = gs_now();
@@ -37,11 +76,9 @@ static CUresult wait_for_device(struct gs_session *s)
                 s->stats.wait_began = t0;
                 gs_sigint_begin();
             }
+            if (link)
+                link->waiters++;
             s->stats.waits++;
-        }
-        if (st == GPUSHARE_STATE_IDLE && s->conn.connected && !s->requested && !s->want_request) {
-            s->want_request = 1;
-            gs_session_wake(s);
         }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -60,6 +97,8 @@ static CUresult wait_for_device(struct gs_session *s)
         gs_gate_inflight_begin(); /* under the lock: a release that closes the gate after this
                                      point sees the flag, one that closed it before was seen */
     if (waiting) {
+        if (link)
+            link->waiters--;
         s->stats.wait_seconds += gs_now() - t0;
         if (--s->waiters == 0)
             gs_sigint_end();
@@ -84,7 +123,7 @@ CUresult gs_gate_slow(CUstream s, int per_thread)
         gs_gate_inflight_begin();
         return CUDA_SUCCESS;
     }
-    CUresult r = wait_for_device(gs_session_get());
+    CUresult r = wait_for_device(gs_session_get(), s);
     if (r == CUDA_SUCCESS) {
         atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
         gs_note_stream(s, per_thread);

@@ -43,6 +43,9 @@
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
  *                               fill BYTES with pattern 1, hold briefly, idle IDLE1 s, fill with
  *                               pattern 2, hold HOLD2 s, idle IDLE2 s, then check pattern 2
+ *   deep_idle BYTES IDLE        fill BYTES with pattern 1, hold briefly, no GPU calls for IDLE s
+ *                               (ticks with the status), then time the first call (a copy back)
+ *                               and check pattern 1
  *   procaddr                    get cuGetProcAddress through cuGetProcAddress_v2 and use it as v1
  */
 #include "cuda_abi.h"
@@ -1108,45 +1111,90 @@ static void fill_pattern(unsigned char *h, size_t n, unsigned seed) {
     for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + seed);
 }
 
+/* Write pattern `seed` to BYTES at d (all of it; the first n bytes from h). */
+static CUresult write_pattern(CUdeviceptr d, size_t bytes, unsigned char *h, size_t n, unsigned seed) {
+    fill_pattern(h, n, seed);
+    CUresult rc = p_cuMemsetD8(d, (unsigned char)seed, bytes);
+    return rc != CUDA_SUCCESS ? rc : p_cuMemcpyHtoD(d, h, n);
+}
+
+/* No GPU calls for `seconds` after the event `name`, a status tick every 0.1 s. */
+static void idle_ticking(const char *name, double seconds, long launches) {
+    emit(name, ",\"launches\":%ld", launches);
+    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < seconds;) {
+        sleep_s(0.1);
+        emit_tick(launches);
+    }
+}
+
+/* Whether BYTES at d hold pattern `seed` (the first n bytes as in h, the last byte too). */
+static int pattern_ok(CUdeviceptr d, size_t bytes, const unsigned char *h, unsigned char *g,
+                      size_t n, unsigned seed) {
+    unsigned char last = 0;
+    if (p_cuMemcpyDtoH(g, d, n) != CUDA_SUCCESS) return 0;
+    if (p_cuMemcpyDtoH(&last, d + bytes - 1, 1) != CUDA_SUCCESS) return 0;
+    return memcmp(g, h, n) == 0 && (bytes <= n || last == (unsigned char)seed);
+}
+
+/* BYTES of device memory holding pattern 1, with host buffers to check it (the first n bytes). */
+struct patterned {
+    size_t bytes, n;
+    unsigned char *h, *g;
+    CUdeviceptr d;
+};
+
+static CUresult patterned_alloc(struct patterned *p, size_t bytes) {
+    p->bytes = bytes;
+    p->n = bytes < (4u << 20) ? bytes : (4u << 20);
+    p->h = malloc(p->n);
+    p->g = malloc(p->n);
+    p->d = 0;
+    if (!p->h || !p->g || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = p_cuMemAlloc(&p->d, bytes);
+    return rc != CUDA_SUCCESS ? rc : write_pattern(p->d, bytes, p->h, p->n, 1);
+}
+
+static int patterned_free(struct patterned *p, int ok) {
+    CHECK(p_cuMemFree(p->d));
+    free(p->h);
+    free(p->g);
+    return !ok;
+}
+
 /* Pre-copy and its invalidation (tests/native/test_memory_engine.py): the data written after
  * a pre-copy must be what comes back after an eviction. */
 static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, double idle2) {
-    size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
-    unsigned char *h = malloc(n), *g = malloc(n);
-    CUdeviceptr d = 0;
+    struct patterned p;
     long launches = 0;
-    if (!h || !g || !bytes) return 1;
-    CHECK(p_cuMemAlloc(&d, bytes));
-    fill_pattern(h, n, 1);
-    CHECK(p_cuMemsetD8(d, 1, bytes));
-    CHECK(p_cuMemcpyHtoD(d, h, n));
+    CHECK(patterned_alloc(&p, bytes));
     if (hold(0.3, 20000, &launches, 1)) return 1;
-    emit("idle1_start", ",\"launches\":%ld", launches);
-    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle1;) {
-        sleep_s(0.1);
-        emit_tick(launches);
-    }
-    fill_pattern(h, n, 2);
-    CHECK(p_cuMemsetD8(d, 2, bytes));
-    CHECK(p_cuMemcpyHtoD(d, h, n));
+    idle_ticking("idle1_start", idle1, launches);
+    CHECK(write_pattern(p.d, bytes, p.h, p.n, 2));
     emit_status("written2");
     if (hold(hold2, 20000, &launches, 0)) return 1;
-    emit("idle2_start", ",\"launches\":%ld", launches);
-    for (double t0 = clock_s(CLOCK_MONOTONIC); clock_s(CLOCK_MONOTONIC) - t0 < idle2;) {
-        sleep_s(0.1);
-        emit_tick(launches);
-    }
-    CHECK(p_cuMemcpyDtoH(g, d, n));
-    unsigned char last = 0;
-    CHECK(p_cuMemcpyDtoH(&last, d + bytes - 1, 1));
-    int ok = memcmp(g, h, n) == 0 && (bytes <= n || last == 2);
+    idle_ticking("idle2_start", idle2, launches);
+    int ok = pattern_ok(p.d, bytes, p.h, p.g, p.n, 2);
     char st[2048];
     status_fields(st, sizeof(st));
     emit("cycle_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
-    CHECK(p_cuMemFree(d));
-    free(h);
-    free(g);
-    return !ok;
+    return patterned_free(&p, ok);
+}
+
+/* Deep idle (tests/native/test_deep_idle.py): the first call after a long idle wakes the
+ * process; the data written before must be intact. */
+static int scenario_deep_idle(size_t bytes, double idle) {
+    struct patterned p;
+    long launches = 0;
+    CHECK(patterned_alloc(&p, bytes));
+    if (hold(0.3, 20000, &launches, 1)) return 1;
+    idle_ticking("idle_start", idle, launches);
+    double t0 = clock_s(CLOCK_MONOTONIC);
+    int ok = pattern_ok(p.d, bytes, p.h, p.g, p.n, 1);
+    double first = clock_s(CLOCK_MONOTONIC) - t0;
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("woken", ",\"first_call_s\":%.6f,\"data_ok\":%s%s", first, ok ? "true" : "false", st);
+    return patterned_free(&p, ok);
 }
 
 static int scenario_ipc(int path) {
@@ -1435,6 +1483,8 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
         rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
                                     atof(argv[i + 2]), atof(argv[i + 3]));
+    } else if (strcmp(scenario, "deep_idle") == 0 && i + 1 < argc) {
+        rc = scenario_deep_idle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else if (strcmp(scenario, "status") == 0) {
         rc = scenario_status(arg_bytes(argc, argv, i, 0));
     } else if (strcmp(scenario, "procaddr") == 0) {

@@ -49,8 +49,9 @@
  * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_OTHER_BYTES (memory other
  * processes hold on the device: cuMemGetInfo's free shrinks by it).
  *
- * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed) and
- * fakecuda_call_count(name).
+ * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed),
+ * fakecuda_call_count(name) and fakecuda_process_device_bytes(pid) (fake_checkpoint.c: the process
+ * checkpoint API across processes, GPUSHARE_FAKE_CHECKPOINT_DIR, GPUSHARE_FAKE_CONTEXT_BYTES).
  */
 #include "cuda_abi.h"
 
@@ -65,7 +66,9 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -221,8 +224,11 @@ static int fn_index(const char *name) {
     return i;
 }
 
+static void fk_ckpt_gate(void); /* fake_checkpoint.c: blocks while the process is locked */
+static void fk_ckpt_start(void);
 #define COUNT()                                                                                  \
     do {                                                                                         \
+        fk_ckpt_gate();                                                                          \
         static int idx_ = -1;                                                                    \
         int i_ = __atomic_load_n(&idx_, __ATOMIC_ACQUIRE);                                       \
         if (i_ < 0) {                                                                            \
@@ -590,6 +596,8 @@ CUresult cuInit(unsigned int flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
     if (fk_nvis() == 0) return 100; /* CUDA_ERROR_NO_DEVICE: CUDA_VISIBLE_DEVICES hides them all */
     g_inited = 1;
+    static pthread_once_t ckpt_once = PTHREAD_ONCE_INIT;
+    pthread_once(&ckpt_once, fk_ckpt_start);
     return CUDA_SUCCESS;
 }
 
@@ -1629,6 +1637,7 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
 }
 
 #include "fake_vmm.c"
+#include "fake_checkpoint.c"
 
 /* ------------------------------------------------------------------------------------------ */
 /* Copies and sets                                                                              */
@@ -2436,6 +2445,19 @@ __attribute__((destructor)) static void fk_write_stats_at_exit(void) {
     fprintf(f, "%s\n", buf);
     fclose(f);
 }
+
+/* ---- core2: several devices (issue 12 item 3). The shim asks a stream for its context to know
+ * which device a stream-ordered call works on; the stand-in's explicit streams keep the context
+ * that was current when they were made. ---- */
+CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+    struct CUstream_st *s;
+    CUresult r = get_stream(hStream, 0, &s);
+    if (r != CUDA_SUCCESS) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = s->ctx ? s->ctx : cur_ctx();
+    return *pctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+/* ---- end core2 ---- */
 
 #else /* GPUSHARE_FAKE_NVML */
 

@@ -18,6 +18,14 @@
  *                                 BYTES of memory
  *   shim_probe twoctx US          contexts on devices 0 and 1; a US-long kernel on device 1's
  *                                 context, then gpushare_release(): how long the release took
+ *   shim_probe twodev SECONDS US BYTES
+ *                                 one thread per device (0 and 1), each on that device's primary
+ *                                 context: BYTES allocated, then US-long kernels back to back for
+ *                                 SECONDS, an event {"event":"launch","dev":N,"state":S} after
+ *                                 each (S: the status API's state then)
+ *   shim_probe otherdev N         N no-op launches on device 0 (held) timed, before and after a
+ *                                 context on device 1 (not held) exists: the cost of a call on a
+ *                                 held device while another device of the process is not held
  *   shim_probe reset              alloc, wait for a revoke, cuDevicePrimaryCtxReset, retain again,
  *                                 alloc, wait for a second revoke: the shim's RELEASED verdicts
  *   shim_probe ptds US QUIET      a US-long kernel on the per-thread default stream, then QUIET
@@ -298,6 +306,94 @@ static int scenario_twoctx(unsigned long long us)
     return 0;
 }
 
+/* ---- twodev ---- */
+
+struct twodev_arg {
+    int ordinal;
+    double seconds;
+    unsigned long long us;
+    size_t bytes;
+    int rc;
+};
+
+static void *twodev_thread(void *p)
+{
+    struct twodev_arg *a = p;
+    a->rc = 1;
+    CUdevice dev;
+    CUcontext ctx;
+    CUstream st;
+    CUdeviceptr mem;
+#define TCHECK(call)                                                                              \
+    do {                                                                                          \
+        CUresult r_ = (call);                                                                     \
+        if (r_ != CUDA_SUCCESS) {                                                                 \
+            emit("error", ",\"dev\":%d,\"call\":\"%s\",\"rc\":%d", a->ordinal, #call, r_);  \
+            return NULL;                                                                          \
+        }                                                                                         \
+    } while (0)
+    TCHECK(cuDeviceGet(&dev, a->ordinal));
+    TCHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    TCHECK(cuCtxSetCurrent(ctx));
+    TCHECK(cuStreamCreate(&st, 0));
+    if (a->bytes)
+        TCHECK(cuMemAlloc_v2(&mem, a->bytes));
+    for (double end = now() + a->seconds; now() < end;) {
+        TCHECK(launch_sleep(st, a->us));
+        struct gpushare_status s;
+        emit("launch", ",\"dev\":%d,\"state\":%d", a->ordinal,
+             status(&s) == 0 ? (int)s.state : -1);
+        TCHECK(cuStreamSynchronize(st));
+    }
+#undef TCHECK
+    a->rc = 0;
+    return NULL;
+}
+
+static int scenario_twodev(double seconds, unsigned long long us, size_t bytes)
+{
+    if (setup_on(0)) /* the module, and the session registered for device 0 */
+        return 1;
+    struct twodev_arg args[2] = {{0, seconds, us, bytes, 1}, {1, seconds, us, bytes, 1}};
+    pthread_t tids[2];
+    for (int i = 0; i < 2; i++)
+        if (pthread_create(&tids[i], NULL, twodev_thread, &args[i]) != 0)
+            return 1;
+    for (int i = 0; i < 2; i++)
+        pthread_join(tids[i], NULL);
+    return args[0].rc || args[1].rc;
+}
+
+/* ---- otherdev ---- */
+
+static double time_noops(int n)
+{
+    double t0 = now();
+    for (int i = 0; i < n; i++)
+        if (launch_noop(g_stream) != CUDA_SUCCESS)
+            return -1;
+    double dt = now() - t0;
+    cuStreamSynchronize(g_stream);
+    return dt / n * 1e9;
+}
+
+static int scenario_otherdev(int n)
+{
+    if (setup_on(0))
+        return 1;
+    CHECK(launch_noop(g_stream)); /* device 0 granted */
+    double alone = time_noops(n);
+    CUdevice dev1;
+    CUcontext ctx1;
+    CHECK(cuDeviceGet(&dev1, 1));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx1, dev1)); /* device 1 registered, never asked for */
+    CHECK(cuCtxSetCurrent(g_ctx));
+    double with_other = time_noops(n);
+    emit("otherdev", ",\"n\":%d,\"ns_alone\":%.1f,\"ns_other_not_held\":%.1f", n, alone,
+         with_other);
+    return 0;
+}
+
 /* ---- reset ---- */
 
 static int wait_not_holding(double timeout)
@@ -425,6 +521,10 @@ int main(int argc, char **argv)
         rc = scenario_launches(a, (unsigned long long)b, (size_t)c);
     else if (!strcmp(s, "twoctx"))
         rc = scenario_twoctx((unsigned long long)a);
+    else if (!strcmp(s, "twodev"))
+        rc = scenario_twodev(a, (unsigned long long)b, (size_t)c);
+    else if (!strcmp(s, "otherdev"))
+        rc = scenario_otherdev((int)a);
     else if (!strcmp(s, "reset"))
         rc = scenario_reset();
     else if (!strcmp(s, "ptds"))

@@ -139,9 +139,11 @@ def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.P
     )
 
 
-def start_scheduler(sock: Path, log: Path, quantum: float = 2.0, pool: str = "24GiB") -> Scheduler:
+def start_scheduler(
+    sock: Path, log: Path, quantum: float = 2.0, pool: str = "24GiB", args: tuple[str, ...] = ()
+) -> Scheduler:
     """A node scheduler (NVML discovery: every GPU of the machine) on ``sock``, appending to
-    ``log``; the caller stops it (``running_scheduler`` does)."""
+    ``log``; the caller stops it (``running_scheduler`` does). ``args``: more options."""
     with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
@@ -157,6 +159,7 @@ def start_scheduler(sock: Path, log: Path, quantum: float = 2.0, pool: str = "24
                 str(quantum),
                 "--log-level",
                 "INFO",
+                *args,
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -183,11 +186,13 @@ def _listening(sock: Path) -> bool:
 
 @contextlib.contextmanager
 def running_scheduler(
-    tmp_path: Path, pool: str = "24GiB", quantum: float = 2.0
+    tmp_path: Path, pool: str = "24GiB", quantum: float = 2.0, args: tuple[str, ...] = ()
 ) -> Iterator[Scheduler]:
     """A node scheduler, stopped on exit (the one in ``sched.process`` then: a test that
     restarts the scheduler swaps it)."""
-    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum, pool)
+    sched = start_scheduler(
+        tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum, pool, args
+    )
     try:
         yield sched
     finally:

@@ -41,7 +41,9 @@ def run_cell_with_displays(kc: Any, code: str, out: dict[str, Any]) -> None:
 
 
 def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -> None:
-    server = Server(tmp_path)
+    # The fair ordering: B waits for A's cell to end (the interactive default would let B's new
+    # cell go first after a sub-second handoff, with no wait long enough to show a line).
+    server = Server(tmp_path, ordering="fair")
     try:
         _sa, ka = server.session("a.ipynb")
         _sb, kb = server.session("b.ipynb")

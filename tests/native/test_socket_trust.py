@@ -81,7 +81,8 @@ def test_this_users_own_directory_made_by_another_user_is_refused(harness, other
         os.chmod(tmp_path, 0o755)
         run = harness.run("status", extra={"GPUSHARE_SOCKET": str(path)}).ok()
         assert any(
-            "another user made this user's socket directory" in line for line in run.shim_lines
+            f"another user (uid {other_user}) made this user's socket directory" in line
+            for line in run.shim_lines
         ), run.describe()
         assert run.event("status")["status"]["connected"] == 0
     finally:

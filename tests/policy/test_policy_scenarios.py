@@ -385,6 +385,7 @@ def test_snapshot_shape():
         "user": "alice",
         "label": "train.ipynb",
         "state": "running",
+        "idle": False,
         "used_bytes": 10 * GB,
         "managed_bytes": int(9.5 * GB),
         "pinned_bytes": GB // 2,

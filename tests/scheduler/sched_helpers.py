@@ -70,6 +70,9 @@ async def make_scheduler(sock_path: str) -> AsyncIterator[Any]:
         # The scripted clients here read exact message sequences; pre-copy requests to idle
         # clients are tested on their own (test_scheduler_server.py).
         kwargs.setdefault("precopy_idle", False)
+        # Faked credentials name this test's own pid: never checkpoint it (tests/native has the
+        # deep-idle tests, on the stand-in driver).
+        kwargs.setdefault("deep_idle_seconds", 0)
         server = FakeCredScheduler(**kwargs)
         await server.start()
         started.append(server)

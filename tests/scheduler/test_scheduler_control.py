@@ -21,9 +21,9 @@ DEVICE_KEYS = {
     "holders", "queue", "clients", "utilization_percent", "index",
 }  # fmt: skip
 CLIENT_KEYS = {
-    "id", "pid", "uid", "user", "label", "state", "used_bytes", "managed_bytes", "pinned_bytes",
-    "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds", "wait_seconds",
-    "waiting_since", "queue_position", "last_restore",
+    "id", "pid", "uid", "user", "label", "state", "idle", "used_bytes", "managed_bytes",
+    "pinned_bytes", "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds",
+    "wait_seconds", "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
 
 
@@ -128,6 +128,29 @@ async def test_kernel_state(scheduler: Any, connect: Any, sock_path: str) -> Non
     await a.expect_nothing(0.1)
     assert (await client.kernel_state("a", "idle"))["state"] == "idle"
     revoke = await a.expect(MsgType.REVOKE)  # Jupyter says its cell ended: it gives way at once
+    assert revoke.fields["reason"] == "idle"
+
+
+async def test_kernel_state_reaches_the_kernels_other_gpus(
+    scheduler: Any, connect: Any, sock_path: str
+) -> None:
+    """A kernel on two GPUs is ``k`` on the first and ``k/1`` on the second (docs/protocol.md,
+    "Several devices"); Jupyter's "idle" for ``k`` makes ``k/1`` give way on its GPU as well."""
+    second = "GPU-00000000-0000-0000-0000-00000000000b"
+    k, k1, other = await connect(), await connect(), await connect()
+    await k.hello("k")
+    await k1.hello("k/1", device=second)
+    await other.hello("other", device=second)
+    await k.request(100 * MiB)
+    await k.expect(MsgType.GRANT)
+    await k1.request(800 * MiB)
+    await k1.expect(MsgType.GRANT)
+    await other.request(800 * MiB)
+    client = SchedulerClient(sock_path)
+    assert (await client.kernel_state("k", "busy"))["state"] == "busy"
+    await k1.expect_nothing(0.1)
+    assert (await client.kernel_state("k", "idle"))["state"] == "idle"
+    revoke = await k1.expect(MsgType.REVOKE)
     assert revoke.fields["reason"] == "idle"
 
 

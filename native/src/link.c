@@ -1,0 +1,352 @@
+/*
+ * The devices a process uses after its first (docs/protocol.md, "Several devices"). Each has its
+ * own connection to the scheduler under the client id `<id>/<ordinal>`, so the process is a
+ * client of that device's pool as well: it waits in that device's queue, holds that device for
+ * that device's quantum, and a revoke of that device drains that device's contexts only. The
+ * first device keeps the session's own connection (conn.c, lifecycle.c), which carries the
+ * process's memory, its idle detector and the reconnect policy; a link follows it (it connects
+ * again once that connection is back) and carries no memory of its own (docs/architecture.md,
+ * "Several devices", says what the memory engine must provide for that). Runs on the shim's thread,
+ * except what the gate's slow path reads under s->mu.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "session.h"
+
+/* A link that cannot connect while the first device's connection is up tries this often, this
+ * many times, then its device runs unshared (a scheduler that refuses it will not change). */
+#define LINK_RETRY_S 0.2
+#define LINK_MAX_TRIES 5
+
+/* Send one frame on the link of `dev` (outside the lock: the socket is the thread's). */
+static void send_frame(struct gs_session *s, CUdevice dev, struct gs_writer *w)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    int fd = l ? l->fd : -1;
+    pthread_mutex_unlock(&s->mu);
+    if (gs_conn_send_fd(fd, w) != 0 && fd >= 0)
+        GS_WARN("device %d: sending to the scheduler failed", (int)dev);
+}
+
+/* RELEASED, EVICTED, RESTORED or PRECOPIED for a link: the engine keeps no per-device account,
+ * so a link never moves memory (flag: RELEASED 0 = not evicted; EVICTED 1 = nothing left to
+ * evict). */
+static void send_nothing_moved(struct gs_session *s, CUdevice dev, uint8_t type, int flag)
+{
+    uint8_t buf[128];
+    struct gs_writer w;
+    gs_w_begin(&w, buf, sizeof buf, type);
+    if (type == GS_MSG_RELEASED || type == GS_MSG_EVICTED)
+        gs_w_u64(&w, GS_TAG_FLAG, (uint64_t)flag);
+    if (type == GS_MSG_PRECOPIED)
+        gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, 0);
+    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, 0);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
+    gs_w_u64(&w, GS_TAG_MICROS, 0);
+    send_frame(s, dev, &w);
+}
+
+static void set_state(struct gs_session *s, CUdevice dev, int state)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    if (l) {
+        l->state = state;
+        if (state != GS_LINK_IDLE)
+            l->requested = 0;
+        gs_session_regate_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The link is gone (a scheduler restart, usually): it connects again once the first device's
+ * connection is back, and meanwhile calls on its device wait like the first device's waiters do
+ * (they pass once the session runs unshared: docs/reliability.md). */
+static void link_lost(struct gs_session *s, CUdevice dev, const char *why)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    if (l && l->fd >= 0) {
+        close(l->fd);
+        l->fd = -1;
+        l->rx_len = 0;
+        l->requested = 0;
+        l->tries = 0;
+        l->next_connect_at = gs_now() + LINK_RETRY_S;
+        l->state = s->quitting ? GS_LINK_UNSHARED : GS_LINK_CONNECTING;
+        gs_session_regate_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    GS_INFO("device %d: lost the scheduler (%s); connecting again", (int)dev, why);
+}
+
+/* HELLO for a device after the first (docs/protocol.md, "Several devices"): its own client id and
+ * that device's identity. Its memory comes with its REQUESTs. */
+static int handshake(struct gs_session *s, CUdevice dev, uint8_t *rx, size_t cap,
+               size_t *rx_len, char *why, size_t whylen)
+{
+    int fd = gs_conn_connect(s, why, whylen);
+    if (fd < 0)
+        return -1;
+    double deadline = gs_now() + GS_CONNECT_TIMEOUT_S;
+    const struct gs_config *cfg = gs_config();
+    char id[sizeof s->id.client_id + 16], uuid[48] = "", name[256] = "";
+    uint64_t total = 0;
+    snprintf(id, sizeof id, "%s/%d", s->id.client_id, (int)dev);
+    gs_device_describe(dev, uuid, sizeof uuid, name, sizeof name, &total);
+    uint8_t buf[4096];
+    struct gs_writer w;
+    gs_w_begin(&w, buf, sizeof buf, GS_MSG_HELLO);
+    gs_w_str(&w, GS_TAG_CLIENT_ID, id);
+    gs_w_u64(&w, GS_TAG_PID, (uint64_t)getpid());
+    gs_w_str(&w, GS_TAG_DEVICE_UUID, uuid);
+    gs_w_str(&w, GS_TAG_DEVICE_NAME, name);
+    gs_w_u64(&w, GS_TAG_DEVICE_TOTAL, total);
+    gs_w_u64(&w, GS_TAG_QUOTA, cfg->quota);
+    gs_w_u64(&w, GS_TAG_WEIGHT_MILLI, cfg->weight_milli);
+    gs_conn_put_identity(s, &w);
+    if (gs_conn_send_fd(fd, &w) != 0) {
+        snprintf(why, whylen, "sending HELLO failed");
+        close(fd);
+        return -1;
+    }
+    *rx_len = 0;
+    if (gs_conn_await_welcome(NULL, fd, rx, cap, rx_len, deadline, why, whylen) == 0)
+        return fd;
+    close(fd);
+    return -1;
+}
+
+void gs_link_open_new(struct gs_session *s)
+{
+    CUdevice todo[GS_MAX_LINKS];
+    int n = 0;
+    double now = gs_now();
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->links.n && s->conn.connected && !s->quitting; i++)
+        if (s->links.l[i].state == GS_LINK_CONNECTING && now >= s->links.l[i].next_connect_at)
+            todo[n++] = s->links.l[i].dev;
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        static struct gs_link fresh; /* thread side only: the handshake fills its rx */
+        char why[160] = "";
+        int fd = handshake(s, todo[i], fresh.rx, sizeof fresh.rx, &fresh.rx_len, why, sizeof why);
+        pthread_mutex_lock(&s->mu);
+        struct gs_link *l = gs_session_link_locked(s, todo[i]);
+        int gave_up = 0;
+        if (l && fd >= 0 && !s->quitting) {
+            l->fd = fd;
+            memcpy(l->rx, fresh.rx, fresh.rx_len);
+            l->rx_len = fresh.rx_len;
+            l->state = GS_LINK_IDLE;
+            l->tries = 0;
+        } else {
+            if (fd >= 0)
+                close(fd);
+            if (l && (s->quitting || ++l->tries >= LINK_MAX_TRIES)) {
+                l->state = GS_LINK_UNSHARED;
+                gave_up = 1;
+            } else if (l) {
+                l->next_connect_at = gs_now() + LINK_RETRY_S * l->tries;
+            }
+        }
+        gs_session_regate_locked(s);
+        pthread_mutex_unlock(&s->mu);
+        if (fd >= 0)
+            GS_DEBUG("device %d registered with the scheduler as %s/%d", (int)todo[i],
+                     s->id.client_id, (int)todo[i]);
+        else if (gave_up)
+            GS_WARN("device %d: cannot register with the scheduler (%s); it runs unshared",
+                    (int)todo[i], why);
+    }
+}
+
+/* REQUEST with what the session knows of this device's memory: the context estimate. */
+static void send_request(struct gs_session *s, CUdevice dev)
+{
+    uint8_t buf[256];
+    struct gs_writer w;
+    struct gs_mem_totals ctx_only = {.used = gs_config()->context_bytes,
+                                     .pinned = gs_config()->context_bytes};
+    gs_w_begin(&w, buf, sizeof buf, GS_MSG_REQUEST);
+    gs_conn_put_memory(&w, &ctx_only);
+    send_frame(s, dev, &w);
+    GS_DEBUG("requested device %d", (int)dev);
+}
+
+void gs_link_send_requests(struct gs_session *s)
+{
+    CUdevice todo[GS_MAX_LINKS];
+    int n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->links.n; i++) {
+        struct gs_link *l = &s->links.l[i];
+        if (l->want_request && l->state == GS_LINK_IDLE && !l->requested && l->waiters > 0) {
+            l->requested = 1;
+            todo[n++] = l->dev;
+        }
+        l->want_request = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < n; i++)
+        send_request(s, todo[i]);
+}
+
+int gs_link_pollfds(struct gs_session *s, struct pollfd *pfd, int cap, CUdevice *devs)
+{
+    int n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->links.n && n < cap; i++)
+        if (s->links.l[i].fd >= 0) {
+            pfd[n] = (struct pollfd){s->links.l[i].fd, POLLIN, 0};
+            devs[n++] = s->links.l[i].dev;
+        }
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+/* REVOKE: close the gate, wait for the calls inside the driver, then for this device's work. The
+ * memory engine keeps no per-device account, so the link evicts nothing: its RELEASED says so
+ * (flag 0) and the scheduler keeps the link's memory counted on the device. */
+static void release(struct gs_session *s, CUdevice dev, const char *reason)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    int holding = l && l->state == GS_LINK_HOLDING;
+    if (holding) {
+        l->state = GS_LINK_RELEASING;
+        gs_session_regate_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!holding) { /* crossed on the wire with nothing to give back (lifecycle.c says why) */
+        GS_DEBUG("device %d: ignored a revoke (%s): not holding it", (int)dev, reason);
+        return;
+    }
+    double t0 = gs_now();
+    int stuck = gs_gate_drain(GS_DRAIN_WAIT_S);
+    if (stuck)
+        GS_INFO("device %d: %d call(s) still inside the driver after %.0f s: going on", (int)dev,
+                stuck, GS_DRAIN_WAIT_S);
+    gs_drain_device(s, "the release", dev);
+    send_nothing_moved(s, dev, GS_MSG_RELEASED, 0);
+    GS_INFO("device %d revoked (%s): released after %.1f ms", (int)dev, reason,
+            gs_ms(gs_now() - t0));
+    pthread_mutex_lock(&s->mu);
+    int again = 0;
+    if ((l = gs_session_link_locked(s, dev)) && l->state == GS_LINK_RELEASING) {
+        l->state = GS_LINK_IDLE;
+        l->requested = again = l->waiters > 0; /* calls that blocked meanwhile still want it */
+        gs_session_regate_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (again)
+        send_request(s, dev);
+}
+
+static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
+{
+    char text[256] = "";
+    switch (m->type) {
+    case GS_MSG_GRANT:
+        if (gs_msg_u64(m, GS_TAG_FLAG, 0)) { /* nothing of this link was evicted: none to move */
+            send_nothing_moved(s, dev, GS_MSG_RESTORED, 1);
+        }
+        set_state(s, dev, GS_LINK_HOLDING);
+        GS_INFO("granted device %d", (int)dev);
+        break;
+    case GS_MSG_REVOKE:
+        gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
+        release(s, dev, text[0] ? text : "no reason");
+        break;
+    case GS_MSG_EVICT: /* the link reports no managed memory: there is nothing to move */
+        send_nothing_moved(s, dev, GS_MSG_EVICTED, 1);
+        break;
+    case GS_MSG_PRECOPY: /* nothing of this link's to copy ahead: valid now is none */
+        send_nothing_moved(s, dev, GS_MSG_PRECOPIED, 0);
+        break;
+    case GS_MSG_ERROR:
+        gs_msg_str(m, GS_TAG_MESSAGE, text, sizeof text);
+        GS_WARN("device %d: scheduler error %llu: %s", (int)dev,
+                (unsigned long long)gs_msg_u64(m, GS_TAG_ERROR_CODE, 0), text);
+        break;
+    default:
+        break; /* SET_QUOTA: the quota is the process's, kept by the first device's connection */
+    }
+}
+
+void gs_link_on_readable(struct gs_session *s, CUdevice dev)
+{
+    static struct gs_link in; /* thread side only: frames are handled outside the lock */
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    int fd = l ? l->fd : -1;
+    if (l) {
+        memcpy(in.rx, l->rx, l->rx_len);
+        in.rx_len = l->rx_len;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (fd < 0)
+        return;
+    ssize_t r = recv(fd, in.rx + in.rx_len, sizeof in.rx - in.rx_len, 0);
+    if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) {
+        link_lost(s, dev, r == 0 ? "the scheduler closed the connection" : strerror(errno));
+        return;
+    }
+    in.rx_len += r > 0 ? (size_t)r : 0;
+    for (;;) {
+        struct gs_msg m;
+        size_t flen;
+        int pr = gs_parse(in.rx, in.rx_len, &m, &flen);
+        if (pr == GS_PARSE_MORE)
+            break;
+        if (pr == GS_PARSE_ERROR) {
+            link_lost(s, dev, "malformed frame from the scheduler");
+            return;
+        }
+        dispatch(s, dev, &m);
+        memmove(in.rx, in.rx + flen, in.rx_len - flen);
+        in.rx_len -= flen;
+    }
+    pthread_mutex_lock(&s->mu);
+    if ((l = gs_session_link_locked(s, dev)) && l->fd == fd) {
+        memcpy(l->rx, in.rx, in.rx_len);
+        l->rx_len = in.rx_len;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void gs_link_release_all(struct gs_session *s, const char *reason)
+{
+    CUdevice devs[GS_MAX_LINKS];
+    struct pollfd pfd[GS_MAX_LINKS];
+    int n = gs_link_pollfds(s, pfd, GS_MAX_LINKS, devs);
+    for (int i = 0; i < n; i++)
+        release(s, devs[i], reason); /* only those it holds */
+}
+
+void gs_link_close_all(struct gs_session *s, int goodbye)
+{
+    CUdevice devs[GS_MAX_LINKS];
+    struct pollfd pfd[GS_MAX_LINKS];
+    int n = gs_link_pollfds(s, pfd, GS_MAX_LINKS, devs);
+    for (int i = 0; i < n; i++) {
+        if (goodbye) {
+            uint8_t buf[64];
+            struct gs_writer w;
+            gs_w_begin(&w, buf, sizeof buf, GS_MSG_GOODBYE);
+            gs_conn_send_fd(pfd[i].fd, &w);
+        }
+        pthread_mutex_lock(&s->mu);
+        struct gs_link *l = gs_session_link_locked(s, devs[i]);
+        if (l && l->fd == pfd[i].fd) {
+            close(l->fd);
+            l->fd = -1;
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+}

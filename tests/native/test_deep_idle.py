@@ -1,0 +1,167 @@
+"""Deep idle end to end on the stand-in driver: a real scheduler checkpoints a real shimmed process
+through the stand-in's cuCheckpointProcess* (native/tests/fake_checkpoint.c), and wakes it.
+
+The stand-in in the target process serves the checkpoint commands the scheduler's copy of it
+sends; it poisons device memory at checkpoint and puts it back at restore, and it reports the
+device bytes the process holds (its context's GPUSHARE_FAKE_CONTEXT_BYTES included), so "asleep"
+is checked as the card would show it and "data intact" as the program reads its memory back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
+
+MiB = 1 << 20
+CONTEXT = 64 * MiB
+DATA = 32 * MiB
+IDLE_S = 1.5  # deep_idle_seconds of these tests
+
+
+@pytest.fixture
+def ckpt(harness: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The stand-in's checkpoint rendezvous (a short directory: socket paths are limited)."""
+    d = Path(harness.sock_dir) / "ck"
+    d.mkdir()
+    monkeypatch.setenv("GPUSHARE_FAKE_CHECKPOINT_DIR", str(d))  # for device_bytes() here
+    return {"GPUSHARE_FAKE_CHECKPOINT_DIR": str(d), "GPUSHARE_FAKE_CONTEXT_BYTES": str(CONTEXT)}
+
+
+def device_bytes(harness: Any, pid: int) -> int:
+    """What the target's stand-in driver says the process holds on the device (-1: no answer)."""
+    lib = ctypes.CDLL(str(harness.build.fake_dir / "libcuda.so.1"))
+    lib.fakecuda_process_device_bytes.restype = ctypes.c_longlong
+    return int(lib.fakecuda_process_device_bytes(ctypes.c_int(pid)))
+
+
+def start(harness: Any, ckpt: dict[str, str], deep_idle: float, library: str = "libcuda.so.1"):
+    return harness.scheduler(
+        pool="1GiB",
+        args=(
+            "--deep-idle",
+            str(deep_idle),
+            f"--GPUShareScheduler.checkpoint_library={harness.build.fake_dir / library}",
+        ),
+        env={"GPUSHARE_FAKE_CHECKPOINT_DIR": ckpt["GPUSHARE_FAKE_CHECKPOINT_DIR"]},
+    )
+
+
+def spawn(harness: Any, ckpt: dict[str, str], idle: float, client: str = "A"):
+    return harness.spawn(
+        "deep_idle",
+        DATA,
+        idle,
+        extra=ckpt,
+        client_id=client,
+        context_bytes=CONTEXT,
+        idle_seconds=0.3,
+        log="info",
+    )
+
+
+def client_status(sched: Any, client: str) -> dict[str, Any]:
+    for dev in sched.status()["devices"]:
+        for c in dev["clients"]:
+            if c["id"] == client:
+                return c
+    raise AssertionError(f"no client {client} in the status")
+
+
+def test_an_idle_process_sleeps_holds_nothing_and_its_next_call_wakes_it(harness, ckpt):
+    sched = start(harness, ckpt, IDLE_S)
+    a = spawn(harness, ckpt, 8.0)
+    a.wait_event("idle_start", 20)
+    awake = device_bytes(harness, a.pid)
+    assert awake >= CONTEXT + DATA, awake  # its context and its memory, before any eviction
+    sched.wait_log("asleep client=A", 20)
+    # Evicted first (its data went through the memory engine), then the context went too.
+    log = sched.log
+    assert log.index("evicted client=A") < log.index("asleep client=A"), log
+    assert device_bytes(harness, a.pid) == 0
+    assert client_status(sched, "A")["state"] == "asleep"
+    tick = a.wait_event("tick", 10, where=lambda e: e["status"]["state"] == "asleep")
+    assert tick["status"]["state_code"] == 6
+    run = a.finish(60).ok()
+    woken = run.event("woken")
+    assert woken["data_ok"], "data did not survive eviction, checkpoint, restore"
+    assert woken["status"]["state"] == "holding"
+    log = sched.wait_log("woke client=A")
+    # The grant went out only after the restore and the unlock.
+    held = log.index("grant_held client=A")
+    assert held < log.index("woke client=A") < log.index("grant client=A restore=1", held), log
+    assert woken["first_call_s"] < 5.0, woken
+
+
+def test_a_busy_notebook_wakes_a_sleeping_kernel_before_its_first_call(harness, ckpt):
+    sched = start(harness, ckpt, IDLE_S)
+    a = spawn(harness, ckpt, 10.0)
+    sched.wait_log("asleep client=A", 20)
+    assert device_bytes(harness, a.pid) == 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(harness.socket_path))
+        body = {"action": "kernel_state", "client": "A", "state": "busy"}
+        write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
+        reply = read_message_sync(s)
+    assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
+    sched.wait_log("woke client=A", 10)
+    # Awake again while the program has made no GPU call yet: its context is back.
+    assert device_bytes(harness, a.pid) >= CONTEXT
+    assert client_status(sched, "A")["state"] != "asleep"
+    a.wait_event("tick", 10, where=lambda e: e["status"]["state"] != "asleep")
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+
+
+def test_zero_turns_deep_idle_off(harness, ckpt):
+    sched = start(harness, ckpt, 0)
+    a = spawn(harness, ckpt, 4.0)
+    sched.wait_log("deep idle is off (deep_idle_seconds = 0)")
+    a.wait_event("idle_start", 20)
+    a.wait_event("tick", 10, where=lambda e: e["status"]["idle_seconds"] > 3.0)
+    assert device_bytes(harness, a.pid) >= CONTEXT
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+    assert "asleep client=" not in sched.log
+
+
+def test_a_driver_without_the_api_turns_it_off_with_one_log_line(harness, ckpt):
+    # The stand-in NVML library has no cuCheckpointProcess* symbols: a driver before 12.8.
+    sched = start(harness, ckpt, IDLE_S, library="libnvidia-ml.so.1")
+    a = spawn(harness, ckpt, 4.0)
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+    lines = [line for line in sched.log.splitlines() if "deep idle is off" in line]
+    assert len(lines) == 1, lines
+    assert "cuCheckpointProcessLock" in lines[0] and "CUDA 12.8" in lines[0], lines
+    assert "asleep client=" not in sched.log
+
+
+def test_a_driver_that_refuses_the_checkpoint_turns_it_off_once_and_the_kernel_runs_on(
+    harness, ckpt
+):
+    # Managed memory (the shim's older mode) is what the real driver refuses with 801.
+    sched = start(harness, ckpt, IDLE_S)
+    a = harness.spawn(
+        "deep_idle",
+        DATA,
+        5.0,
+        extra=ckpt,
+        client_id="A",
+        context_bytes=CONTEXT,
+        idle_seconds=0.3,
+        memory="managed",
+        log="info",
+    )
+    sched.wait_log("deep idle is off", 20)
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+    lines = [line for line in sched.log.splitlines() if "deep idle is off" in line]
+    assert len(lines) == 1 and "CUDA_ERROR_NOT_SUPPORTED (801)" in lines[0], lines
+    assert "asleep client=" not in sched.log
