@@ -476,6 +476,7 @@ void gs_conn_connected_locked(struct gs_session *s, int fd, int reconnect)
         gs_session_set_state_locked(s, GPUSHARE_STATE_HOLDING);
     } else {
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
+        gs_mem_defer_backing(); /* what it allocates before its grant is backed by the grant */
     }
     s->resume.mode = 0;
     if (s->waiters > 0 && s->state != GPUSHARE_STATE_HOLDING)

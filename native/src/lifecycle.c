@@ -62,6 +62,7 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     int again = 0;
     if (s->conn.connected) {
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
+        gs_mem_defer_backing(); /* a waiter's new memory is never made resident, never evicted */
         s->requested = 0;
         /* Threads that blocked meanwhile still want the device (those that wait for another
          * device wait on its link). */
@@ -100,6 +101,7 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
         GS_INFO("restored %s to the device in %.1f ms", gs_format_size(moved, b, sizeof b),
                 us / 1000.0);
     }
+    gs_mem_back_deferred(); /* before the gate opens: memory allocated while waiting gets backed */
     pthread_mutex_lock(&s->mu);
     if (s->conn.connected && !s->quitting) {
         double waited = s->waiters ? gs_now() - s->stats.wait_began : 0;

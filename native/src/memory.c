@@ -347,12 +347,23 @@ void gs_mem_totals(struct gs_mem_totals *out)
     gs_vmm_totals(&v);
     gs_staging_totals(&st);
     out->precopied = v.precopied_valid;
+    /* Memory shared through CUDA IPC stays on the device while imported: pinned, not evictable. */
+    out->managed -= v.ipc_pinned;
+    out->pinned += v.ipc_pinned;
     out->staging_pinned = st.pinned_bytes;
     out->staging_pageable = st.pageable_bytes;
     out->staging_fallbacks = st.fallbacks;
 }
 
 void gs_mem_precopy_async(void) { gs_vmm_precopy_async(); }
+
+void gs_mem_defer_backing(void)
+{
+    if (gs_config()->memory_mode == GS_MEMORY_VMM)
+        gs_vmm_defer_backing();
+}
+
+void gs_mem_back_deferred(void) { gs_vmm_back_deferred(); }
 
 void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
 

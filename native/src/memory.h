@@ -13,7 +13,7 @@
 
 /* ---- the driver's virtual memory management ABI (cuda.h 12.x/13.x layouts) ---- */
 
-enum { GS_MEM_ALLOCATION_TYPE_PINNED = 1, GS_MEM_HANDLE_TYPE_NONE = 0 };
+enum { GS_MEM_ALLOCATION_TYPE_PINNED = 1, GS_MEM_HANDLE_TYPE_NONE = 0, GS_MEM_HANDLE_TYPE_POSIX_FD = 1 };
 enum { GS_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 };
 enum { GS_MEM_ALLOC_GRANULARITY_MINIMUM = 0 };
 enum { GS_MEMHOSTREGISTER_PORTABLE = 1 };
@@ -129,8 +129,13 @@ void gs_vmm_precopy_async(void);
 void gs_vmm_prepare_after_fork_child(void);
 struct gs_vmm_totals {
     uint64_t bytes, evicted, precopied_valid, blocks;
+    uint64_t ipc_pinned; /* resident blocks pinned for CUDA IPC: not evictable */
 };
 void gs_vmm_totals(struct gs_vmm_totals *out);
+/* From now on, new blocks get no physical memory until gs_vmm_back_deferred, which backs them
+ * (and stops deferring) before the gate opens. */
+void gs_vmm_defer_backing(void);
+void gs_vmm_back_deferred(void);
 /* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
 void gs_vmm_forget_context(CUcontext ctx);
 void gs_vmm_after_fork_child(void);

@@ -30,8 +30,8 @@ static size_t queue_copies_out(CUstream s, struct block **out, CUevent *events, 
     size_t k = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
-        if (!b->resident)
-            continue;
+        if (!b->resident || b->ipc_pinned)
+            continue; /* a pinned block is mapped by a peer process: never pulled from under it */
         if (skip_clean && precopy_valid(b, calls)) {
             events[k] = NULL;
             out[k++] = b;
@@ -135,7 +135,7 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
     if (!gs_vmm_drv.ok)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
-    uint64_t moved = 0;
+    uint64_t moved = 0, backed = 0;
     int failed = 0;
     CUstream s = NULL;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
@@ -160,6 +160,11 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
             failed = 1;
             break;
         }
+        if (b->unbacked) {
+            b->unbacked = 0; /* never written: nothing to copy back */
+            backed += b->size;
+            continue;
+        }
         if (gs_vmm_drv.h2d(b->va, b->staging.host, b->size, s) != CUDA_SUCCESS) {
             gs_vmm_unback(b);
             failed = 1;
@@ -169,11 +174,43 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
     }
     if (s && gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)
         failed = 1;
-    gs_mem_engine_account(0, 0, -(int64_t)moved);
+    gs_mem_engine_account(0, 0, -(int64_t)(moved + backed));
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_moved = moved;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
     return failed ? -1 : 0;
+}
+
+void gs_vmm_defer_backing(void) { atomic_store(&gs_vmm_defer, 1); }
+
+void gs_vmm_back_deferred(void)
+{
+    if (!gs_vmm_drv.ok)
+        return;
+    pthread_mutex_lock(&gs_vmm_mu);
+    /* Under the lock: an allocation either comes before this pass (and is backed by it) or after
+     * (and is backed at once). */
+    atomic_store(&gs_vmm_defer, 0);
+    uint64_t backed = 0;
+    for (size_t i = 0; i < gs_vmm_nblocks; i++) {
+        struct block *b = gs_vmm_blocks[i];
+        if (!b->unbacked)
+            continue;
+        if (gs_vmm_back(b) != CUDA_SUCCESS) {
+            char a[32];
+            GS_WARN("cannot back %s of memory allocated while waiting: the device is full",
+                    gs_format_size(b->size, a, sizeof a));
+            continue;
+        }
+        b->unbacked = 0;
+        backed += b->size;
+    }
+    gs_mem_engine_account(0, 0, -(int64_t)backed);
+    pthread_mutex_unlock(&gs_vmm_mu);
+    if (backed) {
+        char a[32];
+        GS_INFO("backed %s allocated while waiting", gs_format_size(backed, a, sizeof a));
+    }
 }
 
 int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
@@ -229,6 +266,8 @@ void gs_vmm_totals(struct gs_vmm_totals *out)
         out->blocks++;
         if (!b->resident)
             out->evicted += b->size;
+        else if (b->ipc_pinned)
+            out->ipc_pinned += b->size;
         else if (precopy_valid(b, calls))
             out->precopied_valid += b->size;
     }

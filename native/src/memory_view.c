@@ -19,27 +19,6 @@ CUresult gs_mem_get_address_range(gs_fn_cuMemGetAddressRange_v2 real, CUdevicept
     return CUDA_SUCCESS;
 }
 
-/* The legacy IPC handle names a cuMemAlloc allocation; the driver refuses it for the ranges the
- * engine builds from cuMemCreate (and for managed memory) with a bare "invalid argument". Memory
- * the shim may evict must not be mapped by a peer either: its physical pages leave at an
- * eviction. So the answer is a clear refusal that says what works: GPUSHARE_MEMORY=device for
- * the processes that share CUDA memory (their memory is then counted but never moved). */
-CUresult gs_mem_ipc_get_handle(gs_fn_cuIpcGetMemHandle real, CUipcMemHandle *pHandle,
-                               CUdeviceptr dptr)
-{
-    CUdeviceptr base;
-    size_t size;
-    if (gs_config()->disabled || !gs_vmm_range(dptr, &base, &size))
-        return real(pHandle, dptr);
-    static atomic_int said;
-    if (!atomic_exchange(&said, 1))
-        GS_WARN("cuIpcGetMemHandle: this process's CUDA memory can be evicted to the host, so "
-                "it cannot be shared with another process (torch.multiprocessing CUDA tensors); "
-                "start the processes that share CUDA memory with GPUSHARE_MEMORY=device (their "
-                "memory then stays on the GPU, counted against the quota)");
-    return CUDA_ERROR_NOT_SUPPORTED;
-}
-
 CUresult gs_mem_device_total(gs_fn_cuDeviceTotalMem_v2 real, size_t *bytes, CUdevice dev)
 {
     CUresult r = real(bytes, dev);

@@ -55,11 +55,26 @@ static void load_driver(void)
         GS_INFO("the driver lacks the virtual memory management API: using managed memory");
 }
 
+/* Every block is created exportable as a POSIX file descriptor, so CUDA IPC (memory_ipc.c) can
+ * hand a block to a peer as it is: re-creating it at export would need a copy, the device and
+ * twice the memory. Where the driver refuses the handle type, blocks are made without it and
+ * IPC says it cannot work. */
+int gs_vmm_exportable = 1;
+atomic_int gs_vmm_defer;
+
 static CUmemAllocationProp prop_for(CUdevice dev)
 {
     return (CUmemAllocationProp){.type = GS_MEM_ALLOCATION_TYPE_PINNED,
-                                 .requestedHandleTypes = GS_MEM_HANDLE_TYPE_NONE,
+                                 .requestedHandleTypes = gs_vmm_exportable
+                                                             ? GS_MEM_HANDLE_TYPE_POSIX_FD
+                                                             : GS_MEM_HANDLE_TYPE_NONE,
                                  .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
+}
+
+int gs_vmm_driver_ready(void)
+{
+    pthread_once(&drv_once, load_driver);
+    return gs_vmm_drv.ok;
 }
 
 /* ---- streams for moves ---- */
@@ -111,7 +126,7 @@ static size_t lower_bound(CUdeviceptr va)
     return lo;
 }
 
-static struct block *containing(CUdeviceptr p)
+struct block *gs_vmm_find(CUdeviceptr p)
 {
     size_t i = lower_bound(p + 1);
     if (i == 0)
@@ -154,6 +169,14 @@ CUresult gs_vmm_back(struct block *b)
     CUmemAllocationProp prop = prop_for(b->dev);
     CUmemGenericAllocationHandle h;
     CUresult r = GS_REAL(cuMemCreate)(&h, b->size, &prop, 0);
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY && gs_vmm_exportable) {
+        gs_vmm_exportable = 0;
+        prop = prop_for(b->dev);
+        r = GS_REAL(cuMemCreate)(&h, b->size, &prop, 0);
+        if (r == CUDA_SUCCESS)
+            GS_INFO("the driver refuses exportable device memory: CUDA IPC of this process's "
+                    "memory will not work");
+    }
     if (r != CUDA_SUCCESS)
         return r;
     r = gs_vmm_drv.map(b->va, b->size, 0, h, 0);
@@ -199,8 +222,9 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         gs_vmm_drv.ctx_dev(&b->dev);
         gs_vmm_drv.ctx_cur(&b->ctx);
         r = gs_vmm_drv.reserve(&b->va, size, granularity, 0, 0);
+        b->unbacked = r == CUDA_SUCCESS && atomic_load(&gs_vmm_defer);
         if (r == CUDA_SUCCESS) {
-            r = gs_vmm_back(b);
+            r = b->unbacked ? CUDA_SUCCESS : gs_vmm_back(b);
             if (r == CUDA_SUCCESS && index_add(b) != 0) {
                 gs_vmm_unback(b);
                 r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -217,7 +241,8 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     }
     static uint64_t next_id;
     b->id = ++next_id;
-    gs_mem_engine_account(size, (int64_t)size, 0);
+    /* An unbacked block counts as on the host: the scheduler never sees it resident. */
+    gs_mem_engine_account(size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
     gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
     *out = b;
     return CUDA_SUCCESS;
@@ -285,8 +310,7 @@ static CUresult small_alloc(CUdeviceptr *dptr, uint64_t bytes)
 
 CUresult gs_vmm_alloc(CUdeviceptr *dptr, size_t bytes)
 {
-    pthread_once(&drv_once, load_driver);
-    if (!gs_vmm_drv.ok)
+    if (!gs_vmm_driver_ready())
         return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&gs_vmm_mu);
     CUresult r = CUDA_SUCCESS;
@@ -321,7 +345,7 @@ int gs_vmm_free(CUdeviceptr dptr, CUresult *r)
     if (!gs_vmm_drv.ok)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
-    struct block *b = containing(dptr);
+    struct block *b = gs_vmm_find(dptr);
     int mine = b != NULL;
     if (b) {
         *r = CUDA_SUCCESS;
@@ -350,7 +374,7 @@ int gs_vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size)
     if (!gs_vmm_drv.ok)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
-    struct block *b = containing(p);
+    struct block *b = gs_vmm_find(p);
     int found = 0;
     if (b && !b->chunk) {
         found = p - b->va < b->requested;
@@ -397,6 +421,7 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_blocks = NULL;
     gs_vmm_nblocks = capblocks = 0;
     granularity = 0;
+    atomic_store(&gs_vmm_defer, 0);
     gs_vmm_forget_streams();
     pthread_cond_init(&gs_vmm_prepare_cv, NULL);
     gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;

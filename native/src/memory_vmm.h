@@ -30,6 +30,13 @@ struct block {
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
     struct gs_staging staging;
     struct chunk *chunk; /* NULL: one allocation owns the block */
+    /* CUDA IPC (memory_ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
+     * eviction and pre-copy skip a pinned block. */
+    int unbacked; /* made while the process waited for the device: no physical memory yet, and
+                   * nothing to copy back; the grant backs it (gs_vmm_back_deferred) */
+    int ipc_pinned;
+    unsigned ipc_importers;
+    uint8_t ipc_key[16];
 };
 
 typedef CUresult (*reserve_fn)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
@@ -81,6 +88,15 @@ extern struct block **gs_vmm_blocks; /* sorted by va */
 extern size_t gs_vmm_nblocks;
 
 CUresult gs_vmm_back(struct block *b);
+/* The block containing p, or NULL (under gs_vmm_mu). */
+struct block *gs_vmm_find(CUdeviceptr p);
+/* Load the driver's VMM functions once; 1 when the engine can run. */
+int gs_vmm_driver_ready(void);
+/* 1 while cuMemCreate accepts POSIX file descriptor handles (blocks can be exported). */
+extern int gs_vmm_exportable;
+/* 1 while the process waits for the device: new blocks get their address range but no physical
+ * memory until the grant (so a waiter's memory never needs evicting). Read under gs_vmm_mu. */
+extern atomic_int gs_vmm_defer;
 void gs_vmm_unback(struct block *b);
 /* Streams for moves, in the current context (recreated when the context changes). NULL when the
  * driver refuses. */

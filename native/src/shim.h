@@ -276,6 +276,11 @@ int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 /* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY): in
  * the background; progress shows in gs_mem_totals().precopied. */
 void gs_mem_precopy_async(void);
+/* The process stopped holding the device: explicit memory it allocates from now on gets its
+ * address but no physical memory until gs_mem_back_deferred, which the grant calls before the
+ * gate opens (and every path that lets the process run). */
+void gs_mem_defer_backing(void);
+void gs_mem_back_deferred(void);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);

@@ -42,6 +42,7 @@ static void try_reconnect(struct gs_session *s)
  * does not fit moves back page by page, on demand. */
 static void restore_within_free(struct gs_session *s)
 {
+    gs_mem_back_deferred();
     struct gs_mem_totals t;
     gs_mem_totals(&t);
     if (!t.evicted)
@@ -80,6 +81,7 @@ static void probe_if_silent(struct gs_session *s, double now)
 
 static void do_quit(struct gs_session *s)
 {
+    gs_mem_back_deferred(); /* the gate opens for good below */
     pthread_mutex_lock(&s->mu);
     s->quitting = 1;
     if (s->state == GPUSHARE_STATE_HOLDING)

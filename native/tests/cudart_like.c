@@ -30,6 +30,14 @@
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
  *   ipc PATH                    allocate 1 MiB through PATH, ask cuIpcGetMemHandle for it
+ *   ipc_export BYTES SECONDS [EXTRA]
+ *                               allocate BYTES filled with 0x11 (and EXTRA bytes not shared), print
+ *                               the IPC handle, then for up to SECONDS watch for an importer's 0x22
+ *                               in the last byte and for the importer's close (status: pinned
+ *                               bytes back to evictable), with no GPU call meanwhile
+ *   ipc_import HANDLE BYTES SECONDS
+ *                               open the hex HANDLE, check its first byte is 0x11, write 0x22 in
+ *                               byte BYTES-1, hold the import SECONDS, close it
  *   ctx_teardown BYTES          allocate BYTES through alloc, managed and create in a context of
  *                               its own, destroy it, then allocate again in the primary one
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
@@ -117,6 +125,9 @@ typedef CUresult fn_prefetch_v1(CUdeviceptr, size_t, CUdevice, CUstream);
     X(cuMemFree, cuMemFree_v2, cuMemFree_v2, (CUdeviceptr))                                      \
     X(cuMemFreeAsync, cuMemFreeAsync, cuMemFreeAsync_ptsz, (CUdeviceptr, CUstream))              \
     X(cuIpcGetMemHandle, cuIpcGetMemHandle, cuIpcGetMemHandle, (CUipcMemHandle *, CUdeviceptr))  \
+    X(cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2, cuIpcOpenMemHandle_v2,                          \
+      (CUdeviceptr *, CUipcMemHandle, unsigned int))                                             \
+    X(cuIpcCloseMemHandle, cuIpcCloseMemHandle, cuIpcCloseMemHandle, (CUdeviceptr))               \
     X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, cuMemRetainAllocationHandle,     \
       (CUmemGenericAllocationHandle *, void *))                                                  \
     X(cuArrayCreate, cuArrayCreate_v2, cuArrayCreate_v2, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
@@ -1023,6 +1034,15 @@ static int hold(double seconds, unsigned long long us, long *launches_out, int r
     return 0;
 }
 
+/* The stand-in's physical device memory in use (its stats' live_device_bytes), or -1. */
+static long long fake_device_bytes(void) {
+    int (*f)(char *, size_t) = (int (*)(char *, size_t))fake_sym("fakecuda_stats_json");
+    char buf[16384];
+    if (!f || f(buf, sizeof(buf)) < 0) return -1;
+    const char *p = strstr(buf, "\"live_device_bytes\":");
+    return p ? atoll(p + strlen("\"live_device_bytes\":")) : -1;
+}
+
 static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
     CUdeviceptr d = 0;
     unsigned char *h = NULL, *g = NULL;
@@ -1033,7 +1053,10 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
         g = malloc(n);
         if (!h || !g) return 1;
         for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + 1);
-        emit("allocated", ",\"bytes\":%zu", bytes);
+        char st[2048];
+        status_fields(st, sizeof(st));
+        emit("allocated", ",\"bytes\":%zu,\"device_bytes\":%lld%s", bytes, fake_device_bytes(),
+             st);
     }
     emit("hold_start", ",\"seconds\":%.3f,\"bytes\":%zu,\"kernel_us\":%llu", seconds, bytes, us);
     long launches = 0;
@@ -1042,7 +1065,11 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
         double t0 = clock_s(CLOCK_MONOTONIC);
         CHECK(p_cuMemsetD8(d, 0, bytes));
         CHECK(p_cuMemcpyHtoD(d, h, n));
-        emit("first_copy", ",\"waited\":%.6f", clock_s(CLOCK_MONOTONIC) - t0);
+        double waited = clock_s(CLOCK_MONOTONIC) - t0;
+        char st[2048];
+        status_fields(st, sizeof(st));
+        emit("first_copy", ",\"waited\":%.6f,\"device_bytes\":%lld%s", waited,
+             fake_device_bytes(), st);
     }
     if (hold(seconds, us, &launches, 1)) return 1;
     int ok = 1;
@@ -1178,6 +1205,71 @@ static int scenario_ipc(int path) {
     emit("ipc", ",\"path\":\"%s\",\"rc\":%d", path_names[path], rc);
     CHECK(do_free(&a));
     return 0;
+}
+
+static int usage(void);
+
+static unsigned long long status_pinned(void) {
+    char st[2048];
+    status_fields(st, sizeof(st));
+    const char *p = strstr(st, "\"pinned_bytes\":");
+    return p ? strtoull(p + 15, NULL, 10) : 0;
+}
+
+static int scenario_ipc_export(size_t bytes, double seconds, size_t extra) {
+    CUdeviceptr d, e = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    if (extra) CHECK(p_cuMemAlloc(&e, extra));
+    CHECK(p_cuMemsetD8(d, 0x11, bytes));
+    CUipcMemHandle h;
+    CUresult rc = p_cuIpcGetMemHandle(&h, d);
+    char hex[2 * sizeof h + 1];
+    for (size_t i = 0; i < sizeof h; i++)
+        snprintf(hex + 2 * i, 3, "%02x", (unsigned char)h.reserved[i]);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("ipc_handle", ",\"rc\":%d,\"handle\":\"%s\"%s", rc, hex, st);
+    if (rc != CUDA_SUCCESS) return 1;
+    unsigned char last = 0;
+    double t0 = clock_s(CLOCK_MONOTONIC);
+    while (last != 0x22 && clock_s(CLOCK_MONOTONIC) - t0 < seconds) {
+        CHECK(p_cuMemcpyDtoH(&last, d + bytes - 1, 1));
+        if (last != 0x22) sleep_s(0.05);
+    }
+    unsigned long long pinned = status_pinned();
+    status_fields(st, sizeof(st));
+    emit("ipc_seen", ",\"last\":%u%s", last, st);
+    while (status_pinned() >= pinned && clock_s(CLOCK_MONOTONIC) - t0 < seconds) sleep_s(0.05);
+    emit_status("ipc_released");
+    unsigned char first = 0;
+    CHECK(p_cuMemcpyDtoH(&first, d, 1));
+    CHECK(p_cuMemFree(d));
+    if (extra) CHECK(p_cuMemFree(e));
+    if (first != 0x11) return 1;
+    emit_status("ipc_freed");
+    return last == 0x22 ? 0 : 1;
+}
+
+static int scenario_ipc_import(const char *hex, size_t size, double seconds) {
+    CUipcMemHandle h;
+    if (strlen(hex) != 2 * sizeof h) return usage();
+    for (size_t i = 0; i < sizeof h; i++) {
+        unsigned v = 0;
+        sscanf(hex + 2 * i, "%2x", &v);
+        h.reserved[i] = (char)v;
+    }
+    CUdeviceptr d = 0;
+    CUresult rc = p_cuIpcOpenMemHandle(&d, h, 1);
+    emit("ipc_open", ",\"rc\":%d", rc);
+    if (rc != CUDA_SUCCESS) return 1;
+    unsigned char first = 0;
+    CHECK(p_cuMemcpyDtoH(&first, d, 1));
+    CHECK(p_cuMemsetD8(d + size - 1, 0x22, 1));
+    emit("ipc_opened", ",\"first\":%u,\"size\":%zu", first, size);
+    sleep_s(seconds);
+    rc = p_cuIpcCloseMemHandle(d);
+    emit("ipc_closed", ",\"rc\":%d", rc);
+    return first == 0x11 && rc == CUDA_SUCCESS ? 0 : 1;
 }
 
 static int scenario_ctx_teardown(size_t bytes) {
@@ -1381,6 +1473,11 @@ int main(int argc, char **argv) {
                            arg_bytes(argc, argv, i + 2, 0));
     } else if (strcmp(scenario, "ipc") == 0 && i < argc && path_of(argv[i]) >= 0) {
         rc = scenario_ipc(path_of(argv[i]));
+    } else if (strcmp(scenario, "ipc_export") == 0 && i + 1 < argc) {
+        rc = scenario_ipc_export(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
+                                 arg_bytes(argc, argv, i + 2, 0));
+    } else if (strcmp(scenario, "ipc_import") == 0 && i + 2 < argc) {
+        rc = scenario_ipc_import(argv[i], arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "ctx_teardown") == 0) {
         rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {

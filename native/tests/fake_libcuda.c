@@ -67,6 +67,7 @@
 #include <strings.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -318,6 +319,8 @@ struct fk_handle {
     int released;
     int maps;
     int extra_refs; /* cuMemRetainAllocationHandle: each needs its own cuMemRelease */
+    int exportable; /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+    int imported;   /* cuMemImportFromShareableHandle: another process's memory, not counted */
 };
 static struct fk_handle *g_handles;
 static size_t g_nhandles, g_caphandles;
@@ -1162,12 +1165,24 @@ CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocatio
     return CUDA_SUCCESS;
 }
 
+/* CUmemAllocationProp.requestedHandleTypes: the int after `type` (cuda.h's layout). */
+static int prop_handle_types(const void *prop) {
+    int t;
+    memcpy(&t, (const char *)prop + sizeof(int), sizeof t);
+    return t;
+}
+
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags) {
     COUNT();
     NEED_CTX();
     if (!handle || !prop || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     if (size % (2u << 20)) return CUDA_ERROR_INVALID_VALUE; /* must be granularity-aligned */
+    /* Only POSIX file descriptors are shareable here (no fabric, no Win32); with
+     * GPUSHARE_FAKE_NO_SHAREABLE set, none (as a driver or container that refuses them). */
+    int types = prop_handle_types(prop);
+    if ((types & ~1) || (types && getenv("GPUSHARE_FAKE_NO_SHAREABLE")))
+        return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&g_lock);
     if (g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
         fk_device_total()) {
@@ -1182,7 +1197,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     }
     GROW(g_handles, g_nhandles, g_caphandles);
     unsigned long long id = g_next_handle++;
-    g_handles[g_nhandles++] = (struct fk_handle){id, fd, size, 0, 0, 0};
+    g_handles[g_nhandles++] =
+        (struct fk_handle){id, fd, size, 0, 0, 0, prop_handle_types(prop) & 1, 0};
     g_live_device_bytes += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
@@ -1200,7 +1216,7 @@ static struct fk_handle *find_handle_locked(unsigned long long id) {
 static void maybe_drop_handle_locked(struct fk_handle *h) {
     if (!h->released || h->maps > 0) return;
     close(h->fd);
-    g_live_device_bytes -= h->size;
+    if (!h->imported) g_live_device_bytes -= h->size;
     *h = g_handles[--g_nhandles];
 }
 

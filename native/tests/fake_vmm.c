@@ -17,6 +17,7 @@ struct fk_host_range {
 static struct fk_host_range *g_host;
 static size_t g_nhost, g_caphost;
 static unsigned long long g_host_pinned_bytes;
+static unsigned long long g_imported_handles; /* cuMemImportFromShareableHandle calls that worked */
 static unsigned long long g_d2h_bytes, g_d2h_pinned_bytes, g_h2d_bytes, g_h2d_pinned_bytes;
 
 /* Caller holds g_lock. */
@@ -250,11 +251,63 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) {
     return CUDA_SUCCESS;
 }
 
+/* The driver's own IPC of cuMemAlloc memory is not modelled across processes: opening such a
+ * handle answers "invalid value" (and is counted, so tests see that the shim passed it through). */
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+    COUNT();
+    NEED_CTX();
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    COUNT();
+    NEED_CTX();
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Shareable handles: a cuMemCreate handle is a memfd, so its POSIX file descriptor is a dup of
+ * it, and another process that imports it maps the very same bytes (as two processes share one
+ * GPU's memory). Only handles created with the POSIX file descriptor type can be exported. */
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                      int handleType, unsigned long long flags) {
+    COUNT();
+    NEED_INIT();
+    if (!shareableHandle || handleType != 1 || flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct fk_handle *h = find_handle_locked(handle);
+    int fd = h && !h->released && h->exportable ? fcntl(h->fd, F_DUPFD_CLOEXEC, 0) : -1;
+    pthread_mutex_unlock(&g_lock);
+    if (fd < 0) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(shareableHandle, &fd, sizeof fd);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                        int shHandleType) {
+    COUNT();
+    NEED_INIT();
+    struct stat st;
+    int fd = (int)(intptr_t)osHandle;
+    if (!handle || shHandleType != 1 || fstat(fd, &st) != 0 || st.st_size <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    GROW(g_handles, g_nhandles, g_caphandles);
+    unsigned long long id = g_next_handle++;
+    g_handles[g_nhandles++] = (struct fk_handle){id, own, (size_t)st.st_size, 0, 0, 0, 1, 1};
+    g_imported_handles++;
+    pthread_mutex_unlock(&g_lock);
+    *handle = id;
+    return CUDA_SUCCESS;
+}
+
 #define FK_VMM_EXPORTS(X)                                                                        \
     X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuMemHostAlloc) X(cuMemFreeHost)            \
     X(cuCtxGetStreamPriorityRange) X(cuMemRetainAllocationHandle) X(cuArrayCreate_v2)            \
     X(cuArray3DCreate_v2) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy) \
-    X(cuIpcGetMemHandle)
+    X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                        \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
 
 /* Appended to the cuGetProcAddress table: (base name, version, per-thread, symbol). */
 #define FK_VMM_PROCS                                                                             \
@@ -268,11 +321,16 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) {
         {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate"},                           \
         {"cuArrayDestroy", 2000, 0, "cuArrayDestroy"},                                           \
         {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy"},                         \
-        {"cuIpcGetMemHandle", 4010, 0, "cuIpcGetMemHandle"},
+        {"cuIpcGetMemHandle", 4010, 0, "cuIpcGetMemHandle"},                                     \
+        {"cuIpcOpenMemHandle", 11000, 0, "cuIpcOpenMemHandle_v2"},                               \
+        {"cuIpcCloseMemHandle", 4010, 0, "cuIpcCloseMemHandle"},                                 \
+        {"cuMemExportToShareableHandle", 10020, 0, "cuMemExportToShareableHandle"},              \
+        {"cuMemImportFromShareableHandle", 10020, 0, "cuMemImportFromShareableHandle"},
 
 /* Appended to fakecuda_stats_json (g_lock held). */
 #define FK_VMM_STATS(APPEND)                                                                     \
     APPEND("\"host_pinned_bytes\":%llu,\"copy_to_host_bytes\":%llu,"                             \
            "\"copy_to_host_pinned_bytes\":%llu,\"copy_to_device_bytes\":%llu,"                   \
-           "\"copy_to_device_pinned_bytes\":%llu,",                                              \
-           g_host_pinned_bytes, g_d2h_bytes, g_d2h_pinned_bytes, g_h2d_bytes, g_h2d_pinned_bytes)
+           "\"copy_to_device_pinned_bytes\":%llu,\"imported_handles\":%llu,",                    \
+           g_host_pinned_bytes, g_d2h_bytes, g_d2h_pinned_bytes, g_h2d_bytes, g_h2d_pinned_bytes, \
+           g_imported_handles)

@@ -216,15 +216,27 @@ def test_destroying_a_context_stops_counting_its_memory(harness):
     assert not oom_lines(run), run.stderr
 
 
-def test_ipc_of_evictable_memory_is_a_clear_error_naming_the_setting(harness):
-    """torch.multiprocessing shares CUDA tensors with cuIpcGetMemHandle. Memory the shim may
-    evict cannot be mapped by a peer: the refusal must say so and name what works, not be the
-    driver's bare "invalid argument"."""
+def test_ipc_of_explicit_memory_works_and_a_driver_that_cannot_is_a_clear_error(harness):
+    """torch.multiprocessing shares CUDA tensors with cuIpcGetMemHandle. Explicit memory gets the
+    shim's own handle (tests/native/test_ipc.py shares it); where the driver refuses exportable
+    memory, the refusal says so and names what works, not the driver's bare "invalid argument"."""
     run = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn").ok()
-    assert run.event("ipc")["rc"] == 801  # CUDA_ERROR_NOT_SUPPORTED
-    said = [line for line in run.shim_lines if "cuIpcGetMemHandle" in line]
-    assert len(said) == 1 and "GPUSHARE_MEMORY=device" in said[0], run.stderr
-    # With the setting it names, the handle is given.
-    ok = harness.run("ipc", "alloc", context_bytes=CONTEXT, log="warn", memory="device").ok()
+    assert run.event("ipc")["rc"] == 0
+    assert not [line for line in run.shim_lines if "cuIpcGetMemHandle" in line]
+    refused = harness.run(
+        "ipc", "alloc", context_bytes=CONTEXT, log="warn", extra={"GPUSHARE_FAKE_NO_SHAREABLE": "1"}
+    ).ok()
+    assert refused.event("ipc")["rc"] == 801  # CUDA_ERROR_NOT_SUPPORTED
+    said = [line for line in refused.shim_lines if "cuIpcGetMemHandle" in line]
+    assert len(said) == 1 and "GPUSHARE_MEMORY=device" in said[0], refused.stderr
+    # With the setting it names, the driver's own handle is given.
+    ok = harness.run(
+        "ipc",
+        "alloc",
+        context_bytes=CONTEXT,
+        log="warn",
+        memory="device",
+        extra={"GPUSHARE_FAKE_NO_SHAREABLE": "1"},
+    ).ok()
     assert ok.event("ipc")["rc"] == 0
     assert not [line for line in ok.shim_lines if "cuIpcGetMemHandle" in line]
