@@ -58,6 +58,11 @@ class ClientView:
     resident_bytes: int  # movable memory still on the GPU (used - pinned - evicted)
     idle: bool = False  # its cell ended: a holder that is idle may sleep (after a revoke)
     may_checkpoint: bool = True  # the scheduler's uid may checkpoint this process
+    # Jupyter reports its cells. Only such a kernel sleeps: its notebook's busy wakes it before
+    # the cell's first CUDA call. Another program's first call after a sleep may be one the shim
+    # does not gate (cuCtxGetCurrent, say): the locked driver blocks it before the shim can ask
+    # for a wake (seen on an H100: a plain PyTorch program never woke).
+    notebook: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class DeepIdle:
                 if v.state not in ("evicting", "revoking"):  # its own release before a sleep
                     self._active(e)
                 continue
-            if not (v.may_checkpoint and v.pid > 0):
+            if not (v.may_checkpoint and v.notebook and v.pid > 0):
                 e.idle_since = None  # never due: no deadline either
                 continue
             if e.idle_since is None:

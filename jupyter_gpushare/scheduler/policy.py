@@ -1006,6 +1006,9 @@ class Policy:
             "label": c.label,
             "state": c.state,
             "idle": c.idle,  # its cell ended (Jupyter or the shim said so): deep idle reads it
+            # Jupyter reports its cells (busy/idle): deep idle sleeps only such kernels, which a
+            # busy wakes before the cell's first CUDA call.
+            "notebook": c.cell.tracked,
             "used_bytes": c.used,
             "managed_bytes": c.managed,
             "pinned_bytes": c.pinned,

@@ -152,6 +152,7 @@ class DeepIdleShell:
                         state=str(c.get("state")),
                         resident_bytes=max(0, resident),
                         idle=bool(c.get("idle")),
+                        notebook=bool(c.get("notebook")),
                         # Never itself (an embedded scheduler shares the server's process).
                         may_checkpoint=may_checkpoint(conn.peer.uid)
                         and conn.peer.pid != os.getpid(),

@@ -15,12 +15,17 @@ from pathlib import Path
 from conftest import Result, require, run_workload, running_scheduler, shimmed_env, start_workload
 
 GIB = 1 << 30
-POOL = "1.6GiB"
+# Each process reports ~1.22 GiB (0.5 GiB of data, 0.52 GiB evictable with the allocator's
+# rounding; the rest its context, which cannot leave the GPU): seen on an H100, 2026-11-24. One
+# resident and one evicted take 1.92 GiB and fit; both resident (2.44 GiB) do not, so they take
+# turns. (At 1.6 GiB the two contexts alone made the resident peak 1.68 GiB: over any pool that
+# small, whatever the scheduler does.)
+POOL = "2.2GiB"
 
 
 def test_captures_survive_forced_revokes_and_the_pool_is_never_exceeded(tmp_path: Path) -> None:
     require("torch")
-    # 0.5 GiB of data and the context estimate each: two never fit a 1.6 GiB pool together.
+    # 0.5 GiB of data and the context estimate each: two never fit the pool together.
     env = {"GPUSHARE_CONTEXT_BYTES": "600MiB", "GPUSHARE_IDLE_SECONDS": "0"}
     with running_scheduler(tmp_path, pool=POOL, quantum=0.5) as sched:
         procs = [

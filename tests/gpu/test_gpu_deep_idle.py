@@ -122,12 +122,13 @@ def wait_log(sched: Scheduler, pattern: str, count: int = 1, timeout: float = 60
     raise AssertionError(f"{pattern!r} x{count} not in the log in {timeout}s:\n{sched.log_text()}")
 
 
-def notebook_busy(sched: Scheduler, client: str) -> None:
-    """What the Jupyter extension says when the kernel starts a cell (kernel_state busy)."""
+def notebook_busy(sched: Scheduler, client: str, state: str = "busy") -> None:
+    """What the Jupyter extension says when the kernel starts a cell (kernel_state busy) or ends
+    one (idle). Only kernels Jupyter reports are put to sleep (docs/architecture.md)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
         s.connect(str(sched.socket))
-        body = {"action": "kernel_state", "client": client, "state": "busy"}
+        body = {"action": "kernel_state", "client": client, "state": state}
         write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
         reply = read_message_sync(s)
     assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
@@ -143,6 +144,8 @@ def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path:
     baseline = card_used_mib()
     with running_scheduler(tmp_path, pool="24GiB", args=ARGS) as sched:
         k = Kernel(sched, tmp_path, "sleepy", 1.0).wait_ready()
+        notebook_busy(sched, "sleepy")  # a notebook kernel whose cell has ended
+        notebook_busy(sched, "sleepy", "idle")
         try:
             listed = process_mib(k.ready["pid"])  # None: nvidia-smi cannot see our pids
             awake = card_used_mib() - baseline
@@ -161,6 +164,8 @@ def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path:
             doc = sched.status()
             (client,) = [c for d in doc["devices"] for c in d["clients"] if c["id"] == "sleepy"]
             assert client["state"] == "asleep", client
+            # Its next cell: Jupyter's busy comes first and wakes it, then the cell's first call.
+            notebook_busy(sched, "sleepy")
             done = k.go()
         finally:
             k.kill()
@@ -189,6 +194,8 @@ def test_eight_sleeping_kernels_cost_the_card_under_one_gib(tmp_path: Path) -> N
             kernels = [Kernel(sched, tmp_path, f"k{i}", 1.0) for i in range(8)]
             for k in kernels:
                 k.wait_ready()
+                notebook_busy(sched, k.name)
+                notebook_busy(sched, k.name, "idle")
             awake = card_used_mib() - baseline
             assert "asleep client=" not in sched.log_text(), "measured too late: one sleeps"
             wait_log(sched, r"asleep client=k\d ", count=8, timeout=90)

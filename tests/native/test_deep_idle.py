@@ -65,6 +65,25 @@ def spawn(harness: Any, ckpt: dict[str, str], idle: float, client: str = "A"):
     )
 
 
+def kernel_state(harness: Any, client: str, state: str) -> None:
+    """What the Jupyter server extension says when a cell starts (busy) or ends (idle)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(harness.socket_path))
+        body = {"action": "kernel_state", "client": client, "state": state}
+        write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
+        reply = read_message_sync(s)
+    assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
+
+
+def as_notebook(harness: Any, sched: Any, client: str = "A") -> None:
+    """Make the client a notebook kernel as the scheduler sees one: Jupyter reported a cell of it
+    (deep idle sleeps only those, which a busy wakes before the cell's first CUDA call)."""
+    sched.wait_log(f"join client={client}", 20)
+    kernel_state(harness, client, "busy")
+    kernel_state(harness, client, "idle")
+
+
 def client_status(sched: Any, client: str) -> dict[str, Any]:
     for dev in sched.status()["devices"]:
         for c in dev["clients"]:
@@ -76,6 +95,7 @@ def client_status(sched: Any, client: str) -> dict[str, Any]:
 def test_an_idle_process_sleeps_holds_nothing_and_its_next_call_wakes_it(harness, ckpt):
     sched = start(harness, ckpt, IDLE_S)
     a = spawn(harness, ckpt, 8.0)
+    as_notebook(harness, sched)
     a.wait_event("idle_start", 20)
     awake = device_bytes(harness, a.pid)
     assert awake >= CONTEXT + DATA, awake  # its context and its memory, before any eviction
@@ -101,15 +121,10 @@ def test_an_idle_process_sleeps_holds_nothing_and_its_next_call_wakes_it(harness
 def test_a_busy_notebook_wakes_a_sleeping_kernel_before_its_first_call(harness, ckpt):
     sched = start(harness, ckpt, IDLE_S)
     a = spawn(harness, ckpt, 10.0)
+    as_notebook(harness, sched)
     sched.wait_log("asleep client=A", 20)
     assert device_bytes(harness, a.pid) == 0
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(str(harness.socket_path))
-        body = {"action": "kernel_state", "client": "A", "state": "busy"}
-        write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
-        reply = read_message_sync(s)
-    assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
+    kernel_state(harness, "A", "busy")
     sched.wait_log("woke client=A", 10)
     # Awake again while the program has made no GPU call yet: its context is back.
     assert device_bytes(harness, a.pid) >= CONTEXT
@@ -117,6 +132,19 @@ def test_a_busy_notebook_wakes_a_sleeping_kernel_before_its_first_call(harness, 
     a.wait_event("tick", 10, where=lambda e: e["status"]["state"] != "asleep")
     run = a.finish(60).ok()
     assert run.event("woken")["data_ok"]
+
+
+def test_a_program_jupyter_does_not_report_is_never_put_to_sleep(harness, ckpt):
+    """Only a notebook kernel sleeps: a plain program's first call after a sleep may be one the
+    shim does not gate, which the locked driver blocks before the shim can ask for a wake."""
+    sched = start(harness, ckpt, IDLE_S)
+    a = spawn(harness, ckpt, 4.0)
+    a.wait_event("idle_start", 20)
+    a.wait_event("tick", 10, where=lambda e: e["status"]["idle_seconds"] > 2 * IDLE_S + 0.5)
+    assert device_bytes(harness, a.pid) >= CONTEXT
+    run = a.finish(60).ok()
+    assert run.event("woken")["data_ok"]
+    assert "asleep client=" not in sched.log
 
 
 def test_zero_turns_deep_idle_off(harness, ckpt):
@@ -159,6 +187,7 @@ def test_a_driver_that_refuses_the_checkpoint_turns_it_off_once_and_the_kernel_r
         memory="managed",
         log="info",
     )
+    as_notebook(harness, sched)
     sched.wait_log("deep idle is off", 20)
     run = a.finish(60).ok()
     assert run.event("woken")["data_ok"]

@@ -153,3 +153,16 @@ def test_only_root_or_the_same_user_may_checkpoint() -> None:
     assert may_checkpoint(1000, own_euid=1000)
     assert not may_checkpoint(1001, own_euid=1000)
     assert not may_checkpoint(-1, own_euid=1000)  # a client whose uid is unknown
+
+
+def test_a_program_jupyter_does_not_report_is_never_due() -> None:
+    """Only notebook kernels sleep (a busy wakes them before their first CUDA call)."""
+    d = DeepIdle(60.0)
+    plain = view(notebook=False)
+    assert d.observe([plain], 0.0) == []
+    assert d.observe([plain], 600.0) == []
+    assert d.next_deadline() is None
+    # The same client as a notebook kernel sleeps at the same times.
+    d = DeepIdle(60.0)
+    assert d.observe([view()], 0.0) == []
+    assert d.observe([view()], 600.0) == [Sleep("k", 42)]

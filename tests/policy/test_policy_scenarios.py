@@ -386,6 +386,7 @@ def test_snapshot_shape():
         "label": "train.ipynb",
         "state": "running",
         "idle": False,
+        "notebook": False,
         "used_bytes": 10 * GB,
         "managed_bytes": int(9.5 * GB),
         "pinned_bytes": GB // 2,

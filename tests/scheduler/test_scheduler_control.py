@@ -21,7 +21,7 @@ DEVICE_KEYS = {
     "holders", "queue", "clients", "utilization_percent", "index",
 }  # fmt: skip
 CLIENT_KEYS = {
-    "id", "pid", "uid", "user", "label", "state", "idle", "used_bytes", "managed_bytes",
+    "id", "pid", "uid", "user", "label", "state", "idle", "notebook", "used_bytes", "managed_bytes",
     "pinned_bytes", "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds",
     "wait_seconds", "waiting_since", "queue_position", "last_restore",
 }  # fmt: skip
