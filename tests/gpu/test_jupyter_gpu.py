@@ -205,7 +205,7 @@ def run_cell(kc: Any, code: str, out: dict[str, Any]) -> None:
 def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
     """B's cell needs the room A's cell holds, so B waits until A's cell ends, then A's 14 GiB
     leave and B runs. (The interactive ordering pauses only cells that fit side by side, so it
-    decides the same here: on an H100 under it, B was granted 0.5 s after A's cell ended. The
+    decides the same here: on an H100 under it, B was granted 0.3 s after A's cell ended. The
     run recorded in docs/gpu-verification.md pins "fair".)"""
     server = Server(tmp_path, ordering="fair")
     try:
