@@ -16,6 +16,12 @@ from typing import Any
 
 from test_jupyter_gpu import CELL_A, CELL_B, GIB, Server
 
+# A's cell computes for 16 s rather than 8: B starts once the status shows A holding its 14 GiB,
+# which it reports with a delay, and on an H100 B then waited 8.1 s once, 2.5 s another time and
+# under 1 s a third (no line: the line is shown once a wait passes ~1 s).
+CELL_A_LONG = CELL_A.replace("< 8:", "< 16:")
+assert CELL_A_LONG != CELL_A
+
 
 def run_cell_with_displays(kc: Any, code: str, out: dict[str, Any]) -> None:
     displays: list[tuple[float, str, str, str]] = []
@@ -56,7 +62,7 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
             assert warm["status"] == "ok", warm["text"]
 
         a: dict[str, Any] = {}
-        ta = threading.Thread(target=run_cell_with_displays, args=(kca, CELL_A, a))
+        ta = threading.Thread(target=run_cell_with_displays, args=(kca, CELL_A_LONG, a))
         ta.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
