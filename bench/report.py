@@ -374,16 +374,24 @@ full of idle kernels whose memory was pre-copied: target **granted ≤ 100 ms**.
         arrival = rec.get("precopied_arrival")
         if arrival:
             ms = arrival["grant_latency_ms"]
+            # The room is made when the scheduler learns the arrival's size (at its allocation,
+            # before its busy): that eviction belongs to the arrival's wait too.
+            evict_ms = sum(m["seconds"] for m in arrival.get("evictions", [])) * 1000
+            total = ms + evict_ms
+            met = total <= 100.0
             parts += [
                 f"A kernel arriving at {arrival['idle_kernels']} pre-copied idle kernels of "
-                f"{arrival['bytes'] / 2**30:g} GiB ran its first kernel {ms:.1f} ms after it asked "
-                f"(the pre-copies took {arrival['precopy_seconds']:.1f} s before).",
+                f"{arrival['bytes'] / 2**30:g} GiB ran its first kernel {ms:.1f} ms after its "
+                f"notebook turned busy; the evictions that made its room ({evict_ms:.1f} ms, the "
+                "driver's unmap and release: no copy) ran at its allocation, just before. "
+                f"Together {total:.1f} ms (the pre-copies took "
+                f"{arrival['precopy_seconds']:.1f} s before).",
                 "",
-                _verdict(arrival["met"], f"{ms:.1f} ms (100 ms)."),
+                _verdict(met, f"{total:.1f} ms (100 ms)."),
                 "",
             ]
-            self._add("Arrival at pre-copied idle kernels", "≤ 100 ms", f"{ms:.1f} ms",
-                      arrival["met"])  # fmt: skip
+            self._add("Arrival at pre-copied idle kernels", "≤ 100 ms",
+                      f"{total:.1f} ms ({evict_ms:.1f} ms of unmapping)", met)  # fmt: skip
         return "\n".join([*parts, _meta_line(rec), ""])
 
     def replay(self) -> str:
