@@ -209,6 +209,7 @@ class WaitLine:
     _entry: dict[str, Any] | None = None
     _device: dict[str, Any] | None = None
     _evicted_at_start: int = 0
+    _restoring_polls: int = 0  # polls since the grant while its memory was still on the host
     _granted_at: float | None = None
     _waited: float = 0.0
     _held_at_start: float | None = None
@@ -239,10 +240,12 @@ class WaitLine:
         if waiting:
             waited = float(status.get("current_wait_seconds") or 0.0)
             self._waited = waited
+            # The most of this kernel's memory seen on the host during the wait, not only at its
+            # start: its eviction may finish after its cell began to wait (seen under load).
+            self._evicted_at_start = max(
+                self._evicted_at_start, int(status.get("evicted_bytes", 0))
+            )
             if self._display_id is None:
-                self._evicted_at_start = max(
-                    self._evicted_at_start, int(status.get("evicted_bytes", 0))
-                )
                 if self._held_at_start is None:
                     self._held_at_start = float(status.get("holding_seconds") or 0.0)
                 if waited < self.threshold or not self.in_cell():
@@ -267,7 +270,18 @@ class WaitLine:
             text = f"Stopped waiting for the GPU after {self._waited:.1f} s"
             self.publish(_content(text, self._display_id, "stopped", self._waited), True)
         elif self._display_id is not None:
-            restored = max(self._evicted_at_start - int(status.get("evicted_bytes", 0)), 0)
+            evicted_now = int(status.get("evicted_bytes", 0))
+            if evicted_now > 0 and self._evicted_at_start > 0 and self._restoring_polls < 120:
+                # Granted, and its memory is still coming back: the grant line waits for the
+                # restore's figures (a poll saw "holding" while the shim restored: the line then
+                # said nothing of the restore).
+                self._restoring_polls += 1
+                text = f"Got the GPU: restoring {format_size(evicted_now)} of this kernel's memory"
+                if text != self._shown:
+                    self.publish(_content(text, self._display_id, "waiting", self._waited), True)
+                    self._shown = text
+                return
+            restored = max(self._evicted_at_start - evicted_now, 0)
             restore_seconds = None
             if restored:
                 # The scheduler has the shim's own figures (RESTORED); else, roughly, the time
@@ -289,6 +303,7 @@ class WaitLine:
         self._asked_at = float("-inf")
         self._entry = self._device = None
         self._evicted_at_start = 0
+        self._restoring_polls = 0
         self._granted_at = None
         self._waited = 0.0
         self._held_at_start = None

@@ -192,12 +192,13 @@ def test_two_hub_users_share_one_node_scheduler(hub_setup: dict[str, Any]) -> No
 
     # Alice cannot release Bob's kernel. Her server answers 404: her status has no such kernel,
     # and the server does not tell her whether another user's kernel of that id exists. The
-    # scheduler itself, asked with her token, refuses with FORBIDDEN.
+    # scheduler itself, asked with her token, says not_found: another user's client ids are not
+    # confirmed to exist (docs/protocol.md).
     r = alice.api("POST", f"gpushare/api/kernels/{b_kernel}/release")
     assert r.status_code == 404, (r.status_code, r.text)
     with pytest.raises(SchedulerError) as refused:
         scheduler_as(hub_setup, "alice").control_sync("release", client=b_kernel)
-    assert refused.value.code == int(ErrorCode.FORBIDDEN), refused.value
+    assert refused.value.code == int(ErrorCode.NOT_FOUND), refused.value
     # Bob can.
     reply = bob.json("POST", f"gpushare/api/kernels/{b_kernel}/release")
     assert reply.get("ok") is True, reply

@@ -330,7 +330,7 @@ async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernel
     # restored them, as the shim measured it (the scheduler's last_restore).
     assert re.fullmatch(
         r"Got the GPU after \d+\.\d s \(restored 640\.00 MiB in \d+\.\d s\)", last
-    ), shown
+    ), (shown, sched.log)
     waited = float(last.split("after ")[1].split(" s")[0])
     # The shim's own figure; the test times the cell from its side of the socket. Once, on a
     # loaded machine, the two differed by a little the other way: a margin, not a bound.
