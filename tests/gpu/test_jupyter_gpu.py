@@ -202,6 +202,17 @@ def run_cell(kc: Any, code: str, out: dict[str, Any]) -> None:
     out["record"] = json.loads(lines[-1]) if lines else None
 
 
+def wait_until_holding_14gib(server: Server, kernel: str, timeout: float = 120.0) -> None:
+    """Until the status shows ``kernel`` running with CELL_A's 14 GiB on the GPU."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = server.clients().get(kernel)
+        if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{kernel} never held its 14 GiB: {server.status()}")
+
+
 def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
     """B's cell needs the room A's cell holds, so B waits until A's cell ends, then A's 14 GiB
     leave and B runs. (The interactive ordering pauses only cells that fit side by side, so it
@@ -220,14 +231,7 @@ def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
         a: dict[str, Any] = {}
         ta = threading.Thread(target=run_cell, args=(kca, CELL_A, a))
         ta.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            c = server.clients().get(ka)
-            if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
-                break
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"A never held its 14 GiB: {server.status()}")
+        wait_until_holding_14gib(server, ka)
 
         b: dict[str, Any] = {}
         tb = threading.Thread(target=run_cell, args=(kcb, CELL_B, b))

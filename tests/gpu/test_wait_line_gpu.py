@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from test_jupyter_gpu import CELL_A, CELL_B, GIB, Server
+from test_jupyter_gpu import CELL_A, CELL_B, Server, wait_until_holding_14gib
 
 # A's cell computes for 16 s rather than 8: B starts once the status shows A holding its 14 GiB,
 # which it reports with a delay, and on an H100 B then waited 8.1 s once, 2.5 s another time and
@@ -64,14 +64,7 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         a: dict[str, Any] = {}
         ta = threading.Thread(target=run_cell_with_displays, args=(kca, CELL_A_LONG, a))
         ta.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            c = server.clients().get(ka)
-            if c and c["state"] == "running" and c["used_bytes"] > 10 * GIB:
-                break
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"A never held its 14 GiB: {server.status()}")
+        wait_until_holding_14gib(server, ka)
         b: dict[str, Any] = {}
         tb = threading.Thread(target=run_cell_with_displays, args=(kcb, CELL_B, b))
         tb.start()
