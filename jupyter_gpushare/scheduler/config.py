@@ -224,8 +224,10 @@ class SchedulerConfig(LoggingConfigurable):
 
     utilization_interval = Float(
         1.0,
-        help="""Seconds between two readings of each GPU's utilisation through NVML (shown in the
-        status for people to read; scheduling never depends on it). 0 turns the readings off.""",
+        help="""Seconds between two readings of each GPU's utilisation (shown in the status for
+        people to read; scheduling never depends on it) and of each process's memory through
+        NVML (a client counts as using at least what NVML sees its process hold:
+        docs/reliability.md, "A hostile local user"). 0 turns the readings off.""",
     ).tag(config=True)
 
     placement_estimate = Union(

@@ -163,6 +163,9 @@ class Connection:
     #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
     allocation: str = ""
     ceiling: int = 0
+    #: Bytes NVML last saw this client's process hold on its device (.nvml_check); 0: none seen.
+    observed: int = 0
+    claim_corrected: bool = False  # its under-claim was logged already (once per client)
 
     @property
     def name(self) -> str:

@@ -14,13 +14,17 @@ import io
 import os
 import socket
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from local_users import collect, kill, run_as, spawn_as
+from test_utilization import UUID as NVML_UUID
+from test_utilization import FakeNVML
 
 # Imported here, before any fork: a child running as another user may not be able to read the
 # source tree (a clone under /root), so it must find every module it uses already loaded.
@@ -28,7 +32,7 @@ from jupyter_gpushare import cli
 from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.scheduler import server as server_module
-from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery, nvml_pids_comparable
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
 
 # -- what the processes of the other users run (module level: the forked child calls them) ----
@@ -596,6 +600,57 @@ async def test_7_a_memory_claim_is_bounded_by_the_quota_and_the_device(
         pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": "v"}, 2 << 30, 30.0)
         await _until(lambda: _clients(node).get("v", {}).get("state") == "running")
         assert _clients(node)["liar"]["state"] == "running"
+    finally:
+        for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
+            if pid > 0:
+                kill(pid)
+                os.close(rfd)
+
+
+class _NVMLWithProcesses(FakeNVML):
+    """test_utilization's stand-in pynvml, listing ``processes`` (pid -> bytes) on its GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.processes: dict[int, int] = {}
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
+        return [SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.processes.items()]
+
+
+async def test_7_an_under_claim_is_cross_checked_with_nvml(
+    local_users: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    nvml = _NVMLWithProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the bindings the scheduler imports
+    victim, attacker = local_users("victim"), local_users("attack")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
+    # used = 0: "run anyone beside me"; NVML sees its process hold 3 GiB on the GPU.
+    lie = {**gpu, "client_id": "liar", "request_fields": {"used_bytes": 0}}
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, lie, 1, 30.0)
+    nvml.processes[pid_a] = 3 << 30
+    pid_v, rfd_v = -1, -1
+    try:
+        await _until(lambda: _clients(node).get("liar", {}).get("used_bytes") == 3 << 30)
+        assert _clients(node)["liar"]["state"] == "running"
+        # The victim's 2 GiB does not fit beside 3 GiB in the 4 GiB pool: it waits its turn.
+        pid_v, rfd_v = spawn_as(victim, _shim, path, {**gpu, "client_id": "v"}, 2 << 30, 30.0)
+        await _until(lambda: _clients(node).get("v", {}).get("state") == "waiting")
+        for _ in range(20):  # a second of samples: never co-run beyond the pool
+            running = [c for c in _clients(node).values() if c["state"] == "running"]
+            assert sum(c["used_bytes"] for c in running) <= 4 << 30, running
+            await asyncio.sleep(0.05)
+        corrected = [r.getMessage() for r in caplog.records if "claim corrected" in r.getMessage()]
+        assert len(corrected) == 1 and "client=liar" in corrected[0], corrected
+        assert f"uid={attacker.uid}" in corrected[0] and f"nvml={3 << 30}" in corrected[0]
     finally:
         for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
             if pid > 0:
