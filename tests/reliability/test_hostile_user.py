@@ -15,14 +15,17 @@ import os
 import socket
 import stat
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from local_users import collect, kill, run_as, spawn_as
+from local_users import clients_of as _clients
+from local_users import collect, kill, run_as, spawn_as, tmp_dir
+from local_users import control as _control
+from local_users import shim as _shim
+from local_users import until as _until
 from test_utilization import UUID as NVML_UUID
 from test_utilization import FakeNVML
 
@@ -30,7 +33,7 @@ from test_utilization import FakeNVML
 # source tree (a clone under /root), so it must find every module it uses already loaded.
 from jupyter_gpushare import cli
 from jupyter_gpushare.client import SchedulerClient, SchedulerError
-from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
+from jupyter_gpushare.protocol import ErrorCode, MsgType, read_message_sync
 from jupyter_gpushare.scheduler import server as server_module
 from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery, nvml_pids_comparable
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
@@ -90,14 +93,8 @@ def _start_scheduler(path: str | None, env: dict[str, str]) -> str:
 @pytest.fixture
 def shared_tmp() -> Iterator[str]:
     """A directory like /tmp (1777: everyone may create in it), short enough for sockets."""
-    path = tempfile.mkdtemp(prefix="gsh-", dir="/tmp")
-    os.chmod(path, 0o1777)
-    try:
+    with tmp_dir(0o1777) as path:
         yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait_for(path: str, timeout: float = 10.0) -> None:
@@ -168,49 +165,6 @@ async def test_2_a_world_writable_socket_directory_is_refused(
 
 
 # -- shims and control peers of other users, speaking the protocol from their own uid ---------
-
-
-def _shim(path: str, fields: dict[str, Any], request: int, hold: float) -> list[Any]:
-    """A shim: HELLO (and a REQUEST of ``request`` bytes when not 0), then keep the connection
-    ``hold`` seconds; the answers."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
-    sock.connect(path)
-    fields = dict(fields)
-    claims = fields.pop("request_fields", {})  # more of the REQUEST's memory claim
-    sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
-    got = [read_message_sync(sock)]
-    if request and got[0] is not None and got[0].type == MsgType.WELCOME:
-        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request, **claims})))
-        sock.settimeout(max(hold, 0.1))
-        with contextlib.suppress(TimeoutError, OSError):
-            got.append(read_message_sync(sock))
-    time.sleep(hold)
-    sock.close()
-    return [None if m is None else (int(m.type), dict(m.fields)) for m in got]
-
-
-def _control(path: str, mtype: int, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
-    """A control peer's one request and the answer."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
-    sock.connect(path)
-    sock.sendall(encode(Message(MsgType(mtype), {} if body is None else {"body": body})))
-    reply = read_message_sync(sock)
-    sock.close()
-    assert reply is not None
-    return int(reply.type), dict(reply.fields)
-
-
-async def _until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
-def _clients(sched: Any) -> dict[str, dict[str, Any]]:
-    return {c["id"]: c for d in sched.status_document()["devices"] for c in d["clients"]}
 
 
 DEVICE = {"device_uuid": "GPU-hostile-0", "device_total": 8 << 30}
