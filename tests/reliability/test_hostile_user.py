@@ -17,7 +17,6 @@ import stat
 import sys
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from local_users import control as _control
 from local_users import shim as _shim
 from local_users import until as _until
 from test_utilization import UUID as NVML_UUID
-from test_utilization import FakeNVML
+from test_utilization import FakeNVMLProcesses
 
 # Imported here, before any fork: a child running as another user may not be able to read the
 # source tree (a clone under /root), so it must find every module it uses already loaded.
@@ -561,17 +560,6 @@ async def test_7_a_memory_claim_is_bounded_by_the_quota_and_the_device(
                 os.close(rfd)
 
 
-class _NVMLWithProcesses(FakeNVML):
-    """test_utilization's stand-in pynvml, listing ``processes`` (pid -> bytes) on its GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.processes: dict[int, int] = {}
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
-        return [SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.processes.items()]
-
-
 async def test_7_an_under_claim_is_cross_checked_with_nvml(
     local_users: Any,
     make_scheduler: Any,
@@ -580,7 +568,7 @@ async def test_7_an_under_claim_is_cross_checked_with_nvml(
 ) -> None:
     if not nvml_pids_comparable():
         pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
-    nvml = _NVMLWithProcesses()
+    nvml = FakeNVMLProcesses()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the bindings the scheduler imports
     victim, attacker = local_users("victim"), local_users("attack")
     node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
