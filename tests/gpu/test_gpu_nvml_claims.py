@@ -1,0 +1,79 @@
+"""A memory claim below what NVML sees the process hold is corrected, on a real GPU (issue #15,
+item 7; docs/reliability.md, "A hostile local user").
+
+The shim is told its context costs 1 byte (``GPUSHARE_CONTEXT_BYTES=1``), so its claim leaves out
+the real CUDA context (hundreds of MiB), which NVML's per-process figure includes: the scheduler
+must match the process by its ``SO_PEERCRED`` pid with NVML's list and count NVML's figure.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Scheduler, shimmed_env, start_scheduler, start_workload
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
+    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum=60)
+    yield sched
+    sched.process.terminate()
+    try:
+        sched.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        sched.process.kill()
+    print("---- scheduler log ----")
+    print(sched.log_text())
+
+
+def nvml_bytes(pid: int) -> int:
+    """What NVML sees ``pid`` hold on GPU 0 (0: not listed)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == pid and isinstance(proc.usedGpuMemory, int):
+                return int(proc.usedGpuMemory)
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_an_under_claimed_context_is_counted_as_nvml_sees_it(scheduler: Scheduler) -> None:
+    from jupyter_gpushare.scheduler.devices import nvml_pids_comparable
+
+    if not nvml_pids_comparable():
+        pytest.skip(
+            "this machine runs the tests in a pid namespace of its own (a container): "
+            "NVML's pids are the host's, and the scheduler does not cross-check"
+        )
+    env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "U", "GPUSHARE_CONTEXT_BYTES": "1"})
+    hog = start_workload("memory_hog.py", "0.0625", "20", "U", env=env)  # 64 MiB
+    try:
+        deadline = time.monotonic() + 60
+        seen = used = 0
+        while time.monotonic() < deadline:
+            (client,) = [c for d in scheduler.status()["devices"] for c in d["clients"]] or [{}]
+            seen = nvml_bytes(hog.pid)
+            used = int(client.get("used_bytes", 0))
+            if seen > 128 * MIB and used >= seen:
+                break
+            time.sleep(0.5)
+        print(
+            f"NVML sees {seen / MIB:.0f} MiB for the process; the scheduler counts {used / MIB:.0f}"
+        )
+        assert seen > 128 * MIB, "NVML never listed the process with its context"
+        assert used >= seen, (used, seen)
+        log = scheduler.log_text()
+        assert "memory claim corrected client=U" in log, log[-3000:]
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
