@@ -26,6 +26,7 @@ __all__ = [
     "corrected",
     "observed",
     "pids_comparable",
+    "under_claim",
 ]
 
 
@@ -100,3 +101,13 @@ def corrected(memory: Mapping[str, int], seen: int) -> dict[str, int]:
         out["used"] = seen
         out["pinned"] = out.get("pinned", 0) + missing
     return out
+
+
+def under_claim(claimed: int, seen: int, context_estimate: int) -> int:
+    """How far a claim falls short of what NVML sees: 0 not at all; 1 by no more than the
+    client's context estimate (a real context larger than its estimate: honest); 2 by more (a
+    lie, or memory the shim did not see allocated). Only what is logged depends on it."""
+    missing = seen - claimed
+    if missing <= 0:
+        return 0
+    return 1 if missing <= context_estimate else 2

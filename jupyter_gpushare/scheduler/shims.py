@@ -188,6 +188,7 @@ class ShimSessions:
         self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
+        conn.context_bytes = hello.context_bytes
         quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
             self.log.info(
@@ -348,10 +349,12 @@ class ShimSessions:
             after = nc.corrected(conn.memory, conn.observed)
             if after == before:
                 continue
-            if after["used"] > conn.memory["used"] and not conn.claim_corrected:
-                conn.claim_corrected = True  # once per client, and within its uid's log budget
-                self._log_limit.warning(
-                    conn.peer.uid,
+            level = nc.under_claim(conn.memory["used"], conn.observed, conn.context_bytes)
+            if level > conn.claim_logged:  # once per client and level
+                conn.claim_logged = level
+                # A warning (within its uid's budget) when the context cannot explain it.
+                log = self._log_limit.log_for(conn.peer.uid).warning if level > 1 else self.log.info
+                log(
                     "memory claim corrected client=%s uid=%d pid=%d claimed=%d nvml=%d: counted "
                     "as %s",
                     client_id,

@@ -165,7 +165,8 @@ class Connection:
     ceiling: int = 0
     #: Bytes NVML last saw this client's process hold on its device (.nvml_check); 0: none seen.
     observed: int = 0
-    claim_corrected: bool = False  # its under-claim was logged already (once per client)
+    context_bytes: int = 0  # its shim's estimate of its CUDA context (HELLO)
+    claim_logged: int = 0  # the level of its under-claim logged already (.nvml_check.under_claim)
 
     @property
     def name(self) -> str:

@@ -590,8 +590,10 @@ async def test_7_an_under_claim_is_cross_checked_with_nvml(
             running = [c for c in _clients(node).values() if c["state"] == "running"]
             assert sum(c["used_bytes"] for c in running) <= 4 << 30, running
             await asyncio.sleep(0.05)
-        corrected = [r.getMessage() for r in caplog.records if "claim corrected" in r.getMessage()]
-        assert len(corrected) == 1 and "client=liar" in corrected[0], corrected
+        corrected = [r for r in caplog.records if "claim corrected" in r.getMessage()]
+        assert len(corrected) == 1 and corrected[0].levelname == "WARNING", corrected
+        corrected = [r.getMessage() for r in corrected]
+        assert "client=liar" in corrected[0], corrected
         assert f"uid={attacker.uid}" in corrected[0] and f"nvml={3 << 30}" in corrected[0]
     finally:
         for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):

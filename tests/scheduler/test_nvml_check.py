@@ -8,6 +8,7 @@ from jupyter_gpushare.scheduler.nvml_check import (
     corrected,
     observed,
     pids_comparable,
+    under_claim,
 )
 
 GiB = 1 << 30
@@ -72,3 +73,11 @@ def test_pids_are_comparable_only_in_the_initial_pid_namespace() -> None:
     assert pids_comparable("Name:\tpython\nNSpid:\t4242\nNSpgid:\t4242\n")
     assert not pids_comparable("Name:\tpython\nNSpid:\t4242\t17\n")  # in a container
     assert not pids_comparable("Name:\tpython\n")  # a kernel that does not say
+
+
+def test_an_under_claim_the_context_explains_is_told_from_a_lie() -> None:
+    estimate = 512 << 20
+    assert under_claim(2 * GiB, 2 * GiB, estimate) == 0
+    assert under_claim(2 * GiB, GiB, estimate) == 0  # evicted: NVML sees less
+    assert under_claim(2 * GiB, 2 * GiB + (88 << 20), estimate) == 1  # a 600 MiB context
+    assert under_claim(0, 3 * GiB, estimate) == 2  # used = 0 with 3 GiB on the GPU
