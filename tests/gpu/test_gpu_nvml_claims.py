@@ -89,21 +89,14 @@ def test_taking_turns_with_the_cross_check_on(tmp_path: Path) -> None:
 
     sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum=2)
     try:
-        a = start_workload(
-            "memory_hog.py",
-            "14",
-            "12",
-            "A",
-            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "A"}),
-        )
+
+        def hog(tag: str, seconds: str) -> subprocess.Popen:
+            env = shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": tag})
+            return start_workload("memory_hog.py", "14", seconds, tag, env=env)
+
+        a = hog("A", "12")
         time.sleep(3)
-        b = start_workload(
-            "memory_hog.py",
-            "14",
-            "6",
-            "B",
-            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "B"}),
-        )
+        b = hog("B", "6")
         seen: list[tuple[str, int, int, int]] = []  # (state, evicted, pinned, NVML) of A
         while a.poll() is None or b.poll() is None:
             clients = {c["id"]: c for d in sched.status()["devices"] for c in d["clients"]}
