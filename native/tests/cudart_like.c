@@ -308,7 +308,8 @@ static void status_fields(char *out, size_t n) {
              "\"current_wait_seconds\":%.6f,\"holding_seconds\":%.6f,\"idle_seconds\":%.6f,"
              "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\","
              "\"precopied_bytes\":%llu,\"staging_pinned_bytes\":%llu,"
-             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu}",
+             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu,\"restores\":%llu,"
+             "\"last_restore_bytes\":%llu,\"last_restore_seconds\":%.6f}",
              st.version, state_name(st.state), st.state, st.connected, st.evicted,
              (unsigned long long)st.used_bytes, (unsigned long long)st.managed_bytes,
              (unsigned long long)st.pinned_bytes, (unsigned long long)st.evicted_bytes,
@@ -318,7 +319,8 @@ static void status_fields(char *out, size_t n) {
              st.socket_path, st.device_uuid, (unsigned long long)st.precopied_bytes,
              (unsigned long long)st.staging_pinned_bytes,
              (unsigned long long)st.staging_pageable_bytes,
-             (unsigned long long)st.staging_fallbacks);
+             (unsigned long long)st.staging_fallbacks, (unsigned long long)st.restores,
+             (unsigned long long)st.last_restore_bytes, st.last_restore_seconds);
 }
 
 static void emit_status(const char *event) {
