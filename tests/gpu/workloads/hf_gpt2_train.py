@@ -35,7 +35,7 @@ def main() -> None:
         for step in range(steps):
             batch = tokens[step % tokens.shape[0]]
             opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             loss.backward()
             opt.step()
             losses.append(loss.item())
