@@ -22,37 +22,22 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from conftest import WORKLOADS, Scheduler, require, running_scheduler, shimmed_env
+from conftest import (
+    WORKLOADS,
+    Scheduler,
+    card_used_mib,
+    ms_of,
+    process_mib,
+    require,
+    running_scheduler,
+    shimmed_env,
+)
 
 from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
 
 GIB = 1 << 30
 DEEP_IDLE_S = 3.0
 ARGS = ("--deep-idle", str(DEEP_IDLE_S))
-
-
-def nvidia_smi(*query: str) -> list[list[str]]:
-    out = subprocess.run(
-        ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
-
-
-def card_used_mib() -> int:
-    return int(nvidia_smi("--query-gpu=memory.used", "-i", "0")[0][0])
-
-
-def process_mib(pid: int) -> int | None:
-    """The process's memory on the GPU as nvidia-smi lists it (None: not in the compute list,
-    which is also what a container whose pids nvidia-smi cannot map shows)."""
-    for row in nvidia_smi("--query-compute-apps=pid,used_memory"):
-        if row[0] == str(pid):
-            return int(row[1])
-    return None
 
 
 class Kernel:
@@ -143,11 +128,6 @@ def notebook_busy(sched: Scheduler, client: str, state: str = "busy") -> None:
         write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
         reply = read_message_sync(s)
     assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
-
-
-def ms_of(log: str, what: str, client: str) -> float:
-    found = re.findall(rf"{what} client={re.escape(client)} .*?ms=([\d.]+)", log)
-    return float(found[-1]) if found else 0.0
 
 
 def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path: Path) -> None:
