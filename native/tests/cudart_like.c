@@ -1325,6 +1325,21 @@ static int scenario_status(size_t bytes) {
     return 0;
 }
 
+/* A temporary: allocated, freed LIVE seconds later while the shim may still be preparing its
+ * host staging in the background; the status SETTLE seconds after says whether that staging was
+ * released. */
+static int scenario_temporary(size_t bytes, double live, double settle) {
+    CUdeviceptr d = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    sleep_s(live);
+    CHECK(p_cuMemFree(d));
+    sleep_s(settle);
+    char buf[2048];
+    status_fields(buf, sizeof(buf));
+    emit("temporary", ",\"bytes\":%zu%s", bytes, buf);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* cuGetProcAddress obtained through cuGetProcAddress_v2, used as v1                           */
 /* ------------------------------------------------------------------------------------------ */
@@ -1501,6 +1516,8 @@ int main(int argc, char **argv) {
         rc = scenario_deep_idle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else if (strcmp(scenario, "status") == 0) {
         rc = scenario_status(arg_bytes(argc, argv, i, 0));
+    } else if (strcmp(scenario, "temporary") == 0 && i + 2 < argc) {
+        rc = scenario_temporary(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]), atof(argv[i + 2]));
     } else if (strcmp(scenario, "procaddr") == 0) {
         rc = scenario_procaddr();
     } else {
