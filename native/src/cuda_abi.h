@@ -179,7 +179,9 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {
     CUdeviceptr dptr; /* out */
 } CUDA_MEM_ALLOC_NODE_PARAMS;
 
-/* cuGraphInstantiateWithParams' parameters: passed through. */
+/* CUgraphInstantiate_flags: a relaunch frees what the previous launch allocated (PyTorch). */
+enum { GS_GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH = 1 };
+/* cuGraphInstantiateWithParams' parameters: passed through (the shim reads the leading flags). */
 typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
 
 /* cuIpcGetMemHandle's handle: 64 opaque bytes. */

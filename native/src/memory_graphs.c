@@ -15,6 +15,8 @@ struct exec_need {
     CUdevice dev;
     uint64_t need; /* bytes of its alloc nodes */
     uint64_t net;  /* of those, not freed inside the graph: still allocated after a launch */
+    int auto_free; /* instantiated with AutoFreeOnLaunch: a relaunch frees the last one's first */
+    int launched;
 };
 
 static pthread_mutex_t graphs_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -96,7 +98,7 @@ static void forget(CUgraphExec exec)
 }
 
 /* After a successful instantiation: remember what the graph's launches allocate. */
-static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph)
+static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph, uint64_t flags)
 {
     if (r != CUDA_SUCCESS || !exec || !*exec || gs_config()->disabled)
         return r;
@@ -105,6 +107,7 @@ static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph)
     if (!e.need)
         return r;
     e.exec = *exec;
+    e.auto_free = (flags & GS_GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH) != 0;
     pthread_mutex_lock(&graphs_mu);
     if (n_execs == execs_cap) {
         size_t cap = execs_cap ? execs_cap * 2 : 16;
@@ -124,25 +127,33 @@ static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph)
     return r;
 }
 
+/* CUDA_GRAPH_INSTANTIATE_PARAMS starts with its flags (a cuuint64_t). */
+static uint64_t params_flags(const CUDA_GRAPH_INSTANTIATE_PARAMS *params)
+{
+    return params ? *(const cuuint64_t *)(const void *)params : 0;
+}
+
 CUresult gs_graph_instantiate_with_flags(gs_fn_cuGraphInstantiateWithFlags real,
                                          CUgraphExec *phGraphExec, CUgraph hGraph,
                                          unsigned long long flags)
 {
-    return instantiated(real(phGraphExec, hGraph, flags), phGraphExec, hGraph);
+    return instantiated(real(phGraphExec, hGraph, flags), phGraphExec, hGraph, flags);
 }
 
 CUresult gs_graph_instantiate_with_params(gs_fn_cuGraphInstantiateWithParams real,
                                           CUgraphExec *phGraphExec, CUgraph hGraph,
                                           CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
 {
-    return instantiated(real(phGraphExec, hGraph, instantiateParams), phGraphExec, hGraph);
+    return instantiated(real(phGraphExec, hGraph, instantiateParams), phGraphExec, hGraph,
+                        params_flags(instantiateParams));
 }
 
 CUresult gs_graph_instantiate_with_params_ptsz(gs_fn_cuGraphInstantiateWithParams_ptsz real,
                                                CUgraphExec *phGraphExec, CUgraph hGraph,
                                                CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
 {
-    return instantiated(real(phGraphExec, hGraph, instantiateParams), phGraphExec, hGraph);
+    return instantiated(real(phGraphExec, hGraph, instantiateParams), phGraphExec, hGraph,
+                        params_flags(instantiateParams));
 }
 
 /* The pre-11.4 ABI (cuGraphInstantiate, cuGraphInstantiate_v2): same signature, one handler. */
@@ -151,7 +162,7 @@ CUresult gs_graph_instantiate_v1(gs_fn_cuGraphInstantiate_v2 real, CUgraphExec *
                                  size_t bufferSize)
 {
     return instantiated(real(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize),
-                        phGraphExec, hGraph);
+                        phGraphExec, hGraph, 0);
 }
 
 CUresult gs_graph_exec_destroy(gs_fn_cuGraphExecDestroy real, CUgraphExec hGraphExec)
@@ -201,7 +212,9 @@ CUresult gs_mem_graph_launch_check(CUgraphExec exec, uint64_t *held)
     pthread_mutex_unlock(&graphs_mu);
     if (!copy.need)
         return CUDA_SUCCESS;
-    return gs_reserves_graph_reserve(copy.dev, copy.need, held);
+    /* A relaunch that frees the last launch's allocations first reuses their memory. */
+    uint64_t reused = copy.auto_free && copy.launched ? copy.net : 0;
+    return gs_reserves_graph_reserve(copy.dev, copy.need - reused, held);
 }
 
 void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held)
@@ -215,10 +228,13 @@ void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held)
     pthread_mutex_lock(&graphs_mu);
     struct exec_need *e = find_locked(exec);
     struct exec_need copy = e ? *e : (struct exec_need){0};
+    if (e && r == CUDA_SUCCESS)
+        e->launched = 1;
     pthread_mutex_unlock(&graphs_mu);
     /* Counted as graph memory before the reservation goes, so no allocation slips between. */
+    uint64_t reused = copy.auto_free && copy.launched ? copy.net : 0;
     if (r == CUDA_SUCCESS && copy.need)
-        gs_reserves_graph_launched(copy.dev, copy.need, copy.net);
+        gs_reserves_graph_launched(copy.dev, copy.need - reused, copy.net - reused);
     if (held)
         gs_mem_unreserve(held);
 }

@@ -11,7 +11,8 @@
  * cuMemFreeAsync on a capturing stream (recorded as alloc and free nodes of the capture's graph,
  * with no memory until a launch, as on the real driver). An alloc node's address is fixed when
  * the node is made. Launching an instantiated graph backs its alloc nodes from the device's graph
- * pool (used grows, reserved follows) and runs its free nodes; cuMemFreeAsync of a graph
+ * pool (used grows, reserved follows; with AUTO_FREE_ON_LAUNCH the last launch's allocations are
+ * freed first, as PyTorch instantiates) and runs its free nodes; cuMemFreeAsync of a graph
  * allocation outside the graph frees it; cuDeviceGraphMemTrim gives back what no graph uses.
  * cuDeviceGetGraphMemAttribute and cuMemPoolGetAttribute report the numbers; so do the stats.
  */
@@ -35,6 +36,7 @@ static struct CUgraph_st g_graph; /* what a capture with no memory nodes ends wi
 
 struct CUgraphExec_st {
     struct CUgraph_st g; /* a copy: the graph may be changed or destroyed afterwards */
+    unsigned long long flags; /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1 */
 };
 static struct CUgraphExec_st *g_execs[FK_MAX_EXECS];
 
@@ -187,6 +189,13 @@ static CUresult fk_exec_launch(CUgraphExec e) {
     CUresult r = CUDA_SUCCESS;
     if (fk_exec_slot(e) >= 0) {
         struct CUgraph_st *g = &e->g;
+        for (int i = 0; i < g->n && (e->flags & 1); i++) { /* auto-free on launch */
+            struct fk_owned *o = fk_owned_find_locked(g->nodes[i].dptr);
+            if (g->nodes[i].type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && o && !o->pool) {
+                g_graph_used[o->dev] -= o->size;
+                *o = g_owned[--g_nowned];
+            }
+        }
         for (int i = 0; i < g->n && !r; i++)
             if (g->nodes[i].type == CU_GRAPH_NODE_TYPE_MEM_ALLOC &&
                 fk_owned_find_locked(g->nodes[i].dptr))
@@ -416,13 +425,14 @@ CUresult cuGraphMemFreeNodeGetParams(CUgraphNode hNode, CUdeviceptr *dptr_out) {
     return CUDA_SUCCESS;
 }
 
-static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph) {
+static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
     NEED_CTX();
     if (!phGraphExec || !hGraph) return CUDA_ERROR_INVALID_VALUE;
     struct CUgraphExec_st *e = malloc(sizeof *e);
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&g_lock);
     e->g = *hGraph;
+    e->flags = flags;
     int slot = fk_exec_slot(NULL);
     for (int i = 0; i < FK_MAX_EXECS && slot < 0; i++)
         if (!g_execs[i]) slot = i;
@@ -439,31 +449,33 @@ static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph) {
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
                                      unsigned long long flags) {
     COUNT();
-    return instantiate(phGraphExec, hGraph);
+    return instantiate(phGraphExec, hGraph, flags);
 }
 
 CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
                                       CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
     COUNT();
-    return instantiate(phGraphExec, hGraph);
+    return instantiate(phGraphExec, hGraph,
+                       instantiateParams ? *(const cuuint64_t *)(const void *)instantiateParams : 0);
 }
 
 CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
                                            CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
     COUNT();
-    return instantiate(phGraphExec, hGraph);
+    return instantiate(phGraphExec, hGraph,
+                       instantiateParams ? *(const cuuint64_t *)(const void *)instantiateParams : 0);
 }
 
 CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                             char *logBuffer, size_t bufferSize) {
     COUNT();
-    return instantiate(phGraphExec, hGraph);
+    return instantiate(phGraphExec, hGraph, 0);
 }
 
 CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                                char *logBuffer, size_t bufferSize) {
     COUNT();
-    return instantiate(phGraphExec, hGraph);
+    return instantiate(phGraphExec, hGraph, 0);
 }
 
 CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {

@@ -18,9 +18,10 @@
  *       a graph of N alloc nodes of SIZE, instantiated ("instantiated") and launched
  *       ("launched"); if that worked, each allocation freed with cuMemFreeAsync ("freed"), then
  *       cuDeviceGraphMemTrim ("trimmed").
- *   reserves_probe capture SIZE INNER LAUNCHES
+ *   reserves_probe capture SIZE INNER LAUNCHES [FLAGS]
  *       a stream capture of one cuMemAllocAsync of SIZE ("captured_alloc", during the capture),
- *       freed inside the capture when INNER is 1; instantiated ("instantiated"), launched
+ *       freed inside the capture when INNER is 1; instantiated with FLAGS (1: auto-free on
+ *       launch, as PyTorch does) ("instantiated"), launched
  *       LAUNCHES times ("launched": the last one's rc, and how many worked), the allocation freed
  *       after the launches when INNER is 0 ("freed"), cuDeviceGraphMemTrim ("trimmed").
  */
@@ -212,7 +213,7 @@ static int scenario_graph(size_t size, int n)
     return 0;
 }
 
-static int scenario_capture(size_t size, int inner, int launches)
+static int scenario_capture(size_t size, int inner, int launches, unsigned long long flags)
 {
     CUgraph g;
     CUgraphExec exec;
@@ -228,7 +229,7 @@ static int scenario_capture(size_t size, int inner, int launches)
         emit("capture_failed", ",\"rc\":%d,\"end_rc\":%d", rc, erc);
         return 0;
     }
-    rc = cuGraphInstantiateWithFlags(&exec, g, 0);
+    rc = cuGraphInstantiateWithFlags(&exec, g, flags);
     step("instantiated", rc, NULL);
     if (rc)
         return 1;
@@ -260,7 +261,8 @@ int main(int argc, char **argv)
     else if (!strcmp(s, "graph") && argc >= 4)
         rc = scenario_graph((size_t)strtoull(argv[2], NULL, 10), atoi(argv[3]));
     else if (!strcmp(s, "capture") && argc >= 5)
-        rc = scenario_capture((size_t)strtoull(argv[2], NULL, 10), atoi(argv[3]), atoi(argv[4]));
+        rc = scenario_capture((size_t)strtoull(argv[2], NULL, 10), atoi(argv[3]), atoi(argv[4]),
+                              argc > 5 ? strtoull(argv[5], NULL, 10) : 0);
     emit_stats();
     printf("{\"event\":\"exit\",\"rc\":%d,\"pid\":%d}\n", rc, (int)getpid());
     fflush(stdout);

@@ -153,6 +153,21 @@ def test_a_graph_that_frees_what_it_allocates_relaunches_within_its_memory(harne
     assert not quota_lines(run), run.stderr
 
 
+def test_an_auto_free_graph_relaunches_without_counting_its_memory_again(harness, reserves_probe):
+    # PyTorch instantiates with AUTO_FREE_ON_LAUNCH: each relaunch frees what the last one
+    # allocated, so the allocation (never freed in the graph) does not grow with relaunches.
+    size = 600 * MiB
+    run = probe(harness, reserves_probe, "capture", size, 0, 4, 1)
+    launched = run.event("launched")
+    assert launched["rc"] == 0 and launched["ok"] == 4, (launched, run.stderr)
+    assert launched["driver"]["graph_used"] == size
+    assert launched["status"]["used_bytes"] == CONTEXT + size, launched
+    assert not quota_lines(run), run.stderr
+    # Without the flag the driver refuses a relaunch whose allocation is still live.
+    plain = probe(harness, reserves_probe, "capture", size, 0, 4, 0)
+    assert plain.event("launched")["ok"] == 1
+
+
 def test_a_captured_allocation_past_the_quota_is_refused(harness, reserves_probe):
     run = probe(harness, reserves_probe, "capture", 2 * GiB, 0, 1)
     assert run.event("captured_alloc")["rc"] == OOM
