@@ -254,7 +254,7 @@ void gs_capture_after_fork_child(void);
 struct gs_mem_totals {
     uint64_t used;    /* everything, context estimate included */
     uint64_t managed; /* evictable */
-    uint64_t pinned;  /* context + stream-ordered pools + cuMemCreate + device memory */
+    uint64_t pinned;  /* context, pools and what they keep, graph memory, cuMemCreate, device */
     uint64_t evicted; /* managed bytes now on the host */
     uint64_t quota;
     uint64_t pool;

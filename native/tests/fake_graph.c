@@ -2,10 +2,11 @@
  * The stand-in driver's stream-ordered pools and graph memory (included by fake_libcuda.c, which
  * owns the lock, the allocations and the streams this file uses).
  *
- * Pools: every device has a default pool (its current one until cuDeviceSetMemPool); cuMemPoolCreate
- * makes more. A pool's reserved memory grows with its allocations and stays after cuMemFreeAsync
- * up to its release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, default 0): the real driver
- * gives the excess back at the next synchronise, this one at the free. cuMemPoolTrimTo lowers it.
+ * Pools: every device has a default pool (its current one until cuDeviceSetMemPool);
+ * cuMemPoolCreate makes more. A pool's reserved memory grows with its allocations and stays after
+ * cuMemFreeAsync up to its release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, default 0): the
+ * real driver gives the excess back at the next synchronise, this one at the free.
+ * cuMemPoolTrimTo lowers it.
  *
  * Graphs: cuGraphCreate, cuGraphAddMemAllocNode / cuGraphAddMemFreeNode, and cuMemAllocAsync /
  * cuMemFreeAsync on a capturing stream (recorded as alloc and free nodes of the capture's graph,
@@ -425,6 +426,11 @@ CUresult cuGraphMemFreeNodeGetParams(CUgraphNode hNode, CUdeviceptr *dptr_out) {
     return CUDA_SUCCESS;
 }
 
+/* CUDA_GRAPH_INSTANTIATE_PARAMS starts with its flags (a cuuint64_t). */
+static unsigned long long params_flags(const CUDA_GRAPH_INSTANTIATE_PARAMS *params) {
+    return params ? *(const cuuint64_t *)(const void *)params : 0;
+}
+
 static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
     NEED_CTX();
     if (!phGraphExec || !hGraph) return CUDA_ERROR_INVALID_VALUE;
@@ -455,15 +461,13 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
 CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
                                       CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
     COUNT();
-    return instantiate(phGraphExec, hGraph,
-                       instantiateParams ? *(const cuuint64_t *)(const void *)instantiateParams : 0);
+    return instantiate(phGraphExec, hGraph, params_flags(instantiateParams));
 }
 
 CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
                                            CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
     COUNT();
-    return instantiate(phGraphExec, hGraph,
-                       instantiateParams ? *(const cuuint64_t *)(const void *)instantiateParams : 0);
+    return instantiate(phGraphExec, hGraph, params_flags(instantiateParams));
 }
 
 CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
