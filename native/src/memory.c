@@ -229,8 +229,10 @@ CUresult gs_mem_free(gs_fn_cuMemFree_v2 real, CUdeviceptr dptr)
     if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
         return r;
     r = real(dptr);
-    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled)
+    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled) {
         gs_memtab_uncount(dptr, NS_PTR);
+        gs_reserves_after_free(); /* cuMemFree of pool memory: the pool may keep it */
+    }
     return r;
 }
 

@@ -405,18 +405,22 @@ void gs_reserves_refresh_device(CUdevice dev) { refresh(dev, 1); }
 
 /* ---- contexts, fork ---- */
 
-/* A context went: the pools and graph memory of its device went with it (or are asked again). */
+/* A context was destroyed or reset (on the program's thread): a reset takes the device's pools'
+ * and graph memory with it. Pools belong to the device, not to a context: they stay followed
+ * (one that is gone answers nothing and counts nothing); every device is asked again. */
 void gs_reserves_context_gone(void)
 {
     pthread_mutex_lock(&res_mu);
-    n_pools = 0;
     for (CUdevice dev = 0; dev < GS_RESERVE_DEVICES; dev++) {
-        if (!devs[dev].seen)
+        struct res_device *d = &devs[dev];
+        if (!d->seen)
             continue;
-        devs[dev] = (struct res_device){0};
+        d->current = NULL;
+        d->pool_idle = d->graph_reserved = d->graph_used = 0;
         push_locked(dev);
     }
     pthread_mutex_unlock(&res_mu);
+    gs_reserves_refresh();
 }
 
 void gs_reserves_after_fork_child(void)
