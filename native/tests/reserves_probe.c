@@ -3,7 +3,7 @@
  * memory_graphs.c), linked against the stand-in driver and run under the shim. One JSON object per
  * line; each step's event carries the driver's return code ("rc"), the status API's numbers
  * ("status") and the driver's own ("driver": the pools' reserved and used bytes on device 0, the
- * graph pool's); then the stand-in's stats ("stats") and {"event":"exit","rc":N}. SIZE in bytes.
+ * graph pool's, on the device RESERVES_DEVICE names, default 0); then the stand-in's stats ("stats") and {"event":"exit","rc":N}. SIZE in bytes.
  *
  *   reserves_probe pool current|created KEEP SIZE N [HOLD]
  *       N stream-ordered allocations of SIZE from the device's current pool (cuMemAllocAsync) or
@@ -65,6 +65,7 @@ CUresult cuDeviceGetGraphMemAttribute(CUdevice, CUgraphMem_attribute, void *);
 
 static CUstream g_stream;
 static CUmemoryPool g_pool;
+static CUdevice g_dev; /* RESERVES_DEVICE: the ordinal everything runs on (default 0) */
 
 /* A step: its rc, the shim's status, and the driver's numbers. */
 static void step(const char *event, int rc, const char *extra)
@@ -80,8 +81,8 @@ static void step(const char *event, int rc, const char *extra)
         cuMemPoolGetAttribute(g_pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &pr);
         cuMemPoolGetAttribute(g_pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &pu);
     }
-    cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &gr);
-    cuDeviceGetGraphMemAttribute(0, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &gu);
+    cuDeviceGetGraphMemAttribute(g_dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &gr);
+    cuDeviceGetGraphMemAttribute(g_dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &gu);
     emit(event,
          ",\"rc\":%d,\"status\":{\"used_bytes\":%llu,\"pinned_bytes\":%llu,\"managed_bytes\":%llu,"
          "\"quota_bytes\":%llu},\"driver\":{\"pool_reserved\":%llu,\"pool_used\":%llu,"
@@ -96,11 +97,14 @@ static int setup(void)
 {
     CUdevice dev;
     CUcontext ctx;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) ||
+    const char *ordinal = getenv("RESERVES_DEVICE");
+    if (cuInit(0) || cuDeviceGet(&dev, ordinal ? atoi(ordinal) : 0) ||
+        cuDevicePrimaryCtxRetain(&ctx, dev) ||
         cuCtxSetCurrent(ctx) || cuStreamCreate(&g_stream, 0)) {
         emit("error", ",\"what\":\"setup\"");
         return 1;
     }
+    g_dev = dev;
     return 0;
 }
 
@@ -116,10 +120,10 @@ static int scenario_pool(int created, int keep, size_t size, int n, double hold)
         CUmemPoolProps props;
         memset(&props, 0, sizeof props);
         props.allocType = 1;
-        props.location = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, 0};
+        props.location = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, g_dev};
         if (cuMemPoolCreate(&g_pool, &props))
             return 1;
-    } else if (cuDeviceGetMemPool(&g_pool, 0)) {
+    } else if (cuDeviceGetMemPool(&g_pool, g_dev)) {
         return 1;
     }
     cuuint64_t max = ~0ull;
@@ -166,7 +170,7 @@ static CUDA_MEM_ALLOC_NODE_PARAMS node_params(size_t size)
     CUDA_MEM_ALLOC_NODE_PARAMS p;
     memset(&p, 0, sizeof p);
     p.poolProps.allocType = 1;
-    p.poolProps.location = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    p.poolProps.location = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, g_dev};
     p.bytesize = size;
     return p;
 }
@@ -209,7 +213,7 @@ static int scenario_graph(size_t size, int n)
     for (int i = 0; i < n && i < 64; i++)
         frc |= cuMemFreeAsync(ptrs[i], g_stream);
     step("freed", frc, NULL);
-    step("trimmed", cuDeviceGraphMemTrim(0), NULL);
+    step("trimmed", cuDeviceGraphMemTrim(g_dev), NULL);
     return 0;
 }
 
@@ -242,7 +246,7 @@ static int scenario_capture(size_t size, int inner, int launches, unsigned long 
     step("launched", rc, extra);
     if (!inner && ok)
         step("freed", cuMemFreeAsync(d, g_stream), NULL);
-    step("trimmed", cuDeviceGraphMemTrim(0), NULL);
+    step("trimmed", cuDeviceGraphMemTrim(g_dev), NULL);
     return 0;
 }
 

@@ -71,6 +71,20 @@ def test_a_pools_reserve_after_frees_counts_until_trimmed(harness, reserves_prob
     assert run.event("alloc_after_trim")["rc"] == 0
 
 
+@pytest.mark.parametrize(
+    "scenario", [("pool", "current", 1, 256 * MiB, 3), ("graph", 400 * MiB, 2)]
+)
+def test_reserves_are_counted_on_the_device_they_are_on(harness, reserves_probe, scenario):
+    # Everything on device 1 of two: the device's own pools and graph pool are asked.
+    extra = {"RESERVES_DEVICE": "1", "GPUSHARE_FAKE_DEVICES": "2"}
+    run = probe(harness, reserves_probe, *scenario, extra=extra)
+    step = run.event("freed")
+    held = step["driver"]["pool_reserved"] + step["driver"]["graph_reserved"]
+    assert held == (768 * MiB if scenario[0] == "pool" else 800 * MiB), step
+    assert step["status"]["used_bytes"] == CONTEXT + held, step
+    assert run.event("trimmed")["status"]["used_bytes"] == CONTEXT
+
+
 def test_memory_a_pool_gives_back_is_not_counted(harness, reserves_probe):
     # Release threshold 0 (the driver's default): the pool keeps nothing after the frees.
     run = probe(harness, reserves_probe, "pool", "current", 0, 256 * MiB, 3)
