@@ -11,13 +11,14 @@
  *    graph) is backed when the graph is launched, from the device's graph pool, which keeps it
  *    until cuDeviceGraphMemTrim. The driver's RESERVED_MEM_CURRENT of graph memory is counted; a
  *    captured allocation is never in the table (it has no memory until a launch), so nothing is
- *    counted twice. The sizes of each instantiated graph's alloc nodes are kept, so that a launch
- *    that would take the process over its quota is refused before the driver backs anything.
+ *    counted twice. memory_graphs.c keeps what each instantiated graph's alloc nodes need, so that
+ *    a launch that would take the process over its quota is refused before the driver backs it.
  *
- * The driver is asked at cheap points only: after a pool allocation, free, trim or a graph launch
- * of a graph with memory nodes (on the caller's thread), and when the process goes idle. Never on
- * other launches, never from the shim's thread otherwise (a process frozen by a checkpoint blocks
- * every driver call), never while a stream captures (the next cheap point does it).
+ * The driver is asked at cheap points only: after a pool allocation, free, trim, a context's
+ * teardown or a launch of a graph with memory nodes (on the caller's thread), and when the process
+ * goes idle. Never on other launches, never from the shim's thread otherwise (a process frozen by
+ * a checkpoint blocks every driver call), never while a stream captures (the next cheap point
+ * does it).
  */
 #include <string.h>
 
@@ -49,7 +50,9 @@ typedef CUresult (*graph_attr_fn)(CUdevice, CUgraphMem_attribute, void *);
 
 static int device_ok(CUdevice dev) { return dev >= 0 && dev < GS_RESERVE_DEVICES; }
 
-/* The current context's device: the one a stream-ordered call on its streams works on. */
+/* The current context's device: the one a stream-ordered call works on, unless it names an
+ * explicit stream of another device's context (then that device's reserve is seen at its next
+ * cheap point, and this allocation is charged on the current device). */
 static CUdevice current_device(void)
 {
     typedef CUresult (*get_device_fn)(CUdevice *);
