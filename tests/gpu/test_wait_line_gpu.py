@@ -9,12 +9,15 @@ its allocation blocks in the shim (the wait line's thread needs it to run).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from test_jupyter_gpu import CELL_A, CELL_B, Server, wait_until_holding_14gib
+
+from jupyter_gpushare.units import parse_size
 
 # A's cell computes for 16 s rather than 8: B starts once the status shows A holding its 14 GiB,
 # which it reports with a delay, and on an H100 B then waited 8.1 s once, 2.5 s another time and
@@ -85,6 +88,11 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         first, last = shown[0][3], shown[-1][3]
         assert first.startswith("Waiting for the GPU: ") and "a.ipynb" in first, first
         assert last.startswith("Got the GPU after "), last
+        # B's 14 GiB were allocated while it waited: backed at the grant, never restored. Only
+        # its warm-up memory (a few MiB), if that was moved off, can have been copied back.
+        restored = re.fullmatch(r"Got the GPU after \d+\.\d s(?: \(restored (.+) in .+\))?", last)
+        assert restored, last
+        assert restored.group(1) is None or parse_size(restored.group(1)) < (1 << 30), last
         waited = float(last.split("after ")[1].split(" s")[0])
         span = shown[-1][0] - shown[0][0]
         print(f"record {b['record']}, line span {span:.2f} s, first line at {shown[0][0]:.3f}")
