@@ -100,6 +100,7 @@ void gs_reserves_refresh_device(CUdevice dev);
 /* Reserve against the quota what `need` more bytes of graph memory on `dev` add beyond the
  * graph pool's idle memory; *held: bytes to gs_mem_unreserve once counted or given up. */
 CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held);
+void gs_reserves_release(CUdevice dev, uint64_t held);
 void gs_reserves_graph_launched(CUdevice dev, uint64_t need, uint64_t net);
 void gs_reserves_context_gone(void);
 void gs_reserves_after_fork_child(void);

@@ -180,10 +180,9 @@ CUresult gs_graph_add_mem_alloc_node(gs_fn_cuGraphAddMemAllocNode real, CUgraphN
 {
     if (!gs_config()->disabled && nodeParams && nodeParams->bytesize) {
         uint64_t held;
-        CUresult r = gs_reserves_graph_reserve(nodeParams->poolProps.location.id,
-                                               nodeParams->bytesize, &held);
-        if (held)
-            gs_mem_unreserve(held);
+        CUdevice dev = nodeParams->poolProps.location.id;
+        CUresult r = gs_reserves_graph_reserve(dev, nodeParams->bytesize, &held);
+        gs_reserves_release(dev, held);
         if (r != CUDA_SUCCESS)
             return r;
     }
@@ -219,12 +218,8 @@ CUresult gs_mem_graph_launch_check(CUgraphExec exec, uint64_t *held)
 
 void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held)
 {
-    if (GS_LIKELY(!atomic_load_explicit(&any_execs, memory_order_relaxed)) ||
-        gs_config()->disabled) {
-        if (held)
-            gs_mem_unreserve(held);
+    if (GS_LIKELY(!held && !atomic_load_explicit(&any_execs, memory_order_relaxed)))
         return;
-    }
     pthread_mutex_lock(&graphs_mu);
     struct exec_need *e = find_locked(exec);
     struct exec_need copy = e ? *e : (struct exec_need){0};
@@ -235,8 +230,7 @@ void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held)
     uint64_t reused = copy.auto_free && copy.launched ? copy.net : 0;
     if (r == CUDA_SUCCESS && copy.need)
         gs_reserves_graph_launched(copy.dev, copy.need - reused, copy.net - reused);
-    if (held)
-        gs_mem_unreserve(held);
+    gs_reserves_release(copy.dev, held);
 }
 
 void gs_graphs_after_fork_child(void)

@@ -223,7 +223,7 @@ static CUresult graph_reserve(CUdevice dev, uint64_t need, uint64_t *held)
     }
     if (need <= idle)
         return CUDA_SUCCESS;
-    CUresult r = gs_mem_reserve(need - idle);
+    CUresult r = gs_mem_reserve(need - idle); /* on `dev` once the quota is per device */
     if (r == CUDA_SUCCESS)
         *held = need - idle;
     return r;
@@ -233,8 +233,7 @@ static CUresult graph_fits(CUdevice dev, uint64_t need)
 {
     uint64_t held;
     CUresult r = graph_reserve(dev, need, &held);
-    if (held)
-        gs_mem_unreserve(held);
+    gs_reserves_release(dev, held);
     return r;
 }
 
@@ -386,6 +385,12 @@ CUresult gs_mem_device_set_pool(gs_fn_cuDeviceSetMemPool real, CUdevice dev, CUm
 CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held)
 {
     return graph_reserve(dev, need, held);
+}
+
+void gs_reserves_release(CUdevice dev, uint64_t held)
+{
+    if (held)
+        gs_mem_unreserve(held); /* on `dev` once the quota is per device */
 }
 
 /* A graph whose alloc nodes need `need` bytes was launched on `dev`, `net` of them still in use
