@@ -83,7 +83,7 @@ def test_pool_reserves_and_graph_memory_count_against_the_quota(
     assert seen, "the workload's client is not in the scheduler's status"
     assert seen["used_bytes"] >= CONTEXT + 768 * MIB, seen
     assert seen["pinned_bytes"] >= CONTEXT + 768 * MIB, seen
-    # 768 MiB more through cuMemAlloc fits the quota only if the reserve is not counted.
+    # 1 GiB more through cuMemAlloc fits the quota only if the reserve is not counted.
     assert phases["alloc_after_free"]["rc"] == 2, phases["alloc_after_free"]
     trimmed = phases["trimmed"]
     assert trimmed["driver"]["pool_reserved"] < 64 * MIB, trimmed
