@@ -72,6 +72,10 @@ uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *
                               int to_host);
 void gs_memtab_after_fork_child(void);
 void gs_memtab_forget_context(CUcontext ctx);
+/* Memory the driver keeps for the process on device `dev` outside the table (pool reserves,
+ * graph memory: memory_reserves.c): counted as pinned, against the quota. Replaces the last. */
+enum { GS_RESERVE_DEVICES = 64 };
+void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes);
 /* The table's part of gs_mem_totals (memory.c adds the engine's and the staging's). */
 void gs_memtab_totals(struct gs_mem_totals *out);
 
@@ -85,6 +89,23 @@ void gs_mem_unreserve(uint64_t size);
 /* The process's view: total (quota, else pool, else real_total), free and used. */
 void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out);
 void gs_mem_engine_account(uint64_t reserved, int64_t total_delta, int64_t evicted_delta);
+
+/* ---- memory_reserves.c: what pools and graph memory hold for the process, per device ---- */
+
+/* After cuMemFreeAsync (memory.c): ask what the pool keeps. */
+void gs_reserves_after_free(void);
+/* Ask the driver about every device the process used pools or graphs on (at idle). */
+void gs_reserves_refresh(void);
+void gs_reserves_refresh_device(CUdevice dev);
+/* Reserve against the quota what `need` more bytes of graph memory on `dev` add beyond the
+ * graph pool's idle memory; *held: bytes to gs_mem_unreserve once counted or given up. */
+CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held);
+void gs_reserves_release(CUdevice dev, uint64_t held);
+void gs_reserves_graph_launched(CUdevice dev, uint64_t need, uint64_t net);
+void gs_reserves_context_gone(void);
+void gs_reserves_after_fork_child(void);
+/* memory_graphs.c */
+void gs_graphs_after_fork_child(void);
 
 /* ---- memory_staging.c: host memory that copies run from/to at the bus's speed ---- */
 

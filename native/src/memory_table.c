@@ -35,6 +35,9 @@ static size_t reserved_slots; /* table slots promised to allocations the driver 
 static uint64_t context_bytes; /* counted once the process has a context */
 static uint64_t quota_bytes, pool_bytes;
 static int quota_from_env_loaded;
+/* Memory the driver keeps for the process outside the table, per device (memory_reserves.c):
+ * what stream-ordered pools hold beyond their live allocations, and graph memory. Pinned. */
+static uint64_t driver_reserve[GS_RESERVE_DEVICES], driver_reserve_sum;
 static atomic_ulong mem_gen;
 
 /* ---- the table: open addressing, linear probing, backward-shift deletion (no tombstones) ---- */
@@ -167,12 +170,27 @@ static void load_quota_locked(void)
 
 static uint64_t used_locked(void)
 {
-    return context_bytes + managed_bytes + pinned_alloc_bytes + engine_bytes;
+    return context_bytes + managed_bytes + pinned_alloc_bytes + engine_bytes + driver_reserve_sum;
 }
 
 static void changed_locked(void) { atomic_fetch_add_explicit(&mem_gen, 1, memory_order_relaxed); }
 
 uint64_t gs_mem_generation(void) { return atomic_load_explicit(&mem_gen, memory_order_relaxed); }
+
+void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes)
+{
+    if (dev < 0 || dev >= GS_RESERVE_DEVICES)
+        return;
+    pthread_mutex_lock(&mem_mu);
+    int changed = driver_reserve[dev] != bytes;
+    driver_reserve_sum += bytes - driver_reserve[dev];
+    driver_reserve[dev] = bytes;
+    if (changed)
+        changed_locked();
+    pthread_mutex_unlock(&mem_mu);
+    if (changed)
+        gs_client_wake();
+}
 
 void gs_memtab_totals(struct gs_mem_totals *out)
 {
@@ -180,7 +198,7 @@ void gs_memtab_totals(struct gs_mem_totals *out)
     load_quota_locked();
     out->used = used_locked();
     out->managed = managed_bytes + engine_bytes;
-    out->pinned = context_bytes + pinned_alloc_bytes;
+    out->pinned = context_bytes + pinned_alloc_bytes + driver_reserve_sum;
     out->evicted = evicted_bytes + engine_evicted;
     out->quota = quota_bytes;
     out->pool = pool_bytes;
@@ -491,6 +509,8 @@ void gs_memtab_after_fork_child(void)
     table_cap = table_len = 0;
     managed_bytes = pinned_alloc_bytes = evicted_bytes = reserved_bytes = context_bytes = 0;
     engine_bytes = engine_evicted = 0;
+    memset(driver_reserve, 0, sizeof driver_reserve);
+    driver_reserve_sum = 0;
     reserved_slots = 0;
     pool_bytes = 0;
     quota_from_env_loaded = 0;
