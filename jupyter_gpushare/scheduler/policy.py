@@ -11,7 +11,9 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    the pool. If one of them grows and the running set no longer fits, the longest-running holders
    are revoked (with eviction) until it fits again or one is left: the newest holder has had the
    least of its turn. If memory left resident by idle clients is what overflows, the least recently
-   used idle clients are evicted. Nothing else is ever evicted without a need for the room.
+   used idle clients are evicted. Nothing else is evicted without a need for the room, but for
+   the room kept free for the next arrival (``keep_free``, :mod:`.room`): while nobody waits,
+   idle clients whose memory has a host copy are evicted (an unmap), least recently used first.
 2. **Admission.** Waiters are taken in priority order (:meth:`Policy._queue`). A waiter whose
    footprint fits the free room is granted at once (side by side); ``restore`` is set when its
    memory was evicted. One that would fit after evicting idle clients (least recently used first,
@@ -73,16 +75,13 @@ from .events import (
     SetWeight,
     Tick,
 )
+from .idle_timer import found_idle, next_idle_check
 from .ordering import Ordering, OrderingConfig
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
+from .room import REASON_ROOM, KeepFree, precopy_candidates, room_deadline, room_evictions
 
-__all__ = ["POLICIES", "Policy", "PolicyConfig"]
-
-#: Weight of a new bandwidth sample in the moving average.
-EWMA_ALPHA = 0.3
-#: Moves smaller than this say more about latency than bandwidth; they do not update estimates.
-MIN_SAMPLE_BYTES = 1 << 20
+__all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
 REASON_IDLE = "idle"
 REASON_QUANTUM = "quantum expired"
@@ -110,6 +109,10 @@ class PolicyConfig:
     # the bare core (its scenario tests read exact decision lists); the scheduler turns it on
     # (c.GPUShareScheduler.precopy_idle). Only the gpushare policy pre-copies.
     precopy_idle: bool = False
+    # Room to keep free on each device for the next arrival, made by evicting idle, fully
+    # pre-copied clients before anyone waits (see .room). Off in the bare core, like pre-copy;
+    # the scheduler sets it from c.GPUShareScheduler.keep_free. Only the gpushare policy keeps it.
+    keep_free: KeepFree = field(default_factory=KeepFree)
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 
@@ -162,7 +165,11 @@ class Policy:
         """Apply one event; return what the shell must tell the clients, in order."""
         self._advance(event.now)
         if isinstance(event, Tick):
-            return [d for dev in self._devices.values() for d in self._schedule(dev)]
+            out: list[Decision] = []
+            for dev in self._devices.values():
+                decided = self._schedule(dev)
+                out += decided + self._keep_room(dev, decided)
+            return out
         if isinstance(event, Join):
             return self._on_join(event)
         client = self._clients.get(event.client)
@@ -175,6 +182,7 @@ class Policy:
             self._on_request(client, event)
             client.precopied = 0  # it is about to run: the host copy goes stale
             client.precopy_asked = False
+            client.room_tried = False
         elif isinstance(event, Memory):
             client.set_memory(event.used, event.managed, event.pinned, event.evicted)
             client.precopied = event.precopied
@@ -184,9 +192,9 @@ class Policy:
             self._on_evicted(dev, client, event)
         elif isinstance(event, Precopied):
             client.precopied = event.precopied
-            return []
+            return self._keep_room(dev, [])  # a complete copy makes it evictable for room
         elif isinstance(event, Restored):
-            self._measure(dev, "restore", event.bytes_moved, event.micros)
+            dev.measure("restore", event.bytes_moved, event.micros)
             client.evicted = 0
             client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
@@ -202,6 +210,7 @@ class Policy:
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
+            client.room_tried = False
             client.cell.new_cell(from_jupyter=True)
         elif isinstance(event, Leave):
             self._remove(client)
@@ -214,9 +223,31 @@ class Policy:
         elif isinstance(event, SetWeight):
             client.weight = event.weight if event.weight > 0 else client.weight
         decisions = self._schedule(dev)
+        decisions += self._keep_room(dev, decisions)
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
         return decisions
+
+    def _room_target(self, dev: DeviceState) -> int:
+        """Bytes to keep free on ``dev`` now (0: none), see .room."""
+        keep = self.config.keep_free
+        if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
+            return 0
+        return keep.target(dev.pool_bytes, dev.arrivals)
+
+    def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
+        """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
+        target = self._room_target(dev)
+        if target <= 0:
+            return []
+        out: list[Decision] = []
+        for c in room_evictions(dev, target, self._clock, decided):
+            c.room_tried = True
+            c.room_evicted = True
+            # An idle holder keeps its grant while nobody wants the device: revoke it, evicting.
+            held = c.holding is not None
+            out.append(self._revoke(c, True, REASON_ROOM) if held else self._evict(c, REASON_ROOM))
+        return out
 
     def _precopy(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
         out: list[Decision] = []
@@ -257,6 +288,9 @@ class Policy:
             for t in self._deadlines(dev):
                 if t > now and (best is None or t < best):
                     best = t
+            t = room_deadline(dev, self._room_target(dev), now)
+            if t is not None and (best is None or t < best):
+                best = t
         return best
 
     def snapshot(self, now: float) -> list[dict[str, Any]]:
@@ -275,7 +309,7 @@ class Policy:
             quantum=lambda c: self._quantum(dev, c),
             paused_for_order=lambda c: self._paused_for_order(dev, c),
             recovering=self.recovering(now),
-            resident_bytes=self._resident_bytes(dev),
+            resident_bytes=dev.resident_bytes,
             base_quantum=self.config.base_quantum,
             starvation_window=self.config.ordering.starvation_window,
         )
@@ -403,7 +437,7 @@ class Policy:
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         if evt.evicted:
-            self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+            dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is not None:
             c.holding = None
             c.revoke_evict = False
@@ -423,7 +457,7 @@ class Policy:
         c.evict_pending = False
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
-        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+        dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
             self._set_evicted(c)
 
@@ -443,20 +477,16 @@ class Policy:
         del self._clients[c.id]
         del self._devices[c.device].clients[c.id]
 
-    def _measure(self, dev: DeviceState, direction: str, moved: int, micros: int) -> None:
-        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
-        if moved < MIN_SAMPLE_BYTES or micros <= 0:
-            return
-        rate = moved * 1e6 / micros
-        if direction == "evict":
-            dev.evict_bw += EWMA_ALPHA * (rate - dev.evict_bw)
-        else:
-            dev.restore_bw += EWMA_ALPHA * (rate - dev.restore_bw)
-
     # ----------------------------------------------------------------------------------------
     # Decisions (each one updates the state it implies)
 
     def _grant(self, c: ClientState) -> Grant:
+        arrived = c.used - c.on_gpu  # what this grant brings onto the GPU
+        if arrived > 0:
+            self._devices[c.device].arrivals.append(arrived)
+        if c.room_evicted and c.restore:  # it came back after its memory left for room
+            c.room_returns += 1  # (.room holds it longer before the next room eviction)
+        c.room_evicted = False
         restore = c.restore
         c.restore = False
         c.holding = "running"
@@ -502,19 +532,6 @@ class Policy:
     def _overdue(self, c: ClientState, now: float) -> bool:
         assert c.waiting_since is not None
         return now >= c.waiting_since + self.config.max_quantum
-
-    @staticmethod
-    def _resident_bytes(dev: DeviceState) -> int:
-        return sum(c.on_gpu for c in dev.clients.values())
-
-    @staticmethod
-    def _incoming_bytes(dev: DeviceState) -> int:
-        """Room that evictions already asked for will free when their answers come."""
-        total = 0
-        for c in dev.clients.values():
-            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
-                total += c.movable if c.resident else 0
-        return total
 
     def _share(self, dev: DeviceState, c: ClientState, now: float) -> float:
         usage = dev.usage.get(c.user)
@@ -565,7 +582,7 @@ class Policy:
             for c in dev.clients.values():
                 if c.holding == "running":
                     yield c.run_start + self.config.fixed_quantum
-                    yield self._next_idle_check(c)
+                    yield next_idle_check(c, self._clock, self.config.idle_check_interval)
             return
         for c in dev.clients.values():
             if c.holding == "running" and not c.idle:
@@ -605,7 +622,7 @@ class Policy:
             c = running.pop(0)
             out.append(self._revoke(c, True, REASON_GREW))
             total -= c.used
-        excess = self._resident_bytes(dev) - self._incoming_bytes(dev) - dev.pool_bytes
+        excess = dev.resident_bytes - dev.incoming_bytes - dev.pool_bytes
         if excess > 0:
             for c in self._eviction_candidates(dev, self._queue(dev, self._clock)):
                 if excess <= 0:
@@ -618,8 +635,8 @@ class Policy:
         """Rules 2-4: grant the waiters that fit; make room for the first one that does not."""
         now = self._clock
         out: list[Decision] = []
-        free = dev.pool_bytes - self._resident_bytes(dev)
-        incoming = self._incoming_bytes(dev)
+        free = dev.pool_bytes - dev.resident_bytes
+        incoming = dev.incoming_bytes
         queue = self._queue(dev, now)
         dev.turns = False
         gate = self._gate_level(dev)
@@ -737,25 +754,6 @@ class Policy:
     # ----------------------------------------------------------------------------------------
     # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
 
-    def _idle_checks_done(self, c: ClientState) -> int:
-        # The epsilon: at the instant next_deadline() named, the division may fall short of k.
-        return int((self._clock - c.run_start) / self.config.idle_check_interval + 1e-9)
-
-    def _next_idle_check(self, c: ClientState) -> float:
-        return c.run_start + (self._idle_checks_done(c) + 1) * self.config.idle_check_interval
-
-    def _found_idle(self, c: ClientState) -> bool:
-        """The timer's verdict: at its last check, the holder had been idle the whole interval.
-
-        This is what a sampler of GPU utilisation sees (no activity over its last window); it
-        learns of a finished cell between one and two intervals late, never at once.
-        """
-        k = self._idle_checks_done(c)
-        if k < 1 or not c.idle:
-            return False
-        interval = self.config.idle_check_interval
-        return c.idle_since <= c.run_start + (k - 1) * interval
-
     def _admit_fixed(self, dev: DeviceState) -> list[Decision]:
         """An exclusive lock, first come first served, with a fixed time quantum.
 
@@ -774,7 +772,7 @@ class Policy:
             return []
         w = queue[0]
         need = w.used - w.on_gpu
-        free = dev.pool_bytes - self._resident_bytes(dev)
+        free = dev.pool_bytes - dev.resident_bytes
         holders = [c for c in dev.clients.values() if c.holding is not None]
         if holders:
             dev.turns = True
@@ -782,7 +780,7 @@ class Policy:
             for h in holders:
                 if h.holding != "running":
                     continue
-                if self._found_idle(h):
+                if found_idle(h, self._clock, self.config.idle_check_interval):
                     out.append(self._revoke(h, need > free, REASON_IDLE))
                 elif self._clock >= h.run_start + self.config.fixed_quantum:
                     out.append(self._revoke(h, need > free, REASON_QUANTUM))
@@ -791,7 +789,7 @@ class Policy:
             return []  # its own eviction is in flight: grant it (with restore) after Evicted
         if need <= free:
             return [self._grant(w)]
-        short = need - free - self._incoming_bytes(dev)
+        short = need - free - dev.incoming_bytes
         if short <= 0:
             return []  # the evictions in flight make the room
         out = []
@@ -803,32 +801,3 @@ class Policy:
         if not out and not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))  # nothing left to evict: run it alone (rule 5)
         return out
-
-
-def precopy_candidates(clients: Iterable[ClientState], decided: Iterable[Decision]) -> list[str]:
-    """Which clients to ask for a pre-copy now, least recently used first.
-
-    A pre-copy copies a client's resident memory to the host while it stays resident, so that
-    evicting it later is an unmap (milliseconds) instead of a copy (seconds): the next arrival at
-    a full GPU is granted as fast as the idle kernels can be unmapped. Worth it for a client that
-    is idle (its cell ended: nothing will invalidate the copy soon), resident, not waiting, has
-    memory that is not yet copied, was not asked in this idle period (the shim copies in the
-    background and reports progress in MEMORY; memory it cannot pre-copy, such as the program's
-    own managed memory, must not make the scheduler ask again and again), and has no other
-    decision in this batch (one about to move or run it anyway). Least recently used first:
-    those are the ones an arrival evicts first (:meth:`Policy._eviction_candidates`).
-    """
-    touched = {d.client for d in decided}
-    chosen = [
-        c
-        for c in clients
-        if c.idle
-        and c.resident
-        and c.waiting_since is None
-        and not c.precopy_asked
-        and not c.evict_pending
-        and c.movable > c.precopied
-        and c.id not in touched
-    ]
-    chosen.sort(key=lambda c: (c.last_active, c.seq))
-    return [c.id for c in chosen]

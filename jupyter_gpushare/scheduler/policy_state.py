@@ -6,14 +6,22 @@ its own decisions come, and the status snapshot (:mod:`.policy_status`) reads th
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .ordering import CellService
 
-__all__ = ["ClientState", "DeviceState", "Holding", "Usage"]
+__all__ = ["ARRIVAL_WINDOW", "ClientState", "DeviceState", "Holding", "Usage"]
 
 Holding = Literal["running", "revoking"]
+
+#: Weight of a new bandwidth sample in the moving average.
+EWMA_ALPHA = 0.3
+#: Moves smaller than this say more about latency than bandwidth; they do not update estimates.
+MIN_SAMPLE_BYTES = 1 << 20
+#: Recent arrivals remembered per device (keep_free "auto" estimates the next from them).
+ARRIVAL_WINDOW = 8
 
 
 @dataclass
@@ -55,6 +63,9 @@ class ClientState:
     evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
     precopy_asked: bool = False  # a Precopy was sent in this idle period
     precopied: int = 0  # resident bytes with a current host copy, as last reported
+    room_tried: bool = False  # evicted for room (.room) in this idle period, refused or not
+    room_evicted: bool = False  # its memory left for room and it has not run since
+    room_returns: int = 0  # how often it came back after a room eviction (.room's hold)
     revoke_evict: bool = False  # the pending Revoke asked for eviction
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
     restore: bool = False  # its managed memory was evicted: the next grant restores it
@@ -107,3 +118,29 @@ class DeviceState:
     clients: dict[str, ClientState] = field(default_factory=dict)
     usage: dict[str, Usage] = field(default_factory=dict)
     turns: bool = False  # the last pass found a waiter blocked by running clients
+    # Bytes recent grants brought onto the GPU, newest last: keep_free "auto" reads them (.room).
+    arrivals: deque[int] = field(default_factory=lambda: deque(maxlen=ARRIVAL_WINDOW))
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the clients occupy on the GPU now, as the policy accounts it."""
+        return sum(c.on_gpu for c in self.clients.values())
+
+    @property
+    def incoming_bytes(self) -> int:
+        """Room that evictions already asked for will free when their answers come."""
+        total = 0
+        for c in self.clients.values():
+            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
+                total += c.movable if c.resident else 0
+        return total
+
+    def measure(self, direction: str, moved: int, micros: int) -> None:
+        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
+        if moved < MIN_SAMPLE_BYTES or micros <= 0:
+            return
+        rate = moved * 1e6 / micros
+        if direction == "evict":
+            self.evict_bw += EWMA_ALPHA * (rate - self.evict_bw)
+        else:
+            self.restore_bw += EWMA_ALPHA * (rate - self.restore_bw)
