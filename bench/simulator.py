@@ -36,6 +36,7 @@ from typing import Any
 from jupyter_gpushare.scheduler import events as ev
 from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.room import KeepFree
 
 from .common import GiB, percentile
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
@@ -100,6 +101,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         # The daemon's default. The simulator takes no time for a pre-copy and does not make the
         # eviction that follows one cheaper: its numbers are those without pre-copy.
         precopy_idle=True,
+        # The daemon's default too; without pre-copy (above) no kernel is ever fully copied, so
+        # it evicts nothing unless SimConfig.model_precopy.
+        keep_free=KeepFree(auto=True),
         ordering=ordering,
     )
 

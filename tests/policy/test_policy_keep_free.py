@@ -5,6 +5,8 @@ after a room eviction is held before the next one (no thrashing)."""
 
 from __future__ import annotations
 
+import pytest
+
 from jupyter_gpushare.scheduler.events import (
     Busy,
     Evict,
@@ -212,3 +214,23 @@ def test_auto_keeps_room_for_the_largest_recent_arrival_bounded_by_the_pool():
     assert p.handle(Tick(100)) == []
     # d brings 10 GB: 6 GB are left, auto now wants 10: c (the LRU) goes.
     assert run(p, "d", 10, now=101) == [Grant("d"), room_revoke("c")]
+
+
+def test_the_daemon_keeps_auto_room_by_default_and_parses_sizes():
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    assert GPUShareScheduler().policy_config().keep_free == KeepFree(auto=True)
+    assert GPUShareScheduler(keep_free="12GiB").policy_config().keep_free == KeepFree(12 << 30)
+    assert GPUShareScheduler(keep_free=4096).policy_config().keep_free == KeepFree(4096)
+    assert not GPUShareScheduler(keep_free=0).policy_config().keep_free.on
+    assert not GPUShareScheduler(keep_free="0").policy_config().keep_free.on
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", -1, "", "Auto!"])
+def test_bad_keep_free_values_are_refused_in_one_line(value):
+    from traitlets import TraitError
+
+    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+
+    with pytest.raises((TraitError, ValueError), match="keep_free"):
+        GPUShareScheduler(keep_free=value)
