@@ -185,12 +185,16 @@ void gs_vmm_defer_backing(void) { atomic_store(&gs_vmm_defer, 1); }
 
 void gs_vmm_back_deferred(void)
 {
-    if (!gs_vmm_drv.ok)
-        return;
     pthread_mutex_lock(&gs_vmm_mu);
     /* Under the lock: an allocation either comes before this pass (and is backed by it) or after
-     * (and is backed at once). */
+     * (and is backed at once). Cleared even when the engine has no block yet: a grant that comes
+     * before the first cudaMalloc (PyTorch's expandable segments allocate with cuMemCreate, and
+     * cuDNN's first cudaMalloc follows the grant) must not leave later blocks unbacked. */
     atomic_store(&gs_vmm_defer, 0);
+    if (!gs_vmm_drv.ok) {
+        pthread_mutex_unlock(&gs_vmm_mu);
+        return;
+    }
     uint64_t backed = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
