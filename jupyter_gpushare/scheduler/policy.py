@@ -273,10 +273,11 @@ class Policy:
     def next_deadline(self) -> float | None:
         """The earliest future time at which a Tick may change a decision, or None.
 
-        Only devices with waiters need ticks: a holder's quantum expiry, and the moments a waiter
-        starts reserving or becomes overdue. Times already past are left out (a holder whose
-        quantum expired but who was not needed stays until an event changes the picture), so the
-        shell never spins.
+        Devices with waiters need ticks: a holder's quantum expiry, and the moments a waiter
+        starts reserving or becomes overdue; so does missing room (.room): the moment a held
+        client may be evicted for it. Times already past are left out (a holder whose quantum
+        expired but who was not needed stays until an event changes the picture), so the shell
+        never spins.
         """
         if self._now is None:
             return None
