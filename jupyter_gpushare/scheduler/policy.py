@@ -206,6 +206,8 @@ class Policy:
             if not client.idle:
                 client.idle_since = self._clock
             client.idle = True
+            if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
+                client.cell.tracked = True
         elif isinstance(event, Busy):
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
