@@ -25,6 +25,7 @@ static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 pthread_mutex_t gs_vmm_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t gs_vmm_prepare_cv = PTHREAD_COND_INITIALIZER;
 int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+double gs_vmm_last_change;
 
 void gs_vmm_wake_preparer_locked(void)
 {
@@ -243,6 +244,7 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     b->id = ++next_id;
     /* An unbacked block counts as on the host: the scheduler never sees it resident. */
     gs_mem_engine_account(size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
+    gs_vmm_last_change = gs_now(); /* the preparer waits until allocations pause */
     gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
     *out = b;
     return CUDA_SUCCESS;
@@ -250,6 +252,7 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
 
 static void destroy_block(struct block *b)
 {
+    gs_vmm_last_change = gs_now();
     index_remove(b);
     if (b->resident)
         gs_vmm_unback(b);

@@ -108,6 +108,9 @@ void gs_vmm_forget_streams(void);
  * the files below it can ask for work. Under gs_vmm_mu. */
 extern pthread_cond_t gs_vmm_prepare_cv;
 extern int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+/* gs_now() when a block was last made or freed (under gs_vmm_mu): the preparer waits for the
+ * program's allocations to pause before it populates and registers host memory. */
+extern double gs_vmm_last_change;
 void gs_vmm_wake_preparer_locked(void);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */

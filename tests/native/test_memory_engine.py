@@ -107,10 +107,25 @@ def test_a_temporary_freed_while_its_staging_is_made_releases_the_staging(harnes
     the staging: before the fix it stayed populated, registered and counted for good."""
     harness.scheduler(pool="1GiB", quantum=1.0)
     slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "400"}
-    # Freed 0.1 s after its allocation (mid-registration), looked at 1.5 s later.
-    run = harness.run("temporary", BIG, 0.1, 1.5, extra=slow_register, **common()).ok()
+    # The preparer starts once allocations have paused for 0.5 s (memory_prepare.c): freed 0.7 s
+    # after its allocation (mid-registration), looked at 1.5 s later.
+    run = harness.run("temporary", BIG, 0.7, 1.5, extra=slow_register, **common()).ok()
     st = run.event("temporary")["status"]
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
     registered = run.calls("cuMemHostRegister_v2")
     assert registered >= 1, "no staging was being made when the block was freed: no race"
     assert run.calls("cuMemHostUnregister") == registered, run.stats["calls"]
+
+
+def test_staging_waits_until_the_programs_allocations_pause(harness):
+    """Populating and registering staging holds the process's memory-map lock, which the
+    program's cudaMalloc needs (on an H100, a burst of 40 blocks of 1 GiB took 25 s beside it
+    instead of 0.015 s): the preparer waits for a 0.5 s pause in allocations, so a temporary freed
+    within it never gets staging at all, and one kept past it does."""
+    harness.scheduler(pool="1GiB", quantum=1.0)
+    quick = harness.run("temporary", BIG, 0.1, 1.0, **common()).ok()
+    assert quick.calls("cuMemHostRegister_v2") == 0, quick.stats["calls"]
+    st = quick.event("temporary")["status"]
+    assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
+    kept = harness.run("temporary", BIG, 1.5, 0.5, **common()).ok()
+    assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
