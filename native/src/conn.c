@@ -536,11 +536,11 @@ void gs_conn_lost(struct gs_session *s, const char *why)
     }
     pthread_mutex_unlock(&s->mu);
 
-    /* The holder runs on unshared: memory it had evicted would come back page by page on demand,
-     * so bring it back in bulk. A waiter's stays on the host: another kernel may hold the GPU
-     * (thread.c restores it, within the card's free memory, once the waiter runs unshared). */
-    if (!s->quitting && was_holding) {
-        uint64_t moved, us;
-        gs_drain_restore(s, "the restore after losing the scheduler", s->devs.dev, &moved, &us);
-    }
+    /* The holder runs on unshared: memory it had evicted (a later device's, revoked while the
+     * first was held, included) would come back page by page on demand, or not at all for
+     * explicit memory, so bring it back in bulk. A waiter's stays on the host: another kernel may
+     * hold the GPU (thread.c restores it, within the card's free memory, once the waiter runs
+     * unshared). */
+    if (!s->quitting && was_holding)
+        gs_drain_restore_every_device(s, "the restore after losing the scheduler");
 }

@@ -64,3 +64,25 @@ void gs_drain_restore(struct gs_session *s, const char *what, CUdevice dev, uint
     gs_capture_unlock();
 }
 
+int gs_drain_devices(struct gs_session *s, CUdevice *devs)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = 0;
+    devs[n++] = s->devs.dev;
+    for (int i = 0; i < s->links.n; i++)
+        devs[n++] = s->links.l[i].dev;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+void gs_drain_restore_every_device(struct gs_session *s, const char *what)
+{
+    gs_mem_back_deferred(GS_MEM_ALL_DEVICES);
+    CUdevice devs[GS_MAX_LINKS + 1];
+    int n = gs_drain_devices(s, devs);
+    for (int i = 0; i < n; i++) {
+        uint64_t moved, us;
+        gs_drain_restore(s, what, devs[i], &moved, &us);
+    }
+}
+

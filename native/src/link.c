@@ -153,8 +153,7 @@ void gs_link_open_new(struct gs_session *s)
             if (fd >= 0)
                 close(fd);
             if (l && (s->quitting || ++l->tries >= LINK_MAX_TRIES)) {
-                l->state = GS_LINK_UNSHARED;
-                gave_up = 1;
+                gave_up = 1; /* unshared once its memory is back (below) */
             } else if (l) {
                 l->next_connect_at = gs_now() + LINK_RETRY_S * l->tries;
             }
@@ -167,6 +166,14 @@ void gs_link_open_new(struct gs_session *s)
         else if (gave_up)
             GS_WARN("device %d: cannot register with the scheduler (%s); it runs unshared",
                     (int)todo[i], why);
+        if (gave_up) {
+            /* Its calls pass from now on: memory evicted or left unbacked while it waited must be
+             * on the device first. */
+            uint64_t moved, us;
+            gs_mem_back_deferred(todo[i]);
+            gs_drain_restore(s, "the restore of a device that runs unshared", todo[i], &moved, &us);
+            set_state(s, todo[i], GS_LINK_UNSHARED);
+        }
     }
 }
 

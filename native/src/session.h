@@ -232,6 +232,10 @@ int gs_drain_work(struct gs_session *s, const char *what, CUdevice dev, int evic
 /* Bring device dev's evicted memory back to it, once no stream captures (bounded). */
 void gs_drain_restore(struct gs_session *s, const char *what, CUdevice dev, uint64_t *moved,
                       uint64_t *us);
+/* The devices the process uses, the first device's first (devs: GS_MAX_LINKS + 1). */
+int gs_drain_devices(struct gs_session *s, CUdevice *devs);
+/* gs_drain_restore of every device (the process runs on unshared). */
+void gs_drain_restore_every_device(struct gs_session *s, const char *what);
 
 /* ---- conn.c: the scheduler connection ---- */
 

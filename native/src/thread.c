@@ -44,12 +44,7 @@ static void restore_within_free(struct gs_session *s)
 {
     gs_mem_back_deferred(GS_MEM_ALL_DEVICES);
     CUdevice devs[GS_MAX_LINKS + 1];
-    pthread_mutex_lock(&s->mu);
-    int n = 0;
-    devs[n++] = s->devs.dev;
-    for (int i = 0; i < s->links.n; i++)
-        devs[n++] = s->links.l[i].dev;
-    pthread_mutex_unlock(&s->mu);
+    int n = gs_drain_devices(s, devs);
     for (int i = 0; i < n; i++) {
         struct gs_mem_totals t;
         gs_mem_totals_dev(devs[i], &t);

@@ -31,20 +31,21 @@ static unsigned long long fake_resident(int phys)
     return f ? f(phys) : 0;
 }
 
-/* Every word of [p, p+bytes) holds PATTERN(dev). */
+/* Every word of [p, p+bytes) holds PATTERN(dev). In 64 MiB copies: each synchronous copy waits
+ * for the stand-in's queued kernels, the other device's included. */
 static int pattern_intact(CUdeviceptr p, size_t bytes, int dev)
 {
-    enum { CHUNK = 1 << 20 };
-    static __thread unsigned int buf[CHUNK / 4];
-    for (size_t off = 0; off < bytes; off += CHUNK) {
+    enum { CHUNK = 64 << 20 };
+    unsigned int *buf = malloc(CHUNK);
+    int ok = buf != NULL;
+    for (size_t off = 0; ok && off < bytes; off += CHUNK) {
         size_t n = bytes - off < CHUNK ? bytes - off : CHUNK;
-        if (cuMemcpyDtoH_v2(buf, p + off, n) != CUDA_SUCCESS)
-            return 0;
-        for (size_t i = 0; i < n / 4; i++)
-            if (buf[i] != PATTERN(dev))
-                return 0;
+        ok = cuMemcpyDtoH_v2(buf, p + off, n) == CUDA_SUCCESS;
+        for (size_t i = 0; ok && i < n / 4; i++)
+            ok = buf[i] == PATTERN(dev);
     }
-    return 1;
+    free(buf);
+    return ok;
 }
 
 struct twomem_arg {
