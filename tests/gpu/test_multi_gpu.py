@@ -218,31 +218,40 @@ def _steps(out: str, dev: int, after: float, before: float) -> list[float]:
     return steps
 
 
-def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
-    """A PyTorch process computing on cuda:0 and cuda:1 is listed under both GPUs (as ``both``
-    and ``both/1``). When GPU 1 is revoked and another process takes it, the first keeps
-    computing on GPU 0 without a pause, does not run one step on GPU 1 until GPU 1 comes back,
-    and both its tensors are correct at the end."""
+def _two_gpus_or_skip() -> list[Any]:
+    """The machine's GPUs, when this process sees two or more (else the test skips)."""
     pytest.importorskip("torch")
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         pytest.skip("CUDA_VISIBLE_DEVICES is set: the process must see both GPUs")
+    return gpus
+
+
+def _start_both(sched: Any, *args: str) -> tuple[Any, list[str], threading.Thread]:
+    """two_gpus.py ARGS as client "both", its output lines read as they come (~100 a second: a
+    full pipe would stall its GPU threads)."""
+    both = start_workload(
+        "two_gpus.py", *args, env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"})
+    )
+    lines: list[str] = []
+    assert both.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
+    reader.start()
+    return both, lines, reader
+
+
+def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
+    """A PyTorch process computing on cuda:0 and cuda:1 is listed under both GPUs (as ``both``
+    and ``both/1``). When GPU 1 is revoked and another process takes it, the first keeps
+    computing on GPU 0 without a pause, does not run one step on GPU 1 until GPU 1 comes back,
+    and both its tensors are correct at the end."""
+    gpus = _two_gpus_or_skip()
     # 2 GiB pools with a 512 MiB context estimate each: on GPU 1, "both/1" (its context) and
     # "other" (1.2 GiB and its context) do not fit together, so they take turns.
     with running_scheduler(tmp_path, pool="2GiB", quantum=30) as sched:
-        both = start_workload(
-            "two_gpus.py",
-            "60",
-            "128",
-            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"}),
-        )
-        # Read its ~100 lines a second as they come: a full pipe would stall its GPU threads.
-        lines: list[str] = []
-        assert both.stdout is not None
-        reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
-        reader.start()
+        both, lines, reader = _start_both(sched, "60", "128")
         try:
             deadline = time.monotonic() + 90
             ids: dict[str, str] = {}
@@ -309,27 +318,13 @@ def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path
     GPU 1's room: at the quantum's end ``both/1`` is revoked and evicted, which moves GPU 1's
     8 GiB and nothing of GPU 0's; GPU 0 computes on meanwhile; GPU 1's tensors come back to GPU 1
     at their addresses and both tensors are exactly right at the end."""
-    pytest.importorskip("torch")
-    gpus = _gpus()
-    if len(gpus) < 2:
-        pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        pytest.skip("CUDA_VISIBLE_DEVICES is set: the process must see both GPUs")
+    gpus = _two_gpus_or_skip()
     slack = 256 << 20  # PyTorch's and the driver's own small allocations
     # 16 GiB pools: GPU 1 holds "both/1" (8 GiB and its context) or "other" (10 GiB and its
     # context), not both; GPU 0 holds "both" alone.
     with running_scheduler(tmp_path, pool="16GiB", quantum=2.0) as sched:
-        both = start_workload(
-            "two_gpus.py",
-            "40",
-            "1024",
-            "4096",  # x and its scratch tensor: 2 GiB on GPU 0, 8 GiB on GPU 1
-            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"}),
-        )
-        lines: list[str] = []
-        assert both.stdout is not None
-        reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
-        reader.start()
+        # x and its scratch tensor: 2 GiB on GPU 0, 8 GiB on GPU 1
+        both, lines, reader = _start_both(sched, "40", "1024", "4096")
         try:
             deadline = time.monotonic() + 90
             clients: dict[str, Any] = {}
