@@ -5,10 +5,37 @@
  * managed memory moves by prefetch.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "memory.h"
 
-static CUstream move_stream; /* private stream for managed prefetches, in the app's context */
+/* Private streams for managed prefetches, one per device, in the context they were made in. */
+static struct {
+    CUcontext ctx;
+    CUstream s;
+} prefetch_streams[GS_MEM_DEVICES];
+
+/* The private stream of the current context's device (made when first needed, or again when
+ * that device's current context is another). NULL when the driver refuses one. */
+static CUstream prefetch_stream(void)
+{
+    typedef CUresult (*stream_create_fn)(CUstream *, unsigned int);
+    typedef CUresult (*ctx_cur_fn)(CUcontext *);
+    ctx_cur_fn cur_fn = (ctx_cur_fn)gs_driver_sym("cuCtxGetCurrent");
+    CUcontext cur = NULL;
+    if (cur_fn)
+        cur_fn(&cur);
+    int d = gs_mem_current_slot();
+    if (prefetch_streams[d].ctx != cur || !prefetch_streams[d].s) {
+        stream_create_fn create = (stream_create_fn)gs_driver_sym("cuStreamCreate");
+        prefetch_streams[d].ctx = cur;
+        if (!create || create(&prefetch_streams[d].s, GS_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+            prefetch_streams[d].s = NULL;
+            GS_WARN("cannot create the stream for moving memory; pages will move on demand");
+        }
+    }
+    return prefetch_streams[d].s;
+}
 
 /* ---- allocation handlers (hooks.def) ---- */
 
@@ -277,19 +304,13 @@ CUresult gs_mem_free_async(gs_fn_cuMemFreeAsync real, CUdeviceptr dptr, CUstream
  * wait. Marks what moved. A context of `dev` must be current. */
 static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    typedef CUresult (*stream_create_fn)(CUstream *, unsigned int);
     typedef CUresult (*stream_sync_fn)(CUstream);
     double t0 = gs_now();
     *bytes_moved = 0;
     *micros = 0;
-    if (!move_stream) {
-        stream_create_fn create = (stream_create_fn)gs_driver_sym("cuStreamCreate");
-        if (!create || create(&move_stream, GS_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
-            move_stream = NULL;
-            GS_WARN("cannot create the stream for moving memory; pages will move on demand");
-            return -1;
-        }
-    }
+    CUstream move_stream = prefetch_stream();
+    if (!move_stream)
+        return -1;
     stream_sync_fn sync = (stream_sync_fn)gs_driver_sym("cuStreamSynchronize");
     gs_fn_cuMemPrefetchAsync_v2 p2 = GS_REAL(cuMemPrefetchAsync_v2);
     gs_fn_cuMemPrefetchAsync p1 = p2 ? NULL : GS_REAL(cuMemPrefetchAsync);
@@ -384,7 +405,7 @@ void gs_mem_context_gone(CUcontext ctx)
         if (ctx)
             gs_memtab_forget_context(ctx);
     }
-    move_stream = NULL;
+    memset(prefetch_streams, 0, sizeof prefetch_streams);
 }
 
 /* ---- fork ---- */
@@ -396,5 +417,5 @@ void gs_mem_after_fork_child(void)
     gs_vmm_after_fork_child();
     gs_vmm_prepare_after_fork_child();
     gs_staging_after_fork_child();
-    move_stream = NULL;
+    memset(prefetch_streams, 0, sizeof prefetch_streams);
 }

@@ -80,25 +80,28 @@ int gs_vmm_driver_ready(void)
 
 /* ---- streams for moves ---- */
 
-static CUstream move_stream, precopy_stream;
-static CUcontext streams_ctx;
+/* Each device's moves run in a context of that device, on streams of that context: kept per
+ * device, so moving device 0's memory and then device 1's does not make streams again. */
+static struct {
+    CUcontext ctx;
+    CUstream move, precopy;
+} streams[GS_MEM_DEVICES];
 
-void gs_vmm_forget_streams(void)
-{
-    move_stream = precopy_stream = NULL;
-    streams_ctx = NULL;
-}
+void gs_vmm_forget_streams(void) { memset(streams, 0, sizeof streams); }
 
 CUstream gs_vmm_move_stream(int low_priority)
 {
     CUcontext cur = NULL;
+    CUdevice dev = 0;
     gs_vmm_drv.ctx_cur(&cur);
-    if (cur != streams_ctx) {
+    gs_vmm_drv.ctx_dev(&dev);
+    int d = gs_mem_slot(dev);
+    if (cur != streams[d].ctx) {
         /* Streams belong to their context: a new current context needs its own. */
-        gs_vmm_forget_streams();
-        streams_ctx = cur;
+        streams[d].move = streams[d].precopy = NULL;
+        streams[d].ctx = cur;
     }
-    CUstream *slot = low_priority ? &precopy_stream : &move_stream;
+    CUstream *slot = low_priority ? &streams[d].precopy : &streams[d].move;
     if (!*slot) {
         int least = 0, greatest = 0;
         if (gs_vmm_drv.prio_range)
