@@ -18,6 +18,7 @@ eviction of each process writes host pages never touched before (cold); later on
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
@@ -120,19 +121,33 @@ def handoffs(workdir: Path, ctx: int, size: int, count: int, log: Any) -> dict[s
     return res
 
 
+#: The scheduler's grant line: how long the client waited between its request and its grant.
+_GRANT = re.compile(r"grant client=(?P<client>\S+) .*?waited_ms=(?P<ms>[0-9.]+)")
+
+
+def _resident_free(sched: Scheduler) -> int:
+    """Pool bytes the scheduler counts free on its (only) device."""
+    (dev,) = sched.status()["devices"]
+    return int(dev["pool_bytes"]) - int(dev["resident_bytes"])
+
+
 def precopied_arrival(
-    workdir: Path, ctx: int, size: int, idle_count: int, log: Any
+    workdir: Path, ctx: int, size: int, idle_count: int, log: Any, keep_free: str = "0"
 ) -> dict[str, Any]:
     """A kernel arriving at a GPU full of idle kernels whose memory was pre-copied.
 
     ``idle_count`` workers of ``size`` bytes each fill the pool, run a cell, and go idle; the
-    scheduler asks each for a pre-copy (PRECOPY). Once every one reports its memory copied, a new
-    worker of ``size`` bytes asks for the device: the latency is from its request to its first
-    kernel having run. Making room is then an unmap of the least recently used idle kernel (the
-    engine's target: granted within 100 ms)."""
+    scheduler asks each for a pre-copy (PRECOPY). Once every one reports its memory copied (or,
+    with ``keep_free`` on, was evicted to keep room), a new worker's notebook turns busy and its
+    cell allocates ``size`` bytes, fills them and launches a kernel. ``grant_wait_ms`` is what
+    the issue's target bounds (granted within 100 ms of asking): the scheduler's own measure from
+    the arrival's request to its grant. With ``keep_free="0"`` the room is made in that wait (an
+    unmap of the least recently used idle kernel); with ``keep_free`` on it was made before.
+    """
     # Room for every idle kernel side by side (with headroom), but not for the arrival too.
     pool = idle_count * (ctx + size) + size // 2 + 256 * MiB
-    with start_scheduler(workdir, "--pool", str(pool)) as sched:
+    args = ("--pool", str(pool), "--keep-free", keep_free)
+    with start_scheduler(workdir, *args) as sched:
         idle = [
             WorkerProc(shim_env(sched.socket, f"I{i}", GPUSHARE_IDLE_SECONDS="0"), f"I{i}")
             for i in range(idle_count)
@@ -147,43 +162,70 @@ def precopied_arrival(
                 w.call("launch1")
                 sched.control("kernel_state", client=w.name, state="idle")
             t_copy = time.monotonic()
+
+            def ready(c: dict[str, Any]) -> bool:  # copied, or already evicted for room
+                return c.get("precopied_bytes", 0) >= 0.9 * size or c.get("evicted_bytes", 0) > 0
+
             wait_for(
-                lambda: all(
-                    sched.clients().get(w.name, {}).get("precopied_bytes", 0) >= 0.9 * size
-                    for w in idle
-                ),
+                lambda: all(ready(sched.clients().get(w.name, {})) for w in idle),
                 120,
                 "every idle kernel to be pre-copied",
             )
             precopy_s = time.monotonic() - t_copy
-            arrival.call("alloc", bytes=size)
+            room_kept = False
+            if keep_free != "0":
+                try:  # the room: made by the evictions keep_free decided once copies were done
+                    wait_for(lambda: _resident_free(sched) >= size, 30, "room", interval=0.05)
+                    room_kept = True
+                except TimeoutError:
+                    pass  # not kept (keep_free smaller than the arrival): reported as such
+            free_before = _resident_free(sched)
+            before = len(memory_moves(sched.log_text()))
+            grants_before = len(_GRANT.findall(sched.log_text()))
             t0 = time.monotonic()
             sched.control("kernel_state", client="C", state="busy")
+            arrival.call("alloc", bytes=size)  # its cell: allocate, fill (asks for the GPU)
             ans = arrival.call("launch1")
             if not ans.get("ok", True):
                 raise RuntimeError(f"C: launch failed: {ans.get('error')}")
-            latency = float(ans["t"]) - t0
+            cell = float(ans["t"]) - t0
         finally:
             for w in [*idle, arrival]:
                 w.close()
-        moves = memory_moves(sched.log_text())
-    evictions = [m for m in moves if m["kind"] == "evict"]
+        text = sched.log_text()
+        moves = memory_moves(text)
+    grant = next(
+        (g for g in list(_GRANT.finditer(text))[grants_before:] if g["client"] == "C"), None
+    )
+    if grant is None:
+        raise RuntimeError("the scheduler logged no grant for the arrival C")
+    wait_ms = float(grant["ms"])
+    # Evictions up to its grant were in its wait; later ones make room for the next arrival.
+    in_wait = memory_moves(text[: grant.end()])[before:]
     res = {
+        "keep_free": keep_free,
         "bytes": size,
         "idle_kernels": idle_count,
         "pool": pool,
         "precopy_seconds": precopy_s,
-        "grant_latency_ms": latency * 1000,
-        "evictions": evictions,
+        "room_kept": room_kept,
+        "free_before_bytes": free_before,
+        "grant_wait_ms": wait_ms,
+        # From the arrival's busy to its first cell done: allocation, fill and one kernel.
+        "cell_ms": cell * 1000,
+        "evictions": [m for m in in_wait if m["kind"] == "evict"],
+        "room_evictions": [m for m in moves[:before] if m["kind"] == "evict"],
         "target_ms": 100.0,
-        "met": latency * 1000 <= 100.0,
+        "met": wait_ms <= 100.0,
     }
     moved = ", ".join(
-        f"{m['bytes'] / GiB:.1f} GiB in {m['seconds'] * 1000:.1f} ms" for m in evictions
+        f"{m['bytes'] / GiB:.1f} GiB in {m['seconds'] * 1000:.1f} ms" for m in res["evictions"]
     )
     log(
-        f"arrival at {idle_count} pre-copied idle kernels of {size / GiB:g} GiB: first kernel "
-        f"after {latency * 1000:.1f} ms (pre-copies took {precopy_s:.1f} s); evictions {moved}"
+        f"arrival at {idle_count} pre-copied idle kernels of {size / GiB:g} GiB, keep_free "
+        f"{keep_free}: granted {wait_ms:.1f} ms after it asked, cell {cell * 1000:.1f} ms "
+        f"(room kept before: {room_kept}, {free_before / GiB:.1f} GiB free; pre-copies took "
+        f"{precopy_s:.1f} s); evictions in its wait: {moved or 'none'}"
     )
     return res
 
@@ -246,6 +288,7 @@ def run(
     log: Any = print,
     arrival_gib: float = 0,
     arrival_idle: int = 3,
+    arrival_keep_free: str = "auto",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Returns (handoff results, memory results); ``memcpy_bytes=0`` skips the memcpy baseline
     (the stand-in driver has none)."""
@@ -259,13 +302,16 @@ def run(
         except Exception as exc:
             errors.append(f"{g:g} GiB: {type(exc).__name__}: {exc}")
             log(f"handoff {g:g} GiB: FAILED: {exc}")
-    arrival: dict[str, Any] | None = None
-    if arrival_gib:
+    # The arrival twice: room made in its wait (keep_free 0), and room kept before it.
+    arrivals: dict[str, dict[str, Any] | None] = {"0": None, arrival_keep_free: None}
+    for keep in arrivals if arrival_gib else ():
         try:
-            arrival = precopied_arrival(workdir, ctx, int(arrival_gib * GiB), arrival_idle, log)
+            arrivals[keep] = precopied_arrival(
+                workdir, ctx, int(arrival_gib * GiB), arrival_idle, log, keep_free=keep
+            )
         except Exception as exc:
-            errors.append(f"pre-copied arrival: {type(exc).__name__}: {exc}")
-            log(f"pre-copied arrival: FAILED: {exc}")
+            errors.append(f"pre-copied arrival (keep_free {keep}): {type(exc).__name__}: {exc}")
+            log(f"pre-copied arrival (keep_free {keep}): FAILED: {exc}")
     memcpy: dict[str, Any] = {"h2d": None, "d2h": None}
     if memcpy_bytes:
         try:
@@ -313,7 +359,8 @@ def run(
             and bw["evict_cold"]["median"]
             and min(bw["evict_cold"]["median"], evict_warm or 0) >= 40e9
         ),
-        "precopied_arrival": arrival,
+        "precopied_arrival": arrivals["0"],  # room made in the arrival's wait
+        "precopied_arrival_kept": arrivals[arrival_keep_free] if arrival_keep_free != "0" else None,
         "errors": errors,
     }
     handoff = {

@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also: a kernel arriving at idle, pre-copied kernels of this many GiB (0: no)",
     )
     ap.add_argument("--arrival-idle", type=int, default=3, help="idle kernels for --arrival-gib")
+    ap.add_argument(
+        "--arrival-keep-free",
+        default="auto",
+        help="keep_free of the second --arrival-gib run (room kept before the arrival; the "
+        "first runs with 0: room made in its wait). 0: only the first",
+    )
     ap.add_argument("--kernel-pairs", type=int, default=20)
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
@@ -166,6 +172,7 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
             log=log,
             arrival_gib=args.arrival_gib,
             arrival_idle=args.arrival_idle,
+            arrival_keep_free=args.arrival_keep_free,
         )
         return {"handoff": ho, "memory": mem}
     if part == "replay":

@@ -36,6 +36,7 @@ from typing import Any
 from jupyter_gpushare.scheduler import events as ev
 from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.room import KeepFree
 
 from .common import GiB, percentile
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
@@ -66,6 +67,12 @@ class SimConfig:
     fixed_quantum: float = 30.0
     idle_check_interval: float = 5.0
     extra_bytes: int = 0  # per user, beside the working set (e.g. matmul operands); movable
+    # Model the shim's pre-copy: a PRECOPY copies the working set to the host in the background
+    # (at evict_bw) while it stays on the GPU, and evicting a kernel whose copy is still valid is
+    # the driver's unmap and release (unmap_s_per_gib: 194.6 ms for 12 GiB on an H100), not a
+    # copy. Off by default: the capacity numbers were simulated without it.
+    model_precopy: bool = False
+    unmap_s_per_gib: float = 0.1946 / 12
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
 
 
@@ -80,6 +87,8 @@ class _U:
     holding: bool = False
     blocked_until: float = 0.0  # restoring, or the grant's fixed cost
     allocated: bool = False  # colocate: its working set is on the card
+    copied: bool = False  # model_precopy: a valid host copy of its working set exists
+    copy_gen: int = 0  # bumped whenever a copy in flight goes stale (a cell, an eviction)
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -100,6 +109,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         # The daemon's default. The simulator takes no time for a pre-copy and does not make the
         # eviction that follows one cheaper: its numbers are those without pre-copy.
         precopy_idle=True,
+        # The daemon's default too; without pre-copy (above) no kernel is ever fully copied, so
+        # it evicts nothing unless SimConfig.model_precopy.
+        keep_free=KeepFree(auto=True),
         ordering=ordering,
     )
 
@@ -145,6 +157,16 @@ class Simulation:
         ctx, ws = self.cfg.context_bytes, self._movable(u)
         return {"used": ctx + ws, "managed": ws, "pinned": ctx, "evicted": 0}
 
+    def _evict_seconds(self, u: _U) -> float:
+        ws = self._movable(u)
+        if u.copied:
+            return ws / GiB * self.cfg.unmap_s_per_gib
+        return ws / self.cfg.evict_bw
+
+    def _stale(self, u: _U) -> None:
+        u.copied = False
+        u.copy_gen += 1
+
     def _send(self, event: ev.Event) -> None:
         assert self.policy is not None
         decisions = self.policy.handle(event)
@@ -167,7 +189,11 @@ class Simulation:
             # The shim closes the gate at once; the work already launched runs on (drains).
             self._at(self.now + self.cfg.drain_s, "drained", u.user.name, d.evict)
         elif isinstance(d, ev.Evict):
-            self._at(self.now + ws / self.cfg.evict_bw, "evicted", u.user.name, ws)
+            secs = self._evict_seconds(u)
+            self._at(self.now + secs, "evicted", u.user.name, (ws, secs))
+            self._stale(u)
+        elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
+            self._at(self.now + ws / self.cfg.evict_bw, "precopied", u.user.name, u.copy_gen)
 
     def _active(self) -> list[_U]:
         return [
@@ -282,6 +308,7 @@ class Simulation:
         if kind == "arrive":
             u.in_cell = True
             u.arrival = self.now
+            self._stale(u)  # its cell writes its memory: a copy is no longer valid
             u.work = u.solo = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
             if self.mode == "colocate" and not u.allocated:
                 used = sum(
@@ -297,16 +324,24 @@ class Simulation:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
         elif kind == "drained":
             u.holding = False
-            evict_s = self._movable(u) / self.cfg.evict_bw if arg else 0.0
-            self._at(self.now + evict_s, "released", name, arg)
+            evict_s = self._evict_seconds(u) if arg else 0.0
+            if arg:
+                self._stale(u)
+            self._at(self.now + evict_s, "released", name, (bool(arg), evict_s))
         elif kind == "released":
             ws = self._movable(u)
-            micros = int(ws / self.cfg.evict_bw * 1e6) if arg else 0
-            self._send(ev.Released(self.now, name, bool(arg), ws if arg else 0, micros))
+            evicted, evict_s = arg
+            micros = int(evict_s * 1e6)
+            self._send(ev.Released(self.now, name, evicted, ws if evicted else 0, micros))
             if u.in_cell and u.work > 0 and not u.holding:
                 self._send(ev.Request(self.now, name, **self._mem(u)))
         elif kind == "evicted":
-            self._send(ev.Evicted(self.now, name, arg, int(arg / self.cfg.evict_bw * 1e6)))
+            moved, secs = arg
+            self._send(ev.Evicted(self.now, name, moved, int(secs * 1e6)))
+        elif kind == "precopied" and arg == u.copy_gen:  # still valid: no cell, no eviction since
+            u.copied = True
+            mem = self._mem(u)
+            self._send(ev.Memory(self.now, name, **mem, precopied=mem["managed"]))
         elif kind == "restored":
             self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
 

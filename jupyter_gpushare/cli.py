@@ -118,6 +118,7 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         "log-format": "SchedulerApp.log_style",
         "policy": "GPUShareScheduler.scheduling_policy",
         "deep-idle": "GPUShareScheduler.deep_idle_seconds",
+        "keep-free": "GPUShareScheduler.keep_free",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (

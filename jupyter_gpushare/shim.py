@@ -34,7 +34,7 @@ LIBRARY_NAME = "libgpushare.so"
 #: The declarations of native/include/gpushare.h, as cffi's cdef() takes them
 #: (tests/native/test_status_api.py checks that the two agree).
 CDEF = """
-#define GPUSHARE_STATUS_VERSION 2
+#define GPUSHARE_STATUS_VERSION 3
 
 enum gpushare_state {
     GPUSHARE_STATE_INACTIVE = 0,
@@ -70,6 +70,9 @@ struct gpushare_status {
     uint64_t staging_pinned_bytes;
     uint64_t staging_pageable_bytes;
     uint64_t staging_fallbacks;
+    uint64_t restores;
+    uint64_t last_restore_bytes;
+    double last_restore_seconds;
 };
 
 int gpushare_get_status(struct gpushare_status *out, size_t size);
@@ -214,6 +217,9 @@ def read_status() -> dict[str, Any] | None:
         "staging_pinned_bytes": int(status.staging_pinned_bytes),
         "staging_pageable_bytes": int(status.staging_pageable_bytes),
         "staging_fallbacks": int(status.staging_fallbacks),
+        "restores": int(status.restores),
+        "last_restore_bytes": int(status.last_restore_bytes),
+        "last_restore_seconds": float(status.last_restore_seconds),
         "library_version": shim_version(),
     }
 

@@ -208,11 +208,10 @@ class WaitLine:
     _asked_at: float = field(default=float("-inf"))
     _entry: dict[str, Any] | None = None
     _device: dict[str, Any] | None = None
-    _evicted_at_start: int = 0
-    _restoring_polls: int = 0  # polls since the grant while its memory was still on the host
-    _granted_at: float | None = None
     _waited: float = 0.0
     _held_at_start: float | None = None
+    #: The shim's count of RESTOREDs at the last poll that did not wait: before this wait.
+    _restores_before: int = 0
     _ids: Any = field(default_factory=itertools.count)
     # The thread polls; the main thread polls once more as a cell ends (see _KernelPublisher).
     _lock: Any = field(default_factory=threading.Lock)
@@ -240,11 +239,6 @@ class WaitLine:
         if waiting:
             waited = float(status.get("current_wait_seconds") or 0.0)
             self._waited = waited
-            # The most of this kernel's memory seen on the host during the wait, not only at its
-            # start: its eviction may finish after its cell began to wait (seen under load).
-            self._evicted_at_start = max(
-                self._evicted_at_start, int(status.get("evicted_bytes", 0))
-            )
             if self._display_id is None:
                 if self._held_at_start is None:
                     self._held_at_start = float(status.get("holding_seconds") or 0.0)
@@ -255,11 +249,6 @@ class WaitLine:
             if now - self._asked_at >= self.scheduler_every:
                 self._asked_at = now
                 self._entry, self._device = self.scheduler_view(status)
-                if self._granted_at is None and (self._entry or {}).get("state") in (
-                    "running",
-                    "revoking",
-                ):
-                    self._granted_at = now
             text = wait_text(status, self._entry, self._device, self.me)
             if text != self._shown:
                 self.publish(_content(text, self._display_id, "waiting", waited), bool(self._shown))
@@ -270,41 +259,30 @@ class WaitLine:
             text = f"Stopped waiting for the GPU after {self._waited:.1f} s"
             self.publish(_content(text, self._display_id, "stopped", self._waited), True)
         elif self._display_id is not None:
-            evicted_now = int(status.get("evicted_bytes", 0))
-            if evicted_now > 0 and self._evicted_at_start > 0 and self._restoring_polls < 120:
-                # Granted, and its memory is still coming back: the grant line waits for the
-                # restore's figures (a poll saw "holding" while the shim restored: the line then
-                # said nothing of the restore).
-                self._restoring_polls += 1
-                text = f"Got the GPU: restoring {format_size(evicted_now)} of this kernel's memory"
-                if text != self._shown:
-                    self.publish(_content(text, self._display_id, "waiting", self._waited), True)
-                    self._shown = text
-                return
-            restored = max(self._evicted_at_start - evicted_now, 0)
-            restore_seconds = None
-            if restored:
-                # The scheduler has the shim's own figures (RESTORED); else, roughly, the time
-                # from the grant it reported to the end of the wait.
-                entry, _ = self.scheduler_view(status)
-                last = (entry or {}).get("last_restore")
-                if isinstance(last, dict) and int(last.get("bytes") or 0) > 0:
-                    restored = int(last["bytes"])
-                    restore_seconds = float(last.get("seconds") or 0.0)
-                elif self._granted_at is not None:
-                    restore_seconds = max(now - self._granted_at, 0.0)
+            # The shim counts its RESTORED before it says it holds the device: once this poll
+            # sees the wait over, the figures of this grant's restore are final.
+            restored, restore_seconds = self._restore_of_this_grant(status)
             text = got_text(self._waited, restored, restore_seconds)
             self.publish(_content(text, self._display_id, "granted", self._waited), True)
         self._reset()
+        self._restores_before = int(status.get("restores") or 0)
+
+    def _restore_of_this_grant(self, status: dict[str, Any]) -> tuple[int, float | None]:
+        """(bytes, seconds) this grant copied back to the device, as the shim reported them to
+        the scheduler (its RESTORED, which the shim's status repeats). Memory the kernel
+        allocated while it waited had no physical memory until the grant backed it: it counts as
+        on the host meanwhile (``evicted_bytes``), but nothing of it was restored."""
+        if int(status.get("restores") or 0) == self._restores_before:
+            return 0, None  # granted with nothing to move back: no RESTORED
+        return int(status.get("last_restore_bytes") or 0), float(
+            status.get("last_restore_seconds") or 0.0
+        )
 
     def _reset(self) -> None:
         self._display_id = None
         self._shown = ""
         self._asked_at = float("-inf")
         self._entry = self._device = None
-        self._evicted_at_start = 0
-        self._restoring_polls = 0
-        self._granted_at = None
         self._waited = 0.0
         self._held_at_start = None
 

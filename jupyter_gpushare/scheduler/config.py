@@ -17,6 +17,7 @@ from ..paths import default_socket_path
 from ..units import format_size, parse_size
 from .ordering import ORDERINGS, OrderingConfig
 from .policy import POLICIES, PolicyConfig
+from .room import KeepFree
 
 __all__ = ["SchedulerConfig"]
 
@@ -107,6 +108,17 @@ class SchedulerConfig(LoggingConfigurable):
         background (PRECOPY) while it stays there, so that evicting it for the next arrival is
         an unmap of milliseconds instead of a copy of seconds. Costs host memory (the shim's
         GPUSHARE_HOST_BUDGET bounds the fast part) and PCIe bandwidth while nobody waits.""",
+    ).tag(config=True)
+    keep_free = Union(
+        [Int(), Unicode()],
+        default_value="auto",
+        help="""Memory to keep free on each device for the next kernel to arrive: a size (bytes or
+        '8GiB'), "auto" (the largest of the last 8 arrivals' memory on that device, at most a
+        quarter of its pool; nothing before the first arrival), or 0 (off). While nobody waits
+        and less than this is free, idle kernels whose memory is already copied to the host
+        (precopy_idle) are evicted, least recently used first: an unmap, made before the arrival
+        instead of in its wait. A kernel that comes back after such an eviction is held idle
+        60 s (doubling with each return) before the next. Needs precopy_idle.""",
     ).tag(config=True)
     deep_idle_seconds = Float(
         600.0,
@@ -224,8 +236,10 @@ class SchedulerConfig(LoggingConfigurable):
 
     utilization_interval = Float(
         1.0,
-        help="""Seconds between two readings of each GPU's utilisation through NVML (shown in the
-        status for people to read; scheduling never depends on it). 0 turns the readings off.""",
+        help="""Seconds between two readings of each GPU's utilisation (shown in the status for
+        people to read; scheduling never depends on it) and of each process's memory through
+        NVML (a client counts as using at least what NVML sees its process hold:
+        docs/reliability.md, "A hostile local user"). 0 turns the readings off.""",
     ).tag(config=True)
 
     placement_estimate = Union(
@@ -411,6 +425,22 @@ class SchedulerConfig(LoggingConfigurable):
                 raise ValueError(f"{proposal['trait'].name}: {exc}") from None
         return value
 
+    @validate("keep_free")
+    def _validate_keep_free(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if value == "auto":
+            return value
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise ValueError(f"keep_free: {exc} (or 'auto', or 0: off)") from None
+        return value
+
+    def keep_free_config(self) -> KeepFree:
+        if self.keep_free == "auto":
+            return KeepFree(auto=True)
+        return KeepFree(size=parse_size(self.keep_free))
+
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(
             base_quantum=self.base_quantum,
@@ -424,6 +454,7 @@ class SchedulerConfig(LoggingConfigurable):
             fixed_quantum=self.fixed_quantum,
             idle_check_interval=self.idle_check_interval,
             precopy_idle=self.precopy_idle,
+            keep_free=self.keep_free_config(),
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from .nvml_check import ProcessMemory, pids_comparable
 
 __all__ = [
     "DeviceInfo",
@@ -20,6 +23,7 @@ __all__ = [
     "UtilizationSampler",
     "discover_devices",
     "discover_devices_async",
+    "nvml_pids_comparable",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,15 @@ async def discover_devices_async() -> Discovery:
     return await loop.run_in_executor(None, discover_devices)
 
 
+def nvml_pids_comparable() -> bool:
+    """Whether NVML's pids are this process's (:func:`.nvml_check.pids_comparable`). Blocking."""
+    try:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as status:
+            return pids_comparable(status.read())
+    except OSError:
+        return False
+
+
 class UtilizationSampler:
     """Reads each GPU's utilisation (percent of time a kernel ran, over NVML's last sample).
 
@@ -106,19 +119,45 @@ class UtilizationSampler:
         self._nvml = pynvml
         return None
 
+    def _handle(self, uuid: str) -> Any:
+        handle = self._handles.get(uuid)
+        if handle is None:
+            handle = self._handles[uuid] = self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        return handle
+
     def sample(self, uuids: list[str]) -> dict[str, int]:
         if self._nvml is None:
             return {}
         out: dict[str, int] = {}
         for uuid in uuids:
             try:
-                handle = self._handles.get(uuid)
-                if handle is None:
-                    handle = self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
-                    self._handles[uuid] = handle
-                out[uuid] = int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                out[uuid] = int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle(uuid)).gpu)
             except Exception as exc:  # a device NVML does not know (e.g. learnt from a shim)
                 log.debug("no utilisation for %s: %s", uuid, exc)
+        return out
+
+    def processes(self, uuids: list[str]) -> list[ProcessMemory]:
+        """The compute processes NVML lists on each device with their memory there (for
+        :mod:`.nvml_check`), each with the uid owning its pid in this ``/proc``. Never raises;
+        a device NVML cannot read, or a process whose memory NVML does not give, is left out."""
+        if self._nvml is None:
+            return []
+        out: list[ProcessMemory] = []
+        for uuid in uuids:
+            try:
+                listed = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(uuid))
+            except Exception as exc:
+                log.debug("no processes for %s: %s", uuid, exc)
+                continue
+            for proc in listed:
+                used = getattr(proc, "usedGpuMemory", None)
+                if not isinstance(used, int) or used < 0:
+                    continue  # NVML_VALUE_NOT_AVAILABLE (None), e.g. without the permission
+                try:
+                    uid = os.stat(f"/proc/{int(proc.pid)}").st_uid
+                except OSError:
+                    uid = -1  # gone, or not in this pid namespace
+                out.append(ProcessMemory(uuid.lower(), int(proc.pid), used, uid))
         return out
 
     def close(self) -> None:

@@ -123,6 +123,9 @@ class Idle:
     now: float
     client: str
     precopied: int = -1  # the shim's resident bytes with a current host copy; -1: not said
+    # Jupyter's kernel watcher said so (kernel_state idle), not the shim's own detector: the
+    # kernel is a notebook's even when the watcher missed its first cell's busy.
+    from_jupyter: bool = False
 
 
 @dataclass(frozen=True)

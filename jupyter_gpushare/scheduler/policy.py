@@ -11,7 +11,9 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    the pool. If one of them grows and the running set no longer fits, the longest-running holders
    are revoked (with eviction) until it fits again or one is left: the newest holder has had the
    least of its turn. If memory left resident by idle clients is what overflows, the least recently
-   used idle clients are evicted. Nothing else is ever evicted without a need for the room.
+   used idle clients are evicted. Nothing else is evicted without a need for the room, but for
+   the room kept free for the next arrival (``keep_free``, :mod:`.room`): while nobody waits,
+   idle clients whose memory has a host copy are evicted (an unmap), least recently used first.
 2. **Admission.** Waiters are taken in priority order (:meth:`Policy._queue`). A waiter whose
    footprint fits the free room is granted at once (side by side); ``restore`` is set when its
    memory was evicted. One that would fit after evicting idle clients (least recently used first,
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .events import (
     AdminRelease,
@@ -73,16 +75,13 @@ from .events import (
     SetWeight,
     Tick,
 )
-from .ordering import CellService, Ordering, OrderingConfig
+from .idle_timer import found_idle, next_idle_check
+from .ordering import Ordering, OrderingConfig
+from .policy_state import ClientState, DeviceState, Usage
+from .policy_status import DeviceFacts, device_status
+from .room import REASON_ROOM, KeepFree, precopy_candidates, room_deadline, room_evictions
 
-__all__ = ["POLICIES", "Policy", "PolicyConfig"]
-
-Holding = Literal["running", "revoking"]
-
-#: Weight of a new bandwidth sample in the moving average.
-EWMA_ALPHA = 0.3
-#: Moves smaller than this say more about latency than bandwidth; they do not update estimates.
-MIN_SAMPLE_BYTES = 1 << 20
+__all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
 REASON_IDLE = "idle"
 REASON_QUANTUM = "quantum expired"
@@ -110,6 +109,10 @@ class PolicyConfig:
     # the bare core (its scenario tests read exact decision lists); the scheduler turns it on
     # (c.GPUShareScheduler.precopy_idle). Only the gpushare policy pre-copies.
     precopy_idle: bool = False
+    # Room to keep free on each device for the next arrival, made by evicting idle, fully
+    # pre-copied clients before anyone waits (see .room). Off in the bare core, like pre-copy;
+    # the scheduler sets it from c.GPUShareScheduler.keep_free. Only the gpushare policy keeps it.
+    keep_free: KeepFree = field(default_factory=KeepFree)
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 
@@ -126,107 +129,14 @@ class PolicyConfig:
 POLICIES = ("gpushare", "fixed-quantum")
 
 
-@dataclass
-class _Usage:
-    """A user's GPU-seconds on one device, decaying with a half-life (for fair share)."""
-
-    value: float = 0.0
-    stamp: float = 0.0
-
-    def at(self, now: float, half_life: float) -> float:
-        if half_life <= 0:
-            return self.value
-        return self.value * 0.5 ** (max(0.0, now - self.stamp) / half_life)
-
-    def add(self, seconds: float, now: float, half_life: float) -> None:
-        self.value = self.at(now, half_life) + seconds
-        self.stamp = max(self.stamp, now)
-
-
-@dataclass
-class _Client:
-    id: str
-    device: str
-    user: str
-    seq: int  # join order: the last tie-breaker, so every ordering is deterministic
-    weight: float = 1.0
-    quota: int = 0
-    uid: int = -1
-    pid: int = 0
-    label: str = ""
-    # memory as last reported (bytes)
-    used: int = 0
-    managed: int = 0
-    pinned: int = 0
-    evicted: int = 0
-    # scheduling state
-    holding: Holding | None = None
-    waiting_since: float | None = None
-    evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
-    precopy_asked: bool = False  # a Precopy was sent in this idle period
-    precopied: int = 0  # resident bytes with a current host copy, as last reported
-    revoke_evict: bool = False  # the pending Revoke asked for eviction
-    resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
-    restore: bool = False  # its managed memory was evicted: the next grant restores it
-    idle: bool = False  # Idle seen since the last Busy/Request
-    idle_since: float = 0.0  # when ``idle`` last became True (the fixed-quantum timer reads it)
-    run_start: float = 0.0
-    grew_at: float = float("-inf")  # when its footprint last increased (growth relief's key)
-    last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
-    resume_since: float | None = None  # reconnected: its next Request queues from this time
-    revoked_at: float = 0.0  # when the pending Revoke was decided (how long it goes unanswered)
-    # accounting
-    gpu_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    last_restore: tuple[int, float] | None = None  # (bytes, seconds) of its last restore
-    cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
-
-    @property
-    def movable(self) -> int:
-        """Bytes an eviction moves to the host (and a restore moves back)."""
-        return max(0, self.used - self.pinned)
-
-    @property
-    def on_gpu(self) -> int:
-        """Bytes this client occupies on the GPU now (as the policy accounts them)."""
-        return self.used if self.resident else min(self.pinned, self.used)
-
-    @property
-    def state(self) -> str:
-        if self.holding is not None:
-            return self.holding
-        if self.waiting_since is not None:
-            return "waiting"
-        return "evicting" if self.evict_pending else "idle"
-
-    def set_memory(self, used: int, managed: int, pinned: int, evicted: int) -> None:
-        self.used = max(0, used)
-        self.managed = max(0, managed)
-        self.pinned = min(max(0, pinned), self.used)
-        self.evicted = max(0, evicted)
-
-
-@dataclass
-class _Device:
-    uuid: str
-    name: str
-    total_bytes: int
-    pool_bytes: int
-    evict_bw: float
-    restore_bw: float
-    clients: dict[str, _Client] = field(default_factory=dict)
-    usage: dict[str, _Usage] = field(default_factory=dict)
-    turns: bool = False  # the last pass found a waiter blocked by running clients
-
-
 class Policy:
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self._order = Ordering(self.config.ordering)
-        self._devices: dict[str, _Device] = {}
-        self._clients: dict[str, _Client] = {}
+        self._devices: dict[str, DeviceState] = {}
+        self._clients: dict[str, ClientState] = {}
         self._now: float | None = None
         self._seq = 0
         self._recover_until: float | None = None  # see recover_until()
@@ -238,7 +148,7 @@ class Policy:
         """Register a device, or update its name and sizes if it is known (idempotent)."""
         dev = self._devices.get(uuid)
         if dev is None:
-            self._devices[uuid] = _Device(
+            self._devices[uuid] = DeviceState(
                 uuid,
                 name,
                 total_bytes,
@@ -255,7 +165,11 @@ class Policy:
         """Apply one event; return what the shell must tell the clients, in order."""
         self._advance(event.now)
         if isinstance(event, Tick):
-            return [d for dev in self._devices.values() for d in self._schedule(dev)]
+            out: list[Decision] = []
+            for dev in self._devices.values():
+                decided = self._schedule(dev)
+                out += decided + self._keep_room(dev, decided)
+            return out
         if isinstance(event, Join):
             return self._on_join(event)
         client = self._clients.get(event.client)
@@ -268,6 +182,7 @@ class Policy:
             self._on_request(client, event)
             client.precopied = 0  # it is about to run: the host copy goes stale
             client.precopy_asked = False
+            client.room_tried = False
         elif isinstance(event, Memory):
             client.set_memory(event.used, event.managed, event.pinned, event.evicted)
             client.precopied = event.precopied
@@ -277,9 +192,9 @@ class Policy:
             self._on_evicted(dev, client, event)
         elif isinstance(event, Precopied):
             client.precopied = event.precopied
-            return []
+            return self._keep_room(dev, [])  # a complete copy makes it evictable for room
         elif isinstance(event, Restored):
-            self._measure(dev, "restore", event.bytes_moved, event.micros)
+            dev.measure("restore", event.bytes_moved, event.micros)
             client.evicted = 0
             client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
@@ -291,10 +206,13 @@ class Policy:
             if not client.idle:
                 client.idle_since = self._clock
             client.idle = True
+            if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
+                client.cell.tracked = True
         elif isinstance(event, Busy):
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
+            client.room_tried = False
             client.cell.new_cell(from_jupyter=True)
         elif isinstance(event, Leave):
             self._remove(client)
@@ -307,11 +225,33 @@ class Policy:
         elif isinstance(event, SetWeight):
             client.weight = event.weight if event.weight > 0 else client.weight
         decisions = self._schedule(dev)
+        decisions += self._keep_room(dev, decisions)
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
         return decisions
 
-    def _precopy(self, dev: _Device, decided: list[Decision]) -> list[Decision]:
+    def _room_target(self, dev: DeviceState) -> int:
+        """Bytes to keep free on ``dev`` now (0: none), see .room."""
+        keep = self.config.keep_free
+        if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
+            return 0
+        return keep.target(dev.pool_bytes, dev.arrivals)
+
+    def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
+        """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
+        target = self._room_target(dev)
+        if target <= 0:
+            return []
+        out: list[Decision] = []
+        for c in room_evictions(dev, target, self._clock, decided):
+            c.room_tried = True
+            c.room_evicted = True
+            # An idle holder keeps its grant while nobody wants the device: revoke it, evicting.
+            held = c.holding is not None
+            out.append(self._revoke(c, True, REASON_ROOM) if held else self._evict(c, REASON_ROOM))
+        return out
+
+    def _precopy(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
         out: list[Decision] = []
         clients = [c for c in self._clients.values() if c.device == dev.uuid]
         for cid in precopy_candidates(clients, decided):
@@ -335,10 +275,11 @@ class Policy:
     def next_deadline(self) -> float | None:
         """The earliest future time at which a Tick may change a decision, or None.
 
-        Only devices with waiters need ticks: a holder's quantum expiry, and the moments a waiter
-        starts reserving or becomes overdue. Times already past are left out (a holder whose
-        quantum expired but who was not needed stays until an event changes the picture), so the
-        shell never spins.
+        Devices with waiters need ticks: a holder's quantum expiry, and the moments a waiter
+        starts reserving or becomes overdue; so does missing room (.room): the moment a held
+        client may be evicted for it. Times already past are left out (a holder whose quantum
+        expired but who was not needed stays until an event changes the picture), so the shell
+        never spins.
         """
         if self._now is None:
             return None
@@ -350,6 +291,9 @@ class Policy:
             for t in self._deadlines(dev):
                 if t > now and (best is None or t < best):
                     best = t
+            t = room_deadline(dev, self._room_target(dev), now)
+            if t is not None and (best is None or t < best):
+                best = t
         return best
 
     def snapshot(self, now: float) -> list[dict[str, Any]]:
@@ -359,7 +303,19 @@ class Policy:
         """
         t = now if self._now is None else max(now, self._now)
         dt = 0.0 if self._now is None else t - self._now
-        return [self._device_status(dev, t, dt) for dev in self._devices.values()]
+        return [device_status(dev, self._facts(dev, t), t, dt) for dev in self._devices.values()]
+
+    def _facts(self, dev: DeviceState, now: float) -> DeviceFacts:
+        """The policy's rulings that the status snapshot (:mod:`.policy_status`) shows."""
+        return DeviceFacts(
+            queue=self._queue(dev, now),
+            quantum=lambda c: self._quantum(dev, c),
+            paused_for_order=lambda c: self._paused_for_order(dev, c),
+            recovering=self.recovering(now),
+            resident_bytes=dev.resident_bytes,
+            base_quantum=self.config.base_quantum,
+            starvation_window=self.config.ordering.starvation_window,
+        )
 
     def client_device(self, client: str) -> str | None:
         c = self._clients.get(client)
@@ -392,7 +348,7 @@ class Policy:
             for c in dev.clients.values():
                 if c.holding is not None:
                     c.gpu_seconds += dt
-                    dev.usage.setdefault(c.user, _Usage(stamp=self._now)).add(dt, now, half_life)
+                    dev.usage.setdefault(c.user, Usage(stamp=self._now)).add(dt, now, half_life)
                 elif c.waiting_since is not None:
                     c.wait_seconds += dt
         self._now = now
@@ -407,7 +363,7 @@ class Policy:
             self._remove(old)
             out += self._schedule(self._devices[old.device])
         self._seq += 1
-        c = _Client(
+        c = ClientState(
             id=evt.client,
             device=evt.device,
             user=evt.user,
@@ -426,7 +382,7 @@ class Policy:
             out += self._resume(dev, c, evt)
         return out
 
-    def _resume(self, dev: _Device, c: _Client, evt: Join) -> list[Decision]:
+    def _resume(self, dev: DeviceState, c: ClientState, evt: Join) -> list[Decision]:
         """A shim reconnecting after the scheduler was lost: take back what it says it had.
 
         Its memory is taken as reported; managed memory not on the host is resident if it ever
@@ -462,7 +418,7 @@ class Policy:
             c.resume_since = since
         return []
 
-    def _on_request(self, c: _Client, evt: Request) -> None:
+    def _on_request(self, c: ClientState, evt: Request) -> None:
         """The client wants the device; a Request from a holder only updates its footprint."""
         c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
         if c.holding is not None:
@@ -477,14 +433,14 @@ class Policy:
         if evt.evicted > 0 and not c.evict_pending:
             self._set_evicted(c)  # some of its memory is on the host: the grant restores it
 
-    def _on_released(self, dev: _Device, c: _Client, evt: Released) -> None:
+    def _on_released(self, dev: DeviceState, c: ClientState, evt: Released) -> None:
         """The client stopped using the device (answer to Revoke, or unsolicited).
 
         A Released from a client that does not hold the device (a late answer to a Revoke that
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         if evt.evicted:
-            self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+            dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is not None:
             c.holding = None
             c.revoke_evict = False
@@ -494,21 +450,23 @@ class Policy:
             self._set_evicted(c)
 
     @staticmethod
-    def _set_evicted(c: _Client) -> None:
+    def _set_evicted(c: ClientState) -> None:
         c.resident = False
         c.restore = True
         c.evicted = c.managed
         c.precopied = 0  # nothing resident left to have a copy of
 
-    def _on_evicted(self, dev: _Device, c: _Client, evt: Evicted) -> None:
+    def _on_evicted(self, dev: DeviceState, c: ClientState, evt: Evicted) -> None:
         c.evict_pending = False
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
-        self._measure(dev, "evict", evt.bytes_moved, evt.micros)
+        dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
             self._set_evicted(c)
 
-    def _on_admin_release(self, dev: _Device, c: _Client, evt: AdminRelease) -> list[Decision]:
+    def _on_admin_release(
+        self, dev: DeviceState, c: ClientState, evt: AdminRelease
+    ) -> list[Decision]:
         """An operator asks for the device back: revoke a holder, or evict a non-holder."""
         out: list[Decision] = []
         if c.holding == "running":
@@ -517,25 +475,21 @@ class Policy:
             out.append(self._evict(c, REASON_ADMIN))
         return out + self._schedule(dev)
 
-    def _remove(self, c: _Client) -> None:
+    def _remove(self, c: ClientState) -> None:
         """Forget a client at once: its grant and its memory leave the accounting."""
         del self._clients[c.id]
         del self._devices[c.device].clients[c.id]
 
-    def _measure(self, dev: _Device, direction: str, moved: int, micros: int) -> None:
-        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
-        if moved < MIN_SAMPLE_BYTES or micros <= 0:
-            return
-        rate = moved * 1e6 / micros
-        if direction == "evict":
-            dev.evict_bw += EWMA_ALPHA * (rate - dev.evict_bw)
-        else:
-            dev.restore_bw += EWMA_ALPHA * (rate - dev.restore_bw)
-
     # ----------------------------------------------------------------------------------------
     # Decisions (each one updates the state it implies)
 
-    def _grant(self, c: _Client) -> Grant:
+    def _grant(self, c: ClientState) -> Grant:
+        arrived = c.used - c.on_gpu  # what this grant brings onto the GPU
+        if arrived > 0:
+            self._devices[c.device].arrivals.append(arrived)
+        if c.room_evicted and c.restore:  # it came back after its memory left for room
+            c.room_returns += 1  # (.room holds it longer before the next room eviction)
+        c.room_evicted = False
         restore = c.restore
         c.restore = False
         c.holding = "running"
@@ -545,20 +499,20 @@ class Policy:
         c.idle = False
         return Grant(c.id, restore=restore)
 
-    def _revoke(self, c: _Client, evict: bool, reason: str) -> Revoke:
+    def _revoke(self, c: ClientState, evict: bool, reason: str) -> Revoke:
         c.holding = "revoking"
         c.revoke_evict = evict
         c.revoked_at = self._clock
         return Revoke(c.id, evict=evict, reason=reason)
 
-    def _evict(self, c: _Client, reason: str) -> Evict:
+    def _evict(self, c: ClientState, reason: str) -> Evict:
         c.evict_pending = True
         return Evict(c.id, reason=reason)
 
     # ----------------------------------------------------------------------------------------
     # Accounting helpers
 
-    def _quantum(self, dev: _Device, c: _Client) -> float:
+    def _quantum(self, dev: DeviceState, c: ClientState) -> float:
         """The time slice of a holder: long enough that moving its memory is a small part."""
         moved = c.movable
         move_time = moved / dev.evict_bw + moved / dev.restore_bw
@@ -568,39 +522,26 @@ class Policy:
     # Deadlines are compared as ``now >= start + span``, the very sum next_deadline() returns:
     # ``now - start >= span`` can be False at that instant by a rounding error, and stall.
 
-    def _expires_at(self, dev: _Device, c: _Client) -> float:
+    def _expires_at(self, dev: DeviceState, c: ClientState) -> float:
         return c.run_start + self._quantum(dev, c)
 
-    def _expired(self, dev: _Device, c: _Client) -> bool:
+    def _expired(self, dev: DeviceState, c: ClientState) -> bool:
         return self._clock >= self._expires_at(dev, c)
 
-    def _reserves(self, c: _Client, now: float) -> bool:
+    def _reserves(self, c: ClientState, now: float) -> bool:
         assert c.waiting_since is not None
         return now >= c.waiting_since + self.config.base_quantum
 
-    def _overdue(self, c: _Client, now: float) -> bool:
+    def _overdue(self, c: ClientState, now: float) -> bool:
         assert c.waiting_since is not None
         return now >= c.waiting_since + self.config.max_quantum
 
-    @staticmethod
-    def _resident_bytes(dev: _Device) -> int:
-        return sum(c.on_gpu for c in dev.clients.values())
-
-    @staticmethod
-    def _incoming_bytes(dev: _Device) -> int:
-        """Room that evictions already asked for will free when their answers come."""
-        total = 0
-        for c in dev.clients.values():
-            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
-                total += c.movable if c.resident else 0
-        return total
-
-    def _share(self, dev: _Device, c: _Client, now: float) -> float:
+    def _share(self, dev: DeviceState, c: ClientState, now: float) -> float:
         usage = dev.usage.get(c.user)
         used = 0.0 if usage is None else usage.at(now, self.config.usage_half_life)
         return used / c.weight
 
-    def _queue(self, dev: _Device, now: float) -> list[_Client]:
+    def _queue(self, dev: DeviceState, now: float) -> list[ClientState]:
         """Waiters, highest priority first.
 
         Overdue waiters (waited ≥ max_quantum) come first in arrival order: that bounds every
@@ -608,7 +549,7 @@ class Policy:
         GPU-seconds divided by the client's weight), then arrival.
         """
 
-        def key(c: _Client) -> tuple[int, int, int, float, float, int]:
+        def key(c: ClientState) -> tuple[int, int, int, float, float, int]:
             since = c.waiting_since
             assert since is not None
             if self._overdue(c, now):
@@ -619,7 +560,7 @@ class Policy:
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
     @staticmethod
-    def _eviction_candidates(dev: _Device, behind: Iterable[_Client]) -> list[_Client]:
+    def _eviction_candidates(dev: DeviceState, behind: Iterable[ClientState]) -> list[ClientState]:
         """Clients whose memory may be evicted for a waiter, cheapest loss first.
 
         Idle clients, least recently used first; then waiters behind the one being served,
@@ -634,7 +575,7 @@ class Policy:
         waiters = [c for c in reversed(list(behind)) if c.resident]
         return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
 
-    def _deadlines(self, dev: _Device) -> Iterable[float]:
+    def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         if self.config.policy == "gpushare":
             waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
             yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
@@ -644,7 +585,7 @@ class Policy:
             for c in dev.clients.values():
                 if c.holding == "running":
                     yield c.run_start + self.config.fixed_quantum
-                    yield self._next_idle_check(c)
+                    yield next_idle_check(c, self._clock, self.config.idle_check_interval)
             return
         for c in dev.clients.values():
             if c.holding == "running" and not c.idle:
@@ -656,14 +597,14 @@ class Policy:
     # ----------------------------------------------------------------------------------------
     # The scheduling pass
 
-    def _schedule(self, dev: _Device) -> list[Decision]:
+    def _schedule(self, dev: DeviceState) -> list[Decision]:
         if self.recovering(self._clock):
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
         return self._relieve(dev) + self._admit(dev) + self._pause(dev)
 
-    def _relieve(self, dev: _Device) -> list[Decision]:
+    def _relieve(self, dev: DeviceState) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
 
         Holders that fitted side by side can stop fitting when one allocates more (a holder's
@@ -684,7 +625,7 @@ class Policy:
             c = running.pop(0)
             out.append(self._revoke(c, True, REASON_GREW))
             total -= c.used
-        excess = self._resident_bytes(dev) - self._incoming_bytes(dev) - dev.pool_bytes
+        excess = dev.resident_bytes - dev.incoming_bytes - dev.pool_bytes
         if excess > 0:
             for c in self._eviction_candidates(dev, self._queue(dev, self._clock)):
                 if excess <= 0:
@@ -693,12 +634,12 @@ class Policy:
                 excess -= c.movable
         return out
 
-    def _admit(self, dev: _Device) -> list[Decision]:
+    def _admit(self, dev: DeviceState) -> list[Decision]:
         """Rules 2-4: grant the waiters that fit; make room for the first one that does not."""
         now = self._clock
         out: list[Decision] = []
-        free = dev.pool_bytes - self._resident_bytes(dev)
-        incoming = self._incoming_bytes(dev)
+        free = dev.pool_bytes - dev.resident_bytes
+        incoming = dev.incoming_bytes
         queue = self._queue(dev, now)
         dev.turns = False
         gate = self._gate_level(dev)
@@ -741,7 +682,7 @@ class Policy:
         return out
 
     def _make_room(
-        self, dev: _Device, w: _Client, short: int, cands: list[_Client]
+        self, dev: DeviceState, w: ClientState, short: int, cands: list[ClientState]
     ) -> list[Decision]:
         """Rule 3 (and 5) for the blocked waiter ``w``, ``short`` bytes beyond in-flight room.
 
@@ -790,17 +731,17 @@ class Policy:
     # Interactive-first ordering (PolicyConfig.ordering; the rules are in .ordering)
 
     @staticmethod
-    def _busy_holders(dev: _Device) -> list[_Client]:
+    def _busy_holders(dev: DeviceState) -> list[ClientState]:
         return [c for c in dev.clients.values() if c.holding == "running" and not c.idle]
 
-    def _gate_level(self, dev: _Device) -> int:
+    def _gate_level(self, dev: DeviceState) -> int:
         return self._order.gate(self._busy_holders(dev))
 
-    def _paused_for_order(self, dev: _Device, w: _Client) -> bool:
+    def _paused_for_order(self, dev: DeviceState, w: ClientState) -> bool:
         """``w`` waits only because shorter cells run (the status says so)."""
         return not self._order.passes(w, self._gate_level(dev), self._clock)
 
-    def _grant_in_order(self, dev: _Device, w: _Client) -> Grant:
+    def _grant_in_order(self, dev: DeviceState, w: ClientState) -> Grant:
         """Grant ``w``; one let through by the starvation bound holds for its weighted slice."""
         if self._order.starved(w, self._clock):
             busy = self._busy_holders(dev)
@@ -808,7 +749,7 @@ class Policy:
             self._order.protect(w, sum(c.weight for c in busy), self._clock)
         return self._grant(w)
 
-    def _pause(self, dev: _Device) -> list[Decision]:
+    def _pause(self, dev: DeviceState) -> list[Decision]:
         """Pause (revoke, no eviction: the memory stays) what the ordering says to pause."""
         paused = self._order.to_pause(self._busy_holders(dev), self._clock)
         return [self._revoke(c, False, REASON_ORDER) for c in paused]
@@ -816,26 +757,7 @@ class Policy:
     # ----------------------------------------------------------------------------------------
     # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
 
-    def _idle_checks_done(self, c: _Client) -> int:
-        # The epsilon: at the instant next_deadline() named, the division may fall short of k.
-        return int((self._clock - c.run_start) / self.config.idle_check_interval + 1e-9)
-
-    def _next_idle_check(self, c: _Client) -> float:
-        return c.run_start + (self._idle_checks_done(c) + 1) * self.config.idle_check_interval
-
-    def _found_idle(self, c: _Client) -> bool:
-        """The timer's verdict: at its last check, the holder had been idle the whole interval.
-
-        This is what a sampler of GPU utilisation sees (no activity over its last window); it
-        learns of a finished cell between one and two intervals late, never at once.
-        """
-        k = self._idle_checks_done(c)
-        if k < 1 or not c.idle:
-            return False
-        interval = self.config.idle_check_interval
-        return c.idle_since <= c.run_start + (k - 1) * interval
-
-    def _admit_fixed(self, dev: _Device) -> list[Decision]:
+    def _admit_fixed(self, dev: DeviceState) -> list[Decision]:
         """An exclusive lock, first come first served, with a fixed time quantum.
 
         One holder at a time. While others wait, the holder keeps the device for
@@ -853,7 +775,7 @@ class Policy:
             return []
         w = queue[0]
         need = w.used - w.on_gpu
-        free = dev.pool_bytes - self._resident_bytes(dev)
+        free = dev.pool_bytes - dev.resident_bytes
         holders = [c for c in dev.clients.values() if c.holding is not None]
         if holders:
             dev.turns = True
@@ -861,7 +783,7 @@ class Policy:
             for h in holders:
                 if h.holding != "running":
                     continue
-                if self._found_idle(h):
+                if found_idle(h, self._clock, self.config.idle_check_interval):
                     out.append(self._revoke(h, need > free, REASON_IDLE))
                 elif self._clock >= h.run_start + self.config.fixed_quantum:
                     out.append(self._revoke(h, need > free, REASON_QUANTUM))
@@ -870,7 +792,7 @@ class Policy:
             return []  # its own eviction is in flight: grant it (with restore) after Evicted
         if need <= free:
             return [self._grant(w)]
-        short = need - free - self._incoming_bytes(dev)
+        short = need - free - dev.incoming_bytes
         if short <= 0:
             return []  # the evictions in flight make the room
         out = []
@@ -882,184 +804,3 @@ class Policy:
         if not out and not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))  # nothing left to evict: run it alone (rule 5)
         return out
-
-    # ----------------------------------------------------------------------------------------
-    # Status
-
-    def _device_status(self, dev: _Device, now: float, dt: float) -> dict[str, Any]:
-        queue = self._queue(dev, now)
-        position = {c.id: i + 1 for i, c in enumerate(queue)}
-        holders = [c for c in dev.clients.values() if c.holding is not None]
-        running = [c for c in holders if c.holding == "running"]
-        quantum = max((self._quantum(dev, c) for c in running), default=self.config.base_quantum)
-        return {
-            "uuid": dev.uuid,
-            "name": dev.name,
-            "total_bytes": dev.total_bytes,
-            "pool_bytes": dev.pool_bytes,
-            "resident_bytes": self._resident_bytes(dev),
-            "mode": "turns" if dev.turns else "shared",
-            "quantum_ms": round(quantum * 1000),
-            "holders": [c.id for c in holders],
-            "queue": [c.id for c in queue],
-            "clients": [
-                {**self._client_status(c, dt, position), **self._explain(dev, c, now, position)}
-                for c in dev.clients.values()
-            ],
-        }
-
-    def _explain(
-        self, dev: _Device, c: _Client, now: float, position: dict[str, int]
-    ) -> dict[str, Any]:
-        """Why a waiter waits, and how long a holder has held (docs/reliability.md).
-
-        Holders get ``held_seconds`` (this turn), ``quantum_seconds`` and, once a revoke is
-        pending, ``revoking_seconds``. Waiters get ``wait``: a machine-readable ``reason``, the
-        ``holders`` in its way and a ``text`` for people, e.g. "waiting for alice's kernel:
-        asked to release the GPU 4 min ago, 3 min past its 60 s quantum".
-        """
-        if c.holding is not None:
-            out: dict[str, Any] = {
-                "held_seconds": max(0.0, now - c.run_start),
-                "quantum_seconds": self._quantum(dev, c),
-                "revoking_seconds": None,
-            }
-            if c.holding == "revoking":
-                out["revoking_seconds"] = max(0.0, now - c.revoked_at)
-            return out
-        if c.waiting_since is None:
-            return {"wait": None}
-        holders = sorted(
-            (h for h in dev.clients.values() if h.holding is not None),
-            key=lambda h: (h.holding != "revoking", -(now - h.run_start), h.seq),
-        )
-        ahead = position.get(c.id, 1) - 1
-        about = [
-            {
-                "id": h.id,
-                "user": h.user,
-                "state": h.holding,
-                "held_seconds": max(0.0, now - h.run_start),
-                "quantum_seconds": self._quantum(dev, h),
-                "past_quantum_seconds": max(0.0, now - self._expires_at(dev, h)),
-                "revoking_seconds": max(0.0, now - h.revoked_at)
-                if h.holding == "revoking"
-                else None,
-            }
-            for h in holders
-        ]
-        if self.recovering(now):
-            reason, text = "recovering", "the scheduler restarted: waiting for kernels to reconnect"
-        elif about and about[0]["state"] == "revoking":
-            h = about[0]
-            reason = "releasing"
-            text = (
-                f"waiting for {h['user']}'s kernel to finish its GPU work: asked to release "
-                f"{_dur(h['revoking_seconds'])} ago"
-            )
-            if h["past_quantum_seconds"] > 0:
-                text += (
-                    f", {_dur(h['past_quantum_seconds'])} past its "
-                    f"{_dur(h['quantum_seconds'])} quantum"
-                )
-        elif self._paused_for_order(dev, c):
-            left = c.waiting_since + self.config.ordering.starvation_window - now
-            reason = "shorter_first"
-            text = (
-                "paused while shorter cells run (memory kept on the GPU): resumes when they "
-                f"end, in {_dur(left)} at most"
-            )
-        elif ahead > 0:
-            reason = "queue"
-            text = f"waiting behind {ahead} other kernel{'s' if ahead > 1 else ''}"
-        elif about:
-            h = about[0]
-            left = h["quantum_seconds"] - h["held_seconds"]
-            if left > 0:
-                reason = "turn"
-                text = f"waiting for {h['user']}'s kernel: its turn ends in {_dur(left)}"
-            else:
-                reason = "past_quantum"
-                text = (
-                    f"waiting for {h['user']}'s kernel, holding {_dur(-left)} past its "
-                    f"{_dur(h['quantum_seconds'])} quantum"
-                )
-        else:
-            reason, text = "memory", "waiting for memory to be moved to the host"
-        wait: dict[str, Any] = {"reason": reason, "text": text, "holders": about}
-        if reason == "memory":
-            # What is on its way to the host now (the wait line says how much).
-            wait["moving_bytes"] = sum(
-                h.movable
-                for h in dev.clients.values()
-                if h.evict_pending or (h.holding == "revoking" and h.revoke_evict)
-            )
-        return {"wait": wait}
-
-    @staticmethod
-    def _client_status(c: _Client, dt: float, position: dict[str, int]) -> dict[str, Any]:
-        return {
-            "id": c.id,
-            "pid": c.pid,
-            "uid": c.uid,
-            "user": c.user,
-            "label": c.label,
-            "state": c.state,
-            "idle": c.idle,  # its cell ended (Jupyter or the shim said so): deep idle reads it
-            # Jupyter reports its cells (busy/idle): deep idle sleeps only such kernels, which a
-            # busy wakes before the cell's first CUDA call.
-            "notebook": c.cell.tracked,
-            "used_bytes": c.used,
-            "managed_bytes": c.managed,
-            "pinned_bytes": c.pinned,
-            "evicted_bytes": c.evicted,
-            "precopied_bytes": c.precopied,
-            "quota_bytes": c.quota,
-            "weight": float(c.weight),
-            "gpu_seconds": c.gpu_seconds + (dt if c.holding is not None else 0.0),
-            "wait_seconds": c.wait_seconds + (dt if c.waiting_since is not None else 0.0),
-            "waiting_since": c.waiting_since,
-            "queue_position": position.get(c.id),
-            "last_restore": None
-            if c.last_restore is None
-            else {"bytes": c.last_restore[0], "seconds": round(c.last_restore[1], 6)},
-        }
-
-
-def _dur(seconds: float | None) -> str:
-    """A short duration for the status texts: "45 s", "4 min", "2 h 5 min"."""
-    s = max(0, round(seconds or 0.0))
-    if s < 120:
-        return f"{s} s"
-    if s < 7200:
-        return f"{s // 60} min"
-    return f"{s // 3600} h {s % 3600 // 60} min"
-
-
-def precopy_candidates(clients: Iterable[_Client], decided: Iterable[Decision]) -> list[str]:
-    """Which clients to ask for a pre-copy now, least recently used first.
-
-    A pre-copy copies a client's resident memory to the host while it stays resident, so that
-    evicting it later is an unmap (milliseconds) instead of a copy (seconds): the next arrival at
-    a full GPU is granted as fast as the idle kernels can be unmapped. Worth it for a client that
-    is idle (its cell ended: nothing will invalidate the copy soon), resident, not waiting, has
-    memory that is not yet copied, was not asked in this idle period (the shim copies in the
-    background and reports progress in MEMORY; memory it cannot pre-copy, such as the program's
-    own managed memory, must not make the scheduler ask again and again), and has no other
-    decision in this batch (one about to move or run it anyway). Least recently used first:
-    those are the ones an arrival evicts first (:meth:`Policy._eviction_candidates`).
-    """
-    touched = {d.client for d in decided}
-    chosen = [
-        c
-        for c in clients
-        if c.idle
-        and c.resident
-        and c.waiting_since is None
-        and not c.precopy_asked
-        and not c.evict_pending
-        and c.movable > c.precopied
-        and c.id not in touched
-    ]
-    chosen.sort(key=lambda c: (c.last_active, c.seq))
-    return [c.id for c in chosen]

@@ -44,7 +44,12 @@ from .access import Access, AccessFiles
 from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
-from .devices import Discovery, UtilizationSampler, discover_devices_async
+from .devices import (
+    Discovery,
+    UtilizationSampler,
+    discover_devices_async,
+    nvml_pids_comparable,
+)
 from .history import History
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
@@ -275,9 +280,20 @@ class GPUShareScheduler(
             self.log.warning("gpushare: no GPU utilisation readings: %s", error)
             return
         uuids = [dev.uuid for dev in self.discovery.devices]
+        # NVML's per-process memory checks the shims' claims (.nvml_check), where its pids are ours.
+        check = await loop.run_in_executor(None, nvml_pids_comparable)
+        if not check:
+            self.log.warning(
+                "gpushare: memory claims are not cross-checked with NVML: the scheduler runs in "
+                "a pid namespace of its own, and NVML names processes by their host pids"
+            )
         try:
             while not self._stopping:
                 self._utilization = await loop.run_in_executor(None, sampler.sample, uuids)
+                if check:
+                    processes = await loop.run_in_executor(None, sampler.processes, uuids)
+                    if not self._stopping:
+                        self._cross_check_memory(processes)
                 await asyncio.sleep(self.utilization_interval)
         finally:
             await loop.run_in_executor(None, sampler.close)

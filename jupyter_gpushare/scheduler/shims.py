@@ -21,6 +21,7 @@ from .._version import __version__
 from ..protocol import ErrorCode, Message, MsgType
 from ..units import format_size
 from . import events as ev
+from . import nvml_check as nc
 from . import translate as tr
 from .access import Access
 from .allocations import cap_quota, confined
@@ -187,6 +188,7 @@ class ShimSessions:
         self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
         conn.requested_quota, conn.requested_weight = hello.quota, hello.weight
+        conn.context_bytes = hello.context_bytes
         quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
             self.log.info(
@@ -264,6 +266,10 @@ class ShimSessions:
             self._shim_gone(conn, "goodbye")
             return
         conn.memory.update(tr.memory_after(conn.memory, msg, cap))
+        if conn.observed and isinstance(event, ev.Request | ev.Memory):
+            # Never less than NVML last saw its process hold (.nvml_check).
+            mem = nc.corrected(conn.memory, conn.observed)
+            event = dataclasses.replace(event, used=mem["used"], pinned=mem["pinned"])
         if isinstance(event, ev.Request):
             if conn.requested_at is None:
                 conn.requested_at = now
@@ -319,6 +325,47 @@ class ShimSessions:
                 direction = "evict" if evict else "restore"
                 self.metrics.moved(conn.device or "", direction, event.bytes_moved)
         self._handle(event)
+
+    def _cross_check_memory(self, processes: list[nc.ProcessMemory]) -> None:
+        """Count each client as using at least what NVML sees its process hold on its device
+        (:mod:`.nvml_check`); called with each NVML sample, on the loop."""
+        shims = [c for c in self._shims.values() if c.client_id and c.device and not c.left]
+        claims = [
+            nc.ClientClaim(
+                c.client_id or "",
+                (c.device or "").lower(),
+                c.peer.pid,
+                c.peer.uid,
+                c.memory["used"],
+            )
+            for c in shims
+        ]
+        seen = nc.observed(claims, processes)
+        now = time.monotonic()
+        for conn in shims:
+            client_id = conn.client_id or ""
+            before = nc.corrected(conn.memory, conn.observed)
+            conn.observed = seen.get(client_id, 0)
+            after = nc.corrected(conn.memory, conn.observed)
+            if after == before:
+                continue
+            level = nc.under_claim(conn.memory["used"], conn.observed, conn.context_bytes)
+            if level > conn.claim_logged:  # once per client and level
+                conn.claim_logged = level
+                # A warning (within its uid's budget) when the context cannot explain it.
+                log = self._log_limit.log_for(conn.peer.uid).warning if level > 1 else self.log.info
+                log(
+                    "memory claim corrected client=%s uid=%d pid=%d claimed=%d nvml=%d: counted "
+                    "as %s",
+                    client_id,
+                    conn.peer.uid,
+                    conn.peer.pid,
+                    conn.memory["used"],
+                    conn.observed,
+                    format_size(after["used"]),
+                )
+            used, managed, pinned, evicted = (after[k] for k in nc.MEMORY_KEYS)
+            self._handle(ev.Memory(now, client_id, used, managed, pinned, evicted))
 
     def _set_quota(self, conn: Connection, quota: int, now: float) -> None:
         """Tell the shim and the policy a client's effective quota."""

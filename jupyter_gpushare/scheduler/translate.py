@@ -353,7 +353,9 @@ class ClientAction:
         if self.action == "set_quota":
             return ev.SetQuota(now, self.client_id, self.quota)
         if self.action == "kernel_state":
-            return (ev.Busy if self.state == "busy" else ev.Idle)(now, self.client_id)
+            if self.state == "busy":
+                return ev.Busy(now, self.client_id)
+            return ev.Idle(now, self.client_id, from_jupyter=True)
         return ev.AdminRelease(now, self.client_id, evict=self.action == "evict")
 
     def reply(self) -> dict[str, Any]:

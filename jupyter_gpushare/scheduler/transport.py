@@ -163,6 +163,10 @@ class Connection:
     #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
     allocation: str = ""
     ceiling: int = 0
+    #: Bytes NVML last saw this client's process hold on its device (.nvml_check); 0: none seen.
+    observed: int = 0
+    context_bytes: int = 0  # its shim's estimate of its CUDA context (HELLO)
+    claim_logged: int = 0  # the level of its under-claim logged already (.nvml_check.under_claim)
 
     @property
     def name(self) -> str:

@@ -1,6 +1,8 @@
 /**
  * The sidebar widget: fetches the status document, follows the events websocket while shown,
- * and renders the view model (model.ts) with plain DOM.
+ * and renders the view model (model.ts) with plain DOM (dom.ts). Other users' places and rows
+ * are others.ts's, the sparklines sparkline_view.ts's; the toasts and the status-bar item are
+ * the plugin's (index.ts, from notify.ts's notices).
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
@@ -9,6 +11,7 @@ import { ServerConnection } from '@jupyterlab/services';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
+import { el, groupOf, swatch } from './dom';
 import {
   buildViewModel,
   Fetched,
@@ -17,25 +20,16 @@ import {
   formatPercent,
   IDeviceView,
   IKernelRow,
-  IOtherUserRow,
   IPlace,
   IStatus,
   IViewModel
 } from './model';
-import {
-  deviceUse,
-  IHistory,
-  kernelGpuUse,
-  kernelMemory,
-  Series,
-  sparkline
-} from './sparkline';
+import { renderOthers, renderPlace } from './others';
+import { IHistory } from './sparkline';
+import { deviceSparkRow, fetchHistory, kernelSparkRow } from './sparkline_view';
 
 /** How often the panel fetches the history (the sparklines) while shown. */
 const HISTORY_EVERY_TICKS = 5;
-const SPARK_WIDTH = 120;
-const SPARK_HEIGHT = 18;
-const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** Reconnect delays of the events websocket: doubling from the first to the last. */
 const BACKOFF_FIRST_MS = 500;
@@ -47,55 +41,6 @@ export interface IPanelOptions {
   serverSettings?: ServerConnection.ISettings;
   /** JupyterLab's translator (its `jupyter_gpushare` domain); English without it. */
   translator?: ITranslator;
-}
-
-function el<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  attrs: Record<string, string | number | boolean | null | undefined> = {},
-  ...children: (Node | string | null | undefined | false)[]
-): HTMLElementTagNameMap[K] {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs)) {
-    if (value === null || value === undefined || value === false) {
-      continue;
-    }
-    if (key === 'className') {
-      node.className = String(value);
-    } else if (key === 'text') {
-      node.textContent = String(value);
-    } else {
-      node.setAttribute(key, value === true ? '' : String(value));
-    }
-  }
-  for (const child of children) {
-    if (child === null || child === undefined || child === false) {
-      continue;
-    }
-    node.append(child);
-  }
-  return node;
-}
-
-/** A titled group of the device's kernels ("Waiting (2)"); "—" when it has none. */
-function groupOf(kind: string, title: string, count: number): HTMLElement {
-  const group = el(
-    'div',
-    { className: `jp-gpushare-group jp-gpushare-${kind}`, 'aria-label': title },
-    el('h3', { className: 'jp-gpushare-group-title', text: `${title} (${count})` })
-  );
-  if (!count) {
-    group.append(el('div', { className: 'jp-gpushare-empty', text: '—' }));
-  }
-  return group;
-}
-
-/** A kernel's colour in the bar, beside its row; uncoloured for a negative index. */
-function swatch(color: number): HTMLElement {
-  return el('span', {
-    className: 'jp-gpushare-swatch',
-    'data-color': color >= 0 ? color % 8 : null,
-    'aria-hidden': 'true'
-  });
 }
 
 export class GPUSharePanel extends Widget {
@@ -137,48 +82,8 @@ export class GPUSharePanel extends Widget {
 
   /** Fetch the last hour (the sparklines); without it the panel draws none. */
   async refreshHistory(): Promise<void> {
-    const url = URLExt.join(this._settings.baseUrl, 'gpushare/api/history');
-    try {
-      const response = await ServerConnection.makeRequest(url, {}, this._settings);
-      this._history = response.ok ? ((await response.json()) as IHistory) : null;
-    } catch {
-      this._history = null;
-    }
+    this._history = await fetchHistory(this._settings);
     this._render();
-  }
-
-  /** A sparkline of the last hour (or of what there is of it), as an SVG. */
-  private _spark(series: Series, label: string, kind: string, max?: number): Element | null {
-    const h = this._history;
-    if (!h || !series.length) {
-      return null;
-    }
-    const span = Math.min(h.window_seconds, Math.max(60, h.now - series[0][0]));
-    const points = sparkline(series, {
-      now: h.now,
-      window: span,
-      width: SPARK_WIDTH,
-      height: SPARK_HEIGHT,
-      max
-    });
-    if (!points) {
-      return null;
-    }
-    const svg = document.createElementNS(SVG_NS, 'svg');
-    svg.setAttribute('class', `jp-gpushare-spark jp-gpushare-spark-${kind}`);
-    svg.setAttribute('width', String(SPARK_WIDTH));
-    svg.setAttribute('height', String(SPARK_HEIGHT + 2));
-    svg.setAttribute('viewBox', `0 -1 ${SPARK_WIDTH} ${SPARK_HEIGHT + 2}`);
-    svg.setAttribute('role', 'img');
-    const minutes = Math.max(1, Math.round(span / 60));
-    svg.setAttribute('aria-label', `${label}, last ${minutes} min`);
-    svg.setAttribute('data-points', String(series.length));
-    const title = document.createElementNS(SVG_NS, 'title');
-    title.textContent = `${label}, last ${minutes} min`;
-    const line = document.createElementNS(SVG_NS, 'polyline');
-    line.setAttribute('points', points);
-    svg.append(title, line);
-    return svg;
   }
 
   /** Fetch the status document now (REST), whatever the websocket does. */
@@ -556,27 +461,9 @@ export class GPUSharePanel extends Widget {
       );
     }
 
-    const use = this._history ? deviceUse(this._history, dev.uuid) : null;
-    const deviceSpark = use
-      ? this._spark(
-          use.series,
-          use.measured ? `Utilisation of ${dev.name}` : `${dev.name} held by a kernel`,
-          'device',
-          100
-        )
-      : null;
+    const deviceSpark = deviceSparkRow(this._history, dev, this._trans);
     if (deviceSpark) {
-      section.append(
-        el(
-          'div',
-          { className: 'jp-gpushare-sparkrow' },
-          el('span', {
-            className: 'jp-gpushare-label',
-            text: use?.measured ? this._trans.__('Utilisation') : this._trans.__('GPU held')
-          }),
-          deviceSpark
-        )
-      );
+      section.append(deviceSpark);
     }
 
     if (dev.filtered) {
@@ -585,7 +472,7 @@ export class GPUSharePanel extends Widget {
         this._renderGroup('holders', this._trans.__('Holding the GPU'), dev.holders, dev.otherHolders),
         this._renderQueue(dev.queue, dev.waiters),
         this._renderGroup('idle', this._trans.__('Idle'), dev.idle),
-        this._renderOthers(dev.others)
+        renderOthers(dev.others, this._trans)
       );
     } else {
       section.append(
@@ -637,7 +524,7 @@ export class GPUSharePanel extends Widget {
       list.append(this._renderKernel(row));
     }
     for (const place of others) {
-      list.append(this._renderPlace(place, 'holder'));
+      list.append(renderPlace(place, 'holder'));
     }
     group.append(list);
     return group;
@@ -655,86 +542,10 @@ export class GPUSharePanel extends Widget {
     }
     const list = el('ul', { className: 'jp-gpushare-kernels' });
     for (const place of queue) {
-      list.append(place.row ? this._renderKernel(place.row) : this._renderPlace(place, 'waiter'));
+      list.append(place.row ? this._renderKernel(place.row) : renderPlace(place, 'waiter'));
     }
     for (const row of rest) {
       list.append(this._renderKernel(row));
-    }
-    group.append(list);
-    return group;
-  }
-
-  /** Another user's holder or waiter: the user and the place, nothing of what runs. */
-  private _renderPlace(place: IPlace, role: 'holder' | 'waiter'): HTMLElement {
-    const where =
-      role === 'holder'
-        ? 'holds the GPU'
-        : `waits${place.position !== null ? ` (#${place.position} in the queue)` : ''}`;
-    return el(
-      'li',
-      {
-        className: 'jp-gpushare-kernel jp-gpushare-other',
-        'data-role': role,
-        'data-user': place.user,
-        title: `A kernel of ${place.user}`,
-        'aria-label': `${place.name}: ${where}`
-      },
-      swatch(place.color),
-      el(
-        'span',
-        { className: 'jp-gpushare-kernel-text' },
-        el('span', { className: 'jp-gpushare-kernel-name', text: place.name }),
-        el('span', {
-          className: 'jp-gpushare-kernel-meta',
-          text:
-            role === 'holder'
-              ? place.user
-              : `${place.user}${place.position !== null ? ` · #${place.position} in queue` : ''}`
-        })
-      )
-    );
-  }
-
-  /** Other users' kernels, one row per user (filtered documents). */
-  private _renderOthers(others: IOtherUserRow[]): HTMLElement {
-    const group = groupOf('others', this._trans.__('Other users'), others.length);
-    if (!others.length) {
-      return group;
-    }
-    const list = el('ul', { className: 'jp-gpushare-kernels' });
-    for (const o of others) {
-      const details = [`${o.kernels} ${o.kernels === 1 ? 'kernel' : 'kernels'}`];
-      if (o.holding) {
-        details.push('holds the GPU');
-      }
-      if (o.queuePositions.length) {
-        details.push(`#${o.queuePositions.join(', #')} in queue`);
-      }
-      details.push(formatBytes(o.usedBytes));
-      if (o.evictedBytes) {
-        details.push(`${formatBytes(o.evictedBytes)} on host`);
-      }
-      if (o.gpuShare !== null) {
-        details.push(`GPU time ${formatPercent(o.gpuShare)}`);
-      }
-      list.append(
-        el(
-          'li',
-          {
-            className: 'jp-gpushare-kernel jp-gpushare-other-user',
-            'data-user': o.user,
-            title: `${o.name}: ${formatBytes(o.residentBytes)} on the GPU`,
-            'aria-label': `${o.name}: ${details.join(', ')}`
-          },
-          swatch(o.color),
-          el(
-            'span',
-            { className: 'jp-gpushare-kernel-text' },
-            el('span', { className: 'jp-gpushare-kernel-name', text: o.user }),
-            el('span', { className: 'jp-gpushare-kernel-meta', text: details.join(' · ') })
-          )
-        )
-      );
     }
     group.append(list);
     return group;
@@ -871,21 +682,9 @@ export class GPUSharePanel extends Widget {
         })
       );
     }
-    if (this._history) {
-      const memory = this._spark(
-        kernelMemory(this._history, row.id),
-        `Memory of ${row.name} on the GPU`,
-        'memory'
-      );
-      const gpu = this._spark(
-        kernelGpuUse(this._history, row.id),
-        `GPU use of ${row.name}`,
-        'gpu',
-        1
-      );
-      if (memory || gpu) {
-        item.append(el('div', { className: 'jp-gpushare-sparkrow' }, memory, gpu));
-      }
+    const sparks = kernelSparkRow(this._history, row);
+    if (sparks) {
+      item.append(sparks);
     }
     return item;
   }

@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 /* The version of struct gpushare_status; bumped when fields are added at the end. */
-#define GPUSHARE_STATUS_VERSION 2
+#define GPUSHARE_STATUS_VERSION 3
 
 /* What the process is doing with the GPU. */
 enum gpushare_state {
@@ -57,6 +57,12 @@ struct gpushare_status {
     uint64_t staging_pinned_bytes;   /* host staging registered with the driver */
     uint64_t staging_pageable_bytes; /* host staging past GPUSHARE_HOST_BUDGET (slower copies) */
     uint64_t staging_fallbacks;      /* staging buffers that fell back to pageable memory */
+    /* Version 3: the restores this process reported to the scheduler (its RESTORED after a
+     * grant) and the last one's figures. Memory made while waiting had no physical memory and is
+     * only backed at the grant: none of it is counted as restored. */
+    uint64_t restores;
+    uint64_t last_restore_bytes;
+    double last_restore_seconds;
 };
 
 /* Fill *out (of `size` bytes, normally sizeof(struct gpushare_status)). Returns 0, or -1 when

@@ -141,6 +141,49 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
 
+/* Stream-ordered pools and graph memory (cuda.h 12.x/13.x layouts): the shim counts what a pool
+ * keeps reserved (memory_reserves.c) and reads the sizes of a graph's mem-alloc nodes. */
+enum {
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+};
+typedef int CUmemPool_attribute;
+enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3
+};
+typedef int CUgraphMem_attribute;
+enum { CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10, CU_GRAPH_NODE_TYPE_MEM_FREE = 11 };
+typedef int CUgraphNodeType;
+
+typedef struct CUmemPoolProps_st {
+    int allocType;   /* CUmemAllocationType */
+    int handleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {
+    CUmemPoolProps poolProps;
+    const void *accessDescs; /* const CUmemAccessDesc * */
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr; /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* CUgraphInstantiate_flags: a relaunch frees what the previous launch allocated (PyTorch). */
+enum { GS_GRAPH_INSTANTIATE_AUTO_FREE_ON_LAUNCH = 1 };
+/* cuGraphInstantiateWithParams' parameters: passed through (the shim reads the leading flags). */
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;
+
 /* cuIpcGetMemHandle's handle: 64 opaque bytes. */
 typedef struct CUipcMemHandle_st {
     char reserved[64];

@@ -71,6 +71,38 @@ static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
 #undef GS_GATED
 #undef GS_CUSTOM
 
+/* cuGraphLaunch: a gated call like the GS_GATED ones, whose graph may allocate memory
+ * (mem-alloc nodes): what it would back is held against the quota until it is counted, so a
+ * launch past the quota is refused before the gate, with the shim's one line. */
+static CUresult graph_launch(gs_fn_cuGraphLaunch real, CUgraphExec exec, CUstream stream,
+                             int per_thread)
+{
+    uint64_t held;
+    CUresult r = gs_mem_graph_launch_check(exec, &held);
+    if (GS_UNLIKELY(r != CUDA_SUCCESS))
+        return r;
+    CUresult gate = gs_gate_enter(stream, per_thread);
+    if (GS_UNLIKELY(gate != CUDA_SUCCESS)) {
+        gs_mem_graph_launched(exec, gate, held);
+        return gate;
+    }
+    r = real(exec, stream);
+    gs_gate_leave();
+    gs_mem_graph_launched(exec, r, held);
+    return r;
+}
+
+CUresult gs_graph_launch(gs_fn_cuGraphLaunch real, CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(real, hGraphExec, hStream, 0);
+}
+
+CUresult gs_graph_launch_ptsz(gs_fn_cuGraphLaunch_ptsz real, CUgraphExec hGraphExec,
+                              CUstream hStream)
+{
+    return graph_launch(real, hGraphExec, hStream, 1);
+}
+
 /* ---- mapping real pointers to wrappers ---- */
 
 static atomic_ulong unwrapped_count;

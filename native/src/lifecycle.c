@@ -99,6 +99,11 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
         gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
         gs_w_u64(&w, GS_TAG_MICROS, us);
         gs_conn_send(s, &w);
+        pthread_mutex_lock(&s->mu); /* before the state says holding: the wait line reads both */
+        s->stats.restores++;
+        s->stats.last_restore_bytes = moved;
+        s->stats.last_restore_seconds = us / 1e6;
+        pthread_mutex_unlock(&s->mu);
         char b[32];
         GS_INFO("restored %s to the device in %.1f ms", gs_format_size(moved, b, sizeof b),
                 us / 1000.0);

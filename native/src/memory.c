@@ -124,29 +124,7 @@ CUresult gs_mem_alloc_managed(gs_fn_cuMemAllocManaged real, CUdeviceptr *dptr, s
     return gs_memtab_settle(real(dptr, bytesize, flags), bytesize, dptr, NS_PTR, bytesize, KIND_MANAGED);
 }
 
-/* Stream-ordered pools cannot hand out managed memory: pass through, count as pinned. */
-CUresult gs_mem_alloc_async(gs_fn_cuMemAllocAsync real, CUdeviceptr *dptr, size_t bytesize,
-                            CUstream hStream)
-{
-    if (gs_config()->disabled || !dptr || !bytesize)
-        return real(dptr, bytesize, hStream);
-    CUresult r = gs_memtab_reserve(bytesize);
-    if (r != CUDA_SUCCESS)
-        return r;
-    return gs_memtab_settle(real(dptr, bytesize, hStream), bytesize, dptr, NS_PTR, bytesize, KIND_POOL);
-}
-
-CUresult gs_mem_alloc_from_pool(gs_fn_cuMemAllocFromPoolAsync real, CUdeviceptr *dptr,
-                                size_t bytesize, CUmemoryPool pool, CUstream hStream)
-{
-    if (gs_config()->disabled || !dptr || !bytesize)
-        return real(dptr, bytesize, pool, hStream);
-    CUresult r = gs_memtab_reserve(bytesize);
-    if (r != CUDA_SUCCESS)
-        return r;
-    return gs_memtab_settle(real(dptr, bytesize, pool, hStream), bytesize, dptr, NS_PTR, bytesize,
-                  KIND_POOL);
-}
+/* cuMemAllocAsync, cuMemAllocFromPoolAsync: memory_reserves.c (the pools' reserves too). */
 
 /* Physical memory of the virtual memory management API (PyTorch expandable segments, NCCL):
  * counted per handle from cuMemCreate to cuMemRelease, however often it is mapped. */
@@ -283,8 +261,10 @@ CUresult gs_mem_free(gs_fn_cuMemFree_v2 real, CUdeviceptr dptr)
     if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
         return r;
     r = real(dptr);
-    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled)
+    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled) {
         gs_memtab_uncount(dptr, NS_PTR);
+        gs_reserves_after_free(); /* cuMemFree of pool memory: the pool may keep it */
+    }
     return r;
 }
 
@@ -295,8 +275,10 @@ CUresult gs_mem_free_async(gs_fn_cuMemFreeAsync real, CUdeviceptr dptr, CUstream
     if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
         return r;
     r = real(dptr, hStream);
-    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled)
+    if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled) {
         gs_memtab_uncount(dptr, NS_PTR);
+        gs_reserves_after_free(); /* the pool may keep what was freed */
+    }
     return r;
 }
 
@@ -393,7 +375,12 @@ void gs_mem_defer_backing(CUdevice dev)
 
 void gs_mem_back_deferred(CUdevice dev) { gs_vmm_back_deferred(dev); }
 
-void gs_mem_prepare_staging(void) { gs_vmm_prepare_staging(); }
+/* At idle, with the application's context current: also what the pools and graphs hold now. */
+void gs_mem_prepare_staging(void)
+{
+    gs_vmm_prepare_staging();
+    gs_reserves_refresh();
+}
 
 /* A context was destroyed or reset (ctx NULL: a primary context, by its device). What was
  * allocated in it is gone: stop counting it and give back the engine's blocks of it (issue 12,
@@ -404,6 +391,7 @@ void gs_mem_context_gone(CUcontext ctx)
         gs_vmm_forget_context(ctx);
         if (ctx)
             gs_memtab_forget_context(ctx);
+        gs_reserves_context_gone();
     }
     memset(prefetch_streams, 0, sizeof prefetch_streams);
 }
@@ -417,5 +405,7 @@ void gs_mem_after_fork_child(void)
     gs_vmm_after_fork_child();
     gs_vmm_prepare_after_fork_child();
     gs_staging_after_fork_child();
+    gs_reserves_after_fork_child();
+    gs_graphs_after_fork_child();
     memset(prefetch_streams, 0, sizeof prefetch_streams);
 }

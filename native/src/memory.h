@@ -44,6 +44,7 @@ struct gs_mem_account {
     uint64_t managed, pinned_alloc, evicted, reserved; /* the table's allocations */
     uint64_t engine, engine_evicted; /* explicit memory (memory_vmm.c) */
     uint64_t context;                /* the estimate, once the process has a context there */
+    uint64_t driver_reserve;         /* pools' reserves and graph memory (memory_reserves.c) */
     uint64_t quota, pool;            /* this device's registration's */
 };
 /* Guards the accounts and the allocation table (lock order: the engine's lock, then this). */
@@ -112,6 +113,28 @@ uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *
                               int to_host);
 void gs_memtab_after_fork_child(void);
 void gs_memtab_forget_context(CUcontext ctx);
+/* Memory the driver keeps for the process on device `dev` outside the table (pool reserves,
+ * graph memory: memory_reserves.c): counted as pinned on that device's account, against its
+ * quota. Replaces the last. */
+enum { GS_RESERVE_DEVICES = 64 };
+void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes);
+
+/* ---- memory_reserves.c: what pools and graph memory hold for the process, per device ---- */
+
+/* After cuMemFreeAsync (memory.c): ask what the pool keeps. */
+void gs_reserves_after_free(void);
+/* Ask the driver about every device the process used pools or graphs on (at idle). */
+void gs_reserves_refresh(void);
+void gs_reserves_refresh_device(CUdevice dev);
+/* Reserve against the quota what `need` more bytes of graph memory on `dev` add beyond the
+ * graph pool's idle memory; *held: bytes to gs_mem_unreserve once counted or given up. */
+CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held);
+void gs_reserves_release(CUdevice dev, uint64_t held);
+void gs_reserves_graph_launched(CUdevice dev, uint64_t need, uint64_t net);
+void gs_reserves_context_gone(void);
+void gs_reserves_after_fork_child(void);
+/* memory_graphs.c */
+void gs_graphs_after_fork_child(void);
 
 /* ---- memory_staging.c: host memory that copies run from/to at the bus's speed ---- */
 

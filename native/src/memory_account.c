@@ -42,7 +42,7 @@ static void load_quota_locked(void)
 
 static uint64_t used_locked(const struct gs_mem_account *a)
 {
-    return a->context + a->managed + a->pinned_alloc + a->engine;
+    return a->context + a->managed + a->pinned_alloc + a->engine + a->driver_reserve;
 }
 
 void gs_mem_changed_locked(void) { atomic_fetch_add_explicit(&mem_gen, 1, memory_order_relaxed); }
@@ -64,7 +64,7 @@ void gs_mem_account_totals(CUdevice dev, struct gs_mem_totals *out)
             continue;
         out->used += used_locked(a);
         out->managed += a->managed + a->engine;
-        out->pinned += a->context + a->pinned_alloc;
+        out->pinned += a->context + a->pinned_alloc + a->driver_reserve;
         out->evicted += a->evicted + a->engine_evicted;
         if (dev == GS_MEM_ALL_DEVICES && (any_context ? !a->context : i != 0))
             continue;
@@ -72,6 +72,21 @@ void gs_mem_account_totals(CUdevice dev, struct gs_mem_totals *out)
         out->pool = a->pool > out->pool ? a->pool : out->pool;
     }
     pthread_mutex_unlock(&gs_mem_mu);
+}
+
+void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes)
+{
+    if (dev < 0 || dev >= GS_RESERVE_DEVICES)
+        return;
+    pthread_mutex_lock(&gs_mem_mu);
+    struct gs_mem_account *a = &gs_mem_acct[gs_mem_slot(dev)];
+    int changed = a->driver_reserve != bytes;
+    a->driver_reserve = bytes;
+    if (changed)
+        gs_mem_changed_locked();
+    pthread_mutex_unlock(&gs_mem_mu);
+    if (changed)
+        gs_client_wake();
 }
 
 void gs_mem_set_quota(CUdevice dev, uint64_t quota)

@@ -191,12 +191,16 @@ void gs_vmm_defer_backing(CUdevice dev) { atomic_fetch_or(&gs_vmm_defer, slot_bi
 
 void gs_vmm_back_deferred(CUdevice dev)
 {
-    if (!gs_vmm_drv.ok)
-        return;
     pthread_mutex_lock(&gs_vmm_mu);
     /* Under the lock: an allocation either comes before this pass (and is backed by it) or after
-     * (and is backed at once). */
+     * (and is backed at once). Cleared even when the engine has no block yet: a grant that comes
+     * before the first cudaMalloc (PyTorch's expandable segments allocate with cuMemCreate, and
+     * cuDNN's first cudaMalloc follows the grant) must not leave later blocks unbacked. */
     atomic_fetch_and(&gs_vmm_defer, ~slot_bits(dev));
+    if (!gs_vmm_drv.ok) {
+        pthread_mutex_unlock(&gs_vmm_mu);
+        return;
+    }
     uint64_t backed = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];

@@ -91,9 +91,12 @@ static void *preparer(void *arg)
             nb->staging = st;
             have = 0;
         }
-        if (!nb || !have)
+        if (!have)
             continue;
-        pthread_mutex_unlock(&gs_vmm_mu); /* an eviction made its own meanwhile */
+        /* Not handed over: the block was freed meanwhile (a temporary, then empty_cache), or an
+         * eviction made its own. Either way the buffer is nobody's: release it, or a freed
+         * 60 GiB tensor leaves 60 GiB of the host populated and registered for good. */
+        pthread_mutex_unlock(&gs_vmm_mu);
         hold_off_captures();
         gs_staging_put(&st);
         gs_capture_unlock();

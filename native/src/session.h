@@ -119,6 +119,9 @@ struct gs_resume {
 struct gs_stats {
     uint64_t waits;
     double wait_seconds, wait_began, holding_seconds, hold_since;
+    /* The RESTOREDs sent after grants, and the last one's figures (the wait line's "restored"). */
+    uint64_t restores, last_restore_bytes;
+    double last_restore_seconds;
 };
 
 /* The last MEMORY report sent (thread side only, no lock). */

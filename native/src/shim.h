@@ -254,7 +254,7 @@ void gs_capture_after_fork_child(void);
 struct gs_mem_totals {
     uint64_t used;    /* everything, context estimate included */
     uint64_t managed; /* evictable */
-    uint64_t pinned;  /* context + stream-ordered pools + cuMemCreate + device memory */
+    uint64_t pinned;  /* context, pools and what they keep, graph memory, cuMemCreate, device */
     uint64_t evicted; /* managed bytes now on the host */
     uint64_t quota;
     uint64_t pool;
@@ -303,6 +303,11 @@ void gs_mem_after_fork_child(void);
 void gs_mem_context_gone(CUcontext ctx);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);
+/* cuGraphLaunch of a graph with memory nodes (memory_graphs.c): reserve against the quota what
+ * its launch would back (*held), refused with the shim's line when it does not fit; then count
+ * it once the driver answered `r`, giving the reservation back. Others: one atomic load. */
+CUresult gs_mem_graph_launch_check(CUgraphExec exec, uint64_t *held);
+void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held);
 
 /* ---- the session, as the memory engine sees it (session.c) ---- */
 

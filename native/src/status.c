@@ -44,6 +44,9 @@ static void snapshot(struct gs_session *s, struct gpushare_status *out)
     out->staging_pinned_bytes = t.staging_pinned;
     out->staging_pageable_bytes = t.staging_pageable;
     out->staging_fallbacks = t.staging_fallbacks;
+    out->restores = s->stats.restores;
+    out->last_restore_bytes = s->stats.last_restore_bytes;
+    out->last_restore_seconds = s->stats.last_restore_seconds;
     pthread_mutex_unlock(&s->mu);
 }
 

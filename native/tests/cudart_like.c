@@ -308,7 +308,8 @@ static void status_fields(char *out, size_t n) {
              "\"current_wait_seconds\":%.6f,\"holding_seconds\":%.6f,\"idle_seconds\":%.6f,"
              "\"client_id\":\"%.127s\",\"socket_path\":\"%.107s\",\"device_uuid\":\"%.47s\","
              "\"precopied_bytes\":%llu,\"staging_pinned_bytes\":%llu,"
-             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu}",
+             "\"staging_pageable_bytes\":%llu,\"staging_fallbacks\":%llu,\"restores\":%llu,"
+             "\"last_restore_bytes\":%llu,\"last_restore_seconds\":%.6f}",
              st.version, state_name(st.state), st.state, st.connected, st.evicted,
              (unsigned long long)st.used_bytes, (unsigned long long)st.managed_bytes,
              (unsigned long long)st.pinned_bytes, (unsigned long long)st.evicted_bytes,
@@ -318,7 +319,8 @@ static void status_fields(char *out, size_t n) {
              st.socket_path, st.device_uuid, (unsigned long long)st.precopied_bytes,
              (unsigned long long)st.staging_pinned_bytes,
              (unsigned long long)st.staging_pageable_bytes,
-             (unsigned long long)st.staging_fallbacks);
+             (unsigned long long)st.staging_fallbacks, (unsigned long long)st.restores,
+             (unsigned long long)st.last_restore_bytes, st.last_restore_seconds);
 }
 
 static void emit_status(const char *event) {
@@ -1086,6 +1088,16 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
     return !ok;
 }
 
+/* The device is granted before any cudaMalloc (a program whose first memory comes from its own
+ * allocator, as PyTorch's expandable segments), then cudaMalloc'd memory must be usable at once:
+ * a grant made before the engine's first block must not leave later blocks unbacked. */
+static int scenario_late_alloc(size_t size) {
+    long launches = 0;
+    if (hold(0.2, 20000, &launches, 0)) return 1;
+    emit("granted", ",\"launches\":%ld,\"device_bytes\":%lld", launches, fake_device_bytes());
+    return scenario_alloc(P_ALLOC, size);
+}
+
 static int scenario_idle(double seconds, double hold_s, size_t bytes) {
     long launches = 0;
     CUdeviceptr d = 0;
@@ -1313,6 +1325,21 @@ static int scenario_status(size_t bytes) {
     return 0;
 }
 
+/* A temporary: allocated, freed LIVE seconds later while the shim may still be preparing its
+ * host staging in the background; the status SETTLE seconds after says whether that staging was
+ * released. */
+static int scenario_temporary(size_t bytes, double live, double settle) {
+    CUdeviceptr d = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    sleep_s(live);
+    CHECK(p_cuMemFree(d));
+    sleep_s(settle);
+    char buf[2048];
+    status_fields(buf, sizeof(buf));
+    emit("temporary", ",\"bytes\":%zu%s", bytes, buf);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* cuGetProcAddress obtained through cuGetProcAddress_v2, used as v1                           */
 /* ------------------------------------------------------------------------------------------ */
@@ -1453,6 +1480,8 @@ int main(int argc, char **argv) {
         /* reported */
     } else if (strcmp(scenario, "meminfo") == 0) {
         rc = scenario_meminfo(arg_bytes(argc, argv, i, 0));
+    } else if (strcmp(scenario, "late_alloc") == 0) {
+        rc = scenario_late_alloc(arg_bytes(argc, argv, i, 64 << 20));
     } else if (strcmp(scenario, "alloc") == 0 && i + 1 < argc && path_of(argv[i]) >= 0) {
         rc = scenario_alloc(path_of(argv[i]), arg_bytes(argc, argv, i + 1, 1 << 20));
     } else if (strcmp(scenario, "quota") == 0 && i < argc) {
@@ -1487,6 +1516,8 @@ int main(int argc, char **argv) {
         rc = scenario_deep_idle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else if (strcmp(scenario, "status") == 0) {
         rc = scenario_status(arg_bytes(argc, argv, i, 0));
+    } else if (strcmp(scenario, "temporary") == 0 && i + 2 < argc) {
+        rc = scenario_temporary(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]), atof(argv[i + 2]));
     } else if (strcmp(scenario, "procaddr") == 0) {
         rc = scenario_procaddr();
     } else {

@@ -349,11 +349,13 @@ static unsigned long g_prefetch_to_host_calls, g_prefetch_to_device_calls;
 static unsigned long long g_fault_to_device_bytes;
 static unsigned long long g_peak_device_bytes;
 
-/* A CUmemoryPool handle; any non-NULL pool is accepted, this is the default one. */
+/* A stream-ordered pool (fake_graph.c): each device's default one, and those cuMemPoolCreate made. */
 struct CUmemPoolHandle_st {
-    int dummy;
+    int dev, destroyed;
+    unsigned long long reserved, used, threshold, reserved_high, used_high;
 };
-static struct CUmemPoolHandle_st g_default_pool;
+static struct CUmemPoolHandle_st g_default_pools[FK_MAX_DEV] = {
+    {.dev = 0}, {.dev = 1}, {.dev = 2}, {.dev = 3}, {.dev = 4}, {.dev = 5}, {.dev = 6}, {.dev = 7}};
 
 #define GROW(arr, n, cap)                                                                        \
     do {                                                                                         \
@@ -698,7 +700,7 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
     NEED_INIT();
     if (!pool_out) return CUDA_ERROR_INVALID_VALUE;
     if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
-    *pool_out = &g_default_pool;
+    *pool_out = &g_default_pools[dev];
     return CUDA_SUCCESS;
 }
 
@@ -1044,35 +1046,42 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
     return add_alloc(dptr, bytesize, A_MANAGED);
 }
 
-static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream h, int per_thread, int kind) {
+#include "fake_graph.c"
+
+/* From `pool` (NULL: the current context's device's current pool); captured: a graph's node. */
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream h, int per_thread, int kind,
+                            CUmemoryPool pool) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
-    return add_alloc(dptr, bytesize, kind);
+    if (s->capturing) return fk_graph_capture_alloc(s, dptr, bytesize);
+    r = add_alloc(dptr, bytesize, kind);
+    if (!r) fk_pool_note_alloc(pool ? pool : fk_current_pool(fk_cur_dev()), *dptr, bytesize);
+    return r;
 }
 
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
     COUNT();
-    return alloc_async(dptr, bytesize, hStream, 0, A_ASYNC);
+    return alloc_async(dptr, bytesize, hStream, 0, A_ASYNC, NULL);
 }
 
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
     COUNT();
-    return alloc_async(dptr, bytesize, hStream, 1, A_ASYNC);
+    return alloc_async(dptr, bytesize, hStream, 1, A_ASYNC, NULL);
 }
 
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                  CUstream hStream) {
     COUNT();
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_async(dptr, bytesize, hStream, 0, A_POOL);
+    if (!fk_pool_ok(pool)) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_async(dptr, bytesize, hStream, 0, A_POOL, pool);
 }
 
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                       CUstream hStream) {
     COUNT();
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_async(dptr, bytesize, hStream, 1, A_POOL);
+    if (!fk_pool_ok(pool)) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_async(dptr, bytesize, hStream, 1, A_POOL, pool);
 }
 
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -1087,6 +1096,8 @@ static CUresult free_async(CUdeviceptr dptr, CUstream h, int per_thread) {
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    if (s->capturing) return fk_graph_capture_free(s, dptr);
+    if (fk_owned_free(dptr)) return CUDA_SUCCESS; /* a graph's allocation */
     return free_alloc(dptr);
 }
 
@@ -1648,6 +1659,8 @@ static CUresult graph_launch(CUgraphExec g, CUstream h, int per_thread) {
     if (r) return r;
     if (!g) return CUDA_ERROR_INVALID_VALUE;
     if (fk_stream_captured(s)) return CUDA_SUCCESS;
+    r = fk_exec_launch(g);
+    if (r) return r;
     stream_add_busy(s, 1000);
     pthread_mutex_lock(&g_lock);
     g_graph_launches++;
@@ -1989,11 +2002,6 @@ CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode
     return begin_capture(hStream, 1, mode);
 }
 
-struct CUgraph_st {
-    int dummy;
-};
-static struct CUgraph_st g_graph;
-
 static CUresult end_capture(CUstream h, int per_thread, CUgraph *phGraph) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
@@ -2013,7 +2021,7 @@ static CUresult end_capture(CUstream h, int per_thread, CUgraph *phGraph) {
     else
         g_captures_ended++;
     pthread_mutex_unlock(&g_lock);
-    *phGraph = bad ? NULL : &g_graph;
+    *phGraph = fk_graph_end_capture(s, bad);
     return bad ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
 }
 
@@ -2194,7 +2202,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cu
     X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async)           \
     X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async)     \
     X(cuMemsetD32Async_ptsz) X(cuGetErrorName) X(cuGetErrorString) X(cuGetProcAddress)           \
-    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X) FK_EXPORTS_CORE(X)
+    X(cuGetProcAddress_v2) FK_VMM_EXPORTS(X) FK_EXPORTS_CORE(X) FK_GRAPH_EXPORTS(X)
 
 /* Hidden aliases bind inside this library: their addresses are this library's own definitions,
  * whatever a preloaded library exports under the same names. */
@@ -2334,6 +2342,7 @@ static const struct fk_proc g_procs[] = {
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},
     FK_VMM_PROCS
     FK_PROCS_CORE
+    FK_GRAPH_PROCS
 };
 
 static void *own_symbol(const char *name) {
@@ -2451,6 +2460,7 @@ int fakecuda_stats_json(char *buf, size_t n) {
            g_prefetch_to_host_bytes, g_prefetch_to_device_bytes, g_prefetch_to_host_calls,
            g_prefetch_to_device_calls, g_fault_to_device_bytes);
     FK_VMM_STATS(APPEND);
+    FK_GRAPH_STATS(APPEND);
     APPEND("\"live_device_bytes\":%llu,\"live_managed_bytes\":%llu,\"managed_on_host_bytes\":%llu,"
            "\"peak_device_bytes\":%llu,\"device_total\":%llu,\"live_handles\":%zu,\"live_maps\":%zu,"
            "\"live_allocations\":{",

@@ -80,6 +80,14 @@ CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
     COUNT();
     NEED_CTX();
     if (!p || !bytesize) return CUDA_ERROR_INVALID_VALUE;
+    /* Registering takes time on a real driver (16 GiB: ~1.8 s on an H100): long enough that a
+     * program frees a temporary while the shim's background thread still prepares its staging. */
+    const char *ms = getenv("GPUSHARE_FAKE_HOST_REGISTER_MS");
+    if (ms && atof(ms) > 0) {
+        struct timespec ts = {0, (long)(atof(ms) * 1e6) % 1000000000L};
+        ts.tv_sec = (time_t)(atof(ms) / 1000);
+        nanosleep(&ts, NULL);
+    }
     return host_add(p, bytesize, 0);
 }
 

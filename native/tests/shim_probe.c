@@ -40,6 +40,7 @@
  */
 #include "cuda_abi.h"
 #include "gpushare.h"
+#include "probe_events.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -84,26 +85,6 @@ DECL_OP(cuStreamWriteValue32, CUstream, CUdeviceptr, cuuint32_t, unsigned int)
 DECL_OP(cuStreamWriteValue64, CUstream, CUdeviceptr, cuuint64_t, unsigned int)
 DECL_OP(cuStreamWaitValue32, CUstream, CUdeviceptr, cuuint32_t, unsigned int)
 DECL_OP(cuStreamWaitValue64, CUstream, CUdeviceptr, cuuint64_t, unsigned int)
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void emit(const char *event, const char *fmt, ...)
-{
-    char body[2048] = "";
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(body, sizeof body, fmt, ap);
-        va_end(ap);
-    }
-    printf("{\"event\":\"%s\",\"t_mono\":%.6f,\"pid\":%d%s}\n", event, now(), (int)getpid(), body);
-    fflush(stdout);
-}
 
 #define CHECK(call)                                                                               \
     do {                                                                                          \
@@ -501,20 +482,6 @@ static int scenario_evicted(size_t managed, size_t pinned, double seconds)
 }
 
 #include "shim_probe_devices.c"
-
-static void emit_stats(void)
-{
-    int (*f)(char *, size_t) = (int (*)(char *, size_t))dlsym(RTLD_DEFAULT, "fakecuda_stats_json");
-    if (!f)
-        return;
-    int n = f(NULL, 0);
-    char *buf = malloc((size_t)n + 1);
-    if (!buf)
-        return;
-    f(buf, (size_t)n + 1);
-    printf("{\"event\":\"stats\",\"pid\":%d,\"stats\":%s}\n", (int)getpid(), buf);
-    free(buf);
-}
 
 int main(int argc, char **argv)
 {

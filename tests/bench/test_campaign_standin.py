@@ -29,6 +29,7 @@ def campaign(native_build, tmp_path_factory) -> Path:
         "--only", "launch,handoff,kernel_start,replay",
         "--launch-rounds", "6", "--launch-pairs", "2",
         "--handoffs", "6", "--handoff-sizes", "1", "--arrival-gib", "0.5", "--arrival-idle", "2",
+        "--arrival-keep-free", "0.5GiB",
         "--kernel-pairs", "1",
         "--users", "3", "--horizon", "3", "--think", "0.8", "--gpu-median", "0.05",
         "--grace", "2", "--pool-gib", "12",
@@ -72,12 +73,21 @@ def test_handoff_and_memory_records(campaign):
     mem = load(campaign, "memory")
     assert mem["pinned_memcpy"]["h2d"] is None  # the stand-in has no memcpy to compare with
     assert mem["met"] is False
-    # A kernel arriving at two pre-copied idle kernels: granted after an eviction of one of
-    # them, which was an unmap (the pre-copy had moved the bytes already).
+    # A kernel arriving at two pre-copied idle kernels, keep_free 0: granted after an eviction
+    # of one of them in its wait, which was an unmap (the pre-copy had moved the bytes already).
     arrival = mem["precopied_arrival"]
     assert arrival is not None, mem["errors"]
-    assert arrival["idle_kernels"] == 2 and arrival["grant_latency_ms"] > 0
+    assert arrival["keep_free"] == "0" and arrival["idle_kernels"] == 2
+    assert arrival["grant_wait_ms"] > 0 and arrival["cell_ms"] > 0
     assert any(m["bytes"] >= 1 << 29 for m in arrival["evictions"]), arrival
+    assert arrival["room_evictions"] == [] and not arrival["room_kept"]
+    # keep_free 0.5 GiB: the scheduler evicted one of them (the first whose copy was complete)
+    # before the arrival asked, so nothing was evicted in its wait.
+    kept = mem["precopied_arrival_kept"]
+    assert kept is not None, mem["errors"]
+    assert kept["keep_free"] == "0.5GiB" and kept["room_kept"], kept
+    assert [m["bytes"] for m in kept["room_evictions"]] == [1 << 29], kept
+    assert kept["evictions"] == [] and kept["free_before_bytes"] >= 1 << 29
 
 
 def test_kernel_start_record(campaign):

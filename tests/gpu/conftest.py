@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,36 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         pytest.fail(f"the GPU suite needs {module} on this machine: {exc}", pytrace=False)
+
+
+def nvidia_smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def card_used_mib() -> int:
+    return int(nvidia_smi("--query-gpu=memory.used", "-i", "0")[0][0])
+
+
+def process_mib(pid: int) -> int | None:
+    """The process's memory on the GPU as nvidia-smi lists it (None: not in the compute list,
+    which is also what a container whose pids nvidia-smi cannot map shows)."""
+    for row in nvidia_smi("--query-compute-apps=pid,used_memory"):
+        if row[0] == str(pid):
+            return int(row[1])
+    return None
+
+
+def ms_of(log: str, what: str, client: str) -> float:
+    """The ms= figure of the last ``WHAT client=CLIENT`` line of a scheduler log (0.0: none)."""
+    found = re.findall(rf"{what} client={re.escape(client)} .*?ms=([\d.]+)", log)
+    return float(found[-1]) if found else 0.0
 
 
 def workload_env(extra: dict[str, str] | None = None) -> dict[str, str]:

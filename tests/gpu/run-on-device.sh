@@ -14,7 +14,7 @@ mkdir -p "$out"
     python3 - <<'PY'
 import importlib, platform
 print("python:", platform.python_version())
-for name in ("torch", "cupy", "jax", "jupyter_gpushare"):
+for name in ("torch", "cupy", "jax", "transformers", "timm", "lightning", "triton", "jupyter_gpushare"):
     try:
         m = importlib.import_module(name)
         extra = f" (CUDA {m.version.cuda})" if name == "torch" else ""

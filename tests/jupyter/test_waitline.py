@@ -184,12 +184,11 @@ def test_a_wait_is_one_display_updated_then_the_got_line() -> None:
         "Got the GPU: restoring 6.00 GiB of this kernel's memory"
     )
     s.now += 0.25
-    s.status = {"state": "holding", "evicted_bytes": 0}
-    s.entry = {"state": "running", "last_restore": {"bytes": 6 << 30, "seconds": 0.123}}
+    s.status = {"state": "holding", "evicted_bytes": 0} | _restored(1, 6 << 30, 0.123)
     line.poll()
     content, update = s.published[-1]
     assert update and content["transient"]["display_id"] == display_id
-    # The restore as the shim measured it (the scheduler's last_restore), not the poll's guess.
+    # The restore as the shim reported it (its RESTORED), not a guess from the counters.
     assert content["data"]["text/plain"] == "Got the GPU after 3.5 s (restored 6.00 GiB in 0.1 s)"
     assert content["data"][MIME_TYPE] == {
         "phase": "granted",
@@ -203,6 +202,41 @@ def test_a_wait_is_one_display_updated_then_the_got_line() -> None:
     assert len(s.published) == count + 1
     new_content, new_update = s.published[-1]
     assert not new_update and new_content["transient"]["display_id"] != display_id
+
+
+def _restored(count: int, nbytes: int, seconds: float) -> dict[str, Any]:
+    """The shim status's record of its RESTOREDs: how many, and the last one's figures."""
+    return {"restores": count, "last_restore_bytes": nbytes, "last_restore_seconds": seconds}
+
+
+def test_memory_made_while_waiting_is_not_called_restored() -> None:
+    """Deferred backing: 700 MiB allocated while the kernel waited count as on the host until the
+    grant backs them, and the grant's RESTORED moved 0 bytes: the line names no restore. A later
+    grant that sent no RESTORED at all does not repeat an earlier restore's figures."""
+    s = Script()
+    s.status = {"state": "idle", "evicted_bytes": 0} | _restored(3, 2 << 30, 0.4)
+    line = s.line()
+    line.poll()
+    s.wait(1.5, evicted_bytes=700 * MiB, **_restored(3, 2 << 30, 0.4))
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"].startswith("Waiting for the GPU")
+    s.status = {"state": "holding", "evicted_bytes": 0} | _restored(4, 0, 0.0001)
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"] == "Got the GPU after 1.5 s"
+    # Its memory now on the GPU, the next grant restores nothing: the shim sends no RESTORED.
+    s.wait(2.5, evicted_bytes=0, **_restored(4, 0, 0.0001))
+    line.poll()
+    s.status = {"state": "holding", "evicted_bytes": 0} | _restored(4, 0, 0.0001)
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"] == "Got the GPU after 2.5 s"
+    # Evicted for real, then restored: the figures of that RESTORED.
+    s.wait(3.0, evicted_bytes=700 * MiB, **_restored(4, 0, 0.0001))
+    line.poll()
+    s.status = {"state": "holding", "evicted_bytes": 0} | _restored(5, 700 * MiB, 0.31)
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"] == (
+        "Got the GPU after 3.0 s (restored 700.00 MiB in 0.3 s)"
+    )
 
 
 def test_an_interrupted_wait_says_it_stopped_not_that_it_got_the_gpu() -> None:
@@ -327,7 +361,7 @@ async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernel
     assert "(turn ends in ~" in first, shown
     last = shown[-1][2]
     # The kernel's 640 MiB had been moved to the host to make room for the holder: the grant
-    # restored them, as the shim measured it (the scheduler's last_restore).
+    # restored them, as the shim measured and reported them (its RESTORED).
     assert re.fullmatch(
         r"Got the GPU after \d+\.\d s \(restored 640\.00 MiB in \d+\.\d s\)", last
     ), (shown, sched.log)
@@ -340,6 +374,38 @@ async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernel
     holder.finish(30)
     await asyncio.sleep(0)
     del km
+
+
+async def test_memory_made_while_waiting_is_backed_not_restored(harness: Any, kernels: Any) -> None:
+    """Deferred backing in a real kernel: its 640 MiB are allocated while another process holds
+    the GPU, so they get no physical memory until the grant (counted as on the host meanwhile).
+    Nothing is copied back at the grant, and the line says so: "Got the GPU after N s" alone."""
+    sched = harness.scheduler(pool="1GiB", quantum=60.0)
+    _km, kc = await kernels.start()
+    holder = harness.spawn(
+        "hold", 4.0, 640 * MiB, 20000, client_id="holder", context_bytes=CONTEXT, idle_seconds=0
+    )
+    holder.wait_event("first_launch", 30)
+    made = await execute(
+        kc,
+        GPU_PRELUDE
+        + "\nprint(alloc(640 << 20)[0])"
+        + "\nfrom jupyter_gpushare import shim; s = shim.read_status()"
+        + "\nprint(s['evicted_bytes'], s['restores'])",
+    )
+    # Allocated without waiting, and all of it counted off the device: the memory was deferred.
+    assert made.ok().stdout.split() == ["0", str(640 * MiB), "0"], made.describe()
+    msgs = await _run_collecting(kc, "print('rc', launch(1000), sync())")
+    shown = _displays(msgs)
+    assert shown and shown[0][2].startswith("Waiting for the GPU: "), shown
+    assert re.fullmatch(r"Got the GPU after \d+\.\d s", shown[-1][2]), (shown, sched.log)
+    # The grant's RESTORED moved nothing; the shim's record says the same.
+    assert re.search(r"restored client=\S+ bytes=0 ", sched.log), sched.log
+    probe = (
+        "s = shim.read_status(); print(s['restores'], s['last_restore_bytes'], s['evicted_bytes'])"
+    )
+    assert (await execute(kc, probe)).ok().stdout.split() == ["1", "0", "0"]
+    holder.finish(30)
 
 
 async def test_quota_before_the_first_gpu_call(harness: Any, kernels: Any) -> None:

@@ -48,6 +48,8 @@ def test_a_waiters_allocation_is_backed_only_at_its_grant(harness):
     assert first["waited"] > 0.5, "B should have waited for A"
     assert first["device_bytes"] >= BIG, first
     assert first["status"]["evicted_bytes"] == 0, first["status"]
+    # The shim's own record of its grant's RESTORED (what the wait line says): one, of 0 bytes.
+    assert (first["status"]["restores"], first["status"]["last_restore_bytes"]) == (1, 0)
     rb, ra = b.finish(60).ok(), a.finish(60).ok()
     assert rb.event("hold_end")["data_ok"] and ra.event("hold_end")["data_ok"]
     # B's first grant found nothing to copy back, and B was never evicted before it.

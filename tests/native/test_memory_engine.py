@@ -99,3 +99,18 @@ def test_small_allocations_share_one_physical_chunk(harness):
     freed = run.event("quota_freed")
     assert freed["free_errors"] == 0 and freed["status"]["used_bytes"] == CONTEXT
     assert run.stats["live_handles"] == 0 and run.stats["live_maps"] == 0
+
+
+def test_a_temporary_freed_while_its_staging_is_made_releases_the_staging(harness):
+    """The shim prepares each new block's host staging on its own thread; a program that frees a
+    temporary while that thread still registers it (on an H100, 16 GiB take ~1.8 s) must not keep
+    the staging: before the fix it stayed populated, registered and counted for good."""
+    harness.scheduler(pool="1GiB", quantum=1.0)
+    slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "400"}
+    # Freed 0.1 s after its allocation (mid-registration), looked at 1.5 s later.
+    run = harness.run("temporary", BIG, 0.1, 1.5, extra=slow_register, **common()).ok()
+    st = run.event("temporary")["status"]
+    assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
+    registered = run.calls("cuMemHostRegister_v2")
+    assert registered >= 1, "no staging was being made when the block was freed: no race"
+    assert run.calls("cuMemHostUnregister") == registered, run.stats["calls"]

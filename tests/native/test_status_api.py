@@ -30,7 +30,7 @@ def test_status_fields_without_a_scheduler(harness):
     assert e["null_rc"] == -1, "a NULL buffer must be refused"
     st = e["status"]
     assert st["rc"] == 0
-    assert st["version"] == 2
+    assert st["version"] == 3
     assert st["state"] == "unshared"
     assert st["connected"] == 0
     assert st["evicted"] == 0
@@ -43,6 +43,7 @@ def test_status_fields_without_a_scheduler(harness):
     assert st["quota_bytes"] == 0
     assert st["gated_calls"] == 1
     assert st["waits"] == 0 and st["wait_seconds"] == 0 and st["current_wait_seconds"] == 0
+    assert st["restores"] == 0 and st["last_restore_bytes"] == 0
     assert st["idle_seconds"] >= 0
     assert st["client_id"] == "kernel-123"
     assert st["socket_path"] == str(harness.socket_path)

@@ -1,4 +1,5 @@
-"""Real local users for the hostile-user tests (docs/reliability.md, "A hostile local user").
+"""Real local users for the hostile-user tests (docs/reliability.md, "A hostile local user"),
+and what their processes run: shims and control peers speaking the protocol from their own uid.
 
 ``local_users(role)`` creates a real account with ``useradd`` (CI runs as root) and removes it
 after the test module; :func:`run_as` runs a function in a forked child that has dropped to that
@@ -18,7 +19,9 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,17 @@ def local_users() -> Iterator[Callable[[str], LocalUser]]:
     finally:
         for name in made:
             subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def tmp_dir(mode: int) -> Iterator[str]:
+    """A fresh directory under /tmp with ``mode`` (short enough for sockets), removed after."""
+    path = tempfile.mkdtemp(prefix="gsh-", dir="/tmp")
+    os.chmod(path, mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _become(user: LocalUser) -> None:
@@ -139,3 +155,108 @@ def kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+# -- what the other users' processes run (module level, loaded before the fork) ----------------
+
+Answer = tuple[int, dict[str, Any]]  # a message's type and fields, as a child returns them
+
+
+def _answer(msg: Message | None) -> Answer | None:
+    return None if msg is None else (int(msg.type), dict(msg.fields))
+
+
+def _connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10.0)
+    sock.connect(path)
+    return sock
+
+
+def shim(path: str, fields: dict[str, Any], request: int, hold: float) -> list[Any]:
+    """A shim: HELLO (and a REQUEST of ``request`` bytes when not 0), then keep the connection
+    ``hold`` seconds; the answers."""
+    sock = _connect(path)
+    fields = dict(fields)
+    claims = fields.pop("request_fields", {})  # more of the REQUEST's memory claim
+    sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
+    got = [read_message_sync(sock)]
+    if request and got[0] is not None and got[0].type == MsgType.WELCOME:
+        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request, **claims})))
+        sock.settimeout(max(hold, 0.1))
+        with contextlib.suppress(TimeoutError, OSError):
+            got.append(read_message_sync(sock))
+    time.sleep(hold)
+    sock.close()
+    return [_answer(m) for m in got]
+
+
+def recording_shim(path: str, fields: dict[str, Any], request: int, stop: str) -> list[Any]:
+    """A shim that asks for ``request`` bytes and records every message it gets until the file
+    ``stop`` exists (the victim: whatever another user does must not reach it)."""
+    sock = _connect(path)
+    sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
+    got = [read_message_sync(sock)]
+    sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request})))
+    sock.settimeout(0.05)
+    while not os.path.exists(stop):
+        with contextlib.suppress(TimeoutError):
+            got.append(read_message_sync(sock))
+            if got[-1] is None:
+                break
+    sock.close()
+    return [_answer(m) for m in got]
+
+
+def control(
+    path: str, mtype: int, body: dict[str, Any] | None, extra: dict[str, Any] | None = None
+) -> Answer:
+    """A control peer's one request (``extra``: more fields, e.g. user and token); the answer."""
+    sock = _connect(path)
+    fields = {**({} if body is None else {"body": body}), **(extra or {})}
+    sock.sendall(encode(Message(MsgType(mtype), fields)))
+    reply = read_message_sync(sock)
+    sock.close()
+    assert reply is not None
+    return int(reply.type), dict(reply.fields)
+
+
+def exchange(path: str, frames: list[bytes]) -> tuple[list[Answer | None], bool]:
+    """Send each frame (raw bytes, well formed or not) and read what comes back within 1 s
+    after each; the answers and whether the scheduler closed the connection (within 0.3 s
+    of the last)."""
+    sock = _connect(path)
+    answers: list[Answer | None] = []
+    closed = False
+    for frame in frames:
+        sock.sendall(frame)
+        sock.settimeout(1.0)
+        try:
+            msg = read_message_sync(sock)
+        except TimeoutError:
+            continue
+        except OSError:
+            closed = True
+            break
+        if msg is None:
+            closed = True
+            break
+        answers.append(_answer(msg))
+    if not closed:
+        sock.settimeout(0.3)
+        with contextlib.suppress(TimeoutError):
+            closed = sock.recv(1) == b""
+    sock.close()
+    return answers, closed
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def clients_of(sched: Any) -> dict[str, dict[str, Any]]:
+    """The clients of a scheduler's full status, by id."""
+    return {c["id"]: c for d in sched.status_document()["devices"] for c in d["clients"]}

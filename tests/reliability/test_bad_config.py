@@ -44,6 +44,7 @@ def scheduler_cli(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
     [
         (["--pool", "lots"], "pool_size"),
         (["--reserve=-1GiB"], "pool_reserve"),
+        (["--keep-free", "lots"], "keep_free"),
         (["--quantum", "0"], "base_quantum must be a positive number"),
         (["--GPUShareScheduler.move_factor=-2"], "move_factor must be a positive number"),
         (["--GPUShareScheduler.recovery_seconds=-1"], "recovery_seconds must be 0 or more"),

@@ -14,21 +14,27 @@ import io
 import os
 import socket
 import stat
-import tempfile
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from local_users import collect, kill, run_as, spawn_as
+from local_users import clients_of as _clients
+from local_users import collect, kill, run_as, spawn_as, tmp_dir
+from local_users import control as _control
+from local_users import shim as _shim
+from local_users import until as _until
+from test_utilization import UUID as NVML_UUID
+from test_utilization import FakeNVMLProcesses
 
 # Imported here, before any fork: a child running as another user may not be able to read the
 # source tree (a clone under /root), so it must find every module it uses already loaded.
 from jupyter_gpushare import cli
 from jupyter_gpushare.client import SchedulerClient, SchedulerError
-from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
+from jupyter_gpushare.protocol import ErrorCode, MsgType, read_message_sync
 from jupyter_gpushare.scheduler import server as server_module
-from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery, nvml_pids_comparable
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
 
 # -- what the processes of the other users run (module level: the forked child calls them) ----
@@ -86,14 +92,8 @@ def _start_scheduler(path: str | None, env: dict[str, str]) -> str:
 @pytest.fixture
 def shared_tmp() -> Iterator[str]:
     """A directory like /tmp (1777: everyone may create in it), short enough for sockets."""
-    path = tempfile.mkdtemp(prefix="gsh-", dir="/tmp")
-    os.chmod(path, 0o1777)
-    try:
+    with tmp_dir(0o1777) as path:
         yield path
-    finally:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait_for(path: str, timeout: float = 10.0) -> None:
@@ -164,49 +164,6 @@ async def test_2_a_world_writable_socket_directory_is_refused(
 
 
 # -- shims and control peers of other users, speaking the protocol from their own uid ---------
-
-
-def _shim(path: str, fields: dict[str, Any], request: int, hold: float) -> list[Any]:
-    """A shim: HELLO (and a REQUEST of ``request`` bytes when not 0), then keep the connection
-    ``hold`` seconds; the answers."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
-    sock.connect(path)
-    fields = dict(fields)
-    claims = fields.pop("request_fields", {})  # more of the REQUEST's memory claim
-    sock.sendall(encode(Message(MsgType.HELLO, {"pid": os.getpid(), **fields})))
-    got = [read_message_sync(sock)]
-    if request and got[0] is not None and got[0].type == MsgType.WELCOME:
-        sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": request, **claims})))
-        sock.settimeout(max(hold, 0.1))
-        with contextlib.suppress(TimeoutError, OSError):
-            got.append(read_message_sync(sock))
-    time.sleep(hold)
-    sock.close()
-    return [None if m is None else (int(m.type), dict(m.fields)) for m in got]
-
-
-def _control(path: str, mtype: int, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
-    """A control peer's one request and the answer."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
-    sock.connect(path)
-    sock.sendall(encode(Message(MsgType(mtype), {} if body is None else {"body": body})))
-    reply = read_message_sync(sock)
-    sock.close()
-    assert reply is not None
-    return int(reply.type), dict(reply.fields)
-
-
-async def _until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
-def _clients(sched: Any) -> dict[str, dict[str, Any]]:
-    return {c["id"]: c for d in sched.status_document()["devices"] for c in d["clients"]}
 
 
 DEVICE = {"device_uuid": "GPU-hostile-0", "device_total": 8 << 30}
@@ -596,6 +553,48 @@ async def test_7_a_memory_claim_is_bounded_by_the_quota_and_the_device(
         pid_v, rfd_v = spawn_as(victim, _shim, path, {**DEVICE, "client_id": "v"}, 2 << 30, 30.0)
         await _until(lambda: _clients(node).get("v", {}).get("state") == "running")
         assert _clients(node)["liar"]["state"] == "running"
+    finally:
+        for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
+            if pid > 0:
+                kill(pid)
+                os.close(rfd)
+
+
+async def test_7_an_under_claim_is_cross_checked_with_nvml(
+    local_users: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    nvml = FakeNVMLProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the bindings the scheduler imports
+    victim, attacker = local_users("victim"), local_users("attack")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
+    # used = 0: "run anyone beside me"; NVML sees its process hold 3 GiB on the GPU.
+    lie = {**gpu, "client_id": "liar", "request_fields": {"used_bytes": 0}}
+    pid_a, rfd_a = spawn_as(attacker, _shim, path, lie, 1, 30.0)
+    nvml.processes[pid_a] = 3 << 30
+    pid_v, rfd_v = -1, -1
+    try:
+        await _until(lambda: _clients(node).get("liar", {}).get("used_bytes") == 3 << 30)
+        assert _clients(node)["liar"]["state"] == "running"
+        # The victim's 2 GiB does not fit beside 3 GiB in the 4 GiB pool: it waits its turn.
+        pid_v, rfd_v = spawn_as(victim, _shim, path, {**gpu, "client_id": "v"}, 2 << 30, 30.0)
+        await _until(lambda: _clients(node).get("v", {}).get("state") == "waiting")
+        for _ in range(20):  # a second of samples: never co-run beyond the pool
+            running = [c for c in _clients(node).values() if c["state"] == "running"]
+            assert sum(c["used_bytes"] for c in running) <= 4 << 30, running
+            await asyncio.sleep(0.05)
+        corrected = [r for r in caplog.records if "claim corrected" in r.getMessage()]
+        assert len(corrected) == 1 and corrected[0].levelname == "WARNING", corrected
+        corrected = [r.getMessage() for r in corrected]
+        assert "client=liar" in corrected[0], corrected
+        assert f"uid={attacker.uid}" in corrected[0] and f"nvml={3 << 30}" in corrected[0]
     finally:
         for pid, rfd in ((pid_a, rfd_a), (pid_v, rfd_v)):
             if pid > 0:

@@ -131,6 +131,30 @@ async def test_kernel_state(scheduler: Any, connect: Any, sock_path: str) -> Non
     assert revoke.fields["reason"] == "idle"
 
 
+async def test_a_jupyter_idle_alone_marks_a_notebook_kernel(
+    scheduler: Any, connect: Any, sock_path: str
+) -> None:
+    """The kernel watcher may miss a kernel's first busy (it subscribes while the first cell
+    runs) and report only the idle. On an H100 such a kernel was never put to deep idle: only
+    notebook kernels sleep, and it was not counted as one. Jupyter's idle alone marks it."""
+    a = await connect()
+    await a.hello("a")
+    await a.request(64 * MiB)
+    await a.expect(MsgType.GRANT)
+    client = SchedulerClient(sock_path)
+
+    def entry(doc: dict) -> dict:
+        (c,) = doc["devices"][0]["clients"]
+        return c
+
+    assert entry(await client.status())["notebook"] is False
+    await a.send(MsgType.IDLE)  # the shim's own idle detector says nothing about Jupyter
+    await asyncio.sleep(0.05)
+    assert entry(await client.status())["notebook"] is False
+    assert (await client.kernel_state("a", "idle"))["state"] == "idle"
+    assert entry(await client.status())["notebook"] is True
+
+
 async def test_kernel_state_reaches_the_kernels_other_gpus(
     scheduler: Any, connect: Any, sock_path: str
 ) -> None:

@@ -522,19 +522,48 @@ def test_discover_devices_without_a_gpu_does_not_raise() -> None:
     assert result.error is None or isinstance(result.error, str)
 
 
-async def test_an_idle_resident_client_is_asked_to_precopy(
-    make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    """c.GPUShareScheduler.precopy_idle: PRECOPY to an idle holder, PRECOPIED logged and kept as
-    a claim bounded by the client's own evictable bytes."""
-    caplog.set_level(logging.INFO)
-    server = await make_scheduler(precopy_idle=True)
+async def idle_holder_asked_to_precopy(connect: Any) -> Any:
+    """Client a holds BIG bytes, goes idle, and is asked for a pre-copy."""
     a = await connect()
     await a.hello("a")
     await a.request(BIG)
     await a.expect(MsgType.GRANT)
     await a.send(MsgType.IDLE, idle_ms=500)
     await a.expect(MsgType.PRECOPY)
+    return a
+
+
+async def test_an_idle_precopied_holder_is_evicted_for_room_over_the_wire(
+    make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c.GPUShareScheduler.keep_free (default "auto": room for the last arrival, at most a
+    quarter of the pool): an idle holder whose memory is fully copied to the host is revoked
+    with eviction before anyone asks, and the next arrival is granted without waiting."""
+    caplog.set_level(logging.INFO)
+    await make_scheduler(precopy_idle=True)
+    a = await idle_holder_asked_to_precopy(connect)
+    await a.expect_nothing(0.2)  # the copy is not complete yet: a stays
+    await a.send(MsgType.PRECOPIED, bytes_moved=0, micros=0, precopied_bytes=BIG)
+    revoke = await a.expect(MsgType.REVOKE)
+    assert revoke.fields["flag"] == 1 and revoke.fields["reason"] == "room for the next arrival"
+    await a.send(MsgType.RELEASED, flag=1, evicted_bytes=BIG, bytes_moved=BIG, micros=1_000)
+    b = await connect()
+    await b.hello("b")
+    await b.request(BIG)
+    await b.expect(MsgType.GRANT, timeout=1.0)
+    assert "reason='room for the next arrival'" in caplog.text
+
+
+async def test_an_idle_resident_client_is_asked_to_precopy(
+    make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """c.GPUShareScheduler.precopy_idle: PRECOPY to an idle holder, PRECOPIED logged and kept as
+    a claim bounded by the client's own evictable bytes."""
+    caplog.set_level(logging.INFO)
+    # keep_free off: with it, a's complete copy in this small pool would make room at once
+    # (test_an_idle_precopied_holder_is_evicted_for_room_over_the_wire).
+    server = await make_scheduler(precopy_idle=True, keep_free=0)
+    a = await idle_holder_asked_to_precopy(connect)
     # Claims more than it could evict: bounded.
     await a.send(MsgType.PRECOPIED, bytes_moved=BIG, micros=20_000, precopied_bytes=100 * BIG)
     await a.expect_nothing(0.2)

@@ -136,5 +136,5 @@ def test_status_api_under_the_shim() -> None:
     status = json.loads(out.stdout.strip().splitlines()[-1])
     assert status is not None
     assert status["state"] in ("inactive", "unshared")
-    assert status["version"] == 2
+    assert status["version"] == 3
     assert status["staging_fallbacks"] == 0 and status["precopied_bytes"] == 0

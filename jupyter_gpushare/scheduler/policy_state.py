@@ -1,0 +1,146 @@
+"""The policy's view of each client and device: what :mod:`.policy` decides from.
+
+Plain data, no rules: the scheduling policy (:mod:`.policy`) updates these records as events and
+its own decisions come, and the status snapshot (:mod:`.policy_status`) reads them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .ordering import CellService
+
+__all__ = ["ARRIVAL_WINDOW", "ClientState", "DeviceState", "Holding", "Usage"]
+
+Holding = Literal["running", "revoking"]
+
+#: Weight of a new bandwidth sample in the moving average.
+EWMA_ALPHA = 0.3
+#: Moves smaller than this say more about latency than bandwidth; they do not update estimates.
+MIN_SAMPLE_BYTES = 1 << 20
+#: Recent arrivals remembered per device (keep_free "auto" estimates the next from them).
+ARRIVAL_WINDOW = 8
+
+
+@dataclass
+class Usage:
+    """A user's GPU-seconds on one device, decaying with a half-life (for fair share)."""
+
+    value: float = 0.0
+    stamp: float = 0.0
+
+    def at(self, now: float, half_life: float) -> float:
+        if half_life <= 0:
+            return self.value
+        return self.value * 0.5 ** (max(0.0, now - self.stamp) / half_life)
+
+    def add(self, seconds: float, now: float, half_life: float) -> None:
+        self.value = self.at(now, half_life) + seconds
+        self.stamp = max(self.stamp, now)
+
+
+@dataclass
+class ClientState:
+    id: str
+    device: str
+    user: str
+    seq: int  # join order: the last tie-breaker, so every ordering is deterministic
+    weight: float = 1.0
+    quota: int = 0
+    uid: int = -1
+    pid: int = 0
+    label: str = ""
+    # memory as last reported (bytes)
+    used: int = 0
+    managed: int = 0
+    pinned: int = 0
+    evicted: int = 0
+    # scheduling state
+    holding: Holding | None = None
+    waiting_since: float | None = None
+    evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
+    precopy_asked: bool = False  # a Precopy was sent in this idle period
+    precopied: int = 0  # resident bytes with a current host copy, as last reported
+    room_tried: bool = False  # evicted for room (.room) in this idle period, refused or not
+    room_evicted: bool = False  # its memory left for room and it has not run since
+    room_returns: int = 0  # how often it came back after a room eviction (.room's hold)
+    revoke_evict: bool = False  # the pending Revoke asked for eviction
+    resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
+    restore: bool = False  # its managed memory was evicted: the next grant restores it
+    idle: bool = False  # Idle seen since the last Busy/Request
+    idle_since: float = 0.0  # when ``idle`` last became True (the fixed-quantum timer reads it)
+    run_start: float = 0.0
+    grew_at: float = float("-inf")  # when its footprint last increased (growth relief's key)
+    last_active: float = 0.0  # end of its last run (or its join): the LRU key for eviction
+    resume_since: float | None = None  # reconnected: its next Request queues from this time
+    revoked_at: float = 0.0  # when the pending Revoke was decided (how long it goes unanswered)
+    # accounting
+    gpu_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    last_restore: tuple[int, float] | None = None  # (bytes, seconds) of its last restore
+    cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
+
+    @property
+    def movable(self) -> int:
+        """Bytes an eviction moves to the host (and a restore moves back)."""
+        return max(0, self.used - self.pinned)
+
+    @property
+    def on_gpu(self) -> int:
+        """Bytes this client occupies on the GPU now (as the policy accounts them)."""
+        return self.used if self.resident else min(self.pinned, self.used)
+
+    @property
+    def state(self) -> str:
+        if self.holding is not None:
+            return self.holding
+        if self.waiting_since is not None:
+            return "waiting"
+        return "evicting" if self.evict_pending else "idle"
+
+    def set_memory(self, used: int, managed: int, pinned: int, evicted: int) -> None:
+        self.used = max(0, used)
+        self.managed = max(0, managed)
+        self.pinned = min(max(0, pinned), self.used)
+        self.evicted = max(0, evicted)
+
+
+@dataclass
+class DeviceState:
+    uuid: str
+    name: str
+    total_bytes: int
+    pool_bytes: int
+    evict_bw: float
+    restore_bw: float
+    clients: dict[str, ClientState] = field(default_factory=dict)
+    usage: dict[str, Usage] = field(default_factory=dict)
+    turns: bool = False  # the last pass found a waiter blocked by running clients
+    # Bytes recent grants brought onto the GPU, newest last: keep_free "auto" reads them (.room).
+    arrivals: deque[int] = field(default_factory=lambda: deque(maxlen=ARRIVAL_WINDOW))
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the clients occupy on the GPU now, as the policy accounts it."""
+        return sum(c.on_gpu for c in self.clients.values())
+
+    @property
+    def incoming_bytes(self) -> int:
+        """Room that evictions already asked for will free when their answers come."""
+        total = 0
+        for c in self.clients.values():
+            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
+                total += c.movable if c.resident else 0
+        return total
+
+    def measure(self, direction: str, moved: int, micros: int) -> None:
+        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
+        if moved < MIN_SAMPLE_BYTES or micros <= 0:
+            return
+        rate = moved * 1e6 / micros
+        if direction == "evict":
+            self.evict_bw += EWMA_ALPHA * (rate - self.evict_bw)
+        else:
+            self.restore_bw += EWMA_ALPHA * (rate - self.restore_bw)
