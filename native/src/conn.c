@@ -167,7 +167,7 @@ void gs_conn_send_memory(struct gs_session *s)
     struct gs_writer w;
     struct gs_mem_totals t;
     uint64_t gen = gs_mem_generation();
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(s->devs.dev, &t);
     gs_conn_begin(s, &w, GS_MSG_MEMORY);
     gs_conn_put_memory(&w, &t);
     if (gs_conn_send(s, &w) == 0) {
@@ -177,11 +177,18 @@ void gs_conn_send_memory(struct gs_session *s)
     }
 }
 
+int gs_conn_memory_differs(const struct gs_mem_report *r, const struct gs_mem_totals *t)
+{
+    return t->used != r->sent.used || t->managed != r->sent.managed ||
+           t->pinned != r->sent.pinned || t->evicted != r->sent.evicted ||
+           t->precopied != r->sent.precopied;
+}
+
 void gs_conn_send_request(struct gs_session *s)
 {
     struct gs_writer w;
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(s->devs.dev, &t);
     gs_conn_begin(s, &w, GS_MSG_REQUEST);
     gs_conn_put_memory(&w, &t);
     gs_conn_send(s, &w);
@@ -313,19 +320,24 @@ int gs_conn_probe(struct gs_session *s)
     return alive;
 }
 
-void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m)
+static void apply_welcome_memory(CUdevice dev, const struct gs_msg *m)
 {
     if (gs_msg_has(m, GS_TAG_POOL_BYTES))
-        gs_mem_set_pool(m->u64[GS_TAG_POOL_BYTES]);
+        gs_mem_set_pool(dev, m->u64[GS_TAG_POOL_BYTES]);
     if (gs_msg_has(m, GS_TAG_QUOTA))
-        gs_mem_set_quota(m->u64[GS_TAG_QUOTA]);
+        gs_mem_set_quota(dev, m->u64[GS_TAG_QUOTA]);
+}
+
+void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m)
+{
+    apply_welcome_memory(s->devs.dev, m);
     pthread_mutex_lock(&s->mu);
     s->quantum_ms = gs_msg_u64(m, GS_TAG_QUANTUM_MS, s->quantum_ms);
     pthread_mutex_unlock(&s->mu);
 }
 
-int gs_conn_await_welcome(struct gs_session *s, int fd, uint8_t *rx, size_t cap, size_t *rx_len,
-                         double deadline, char *why, size_t whylen)
+int gs_conn_await_welcome(struct gs_session *s, CUdevice link_dev, int fd, uint8_t *rx,
+                          size_t cap, size_t *rx_len, double deadline, char *why, size_t whylen)
 {
     for (;;) {
         struct gs_msg m;
@@ -344,7 +356,9 @@ int gs_conn_await_welcome(struct gs_session *s, int fd, uint8_t *rx, size_t cap,
                     s->resume.mode = 0; /* the scheduler did not give the grant back */
                 pthread_mutex_unlock(&s->mu);
             }
-            else if (type == GS_MSG_ERROR) {
+            else if (type == GS_MSG_WELCOME) {
+                apply_welcome_memory(link_dev, &m); /* a link's: its device's pool and quota */
+            } else if (type == GS_MSG_ERROR) {
                 char msg[128];
                 gs_msg_str(&m, GS_TAG_MESSAGE, msg, sizeof msg);
                 snprintf(why, whylen, "refused: %s", msg);
@@ -397,7 +411,7 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
     gs_w_str(&w, GS_TAG_DEVICE_NAME, s->devs.name);
     gs_w_u64(&w, GS_TAG_DEVICE_TOTAL, s->devs.total);
     struct gs_mem_totals mem;
-    gs_mem_totals(&mem);
+    gs_mem_totals_dev(s->devs.dev, &mem);
     pthread_mutex_lock(&s->mu);
     int reconnect = s->started && s->thread_running;
     int resume = s->resume.mode;
@@ -427,7 +441,7 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
         return -1;
     }
     s->conn.rx_len = 0;
-    if (gs_conn_await_welcome(s, fd, s->conn.rx, sizeof s->conn.rx, &s->conn.rx_len, deadline, why,
+    if (gs_conn_await_welcome(s, 0, fd, s->conn.rx, sizeof s->conn.rx, &s->conn.rx_len, deadline, why,
                       whylen) == 0)
         return fd; /* anything after it stays in s->conn.rx for the thread */
     close(fd);
@@ -476,7 +490,7 @@ void gs_conn_connected_locked(struct gs_session *s, int fd, int reconnect)
         gs_session_set_state_locked(s, GPUSHARE_STATE_HOLDING);
     } else {
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
-        gs_mem_defer_backing(); /* what it allocates before its grant is backed by the grant */
+        gs_mem_defer_backing(s->devs.dev); /* what it allocates before its grant: backed then */
     }
     s->resume.mode = 0;
     if (s->waiters > 0 && s->state != GPUSHARE_STATE_HOLDING)
@@ -522,11 +536,11 @@ void gs_conn_lost(struct gs_session *s, const char *why)
     }
     pthread_mutex_unlock(&s->mu);
 
-    /* The holder runs on unshared: memory it had evicted would come back page by page on demand,
-     * so bring it back in bulk. A waiter's stays on the host: another kernel may hold the GPU
-     * (thread.c restores it, within the card's free memory, once the waiter runs unshared). */
-    if (!s->quitting && was_holding) {
-        uint64_t moved, us;
-        gs_drain_restore(s, "the restore after losing the scheduler", &moved, &us);
-    }
+    /* The holder runs on unshared: memory it had evicted (a later device's, revoked while the
+     * first was held, included) would come back page by page on demand, or not at all for
+     * explicit memory, so bring it back in bulk. A waiter's stays on the host: another kernel may
+     * hold the GPU (thread.c restores it, within the card's free memory, once the waiter runs
+     * unshared). */
+    if (!s->quitting && was_holding)
+        gs_drain_restore_every_device(s, "the restore after losing the scheduler");
 }

@@ -161,19 +161,24 @@ static int push_one(const struct gs_context *c)
     return D.ctx_push(c->ctx) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int gs_device_push(struct gs_session *s, CUdevice *dev_out)
+/* Push the first live context (of device `only`, when only >= 0). */
+static int push_first(struct gs_session *s, CUdevice only, CUdevice *dev_out)
 {
     drv();
     struct gs_context ctxs[GS_MAX_CONTEXTS];
     int n = snapshot(s, ctxs);
     for (int i = 0; i < n; i++)
-        if (push_one(&ctxs[i]) == 0) {
+        if ((only < 0 || ctxs[i].dev == only) && push_one(&ctxs[i]) == 0) {
             if (dev_out)
                 *dev_out = ctxs[i].dev;
             return 0;
         }
     return -1;
 }
+
+int gs_device_push(struct gs_session *s, CUdevice *dev_out) { return push_first(s, -1, dev_out); }
+
+int gs_device_push_on(struct gs_session *s, CUdevice dev) { return push_first(s, dev, NULL); }
 
 void gs_device_pop(void)
 {
@@ -219,12 +224,13 @@ int gs_device_of_call(struct gs_session *s, CUstream stream, CUdevice *dev)
     return gs_device_current(&ctx, dev);
 }
 
-int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes)
+int gs_device_mem_info(struct gs_session *s, CUdevice dev, uint64_t *free_bytes,
+                       uint64_t *total_bytes)
 {
     typedef CUresult (*mem_info_fn)(size_t *, size_t *);
     mem_info_fn info = (mem_info_fn)gs_driver_sym("cuMemGetInfo_v2");
     size_t f = 0, t = 0;
-    if (!info || gs_device_push(s, NULL) != 0)
+    if (!info || gs_device_push_on(s, dev) != 0)
         return -1;
     CUresult r = info(&f, &t); /* the real one: the shim's answers the quota */
     gs_device_pop();

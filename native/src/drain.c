@@ -22,25 +22,25 @@ int gs_drain_quiesce(const char *what, double seconds)
     return 0;
 }
 
-/* Synchronise every context and, if asked, move managed memory to the host. Returns whether the
- * work drained; *evicted says whether the eviction succeeded. */
-int gs_drain_work(struct gs_session *s, const char *what, int evict, int every_device,
-                  int *evicted, uint64_t *moved, uint64_t *us)
+/* Synchronise and, if asked, move device dev's memory to the host. Returns whether the work
+ * drained; *evicted says whether the eviction succeeded. */
+int gs_drain_work(struct gs_session *s, const char *what, CUdevice dev, int evict,
+                  int every_device, int *evicted, uint64_t *moved, uint64_t *us)
 {
     *evicted = 0;
+    *moved = *us = 0;
     if (!gs_drain_quiesce(what, gs_config()->capture_wait))
         return 0;
-    /* A process that uses several devices holds each on its own (link.c): a revoke of the first
-     * waits for that device's work only, unless it evicts (the engine moves every device's
-     * managed memory at once, so every device's work must be done first) or the program gives
-     * every device back (gpushare_release). */
+    /* A process that uses several devices holds each on its own (link.c): a revoke waits for
+     * that device's work only and evicts that device's memory only (the engine keeps an account
+     * per device), unless the program gives every device back (gpushare_release). */
     pthread_mutex_lock(&s->mu);
     int several = s->links.n > 0;
-    CUdevice first = s->devs.dev;
     pthread_mutex_unlock(&s->mu);
-    int failed = several && !evict && !every_device ? gs_device_sync_dev(s, first) : gs_device_sync_all(s);
-    CUdevice dev;
-    if (evict && !failed && gs_device_push(s, &dev) == 0) {
+    int failed = several && !every_device ? gs_device_sync_dev(s, dev) : gs_device_sync_all(s);
+    /* Its memory moves in a context of its own device: the copies run on that device's engines
+     * and physical memory is made there again at restore. */
+    if (evict && !failed && gs_device_push_on(s, dev) == 0) {
         *evicted = gs_mem_evict(dev, moved, us) == 0;
         gs_device_pop();
     }
@@ -48,28 +48,41 @@ int gs_drain_work(struct gs_session *s, const char *what, int evict, int every_d
     return !failed;
 }
 
-int gs_drain_device(struct gs_session *s, const char *what, CUdevice dev)
-{
-    if (!gs_drain_quiesce(what, gs_config()->capture_wait))
-        return 0;
-    int failed = gs_device_sync_dev(s, dev);
-    gs_capture_unlock();
-    return !failed;
-}
-
-/* Bring evicted memory back to the device (the app's work is not running: no capture waits). */
-void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, uint64_t *us)
+/* Bring device dev's evicted memory back (the app's work is not running: no capture waits). */
+void gs_drain_restore(struct gs_session *s, const char *what, CUdevice dev, uint64_t *moved,
+                      uint64_t *us)
 {
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
-    CUdevice dev;
+    gs_mem_totals_dev(dev, &t);
     *moved = *us = 0;
     if (!t.evicted || !gs_drain_quiesce(what, gs_config()->capture_wait))
         return;
-    if (gs_device_push(s, &dev) == 0) {
+    if (gs_device_push_on(s, dev) == 0) {
         gs_mem_restore(dev, moved, us);
         gs_device_pop();
     }
     gs_capture_unlock();
+}
+
+int gs_drain_devices(struct gs_session *s, CUdevice *devs)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = 0;
+    devs[n++] = s->devs.dev;
+    for (int i = 0; i < s->links.n; i++)
+        devs[n++] = s->links.l[i].dev;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+void gs_drain_restore_every_device(struct gs_session *s, const char *what)
+{
+    gs_mem_back_deferred(GS_MEM_ALL_DEVICES);
+    CUdevice devs[GS_MAX_LINKS + 1];
+    int n = gs_drain_devices(s, devs);
+    for (int i = 0; i < n; i++) {
+        uint64_t moved, us;
+        gs_drain_restore(s, what, devs[i], &moved, &us);
+    }
 }
 

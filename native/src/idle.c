@@ -61,7 +61,7 @@ void gs_idle_check(struct gs_session *s, double now)
     if (busy)
         return; /* work is still running: look again on the next tick */
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(s->devs.dev, &t); /* the first device's: this is its connection */
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_IDLE);
     gs_w_u64(&w, GS_TAG_IDLE_MS, (uint64_t)(idle_for * 1000));

@@ -1,6 +1,7 @@
 /*
  * The grant/revoke/evict lifecycle: what the shim does for each message the scheduler sends
- * (docs/protocol.md). Runs on the shim's thread only.
+ * (docs/protocol.md). Runs on the shim's thread only. This connection is the first device's: it
+ * moves and reports that device's memory (a later device's link does the same for its own).
  */
 #include <ctype.h>
 #include <string.h>
@@ -34,12 +35,13 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
                 stuck, GS_DRAIN_WAIT_S);
     uint64_t moved = 0, us = 0;
     int evicted = 0;
-    gs_drain_work(s, "the release", evict, !solicited, &evicted, &moved, &us);
+    CUdevice dev = s->devs.dev;
+    gs_drain_work(s, "the release", dev, evict, !solicited, &evicted, &moved, &us);
     if (evict && !evicted)
         GS_WARN("the eviction failed: the scheduler keeps counting this process's memory on the "
                 "device");
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(dev, &t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_RELEASED);
     gs_w_u64(&w, GS_TAG_FLAG, evicted ? 1 : 0);
@@ -62,7 +64,7 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     int again = 0;
     if (s->conn.connected) {
         gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
-        gs_mem_defer_backing(); /* a waiter's new memory is never made resident, never evicted */
+        gs_mem_defer_backing(dev); /* a waiter's new memory is never made resident, never evicted */
         s->requested = 0;
         /* Threads that blocked meanwhile still want the device (those that wait for another
          * device wait on its link). */
@@ -91,7 +93,7 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
     }
     if (restore) {
         uint64_t moved = 0, us = 0;
-        gs_drain_restore(s, "the restore", &moved, &us);
+        gs_drain_restore(s, "the restore", s->devs.dev, &moved, &us);
         struct gs_writer w;
         gs_conn_begin(s, &w, GS_MSG_RESTORED);
         gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
@@ -106,7 +108,7 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
         GS_INFO("restored %s to the device in %.1f ms", gs_format_size(moved, b, sizeof b),
                 us / 1000.0);
     }
-    gs_mem_back_deferred(); /* before the gate opens: memory allocated while waiting gets backed */
+    gs_mem_back_deferred(s->devs.dev); /* before the gate opens: what waited gets backed */
     pthread_mutex_lock(&s->mu);
     if (s->conn.connected && !s->quitting) {
         double waited = s->waiters ? gs_now() - s->stats.wait_began : 0;
@@ -130,9 +132,9 @@ static void handle_evict(struct gs_session *s)
     int evicted = 0;
     /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
     if (!holding)
-        gs_drain_work(s, "the eviction", 1, 1, &evicted, &moved, &us);
+        gs_drain_work(s, "the eviction", s->devs.dev, 1, 0, &evicted, &moved, &us);
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(s->devs.dev, &t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_EVICTED);
     /* FLAG 0: the memory is still on the device; the scheduler must not count it as gone. */
@@ -162,9 +164,9 @@ static void handle_precopy(struct gs_session *s)
     int waiting = s->waiters > 0;
     pthread_mutex_unlock(&s->mu);
     if (!waiting)
-        gs_mem_precopy_async();
+        gs_mem_precopy_async(s->devs.dev);
     struct gs_mem_totals t;
-    gs_mem_totals(&t);
+    gs_mem_totals_dev(s->devs.dev, &t);
     struct gs_writer w;
     gs_conn_begin(s, &w, GS_MSG_PRECOPIED);
     gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
@@ -204,7 +206,7 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
     }
     case GS_MSG_SET_QUOTA: {
         uint64_t q = gs_msg_u64(m, GS_TAG_QUOTA, 0);
-        gs_mem_set_quota(q);
+        gs_mem_set_quota(s->devs.dev, q);
         char b[32];
         GS_INFO("quota set to %s", q ? gs_format_size(q, b, sizeof b) : "none");
         break;

@@ -2,12 +2,12 @@
  * The devices a process uses after its first (docs/protocol.md, "Several devices"). Each has its
  * own connection to the scheduler under the client id `<id>/<ordinal>`, so the process is a
  * client of that device's pool as well: it waits in that device's queue, holds that device for
- * that device's quantum, and a revoke of that device drains that device's contexts only. The
- * first device keeps the session's own connection (conn.c, lifecycle.c), which carries the
- * process's memory, its idle detector and the reconnect policy; a link follows it (it connects
- * again once that connection is back) and carries no memory of its own (docs/architecture.md,
- * "Several devices", says what the memory engine must provide for that). Runs on the shim's thread,
- * except what the gate's slow path reads under s->mu.
+ * that device's quantum, and a revoke of that device drains that device's contexts only. Each
+ * link reports, evicts, restores and pre-copies its own device's memory (the memory engine keeps
+ * an account per device), and its quota and pool are that device's. The first device keeps the
+ * session's own connection (conn.c, lifecycle.c), which carries the idle detector and the
+ * reconnect policy; a link follows it (it connects again once that connection is back). Runs on
+ * the shim's thread, except what the gate's slow path reads under s->mu.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -33,21 +33,23 @@ static void send_frame(struct gs_session *s, CUdevice dev, struct gs_writer *w)
         GS_WARN("device %d: sending to the scheduler failed", (int)dev);
 }
 
-/* RELEASED, EVICTED, RESTORED or PRECOPIED for a link: the engine keeps no per-device account,
- * so a link never moves memory (flag: RELEASED 0 = not evicted; EVICTED 1 = nothing left to
- * evict). */
-static void send_nothing_moved(struct gs_session *s, CUdevice dev, uint8_t type, int flag)
+/* RELEASED, EVICTED, RESTORED or PRECOPIED for a link, with what moved and its device's memory
+ * as it is now (flag: RELEASED and EVICTED, 1 = evicted). */
+static void answer(struct gs_session *s, CUdevice dev, uint8_t type, int flag, uint64_t moved,
+                   uint64_t us)
 {
+    struct gs_mem_totals t;
+    gs_mem_totals_dev(dev, &t);
     uint8_t buf[128];
     struct gs_writer w;
     gs_w_begin(&w, buf, sizeof buf, type);
     if (type == GS_MSG_RELEASED || type == GS_MSG_EVICTED)
         gs_w_u64(&w, GS_TAG_FLAG, (uint64_t)flag);
     if (type == GS_MSG_PRECOPIED)
-        gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, 0);
-    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, 0);
-    gs_w_u64(&w, GS_TAG_BYTES_MOVED, 0);
-    gs_w_u64(&w, GS_TAG_MICROS, 0);
+        gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
+    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
+    gs_w_u64(&w, GS_TAG_MICROS, us);
     send_frame(s, dev, &w);
 }
 
@@ -86,9 +88,9 @@ static void link_lost(struct gs_session *s, CUdevice dev, const char *why)
 }
 
 /* HELLO for a device after the first (docs/protocol.md, "Several devices"): its own client id and
- * that device's identity. Its memory comes with its REQUESTs. */
+ * that device's identity. Its memory follows in MEMORY (memory in a HELLO says "resume"). */
 static int handshake(struct gs_session *s, CUdevice dev, uint8_t *rx, size_t cap,
-               size_t *rx_len, char *why, size_t whylen)
+                     size_t *rx_len, char *why, size_t whylen)
 {
     int fd = gs_conn_connect(s, why, whylen);
     if (fd < 0)
@@ -116,7 +118,7 @@ static int handshake(struct gs_session *s, CUdevice dev, uint8_t *rx, size_t cap
         return -1;
     }
     *rx_len = 0;
-    if (gs_conn_await_welcome(NULL, fd, rx, cap, rx_len, deadline, why, whylen) == 0)
+    if (gs_conn_await_welcome(NULL, dev, fd, rx, cap, rx_len, deadline, why, whylen) == 0)
         return fd;
     close(fd);
     return -1;
@@ -145,12 +147,13 @@ void gs_link_open_new(struct gs_session *s)
             l->rx_len = fresh.rx_len;
             l->state = GS_LINK_IDLE;
             l->tries = 0;
+            /* Nothing reported yet: the thread's next pass sends this device's MEMORY. */
+            l->mem_report = (struct gs_mem_report){gs_mem_generation() - 1, {0}, 0};
         } else {
             if (fd >= 0)
                 close(fd);
             if (l && (s->quitting || ++l->tries >= LINK_MAX_TRIES)) {
-                l->state = GS_LINK_UNSHARED;
-                gave_up = 1;
+                gave_up = 1; /* unshared once its memory is back (below) */
             } else if (l) {
                 l->next_connect_at = gs_now() + LINK_RETRY_S * l->tries;
             }
@@ -163,18 +166,26 @@ void gs_link_open_new(struct gs_session *s)
         else if (gave_up)
             GS_WARN("device %d: cannot register with the scheduler (%s); it runs unshared",
                     (int)todo[i], why);
+        if (gave_up) {
+            /* Its calls pass from now on: memory evicted or left unbacked while it waited must be
+             * on the device first. */
+            uint64_t moved, us;
+            gs_mem_back_deferred(todo[i]);
+            gs_drain_restore(s, "the restore of a device that runs unshared", todo[i], &moved, &us);
+            set_state(s, todo[i], GS_LINK_UNSHARED);
+        }
     }
 }
 
-/* REQUEST with what the session knows of this device's memory: the context estimate. */
+/* REQUEST with this device's memory. */
 static void send_request(struct gs_session *s, CUdevice dev)
 {
     uint8_t buf[256];
     struct gs_writer w;
-    struct gs_mem_totals ctx_only = {.used = gs_config()->context_bytes,
-                                     .pinned = gs_config()->context_bytes};
+    struct gs_mem_totals t;
+    gs_mem_totals_dev(dev, &t);
     gs_w_begin(&w, buf, sizeof buf, GS_MSG_REQUEST);
-    gs_conn_put_memory(&w, &ctx_only);
+    gs_conn_put_memory(&w, &t);
     send_frame(s, dev, &w);
     GS_DEBUG("requested device %d", (int)dev);
 }
@@ -210,10 +221,10 @@ int gs_link_pollfds(struct gs_session *s, struct pollfd *pfd, int cap, CUdevice 
     return n;
 }
 
-/* REVOKE: close the gate, wait for the calls inside the driver, then for this device's work. The
- * memory engine keeps no per-device account, so the link evicts nothing: its RELEASED says so
- * (flag 0) and the scheduler keeps the link's memory counted on the device. */
-static void release(struct gs_session *s, CUdevice dev, const char *reason)
+/* REVOKE: close the gate, wait for the calls inside the driver, then for this device's work, and
+ * (flag 1) move this device's memory to the host; the other devices' work and memory are not
+ * touched. */
+static void release(struct gs_session *s, CUdevice dev, int evict, const char *reason)
 {
     pthread_mutex_lock(&s->mu);
     struct gs_link *l = gs_session_link_locked(s, dev);
@@ -232,13 +243,20 @@ static void release(struct gs_session *s, CUdevice dev, const char *reason)
     if (stuck)
         GS_INFO("device %d: %d call(s) still inside the driver after %.0f s: going on", (int)dev,
                 stuck, GS_DRAIN_WAIT_S);
-    gs_drain_device(s, "the release", dev);
-    send_nothing_moved(s, dev, GS_MSG_RELEASED, 0);
-    GS_INFO("device %d revoked (%s): released after %.1f ms", (int)dev, reason,
-            gs_ms(gs_now() - t0));
+    uint64_t moved = 0, us = 0;
+    int evicted = 0;
+    gs_drain_work(s, "the release", dev, evict, 0, &evicted, &moved, &us);
+    if (evict && !evicted)
+        GS_WARN("device %d: the eviction failed: the scheduler keeps counting its memory there",
+                (int)dev);
+    answer(s, dev, GS_MSG_RELEASED, evicted, moved, us);
+    char b[32];
+    GS_INFO("device %d revoked (%s): released after %.1f ms, evicted %s in %.1f ms", (int)dev,
+            reason, gs_ms(gs_now() - t0), gs_format_size(moved, b, sizeof b), us / 1000.0);
     pthread_mutex_lock(&s->mu);
     int again = 0;
     if ((l = gs_session_link_locked(s, dev)) && l->state == GS_LINK_RELEASING) {
+        gs_mem_defer_backing(dev); /* a waiter's new memory is never made resident, never evicted */
         l->state = GS_LINK_IDLE;
         l->requested = again = l->waiters > 0; /* calls that blocked meanwhile still want it */
         gs_session_regate_locked(s);
@@ -248,26 +266,60 @@ static void release(struct gs_session *s, CUdevice dev, const char *reason)
         send_request(s, dev);
 }
 
+/* GRANT (flag 1: bring this device's evicted memory back, in its own context, first). */
+static void grant(struct gs_session *s, CUdevice dev, int restore)
+{
+    if (restore) {
+        uint64_t moved = 0, us = 0;
+        gs_drain_restore(s, "the restore", dev, &moved, &us);
+        answer(s, dev, GS_MSG_RESTORED, 0, moved, us);
+        char b[32];
+        GS_INFO("device %d: restored %s in %.1f ms", (int)dev,
+                gs_format_size(moved, b, sizeof b), us / 1000.0);
+    }
+    gs_mem_back_deferred(dev); /* before the gate opens: what waited gets backed */
+    set_state(s, dev, GS_LINK_HOLDING);
+    GS_INFO("granted device %d", (int)dev);
+}
+
+/* EVICT (the scheduler evicts a device's memory only while the process does not hold it) and
+ * PRECOPY (in the background, unless a call waits for the device). */
+static void evict_or_precopy(struct gs_session *s, CUdevice dev, int evict)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    int holding = l && l->state == GS_LINK_HOLDING, waiting = l && l->waiters > 0;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t moved = 0, us = 0;
+    int evicted = 0;
+    if (evict && !holding)
+        gs_drain_work(s, "the eviction", dev, 1, 0, &evicted, &moved, &us);
+    else if (!evict && !waiting)
+        gs_mem_precopy_async(dev);
+    answer(s, dev, evict ? GS_MSG_EVICTED : GS_MSG_PRECOPIED, evicted, moved, us);
+    char b[32];
+    if (evicted)
+        GS_INFO("device %d: evicted %s to the host in %.1f ms", (int)dev,
+                gs_format_size(moved, b, sizeof b), us / 1000.0);
+}
+
 static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
 {
     char text[256] = "";
     switch (m->type) {
     case GS_MSG_GRANT:
-        if (gs_msg_u64(m, GS_TAG_FLAG, 0)) { /* nothing of this link was evicted: none to move */
-            send_nothing_moved(s, dev, GS_MSG_RESTORED, 1);
-        }
-        set_state(s, dev, GS_LINK_HOLDING);
-        GS_INFO("granted device %d", (int)dev);
+        grant(s, dev, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0);
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
-        release(s, dev, text[0] ? text : "no reason");
+        release(s, dev, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, text[0] ? text : "no reason");
         break;
-    case GS_MSG_EVICT: /* the link reports no managed memory: there is nothing to move */
-        send_nothing_moved(s, dev, GS_MSG_EVICTED, 1);
+    case GS_MSG_EVICT:
+    case GS_MSG_PRECOPY:
+        evict_or_precopy(s, dev, m->type == GS_MSG_EVICT);
         break;
-    case GS_MSG_PRECOPY: /* nothing of this link's to copy ahead: valid now is none */
-        send_nothing_moved(s, dev, GS_MSG_PRECOPIED, 0);
+    case GS_MSG_SET_QUOTA:
+        gs_mem_set_quota(dev, gs_msg_u64(m, GS_TAG_QUOTA, 0)); /* this device's registration's */
         break;
     case GS_MSG_ERROR:
         gs_msg_str(m, GS_TAG_MESSAGE, text, sizeof text);
@@ -275,7 +327,7 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
                 (unsigned long long)gs_msg_u64(m, GS_TAG_ERROR_CODE, 0), text);
         break;
     default:
-        break; /* SET_QUOTA: the quota is the process's, kept by the first device's connection */
+        break;
     }
 }
 
@@ -326,7 +378,42 @@ void gs_link_release_all(struct gs_session *s, const char *reason)
     struct pollfd pfd[GS_MAX_LINKS];
     int n = gs_link_pollfds(s, pfd, GS_MAX_LINKS, devs);
     for (int i = 0; i < n; i++)
-        release(s, devs[i], reason); /* only those it holds */
+        release(s, devs[i], 0, reason); /* only those it holds */
+}
+
+int gs_link_report_memory(struct gs_session *s, double now, double min_interval)
+{
+    CUdevice devs[GS_MAX_LINKS];
+    struct pollfd pfd[GS_MAX_LINKS];
+    int n = gs_link_pollfds(s, pfd, GS_MAX_LINKS, devs), later = 0;
+    uint64_t gen = gs_mem_generation();
+    for (int i = 0; i < n; i++) {
+        pthread_mutex_lock(&s->mu);
+        struct gs_link *l = gs_session_link_locked(s, devs[i]);
+        struct gs_mem_report r = l ? l->mem_report : (struct gs_mem_report){gen, {0}, now};
+        pthread_mutex_unlock(&s->mu);
+        if (r.gen_sent == gen)
+            continue;
+        struct gs_mem_totals t;
+        gs_mem_totals_dev(devs[i], &t);
+        int send = gs_conn_memory_differs(&r, &t) && now - r.sent_at >= min_interval;
+        later |= gs_conn_memory_differs(&r, &t) && !send;
+        if (send) {
+            uint8_t buf[256];
+            struct gs_writer w;
+            gs_w_begin(&w, buf, sizeof buf, GS_MSG_MEMORY);
+            gs_conn_put_memory(&w, &t);
+            send_frame(s, devs[i], &w);
+            r = (struct gs_mem_report){gen, t, now};
+        } else if (!gs_conn_memory_differs(&r, &t)) {
+            r.gen_sent = gen; /* nothing the scheduler would see */
+        }
+        pthread_mutex_lock(&s->mu);
+        if ((l = gs_session_link_locked(s, devs[i])) && l->fd == pfd[i].fd)
+            l->mem_report = r;
+        pthread_mutex_unlock(&s->mu);
+    }
+    return later;
 }
 
 void gs_link_close_all(struct gs_session *s, int goodbye)

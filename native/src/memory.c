@@ -5,10 +5,37 @@
  * managed memory moves by prefetch.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "memory.h"
 
-static CUstream move_stream; /* private stream for managed prefetches, in the app's context */
+/* Private streams for managed prefetches, one per device, in the context they were made in. */
+static struct {
+    CUcontext ctx;
+    CUstream s;
+} prefetch_streams[GS_MEM_DEVICES];
+
+/* The private stream of the current context's device (made when first needed, or again when
+ * that device's current context is another). NULL when the driver refuses one. */
+static CUstream prefetch_stream(void)
+{
+    typedef CUresult (*stream_create_fn)(CUstream *, unsigned int);
+    typedef CUresult (*ctx_cur_fn)(CUcontext *);
+    ctx_cur_fn cur_fn = (ctx_cur_fn)gs_driver_sym("cuCtxGetCurrent");
+    CUcontext cur = NULL;
+    if (cur_fn)
+        cur_fn(&cur);
+    int d = gs_mem_current_slot();
+    if (prefetch_streams[d].ctx != cur || !prefetch_streams[d].s) {
+        stream_create_fn create = (stream_create_fn)gs_driver_sym("cuStreamCreate");
+        prefetch_streams[d].ctx = cur;
+        if (!create || create(&prefetch_streams[d].s, GS_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+            prefetch_streams[d].s = NULL;
+            GS_WARN("cannot create the stream for moving memory; pages will move on demand");
+        }
+    }
+    return prefetch_streams[d].s;
+}
 
 /* ---- allocation handlers (hooks.def) ---- */
 
@@ -106,10 +133,15 @@ CUresult gs_mem_create(gs_fn_cuMemCreate real, CUmemGenericAllocationHandle *han
 {
     if (gs_config()->disabled || !handle || !size)
         return real(handle, size, prop, flags);
-    CUresult r = gs_memtab_reserve(size);
+    /* Physical memory lives on the device its properties name, whichever context is current. */
+    CUdevice dev = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                       ? (CUdevice)prop->location.id
+                       : (CUdevice)gs_mem_current_slot();
+    CUresult r = gs_memtab_reserve_on(dev, size);
     if (r != CUDA_SUCCESS)
         return r;
-    return gs_memtab_settle(real(handle, size, prop, flags), size, handle, NS_HANDLE, size, KIND_HANDLE);
+    return gs_memtab_settle_on(dev, real(handle, size, prop, flags), size, handle, NS_HANDLE, size,
+                               KIND_HANDLE);
 }
 
 CUresult gs_mem_release(gs_fn_cuMemRelease real, CUmemGenericAllocationHandle handle)
@@ -250,23 +282,17 @@ CUresult gs_mem_free_async(gs_fn_cuMemFreeAsync real, CUdeviceptr dptr, CUstream
     return r;
 }
 
-/* Prefetch every span to the host (to_host) or to device `dev`, on the private stream, and wait.
- * Marks what moved. The app's context must be current. */
+/* Prefetch device dev's spans to the host (to_host) or back to `dev`, on the private stream, and
+ * wait. Marks what moved. A context of `dev` must be current. */
 static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    typedef CUresult (*stream_create_fn)(CUstream *, unsigned int);
     typedef CUresult (*stream_sync_fn)(CUstream);
     double t0 = gs_now();
     *bytes_moved = 0;
     *micros = 0;
-    if (!move_stream) {
-        stream_create_fn create = (stream_create_fn)gs_driver_sym("cuStreamCreate");
-        if (!create || create(&move_stream, GS_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
-            move_stream = NULL;
-            GS_WARN("cannot create the stream for moving memory; pages will move on demand");
-            return -1;
-        }
-    }
+    CUstream move_stream = prefetch_stream();
+    if (!move_stream)
+        return -1;
     stream_sync_fn sync = (stream_sync_fn)gs_driver_sym("cuStreamSynchronize");
     gs_fn_cuMemPrefetchAsync_v2 p2 = GS_REAL(cuMemPrefetchAsync_v2);
     gs_fn_cuMemPrefetchAsync p1 = p2 ? NULL : GS_REAL(cuMemPrefetchAsync);
@@ -274,7 +300,7 @@ static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *
         return -1;
 
     size_t n;
-    struct gs_span *spans = gs_memtab_managed_spans(to_host ? 0 : 1, &n);
+    struct gs_span *spans = gs_memtab_managed_spans(dev, to_host ? 0 : 1, &n);
     unsigned char *ok = n ? calloc(n, 1) : NULL;
     if (n && (!spans || !ok)) {
         free(spans);
@@ -298,12 +324,12 @@ static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *
     return sr == CUDA_SUCCESS ? 0 : -1;
 }
 
-/* Both kinds of movable memory: the engine's explicit blocks, then the program's own managed
- * memory (and cuMemAlloc made managed under GPUSHARE_MEMORY=managed) by prefetch. */
+/* Both kinds of movable memory of device `dev`: the engine's explicit blocks, then the program's
+ * own managed memory (and cuMemAlloc made managed under GPUSHARE_MEMORY=managed) by prefetch. */
 static int move_everything(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
     uint64_t b1 = 0, u1 = 0, b2 = 0, u2 = 0;
-    int r1 = to_host ? gs_vmm_evict(&b1, &u1) : gs_vmm_restore(&b1, &u1);
+    int r1 = to_host ? gs_vmm_evict(dev, &b1, &u1) : gs_vmm_restore(dev, &b1, &u1);
     int r2 = move_all(to_host, dev, &b2, &u2);
     *bytes_moved = b1 + b2;
     *micros = u1 + u2;
@@ -320,13 +346,13 @@ int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
     return move_everything(0, dev, bytes_moved, micros);
 }
 
-void gs_mem_totals(struct gs_mem_totals *out)
+void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out)
 {
     *out = (struct gs_mem_totals){0};
-    gs_memtab_totals(out);
+    gs_mem_account_totals(dev, out);
     struct gs_vmm_totals v;
     struct gs_staging_totals st;
-    gs_vmm_totals(&v);
+    gs_vmm_totals(dev, &v);
     gs_staging_totals(&st);
     out->precopied = v.precopied_valid;
     /* Memory shared through CUDA IPC stays on the device while imported: pinned, not evictable. */
@@ -334,18 +360,20 @@ void gs_mem_totals(struct gs_mem_totals *out)
     out->pinned += v.ipc_pinned;
     out->staging_pinned = st.pinned_bytes;
     out->staging_pageable = st.pageable_bytes;
-    out->staging_fallbacks = st.fallbacks;
+    out->staging_fallbacks = st.fallbacks; /* the host's: one budget for every device */
 }
 
-void gs_mem_precopy_async(void) { gs_vmm_precopy_async(); }
+void gs_mem_totals(struct gs_mem_totals *out) { gs_mem_totals_dev(GS_MEM_ALL_DEVICES, out); }
 
-void gs_mem_defer_backing(void)
+void gs_mem_precopy_async(CUdevice dev) { gs_vmm_precopy_async(dev); }
+
+void gs_mem_defer_backing(CUdevice dev)
 {
     if (gs_config()->memory_mode == GS_MEMORY_VMM)
-        gs_vmm_defer_backing();
+        gs_vmm_defer_backing(dev);
 }
 
-void gs_mem_back_deferred(void) { gs_vmm_back_deferred(); }
+void gs_mem_back_deferred(CUdevice dev) { gs_vmm_back_deferred(dev); }
 
 /* At idle, with the application's context current: also what the pools and graphs hold now. */
 void gs_mem_prepare_staging(void)
@@ -365,7 +393,7 @@ void gs_mem_context_gone(CUcontext ctx)
             gs_memtab_forget_context(ctx);
         gs_reserves_context_gone();
     }
-    move_stream = NULL;
+    memset(prefetch_streams, 0, sizeof prefetch_streams);
 }
 
 /* ---- fork ---- */
@@ -373,10 +401,11 @@ void gs_mem_context_gone(CUcontext ctx)
 void gs_mem_after_fork_child(void)
 {
     gs_memtab_after_fork_child();
+    gs_mem_account_after_fork_child();
     gs_vmm_after_fork_child();
     gs_vmm_prepare_after_fork_child();
     gs_staging_after_fork_child();
     gs_reserves_after_fork_child();
     gs_graphs_after_fork_child();
-    move_stream = NULL;
+    memset(prefetch_streams, 0, sizeof prefetch_streams);
 }

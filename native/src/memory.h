@@ -37,7 +37,42 @@ typedef struct gs_mem_access_desc {
     int flags; /* CUmemAccess_flags */
 } gs_mem_access_desc;
 
-/* ---- memory_table.c: the allocation table, quota, totals ---- */
+/* ---- memory_account.c: each device's account, quota and pool; the process's view ---- */
+
+/* One device's account (under gs_mem_mu). */
+struct gs_mem_account {
+    uint64_t managed, pinned_alloc, evicted, reserved; /* the table's allocations */
+    uint64_t engine, engine_evicted; /* explicit memory (memory_vmm.c) */
+    uint64_t context;                /* the estimate, once the process has a context there */
+    uint64_t driver_reserve;         /* pools' reserves and graph memory (memory_reserves.c) */
+    uint64_t quota, pool;            /* this device's registration's */
+};
+/* Guards the accounts and the allocation table (lock order: the engine's lock, then this). */
+extern pthread_mutex_t gs_mem_mu;
+extern struct gs_mem_account gs_mem_acct[GS_MEM_DEVICES];
+void gs_mem_changed_locked(void);
+/* gs_mem_slot() of the current context's device (0 when none is current). */
+int gs_mem_current_slot(void);
+/* Reserve bytes on device `dev` against its quota and pool; on refusal logs the one line that
+ * says why and returns CUDA_ERROR_OUT_OF_MEMORY. Without _on: on the current context's device. */
+CUresult gs_mem_reserve_on(CUdevice dev, uint64_t size);
+void gs_mem_unreserve_on(CUdevice dev, uint64_t size);
+CUresult gs_mem_reserve(uint64_t size);
+void gs_mem_unreserve(uint64_t size);
+/* Drop `reserved` from device `dev`'s reservations, then change its explicit memory's counted
+ * bytes by `total_delta` and its evicted bytes by `evicted_delta`. */
+void gs_mem_engine_account(CUdevice dev, uint64_t reserved, int64_t total_delta,
+                           int64_t evicted_delta);
+/* The accounts' part of gs_mem_totals_dev (memory.c adds the engine's and the staging's); adds
+ * into *out. dev GS_MEM_ALL_DEVICES: every device's sums, and the largest quota and pool of
+ * the devices the process has a context on. */
+void gs_mem_account_totals(CUdevice dev, struct gs_mem_totals *out);
+/* The process's view of the current context's device: total (quota, else pool, else
+ * real_total), free and used. */
+void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out);
+void gs_mem_account_after_fork_child(void);
+
+/* ---- memory_table.c: the allocation table ---- */
 
 enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2, NS_ARRAY = 3, NS_MAP = 4 };
 enum {
@@ -49,13 +84,19 @@ enum {
     KIND_MAP = 5      /* a mapping of a counted handle: not counted itself */
 };
 
-/* A reservation for an allocation the table will record: bytes and a table slot. */
+/* A reservation for an allocation the table will record: bytes and a table slot, on the current
+ * context's device (_on: on device `dev`, for memory made on a device named by the caller). */
 CUresult gs_memtab_reserve(uint64_t size);
 void gs_memtab_unreserve(uint64_t size);
+CUresult gs_memtab_reserve_on(CUdevice dev, uint64_t size);
+void gs_memtab_unreserve_on(CUdevice dev, uint64_t size);
 /* Settle a reservation once the driver has answered: a success becomes a counted allocation
  * under *key, a failure gives the reservation back. Returns r. */
 CUresult gs_memtab_settle(CUresult r, uint64_t reserved, const unsigned long long *key,
                           uint8_t ns, uint64_t size, uint8_t kind);
+CUresult gs_memtab_settle_on(CUdevice dev, CUresult r, uint64_t reserved,
+                             const unsigned long long *key, uint8_t ns, uint64_t size,
+                             uint8_t kind);
 void gs_memtab_uncount(uint64_t key, uint8_t ns);
 /* The program's own VMM handles: counted until released by every holder (cuMemRelease after
  * cuMemCreate and each cuMemRetainAllocationHandle) and unmapped everywhere. */
@@ -66,29 +107,17 @@ void gs_memtab_range_unmapped(uint64_t ptr, uint64_t size);
 struct gs_span {
     uint64_t ptr, size;
 };
-/* The program's managed allocations whose evicted flag equals `evicted` (malloc'd copy). */
-struct gs_span *gs_memtab_managed_spans(int evicted, size_t *count);
+/* Device `dev`'s managed allocations whose evicted flag equals `evicted` (malloc'd copy). */
+struct gs_span *gs_memtab_managed_spans(CUdevice dev, int evicted, size_t *count);
 uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *ok, size_t n,
                               int to_host);
 void gs_memtab_after_fork_child(void);
 void gs_memtab_forget_context(CUcontext ctx);
 /* Memory the driver keeps for the process on device `dev` outside the table (pool reserves,
- * graph memory: memory_reserves.c): counted as pinned, against the quota. Replaces the last. */
+ * graph memory: memory_reserves.c): counted as pinned on that device's account, against its
+ * quota. Replaces the last. */
 enum { GS_RESERVE_DEVICES = 64 };
 void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes);
-/* The table's part of gs_mem_totals (memory.c adds the engine's and the staging's). */
-void gs_memtab_totals(struct gs_mem_totals *out);
-
-
-/* Reserve bytes against the quota and the pool; on refusal logs the one line that says why and
- * returns CUDA_ERROR_OUT_OF_MEMORY. */
-CUresult gs_mem_reserve(uint64_t size);
-void gs_mem_unreserve(uint64_t size);
-/* Under memory.c's lock: drop `reserved` from the reservations, then change the engine's
- * counted bytes by `total_delta` and its evicted bytes by `evicted_delta`. */
-/* The process's view: total (quota, else pool, else real_total), free and used. */
-void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out);
-void gs_mem_engine_account(uint64_t reserved, int64_t total_delta, int64_t evicted_delta);
 
 /* ---- memory_reserves.c: what pools and graph memory hold for the process, per device ---- */
 
@@ -134,29 +163,31 @@ CUresult gs_vmm_alloc(CUdeviceptr *dptr, size_t bytes);
 int gs_vmm_free(CUdeviceptr dptr, CUresult *r);
 /* The allocation containing p, as cuMemGetAddressRange answers. 1 when p is the engine's. */
 int gs_vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size);
-/* Copy out and unmap / map and copy back every block. The app's context must be current. */
-int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros);
-int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros);
-/* Copy resident blocks to staging at low priority, leaving them resident; valid until the next
- * gated call. */
-int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros);
+/* Copy out and unmap / map and copy back every block of device `dev` (its own physical memory,
+ * at its own address). A context of `dev` must be current. */
+int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+/* Copy device `dev`'s resident blocks to staging at low priority, leaving them resident; valid
+ * until the next gated call. */
+int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros);
 /* Prepare staging for every block that has none (off the critical path: on idle). */
 void gs_vmm_prepare_staging(void);
 /* memory_prepare.c: the background thread that prepares staging and runs pre-copies. */
 void gs_vmm_preparer_start(void);
-/* A pre-copy in the background, after every block's staging is ready; progress shows in
- * gs_vmm_totals (precopied_valid). */
-void gs_vmm_precopy_async(void);
+/* A pre-copy of device `dev`'s blocks in the background, after every block's staging is ready;
+ * progress shows in gs_vmm_totals (precopied_valid). */
+void gs_vmm_precopy_async(CUdevice dev);
 void gs_vmm_prepare_after_fork_child(void);
 struct gs_vmm_totals {
     uint64_t bytes, evicted, precopied_valid, blocks;
     uint64_t ipc_pinned; /* resident blocks pinned for CUDA IPC: not evictable */
 };
-void gs_vmm_totals(struct gs_vmm_totals *out);
-/* From now on, new blocks get no physical memory until gs_vmm_back_deferred, which backs them
- * (and stops deferring) before the gate opens. */
-void gs_vmm_defer_backing(void);
-void gs_vmm_back_deferred(void);
+/* Device `dev`'s blocks (GS_MEM_ALL_DEVICES: every device's). */
+void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out);
+/* From now on, new blocks on `dev` get no physical memory until gs_vmm_back_deferred(dev), which
+ * backs them (and stops deferring there) before the gate opens. */
+void gs_vmm_defer_backing(CUdevice dev);
+void gs_vmm_back_deferred(CUdevice dev);
 /* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
 void gs_vmm_forget_context(CUcontext ctx);
 void gs_vmm_after_fork_child(void);

@@ -21,16 +21,17 @@ static int precopy_valid(const struct block *b, uint64_t calls)
     return b->precopied && b->precopy_mark == calls;
 }
 
-/* Copy resident blocks into their staging on stream s, an event after each. Returns how many
- * were queued into out/events (blocks without staging or whose copy was refused are left out and
- * make *failed 1). skip_clean: blocks with a valid pre-copy need no copy (queued, no event). */
-static size_t queue_copies_out(CUstream s, struct block **out, CUevent *events, int skip_clean,
-                               uint64_t calls, int *failed)
+/* Copy device dev's resident blocks into their staging on stream s, an event after each. Returns
+ * how many were queued into out/events (blocks without staging or whose copy was refused are left
+ * out and make *failed 1). skip_clean: blocks with a valid pre-copy need no copy (queued, no
+ * event). */
+static size_t queue_copies_out(CUdevice dev, CUstream s, struct block **out, CUevent *events,
+                               int skip_clean, uint64_t calls, int *failed)
 {
     size_t k = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
-        if (!b->resident || b->ipc_pinned)
+        if (!gs_vmm_on(b, dev) || !b->resident || b->ipc_pinned)
             continue; /* a pinned block is mapped by a peer process: never pulled from under it */
         if (skip_clean && precopy_valid(b, calls)) {
             events[k] = NULL;
@@ -93,7 +94,7 @@ static void batch_close(struct batch *b)
     free(b->events);
 }
 
-int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros)
+int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
     double t0 = gs_now();
     *bytes_moved = *micros = 0;
@@ -104,7 +105,7 @@ int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros)
     struct batch bt;
     int failed = batch_open(&bt, 0) != 0;
     if (!failed && bt.stream) {
-        size_t n = queue_copies_out(bt.stream, bt.list, bt.events, 1, calls, &failed);
+        size_t n = queue_copies_out(dev, bt.stream, bt.list, bt.events, 1, calls, &failed);
         for (size_t k = 0; k < n; k++) {
             struct block *b = bt.list[k];
             int clean = precopy_valid(b, calls);
@@ -118,7 +119,7 @@ int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros)
         }
     }
     batch_close(&bt);
-    gs_mem_engine_account(0, 0, (int64_t)moved);
+    gs_mem_engine_account(dev, 0, 0, (int64_t)moved);
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_moved = moved;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
@@ -128,7 +129,7 @@ int gs_vmm_evict(uint64_t *bytes_moved, uint64_t *micros)
     return failed ? -1 : 0;
 }
 
-int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
+int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
     double t0 = gs_now();
     *bytes_moved = *micros = 0;
@@ -140,7 +141,7 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
     CUstream s = NULL;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
-        if (b->resident)
+        if (b->resident || !gs_vmm_on(b, dev))
             continue;
         size_t free_now = 0, total = 0;
         /* Never oversubscribe: only what the device has free comes back. */
@@ -174,23 +175,28 @@ int gs_vmm_restore(uint64_t *bytes_moved, uint64_t *micros)
     }
     if (s && gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)
         failed = 1;
-    gs_mem_engine_account(0, 0, -(int64_t)(moved + backed));
+    gs_mem_engine_account(dev, 0, 0, -(int64_t)(moved + backed));
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_moved = moved;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
     return failed ? -1 : 0;
 }
 
-void gs_vmm_defer_backing(void) { atomic_store(&gs_vmm_defer, 1); }
+static unsigned slot_bits(CUdevice dev)
+{
+    return dev == GS_MEM_ALL_DEVICES ? ~0u : 1u << gs_mem_slot(dev);
+}
 
-void gs_vmm_back_deferred(void)
+void gs_vmm_defer_backing(CUdevice dev) { atomic_fetch_or(&gs_vmm_defer, slot_bits(dev)); }
+
+void gs_vmm_back_deferred(CUdevice dev)
 {
     pthread_mutex_lock(&gs_vmm_mu);
     /* Under the lock: an allocation either comes before this pass (and is backed by it) or after
      * (and is backed at once). Cleared even when the engine has no block yet: a grant that comes
      * before the first cudaMalloc (PyTorch's expandable segments allocate with cuMemCreate, and
      * cuDNN's first cudaMalloc follows the grant) must not leave later blocks unbacked. */
-    atomic_store(&gs_vmm_defer, 0);
+    atomic_fetch_and(&gs_vmm_defer, ~slot_bits(dev));
     if (!gs_vmm_drv.ok) {
         pthread_mutex_unlock(&gs_vmm_mu);
         return;
@@ -198,7 +204,7 @@ void gs_vmm_back_deferred(void)
     uint64_t backed = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
-        if (!b->unbacked)
+        if (!b->unbacked || !gs_vmm_on(b, dev))
             continue;
         if (gs_vmm_back(b) != CUDA_SUCCESS) {
             char a[32];
@@ -208,8 +214,8 @@ void gs_vmm_back_deferred(void)
         }
         b->unbacked = 0;
         backed += b->size;
+        gs_mem_engine_account(b->dev, 0, 0, -(int64_t)b->size);
     }
-    gs_mem_engine_account(0, 0, -(int64_t)backed);
     pthread_mutex_unlock(&gs_vmm_mu);
     if (backed) {
         char a[32];
@@ -217,7 +223,7 @@ void gs_vmm_back_deferred(void)
     }
 }
 
-int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
+int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros)
 {
     double t0 = gs_now();
     *bytes_copied = *micros = 0;
@@ -228,7 +234,7 @@ int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
     struct batch bt;
     int failed = batch_open(&bt, 1) != 0;
     if (!failed && bt.stream) {
-        size_t n = queue_copies_out(bt.stream, bt.list, bt.events, 0, calls, &failed);
+        size_t n = queue_copies_out(dev, bt.stream, bt.list, bt.events, 0, calls, &failed);
         for (size_t k = 0; k < n; k++) {
             if (wait_copy(bt.events[k], bt.stream) != CUDA_SUCCESS) {
                 failed = 1;
@@ -240,13 +246,13 @@ int gs_vmm_precopy(uint64_t *bytes_copied, uint64_t *micros)
         }
     }
     batch_close(&bt);
-    gs_mem_engine_account(0, 0, 0); /* what is pre-copied changed: report it */
+    gs_mem_engine_account(dev, 0, 0, 0); /* what is pre-copied changed: report it */
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_copied = copied;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
     char b[32];
-    GS_INFO("pre-copied %s to the host in %.1f ms", gs_format_size(copied, b, sizeof b),
-            *micros / 1000.0);
+    GS_INFO("pre-copied %s of device %d to the host in %.1f ms",
+            gs_format_size(copied, b, sizeof b), (int)dev, *micros / 1000.0);
     return failed ? -1 : 0;
 }
 
@@ -259,13 +265,15 @@ void gs_vmm_prepare_staging(void)
     pthread_mutex_unlock(&gs_vmm_mu);
 }
 
-void gs_vmm_totals(struct gs_vmm_totals *out)
+void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out)
 {
     *out = (struct gs_vmm_totals){0};
     pthread_mutex_lock(&gs_vmm_mu);
     uint64_t calls = gs_vmm_nblocks ? gs_total_gated_calls() : 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
+        if (!gs_vmm_on(b, dev))
+            continue;
         out->bytes += b->size;
         out->blocks++;
         if (!b->resident)

@@ -81,14 +81,19 @@ static void *preparer(void *arg)
                 b = gs_vmm_blocks[i];
         if (!b && gs_vmm_precopy_wanted) {
             /* Every block has its staging: the pre-copy the scheduler asked for runs here, so
-             * the shim's thread stays free to answer (a revoke must not wait behind it). */
-            gs_vmm_precopy_wanted = 0;
-            CUcontext ctx = gs_vmm_nblocks ? gs_vmm_blocks[0]->ctx : NULL;
+             * the shim's thread stays free to answer (a revoke must not wait behind it). One
+             * device at a time, in the context of one of its blocks. */
+            CUdevice dev = __builtin_ctz(gs_vmm_precopy_wanted);
+            gs_vmm_precopy_wanted &= ~(1u << dev);
+            CUcontext ctx = NULL;
+            for (size_t i = 0; i < gs_vmm_nblocks && !ctx; i++)
+                if (gs_vmm_on(gs_vmm_blocks[i], dev))
+                    ctx = gs_vmm_blocks[i]->ctx;
             pthread_mutex_unlock(&gs_vmm_mu);
             uint64_t copied, us;
             if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS) {
                 hold_off_captures();
-                gs_vmm_precopy(&copied, &us);
+                gs_vmm_precopy(dev, &copied, &us);
                 gs_capture_unlock();
             }
             pthread_mutex_lock(&gs_vmm_mu);
@@ -149,11 +154,11 @@ void gs_vmm_preparer_start(void)
     pthread_mutex_unlock(&gs_vmm_mu);
 }
 
-void gs_vmm_precopy_async(void)
+void gs_vmm_precopy_async(CUdevice dev)
 {
     gs_vmm_preparer_start();
     pthread_mutex_lock(&gs_vmm_mu);
-    gs_vmm_precopy_wanted = 1;
+    gs_vmm_precopy_wanted |= 1u << gs_mem_slot(dev);
     gs_vmm_wake_preparer_locked();
     pthread_mutex_unlock(&gs_vmm_mu);
 }

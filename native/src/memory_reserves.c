@@ -223,7 +223,7 @@ static CUresult graph_reserve(CUdevice dev, uint64_t need, uint64_t *held)
     }
     if (need <= idle)
         return CUDA_SUCCESS;
-    CUresult r = gs_mem_reserve(need - idle); /* on `dev` once the quota is per device */
+    CUresult r = gs_mem_reserve_on(dev, need - idle); /* against that device's quota */
     if (r == CUDA_SUCCESS)
         *held = need - idle;
     return r;
@@ -275,13 +275,13 @@ static CUresult stream_ordered_alloc(alloc_call call, const void *real, CUdevice
         }
     }
     uint64_t taken = take_idle(dev, bytes);
-    CUresult r = gs_memtab_reserve(bytes - taken);
+    CUresult r = gs_memtab_reserve_on(dev, bytes - taken);
     if (r != CUDA_SUCCESS) {
         give_back_idle(dev, taken);
         return r;
     }
-    r = gs_memtab_settle(call(real, dptr, bytes, pool, s), bytes - taken, dptr, NS_PTR, bytes,
-                         KIND_POOL);
+    r = gs_memtab_settle_on(dev, call(real, dptr, bytes, pool, s), bytes - taken, dptr, NS_PTR,
+                            bytes, KIND_POOL);
     if (r != CUDA_SUCCESS)
         give_back_idle(dev, taken);
     refresh(dev, 0);
@@ -390,7 +390,7 @@ CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held)
 void gs_reserves_release(CUdevice dev, uint64_t held)
 {
     if (held)
-        gs_mem_unreserve(held); /* on `dev` once the quota is per device */
+        gs_mem_unreserve_on(dev, held);
 }
 
 /* A graph whose alloc nodes need `need` bytes was launched on `dev`, `net` of them still in use

@@ -24,7 +24,8 @@ static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
 pthread_mutex_t gs_vmm_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t gs_vmm_prepare_cv = PTHREAD_COND_INITIALIZER;
-int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+int gs_vmm_prepare_pending;
+unsigned gs_vmm_precopy_wanted;
 double gs_vmm_last_change;
 
 void gs_vmm_wake_preparer_locked(void)
@@ -61,7 +62,7 @@ static void load_driver(void)
  * twice the memory. Where the driver refuses the handle type, blocks are made without it and
  * IPC says it cannot work. */
 int gs_vmm_exportable = 1;
-atomic_int gs_vmm_defer;
+atomic_uint gs_vmm_defer;
 
 static CUmemAllocationProp prop_for(CUdevice dev)
 {
@@ -80,25 +81,28 @@ int gs_vmm_driver_ready(void)
 
 /* ---- streams for moves ---- */
 
-static CUstream move_stream, precopy_stream;
-static CUcontext streams_ctx;
+/* Each device's moves run in a context of that device, on streams of that context: kept per
+ * device, so moving device 0's memory and then device 1's does not make streams again. */
+static struct {
+    CUcontext ctx;
+    CUstream move, precopy;
+} streams[GS_MEM_DEVICES];
 
-void gs_vmm_forget_streams(void)
-{
-    move_stream = precopy_stream = NULL;
-    streams_ctx = NULL;
-}
+void gs_vmm_forget_streams(void) { memset(streams, 0, sizeof streams); }
 
 CUstream gs_vmm_move_stream(int low_priority)
 {
     CUcontext cur = NULL;
+    CUdevice dev = 0;
     gs_vmm_drv.ctx_cur(&cur);
-    if (cur != streams_ctx) {
+    gs_vmm_drv.ctx_dev(&dev);
+    int d = gs_mem_slot(dev);
+    if (cur != streams[d].ctx) {
         /* Streams belong to their context: a new current context needs its own. */
-        gs_vmm_forget_streams();
-        streams_ctx = cur;
+        streams[d].move = streams[d].precopy = NULL;
+        streams[d].ctx = cur;
     }
-    CUstream *slot = low_priority ? &precopy_stream : &move_stream;
+    CUstream *slot = low_priority ? &streams[d].precopy : &streams[d].move;
     if (!*slot) {
         int least = 0, greatest = 0;
         if (gs_vmm_drv.prio_range)
@@ -208,7 +212,9 @@ void gs_vmm_unback(struct block *b)
 /* A new block of `size` bytes (granularity-aligned), counted against the quota. */
 static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struct block **out)
 {
-    CUresult r = gs_mem_reserve(size);
+    CUdevice dev = 0;
+    gs_vmm_drv.ctx_dev(&dev);
+    CUresult r = gs_mem_reserve_on(dev, size); /* the quota of this device's registration */
     if (r != CUDA_SUCCESS)
         return r;
     struct block *b = calloc(1, sizeof *b);
@@ -220,10 +226,10 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         b->chunk = c;
         if (c)
             c->units = (unsigned)(size / UNIT);
-        gs_vmm_drv.ctx_dev(&b->dev);
+        b->dev = dev;
         gs_vmm_drv.ctx_cur(&b->ctx);
         r = gs_vmm_drv.reserve(&b->va, size, granularity, 0, 0);
-        b->unbacked = r == CUDA_SUCCESS && atomic_load(&gs_vmm_defer);
+        b->unbacked = r == CUDA_SUCCESS && (atomic_load(&gs_vmm_defer) >> gs_mem_slot(dev) & 1u);
         if (r == CUDA_SUCCESS) {
             r = b->unbacked ? CUDA_SUCCESS : gs_vmm_back(b);
             if (r == CUDA_SUCCESS && index_add(b) != 0) {
@@ -237,13 +243,13 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     if (r != CUDA_SUCCESS) {
         free(c);
         free(b);
-        gs_mem_unreserve(size);
+        gs_mem_unreserve_on(dev, size);
         return r;
     }
     static uint64_t next_id;
     b->id = ++next_id;
     /* An unbacked block counts as on the host: the scheduler never sees it resident. */
-    gs_mem_engine_account(size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
+    gs_mem_engine_account(dev, size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
     gs_vmm_last_change = gs_now(); /* the preparer waits until allocations pause */
     gs_vmm_wake_preparer_locked(); /* its host staging, off the critical path */
     *out = b;
@@ -258,7 +264,7 @@ static void destroy_block(struct block *b)
         gs_vmm_unback(b);
     gs_vmm_drv.addr_free(b->va, b->size);
     gs_staging_put(&b->staging);
-    gs_mem_engine_account(0, -(int64_t)b->size, b->resident ? 0 : -(int64_t)b->size);
+    gs_mem_engine_account(b->dev, 0, -(int64_t)b->size, b->resident ? 0 : -(int64_t)b->size);
     free(b->chunk);
     free(b);
 }

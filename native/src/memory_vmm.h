@@ -94,9 +94,15 @@ struct block *gs_vmm_find(CUdeviceptr p);
 int gs_vmm_driver_ready(void);
 /* 1 while cuMemCreate accepts POSIX file descriptor handles (blocks can be exported). */
 extern int gs_vmm_exportable;
-/* 1 while the process waits for the device: new blocks get their address range but no physical
- * memory until the grant (so a waiter's memory never needs evicting). Read under gs_vmm_mu. */
-extern atomic_int gs_vmm_defer;
+/* Bit gs_mem_slot(dev) set while the process waits for device dev: new blocks there get their
+ * address range but no physical memory until the grant (so a waiter's memory never needs
+ * evicting). Read under gs_vmm_mu. */
+extern atomic_uint gs_vmm_defer;
+/* 1 when block b counts on device dev's account (dev GS_MEM_ALL_DEVICES: every block). */
+static inline int gs_vmm_on(const struct block *b, CUdevice dev)
+{
+    return dev == GS_MEM_ALL_DEVICES || gs_mem_slot(b->dev) == gs_mem_slot(dev);
+}
 void gs_vmm_unback(struct block *b);
 /* Streams for moves, in the current context (recreated when the context changes). NULL when the
  * driver refuses. */
@@ -104,10 +110,12 @@ CUstream gs_vmm_move_stream(int low_priority);
 void gs_vmm_forget_streams(void);
 
 /* The background preparer (memory_prepare.c) waits on this condition (with gs_vmm_mu) for
- * blocks without staging, or for a pre-copy wanted. Waking it is data, not a call into it, so
- * the files below it can ask for work. Under gs_vmm_mu. */
+ * blocks without staging, or for a pre-copy wanted (bit gs_mem_slot(dev) of each device that
+ * wants one). Waking it is data, not a call into it, so the files below it can ask for work.
+ * Under gs_vmm_mu. */
 extern pthread_cond_t gs_vmm_prepare_cv;
-extern int gs_vmm_prepare_pending, gs_vmm_precopy_wanted;
+extern int gs_vmm_prepare_pending;
+extern unsigned gs_vmm_precopy_wanted;
 /* gs_now() when a block was last made or freed (under gs_vmm_mu): the preparer waits for the
  * program's allocations to pause before it populates and registers host memory. */
 extern double gs_vmm_last_change;

@@ -65,6 +65,13 @@ enum gs_link_state {
     GS_LINK_RELEASING, /* a revoke drains this device's contexts */
     GS_LINK_UNSHARED,  /* no connection could be made: this device runs unshared */
 };
+/* What a connection last told the scheduler of its device's memory (the coalesced MEMORY). */
+struct gs_mem_report {
+    uint64_t gen_sent;
+    struct gs_mem_totals sent;
+    double sent_at;
+};
+
 struct gs_link {
     CUdevice dev;
     int fd;
@@ -76,6 +83,7 @@ struct gs_link {
     int want_request; /* a waiter asks the thread to send REQUEST */
     uint8_t rx[GS_PROTO_HEADER + 4096];
     size_t rx_len;
+    struct gs_mem_report mem_report; /* thread side only */
 };
 struct gs_links {
     struct gs_link l[GS_MAX_LINKS];
@@ -117,11 +125,6 @@ struct gs_stats {
 };
 
 /* The last MEMORY report sent (thread side only, no lock). */
-struct gs_mem_report {
-    uint64_t gen_sent;
-    struct gs_mem_totals sent;
-    double sent_at;
-};
 
 /* The memory engine behind this session. memory.c keeps its state in file statics today; the
  * engine rewrite gives it an explicit object, and this pointer is where the session holds it.
@@ -195,6 +198,8 @@ int gs_device_of_context(struct gs_session *s, CUcontext ctx, CUdevice *dev);
 int gs_device_current(CUcontext *ctx, CUdevice *dev);
 /* Make the application's first live context current on this (the shim's) thread. 0 on success. */
 int gs_device_push(struct gs_session *s, CUdevice *dev_out);
+/* The same for a context of device `dev` (its memory moves in its own context). */
+int gs_device_push_on(struct gs_session *s, CUdevice dev);
 void gs_device_pop(void);
 /* Wait for the application's outstanding work in every live context. The number of contexts
  * that failed to synchronise (0: all drained; errors of a context already gone do not count). */
@@ -210,7 +215,8 @@ void gs_device_identify(struct gs_session *s, CUdevice dev);
 void gs_device_describe(CUdevice dev, char *uuid, size_t uuid_cap, char *name, size_t name_cap,
                         uint64_t *total);
 /* Free and total memory of the device of the first live context (cuMemGetInfo). 0 on success. */
-int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *total_bytes);
+int gs_device_mem_info(struct gs_session *s, CUdevice dev, uint64_t *free_bytes,
+                       uint64_t *total_bytes);
 
 /* ---- drain.c: synchronising without failing a capture ---- */
 
@@ -221,15 +227,18 @@ int gs_device_mem_info(struct gs_session *s, uint64_t *free_bytes, uint64_t *tot
 /* Wait (bounded, logged) until no stream captures, holding new captures off: 1 then, and the
  * caller synchronises and calls gs_capture_unlock(); 0 when a capture outlived the bound. */
 int gs_drain_quiesce(const char *what, double seconds);
-/* Synchronise every context and, if `evict`, move managed memory to the host. Returns whether
+/* Synchronise device `dev`'s contexts (every context when the process uses one device, or when
+ * every_device) and, if `evict`, move device dev's movable memory to the host. Returns whether
  * the work drained; *evicted says whether the eviction succeeded. */
-int gs_drain_work(struct gs_session *s, const char *what, int evict, int every_device,
-                  int *evicted, uint64_t *moved, uint64_t *us);
-/* Synchronise the contexts of one device (a revoke of that device's link), once no stream
- * captures (bounded). Returns whether the work drained. */
-int gs_drain_device(struct gs_session *s, const char *what, CUdevice dev);
-/* Bring evicted memory back to the device, once no stream captures (bounded). */
-void gs_drain_restore(struct gs_session *s, const char *what, uint64_t *moved, uint64_t *us);
+int gs_drain_work(struct gs_session *s, const char *what, CUdevice dev, int evict,
+                  int every_device, int *evicted, uint64_t *moved, uint64_t *us);
+/* Bring device dev's evicted memory back to it, once no stream captures (bounded). */
+void gs_drain_restore(struct gs_session *s, const char *what, CUdevice dev, uint64_t *moved,
+                      uint64_t *us);
+/* The devices the process uses, the first device's first (devs: GS_MAX_LINKS + 1). */
+int gs_drain_devices(struct gs_session *s, CUdevice *devs);
+/* gs_drain_restore of every device (the process runs on unshared). */
+void gs_drain_restore_every_device(struct gs_session *s, const char *what);
 
 /* ---- conn.c: the scheduler connection ---- */
 
@@ -242,6 +251,8 @@ void gs_conn_put_identity(const struct gs_session *s, struct gs_writer *w);
 /* Finish and send a frame on the current connection (thread side). 0 when sent. */
 int gs_conn_send(struct gs_session *s, struct gs_writer *w);
 void gs_conn_send_memory(struct gs_session *s);
+/* 1 when *t differs from what *r last sent in anything the scheduler sees. */
+int gs_conn_memory_differs(const struct gs_mem_report *r, const struct gs_mem_totals *t);
 void gs_conn_send_request(struct gs_session *s);
 /* Connect, say HELLO and wait for WELCOME (bounded). The fd, or -1 with `why` set. */
 int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen);
@@ -256,10 +267,11 @@ void gs_conn_apply_welcome(struct gs_session *s, const struct gs_msg *m);
 /* Connect to the scheduler's socket (trust check, bounded): the fd, or -1 with `why` set. */
 int gs_conn_connect(struct gs_session *s, char *why, size_t whylen);
 /* Wait (until `deadline`) for the WELCOME that answers a HELLO on `fd`; frames after it stay in
- * rx. With a session, the WELCOME's pool, quota, quantum and resume verdict apply to it. 0 when
- * welcomed, -1 with `why` set. */
-int gs_conn_await_welcome(struct gs_session *s, int fd, uint8_t *rx, size_t cap, size_t *rx_len,
-                          double deadline, char *why, size_t whylen);
+ * rx. With a session, the WELCOME's pool, quota, quantum and resume verdict apply to it; without
+ * (a link's connection), its pool and quota apply to device link_dev. 0 when welcomed, -1 with
+ * `why` set. */
+int gs_conn_await_welcome(struct gs_session *s, CUdevice link_dev, int fd, uint8_t *rx,
+                          size_t cap, size_t *rx_len, double deadline, char *why, size_t whylen);
 /* Send one finished frame on `fd` (bounded). 0 when sent. */
 int gs_conn_send_fd(int fd, struct gs_writer *w);
 
@@ -275,6 +287,9 @@ int gs_link_pollfds(struct gs_session *s, struct pollfd *pfd, int cap, CUdevice 
 void gs_link_on_readable(struct gs_session *s, CUdevice dev);
 /* Give back every linked device this process holds (unsolicited RELEASED; thread side). */
 void gs_link_release_all(struct gs_session *s, const char *reason);
+/* MEMORY on every link whose device's memory changed (coalesced like the first device's);
+ * returns 1 when a report waits for its minimum interval (thread side). */
+int gs_link_report_memory(struct gs_session *s, double now, double min_interval);
 /* GOODBYE on every link and close them (thread side, at exit). */
 void gs_link_close_all(struct gs_session *s, int goodbye);
 

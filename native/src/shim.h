@@ -263,24 +263,38 @@ struct gs_mem_totals {
     uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
     uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
 };
+/* The memory engine keeps one account per device (docs/architecture.md, "Several devices"):
+ * ordinals 0..GS_MEM_DEVICES-1 each have their own; a higher one shares the last (the session
+ * registers GS_MAX_LINKS + 1 = 8 devices at most). */
+#define GS_MEM_DEVICES 8
+#define GS_MEM_ALL_DEVICES ((CUdevice)-1)
+static inline int gs_mem_slot(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MEM_DEVICES ? (int)dev : GS_MEM_DEVICES - 1;
+}
+/* Every device's memory together (the status API). */
 void gs_mem_totals(struct gs_mem_totals *out);
-void gs_mem_set_quota(uint64_t quota);
-void gs_mem_set_pool(uint64_t pool);
-void gs_mem_count_context(void);
+/* Device `dev`'s memory: what its registration reports (GS_MEM_ALL_DEVICES: every device's). */
+void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out);
+/* Each device's registration sets that device's quota and pool. */
+void gs_mem_set_quota(CUdevice dev, uint64_t quota);
+void gs_mem_set_pool(CUdevice dev, uint64_t pool);
+/* The process has a context on `dev`: its estimate counts there (once per device). */
+void gs_mem_count_context(CUdevice dev);
 /* Generation counter bumped on every change, for the coalesced MEMORY report. */
 uint64_t gs_mem_generation(void);
-/* Move every managed allocation to the host / back to the device. The app's context must be
- * current on the calling thread. */
+/* Move device `dev`'s movable memory to the host / back to `dev` (each allocation to the device
+ * it was made on). A context of `dev` must be current on the calling thread. */
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
-/* Copy resident explicit memory to the host at low priority, leaving it resident (PRECOPY): in
- * the background; progress shows in gs_mem_totals().precopied. */
-void gs_mem_precopy_async(void);
-/* The process stopped holding the device: explicit memory it allocates from now on gets its
- * address but no physical memory until gs_mem_back_deferred, which the grant calls before the
- * gate opens (and every path that lets the process run). */
-void gs_mem_defer_backing(void);
-void gs_mem_back_deferred(void);
+/* Copy device `dev`'s resident explicit memory to the host at low priority, leaving it resident
+ * (PRECOPY): in the background; progress shows in gs_mem_totals_dev(dev).precopied. */
+void gs_mem_precopy_async(CUdevice dev);
+/* The process stopped holding device `dev`: explicit memory it allocates there from now on gets
+ * its address but no physical memory until gs_mem_back_deferred(dev), which the grant calls
+ * before the gate opens (and every path that lets the process run: GS_MEM_ALL_DEVICES). */
+void gs_mem_defer_backing(CUdevice dev);
+void gs_mem_back_deferred(CUdevice dev);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);

@@ -14,7 +14,6 @@ static void start_session(struct gs_session *s, CUdevice dev)
 {
     gs_conn_gather_identity(s);
     gs_device_identify(s, dev);
-    gs_mem_count_context();
     pthread_mutex_lock(&s->mu);
     s->last_activity = gs_now();
     pthread_mutex_unlock(&s->mu);
@@ -54,6 +53,7 @@ void gs_start_on_context(struct gs_session *s, CUcontext ctx, CUdevice dev, int 
     pthread_mutex_lock(&s->mu);
     int first = gs_device_note_context_locked(s, ctx, dev, primary);
     pthread_mutex_unlock(&s->mu);
+    gs_mem_count_context(dev); /* its estimate counts on its device, once per device */
     if (first)
         start_session(s, dev);
 }

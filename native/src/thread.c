@@ -39,23 +39,27 @@ static void try_reconnect(struct gs_session *s)
 
 /* A waiter that runs unshared after losing the scheduler: its evicted memory comes back only if
  * the card has room for it now (another kernel may hold the GPU and most of its memory). What
- * does not fit moves back page by page, on demand. */
+ * does not fit moves back page by page, on demand. Each device on its own. */
 static void restore_within_free(struct gs_session *s)
 {
-    gs_mem_back_deferred();
-    struct gs_mem_totals t;
-    gs_mem_totals(&t);
-    if (!t.evicted)
-        return;
-    uint64_t free_bytes = 0, total = 0;
-    char a[32], b[32];
-    if (gs_device_mem_info(s, &free_bytes, &total) != 0 || t.evicted > free_bytes) {
-        GS_WARN("not restoring %s of evicted memory: only %s free on the device",
-                gs_format_size(t.evicted, a, sizeof a), gs_format_size(free_bytes, b, sizeof b));
-        return;
+    gs_mem_back_deferred(GS_MEM_ALL_DEVICES);
+    CUdevice devs[GS_MAX_LINKS + 1];
+    int n = gs_drain_devices(s, devs);
+    for (int i = 0; i < n; i++) {
+        struct gs_mem_totals t;
+        gs_mem_totals_dev(devs[i], &t);
+        if (!t.evicted)
+            continue;
+        uint64_t free_bytes = 0, total = 0, moved, us;
+        char a[32], b[32];
+        if (gs_device_mem_info(s, devs[i], &free_bytes, &total) != 0 || t.evicted > free_bytes) {
+            GS_WARN("not restoring %s of evicted memory: only %s free on device %d",
+                    gs_format_size(t.evicted, a, sizeof a),
+                    gs_format_size(free_bytes, b, sizeof b), (int)devs[i]);
+            continue;
+        }
+        gs_drain_restore(s, "the restore when running unshared", devs[i], &moved, &us);
     }
-    uint64_t moved, us;
-    gs_drain_restore(s, "the restore when running unshared", &moved, &us);
 }
 
 /* A scheduler that hangs with its connection open sends nothing: a waiter that heard nothing for
@@ -81,7 +85,7 @@ static void probe_if_silent(struct gs_session *s, double now)
 
 static void do_quit(struct gs_session *s)
 {
-    gs_mem_back_deferred(); /* the gate opens for good below */
+    gs_mem_back_deferred(GS_MEM_ALL_DEVICES); /* the gate opens for good below */
     pthread_mutex_lock(&s->mu);
     s->quitting = 1;
     if (s->state == GPUSHARE_STATE_HOLDING)
@@ -183,16 +187,15 @@ static void *thread_main(void *arg)
         if (connected) {
             if (gs_mem_generation() != s->mem_report.gen_sent) {
                 struct gs_mem_totals t;
-                gs_mem_totals(&t);
-                if (t.used == s->mem_report.sent.used && t.managed == s->mem_report.sent.managed &&
-                    t.pinned == s->mem_report.sent.pinned && t.evicted == s->mem_report.sent.evicted &&
-                    t.precopied == s->mem_report.sent.precopied)
+                gs_mem_totals_dev(s->devs.dev, &t);
+                if (!gs_conn_memory_differs(&s->mem_report, &t))
                     s->mem_report.gen_sent = gs_mem_generation(); /* nothing the scheduler would see */
                 else if (now - s->mem_report.sent_at >= MEMORY_REPORT_MIN_S)
                     gs_conn_send_memory(s);
                 else
                     mem_dirty = 1;
             }
+            mem_dirty |= gs_link_report_memory(s, now, MEMORY_REPORT_MIN_S);
             gs_idle_check(s, now);
         }
 

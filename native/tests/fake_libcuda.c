@@ -35,8 +35,10 @@
  * CUDA_VISIBLE_DEVICES as the real one does: a comma-separated list of indexes or UUIDs ("GPU-..."
  * in full, or a prefix that names one device); the list ends at the first entry that names no
  * device (or one already listed); an empty value hides every device (cuInit: CUDA_ERROR_NO_DEVICE).
- * NVML ignores it, as the real NVML does. Each process's allocations are counted on the device of
- * its current context (in practice the one device a shimmed process uses).
+ * NVML ignores it, as the real NVML does. Each device has its own memory: an allocation lives on
+ * the device of the current context (cuMemCreate: the device its properties name), is refused
+ * when that device is full, and cuMemGetInfo answers for the current context's device
+ * (fakecuda_stats_json: device_resident_bytes, one entry per physical device).
  *
  * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB; a comma-separated
  * list gives each device its own, the last one repeating), GPUSHARE_FAKE_UUID
@@ -308,6 +310,7 @@ struct fk_alloc {
     size_t size;
     int kind;
     int on_host; /* managed only: 1 when it lives in host memory */
+    int phys;    /* the physical device it lives on */
 };
 static struct fk_alloc *g_allocs;
 static size_t g_nalloc, g_capalloc;
@@ -321,6 +324,7 @@ struct fk_handle {
     int extra_refs; /* cuMemRetainAllocationHandle: each needs its own cuMemRelease */
     int exportable; /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
     int imported;   /* cuMemImportFromShareableHandle: another process's memory, not counted */
+    int phys;       /* the physical device its memory is on */
 };
 static struct fk_handle *g_handles;
 static size_t g_nhandles, g_caphandles;
@@ -335,6 +339,9 @@ static struct fk_mapping *g_maps;
 static size_t g_nmaps, g_capmaps;
 
 static unsigned long long g_live_device_bytes;  /* device, pitch, async, pool, cuMemCreate */
+/* What each physical device holds of this process's: its allocations, handles and arrays, and
+ * its managed allocations not on the host. */
+static unsigned long long g_dev_resident[FK_MAX_DEV];
 static unsigned long long g_live_managed_bytes;
 static unsigned long long g_managed_on_host_bytes;
 static unsigned long long g_prefetch_to_host_bytes, g_prefetch_to_device_bytes;
@@ -400,12 +407,13 @@ static void *map_anon(size_t size) {
     return p == MAP_FAILED ? NULL : p;
 }
 
+static int fk_cur_phys(void); /* the physical device of the current context */
+
 static CUresult add_alloc(CUdeviceptr *dptr, size_t size, int kind) {
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
-    if (kind != A_MANAGED &&
-        g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
-            fk_device_total()) {
+    if (kind != A_MANAGED && g_dev_resident[phys] + size > fk_device_total()) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -415,7 +423,8 @@ static CUresult add_alloc(CUdeviceptr *dptr, size_t size, int kind) {
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     GROW(g_allocs, g_nalloc, g_capalloc);
-    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, kind, 0};
+    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, kind, 0, phys};
+    g_dev_resident[phys] += size;
     if (kind == A_MANAGED)
         g_live_managed_bytes += size;
     else
@@ -434,6 +443,7 @@ static CUresult free_alloc(CUdeviceptr dptr) {
         struct fk_alloc a = g_allocs[i];
         if (a.base != (uintptr_t)dptr || a.kind == A_RESERVED) continue;
         g_allocs[i] = g_allocs[--g_nalloc];
+        if (a.kind != A_MANAGED || !a.on_host) g_dev_resident[a.phys] -= a.size;
         if (a.kind == A_MANAGED) {
             g_live_managed_bytes -= a.size;
             if (a.on_host) g_managed_on_host_bytes -= a.size;
@@ -588,6 +598,8 @@ int fakecuda_physical_device(void) {
     int phys = fk_phys(c ? c->dev : 0);
     return phys < 0 ? 0 : phys;
 }
+
+static int fk_cur_phys(void) { return fakecuda_physical_device(); }
 
 static unsigned long long fk_device_total(void) {
     return fk_phys_total(fakecuda_physical_device());
@@ -1152,9 +1164,9 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     COUNT();
     NEED_CTX();
     if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
+    int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
-    unsigned long long used =
-        g_live_device_bytes + g_live_managed_bytes - g_managed_on_host_bytes;
+    unsigned long long used = g_dev_resident[phys];
     pthread_mutex_unlock(&g_lock);
     /* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device (core). */
     used += fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
@@ -1194,9 +1206,14 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     int types = prop_handle_types(prop);
     if ((types & ~1) || (types && getenv("GPUSHARE_FAKE_NO_SHAREABLE")))
         return CUDA_ERROR_NOT_SUPPORTED;
+    /* The memory lives on the device prop->location names (CU_MEM_LOCATION_TYPE_DEVICE = 1),
+     * whichever context is current. */
+    int loc[2];
+    memcpy(loc, (const char *)prop + 2 * sizeof(int), sizeof loc);
+    int phys = loc[0] == 1 ? fk_phys(loc[1]) : -1;
+    if (phys < 0) return 101; /* CUDA_ERROR_INVALID_DEVICE */
     pthread_mutex_lock(&g_lock);
-    if (g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
-        fk_device_total()) {
+    if (g_dev_resident[phys] + size > fk_phys_total(phys)) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1209,8 +1226,9 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     GROW(g_handles, g_nhandles, g_caphandles);
     unsigned long long id = g_next_handle++;
     g_handles[g_nhandles++] =
-        (struct fk_handle){id, fd, size, 0, 0, 0, prop_handle_types(prop) & 1, 0};
+        (struct fk_handle){id, fd, size, 0, 0, 0, prop_handle_types(prop) & 1, 0, phys};
     g_live_device_bytes += size;
+    g_dev_resident[phys] += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
     *handle = id;
@@ -1227,7 +1245,10 @@ static struct fk_handle *find_handle_locked(unsigned long long id) {
 static void maybe_drop_handle_locked(struct fk_handle *h) {
     if (!h->released || h->maps > 0) return;
     close(h->fd);
-    if (!h->imported) g_live_device_bytes -= h->size;
+    if (!h->imported) {
+        g_live_device_bytes -= h->size;
+        g_dev_resident[h->phys] -= h->size;
+    }
     *h = g_handles[--g_nhandles];
 }
 
@@ -1260,7 +1281,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
     if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&g_lock);
     GROW(g_allocs, g_nalloc, g_capalloc);
-    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, A_RESERVED, 0};
+    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, A_RESERVED, 0, 0};
     pthread_mutex_unlock(&g_lock);
     *ptr = (CUdeviceptr)(uintptr_t)p;
     return CUDA_SUCCESS;
@@ -1351,8 +1372,9 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *des
 /* Memory: prefetch and advice                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 
-static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, CUstream h, int per_thread,
-                         const char *via) {
+/* To the host (to_host), else to physical device `phys`: managed memory migrates there. */
+static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, int phys, CUstream h,
+                         int per_thread, const char *via) {
     struct CUstream_st *s;
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
@@ -1367,12 +1389,18 @@ static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, CUstream h, i
     if (to_host) {
         g_prefetch_to_host_bytes += count;
         g_prefetch_to_host_calls++;
-        if (!a->on_host) g_managed_on_host_bytes += a->size;
+        if (!a->on_host) {
+            g_managed_on_host_bytes += a->size;
+            g_dev_resident[a->phys] -= a->size;
+        }
         a->on_host = 1;
     } else {
         g_prefetch_to_device_bytes += count;
         g_prefetch_to_device_calls++;
+        if (!a->on_host) g_dev_resident[a->phys] -= a->size;
         if (a->on_host) g_managed_on_host_bytes -= a->size;
+        a->phys = phys;
+        g_dev_resident[a->phys] += a->size;
         a->on_host = 0;
         note_peak();
     }
@@ -1393,9 +1421,10 @@ static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, CUstream h, i
 
 static CUresult prefetch_v1(CUdeviceptr p, size_t count, CUdevice dst, CUstream h, int pt,
                             const char *via) {
-    if (dst != CU_DEVICE_CPU && dst != 0) return g_inited ? FK_ERROR_INVALID_DEVICE
-                                                          : CUDA_ERROR_NOT_INITIALIZED;
-    return prefetch(p, count, dst == CU_DEVICE_CPU, h, pt, via);
+    if (dst != CU_DEVICE_CPU && fk_phys(dst) < 0)
+        return g_inited ? FK_ERROR_INVALID_DEVICE : CUDA_ERROR_NOT_INITIALIZED;
+    return prefetch(p, count, dst == CU_DEVICE_CPU, dst == CU_DEVICE_CPU ? 0 : fk_phys(dst), h,
+                    pt, via);
 }
 
 static CUresult prefetch_v2(CUdeviceptr p, size_t count, CUmemLocation loc, unsigned int flags,
@@ -1405,11 +1434,11 @@ static CUresult prefetch_v2(CUdeviceptr p, size_t count, CUmemLocation loc, unsi
     if (type == CU_MEM_LOCATION_TYPE_HOST || type == FK_MEM_LOCATION_TYPE_HOST_NUMA ||
         type == FK_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
         to_host = 1;
-    else if (type == CU_MEM_LOCATION_TYPE_DEVICE && loc.id == 0)
+    else if (type == CU_MEM_LOCATION_TYPE_DEVICE && fk_phys(loc.id) >= 0)
         to_host = 0;
     else
         return CUDA_ERROR_INVALID_VALUE;
-    return prefetch(p, count, to_host, h, pt, via);
+    return prefetch(p, count, to_host, to_host ? 0 : fk_phys(loc.id), h, pt, via);
 }
 
 CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
@@ -1486,6 +1515,7 @@ static void fault_in(CUdeviceptr p) {
     if (a && a->kind == A_MANAGED && a->on_host) {
         a->on_host = 0;
         g_managed_on_host_bytes -= a->size;
+        g_dev_resident[a->phys] += a->size;
         g_fault_to_device_bytes += a->size;
         note_peak();
     }
@@ -2392,6 +2422,15 @@ unsigned long long fakecuda_device_used_bytes(void) {
     return used;
 }
 
+/* What physical device `phys` holds of this process's (0 for a device that does not exist). */
+unsigned long long fakecuda_resident_bytes(int phys) {
+    if (phys < 0 || phys >= fk_ndev()) return 0;
+    pthread_mutex_lock(&g_lock);
+    unsigned long long r = g_dev_resident[phys];
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
 int fakecuda_stats_json(char *buf, size_t n) {
     char tmp[16384];
     size_t off = 0;
@@ -2430,7 +2469,9 @@ int fakecuda_stats_json(char *buf, size_t n) {
     for (int k = 0; k < 6; k++) APPEND("%s\"%s\":%lu", k ? "," : "", kind_names[k], by_kind[k]);
     int refs = 0;
     for (int d = 0; d < FK_MAX_DEV; d++) refs += g_primary_refs[d];
-    APPEND("},\"primary_ctx_refs\":%d,", refs);
+    APPEND("},\"primary_ctx_refs\":%d,\"device_resident_bytes\":[", refs);
+    for (int d = 0; d < fk_ndev(); d++) APPEND("%s%llu", d ? "," : "", g_dev_resident[d]);
+    APPEND("],");
     APPEND("\"captures\":{\"ended\":%lu,\"invalidated\":%lu,\"unsafe_calls\":%lu,"
            "\"captured_launches\":%lu}}",
            g_captures_ended, g_captures_invalidated, g_capture_unsafe_calls, g_captured_launches);

@@ -166,22 +166,26 @@ static size_t fk_array_bytes(size_t w, size_t h, size_t d, int format, unsigned 
     return total;
 }
 
+/* Arrays live on the current context's device (and are given back there). */
 static CUresult fk_array_take(size_t size) {
+    int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
-    if (g_live_device_bytes + (g_live_managed_bytes - g_managed_on_host_bytes) + size >
-        fk_device_total()) {
+    if (g_dev_resident[phys] + size > fk_device_total()) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     g_live_device_bytes += size;
+    g_dev_resident[phys] += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
 }
 
 static void fk_array_give(size_t size) {
+    int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
     g_live_device_bytes -= size;
+    g_dev_resident[phys] -= size;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -303,7 +307,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
     pthread_mutex_lock(&g_lock);
     GROW(g_handles, g_nhandles, g_caphandles);
     unsigned long long id = g_next_handle++;
-    g_handles[g_nhandles++] = (struct fk_handle){id, own, (size_t)st.st_size, 0, 0, 0, 1, 1};
+    g_handles[g_nhandles++] = (struct fk_handle){id, own, (size_t)st.st_size, 0, 0, 0, 1, 1, 0};
     g_imported_handles++;
     pthread_mutex_unlock(&g_lock);
     *handle = id;

@@ -35,6 +35,8 @@
  *   shim_probe evicted MANAGED PINNED SECONDS
  *                                 hold MANAGED bytes of managed memory and PINNED of pool memory;
  *                                 launch a kernel every 50 ms for SECONDS
+ *   shim_probe twomem ... / twoquota ...
+ *                                 memory on two devices: see shim_probe_devices.c
  */
 #include "cuda_abi.h"
 #include "gpushare.h"
@@ -289,6 +291,29 @@ static int scenario_twoctx(unsigned long long us)
 
 /* ---- twodev ---- */
 
+/* In a thread of its own: an error names the device. */
+#define TCHECK(ordinal, call)                                                                     \
+    do {                                                                                          \
+        CUresult r_ = (call);                                                                     \
+        if (r_ != CUDA_SUCCESS) {                                                                 \
+            emit("error", ",\"dev\":%d,\"call\":\"%s\",\"rc\":%d", (ordinal), #call, r_);          \
+            return NULL;                                                                          \
+        }                                                                                         \
+    } while (0)
+
+/* This thread on device `ordinal`'s primary context, with a stream of its own. */
+static CUresult thread_on(int ordinal, CUstream *st)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult r = cuDeviceGet(&dev, ordinal);
+    if (r == CUDA_SUCCESS)
+        r = cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (r == CUDA_SUCCESS)
+        r = cuCtxSetCurrent(ctx);
+    return r == CUDA_SUCCESS ? cuStreamCreate(st, 0) : r;
+}
+
 struct twodev_arg {
     int ordinal;
     double seconds;
@@ -301,32 +326,18 @@ static void *twodev_thread(void *p)
 {
     struct twodev_arg *a = p;
     a->rc = 1;
-    CUdevice dev;
-    CUcontext ctx;
     CUstream st;
     CUdeviceptr mem;
-#define TCHECK(call)                                                                              \
-    do {                                                                                          \
-        CUresult r_ = (call);                                                                     \
-        if (r_ != CUDA_SUCCESS) {                                                                 \
-            emit("error", ",\"dev\":%d,\"call\":\"%s\",\"rc\":%d", a->ordinal, #call, r_);  \
-            return NULL;                                                                          \
-        }                                                                                         \
-    } while (0)
-    TCHECK(cuDeviceGet(&dev, a->ordinal));
-    TCHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    TCHECK(cuCtxSetCurrent(ctx));
-    TCHECK(cuStreamCreate(&st, 0));
+    TCHECK(a->ordinal, thread_on(a->ordinal, &st));
     if (a->bytes)
-        TCHECK(cuMemAlloc_v2(&mem, a->bytes));
+        TCHECK(a->ordinal, cuMemAlloc_v2(&mem, a->bytes));
     for (double end = now() + a->seconds; now() < end;) {
-        TCHECK(launch_sleep(st, a->us));
+        TCHECK(a->ordinal, launch_sleep(st, a->us));
         struct gpushare_status s;
         emit("launch", ",\"dev\":%d,\"state\":%d", a->ordinal,
              status(&s) == 0 ? (int)s.state : -1);
-        TCHECK(cuStreamSynchronize(st));
+        TCHECK(a->ordinal, cuStreamSynchronize(st));
     }
-#undef TCHECK
     a->rc = 0;
     return NULL;
 }
@@ -470,13 +481,16 @@ static int scenario_evicted(size_t managed, size_t pinned, double seconds)
     return 0;
 }
 
+#include "shim_probe_devices.c"
+
 int main(int argc, char **argv)
 {
     if (argc < 2)
         return 2;
     const char *s = argv[1];
     double a = argc > 2 ? atof(argv[2]) : 0, b = argc > 3 ? atof(argv[3]) : 0;
-    double c = argc > 4 ? atof(argv[4]) : 0;
+    double c = argc > 4 ? atof(argv[4]) : 0, d = argc > 5 ? atof(argv[5]) : 0;
+    double e = argc > 6 ? atof(argv[6]) : 0;
     int rc = 2;
     if (!strcmp(s, "launchpaths"))
         rc = scenario_launchpaths();
@@ -502,6 +516,10 @@ int main(int argc, char **argv)
         rc = scenario_once();
     else if (!strcmp(s, "evicted"))
         rc = scenario_evicted((size_t)a, (size_t)b, c);
+    else if (!strcmp(s, "twomem"))
+        rc = scenario_twomem(a, (unsigned long long)b, (size_t)c, (size_t)d, e);
+    else if (!strcmp(s, "twoquota"))
+        rc = scenario_twoquota((size_t)a);
     emit_stats();
     printf("{\"event\":\"exit\",\"rc\":%d,\"pid\":%d}\n", rc, (int)getpid());
     fflush(stdout);

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -217,31 +218,40 @@ def _steps(out: str, dev: int, after: float, before: float) -> list[float]:
     return steps
 
 
-def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
-    """A PyTorch process computing on cuda:0 and cuda:1 is listed under both GPUs (as ``both``
-    and ``both/1``). When GPU 1 is revoked and another process takes it, the first keeps
-    computing on GPU 0 without a pause, does not run one step on GPU 1 until GPU 1 comes back,
-    and both its tensors are correct at the end."""
+def _two_gpus_or_skip() -> list[Any]:
+    """The machine's GPUs, when this process sees two or more (else the test skips)."""
     pytest.importorskip("torch")
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs two GPUs, this machine has {len(gpus)}")
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         pytest.skip("CUDA_VISIBLE_DEVICES is set: the process must see both GPUs")
+    return gpus
+
+
+def _start_both(sched: Any, *args: str) -> tuple[Any, list[str], threading.Thread]:
+    """two_gpus.py ARGS as client "both", its output lines read as they come (~100 a second: a
+    full pipe would stall its GPU threads)."""
+    both = start_workload(
+        "two_gpus.py", *args, env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"})
+    )
+    lines: list[str] = []
+    assert both.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
+    reader.start()
+    return both, lines, reader
+
+
+def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
+    """A PyTorch process computing on cuda:0 and cuda:1 is listed under both GPUs (as ``both``
+    and ``both/1``). When GPU 1 is revoked and another process takes it, the first keeps
+    computing on GPU 0 without a pause, does not run one step on GPU 1 until GPU 1 comes back,
+    and both its tensors are correct at the end."""
+    gpus = _two_gpus_or_skip()
     # 2 GiB pools with a 512 MiB context estimate each: on GPU 1, "both/1" (its context) and
     # "other" (1.2 GiB and its context) do not fit together, so they take turns.
     with running_scheduler(tmp_path, pool="2GiB", quantum=30) as sched:
-        both = start_workload(
-            "two_gpus.py",
-            "60",
-            "128",
-            env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"}),
-        )
-        # Read its ~100 lines a second as they come: a full pipe would stall its GPU threads.
-        lines: list[str] = []
-        assert both.stdout is not None
-        reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
-        reader.start()
+        both, lines, reader = _start_both(sched, "60", "128")
         try:
             deadline = time.monotonic() + 90
             ids: dict[str, str] = {}
@@ -300,3 +310,63 @@ def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "multi_gpu_one_process.json").write_text(json.dumps(summary))
+
+
+def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path) -> None:
+    """Issue 12, fault 3, on real GPUs: a PyTorch process with 2 GiB on cuda:0 and 8 GiB on
+    cuda:1 reports each to that GPU's registration (``both``, ``both/1``). Another process needs
+    GPU 1's room: at the quantum's end ``both/1`` is revoked and evicted, which moves GPU 1's
+    8 GiB and nothing of GPU 0's; GPU 0 computes on meanwhile; GPU 1's tensors come back to GPU 1
+    at their addresses and both tensors are exactly right at the end."""
+    gpus = _two_gpus_or_skip()
+    slack = 256 << 20  # PyTorch's and the driver's own small allocations
+    # 16 GiB pools: GPU 1 holds "both/1" (8 GiB and its context) or "other" (10 GiB and its
+    # context), not both; GPU 0 holds "both" alone.
+    with running_scheduler(tmp_path, pool="16GiB", quantum=2.0) as sched:
+        # x and its scratch tensor: 2 GiB on GPU 0, 8 GiB on GPU 1
+        both, lines, reader = _start_both(sched, "40", "1024", "4096")
+        try:
+            deadline = time.monotonic() + 90
+            clients: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                clients = {c["id"]: c for d in sched.status()["devices"] for c in d["clients"]}
+                held = {i: int(c.get("managed_bytes") or 0) for i, c in clients.items()}
+                if held.get("both", 0) >= 2 * GIB and held.get("both/1", 0) >= 8 * GIB:
+                    break
+                time.sleep(0.3)
+            # Each GPU's registration carries that GPU's memory (explicit memory is "managed":
+            # evictable), not the process's whole.
+            assert 2 * GIB <= clients["both"]["managed_bytes"] <= 2 * GIB + slack, clients
+            assert 8 * GIB <= clients["both/1"]["managed_bytes"] <= 8 * GIB + slack, clients
+
+            other_env = shimmed_env(
+                sched.socket,
+                {"CUDA_VISIBLE_DEVICES": gpus[1].uuid, "GPUSHARE_CLIENT_ID": "other"},
+            )
+            t_other_start = time.monotonic()
+            other = start_workload("memory_hog.py", "10", "8", "other", env=other_env)
+            _, other_err = other.communicate(timeout=300)
+            t_other_done = time.monotonic()
+            assert other.returncode == 0, other_err
+            both.wait(timeout=300)
+            reader.join(timeout=30)
+            out, err = "".join(lines), both.stderr.read() if both.stderr else ""
+        finally:
+            if both.poll() is None:
+                both.kill()
+        assert both.returncode == 0, err  # both tensors exactly right (two_gpus.py checks)
+        log = sched.log_text()
+        moved = [(who, int(n)) for who, n in re.findall(r"evicted client=(\S+) bytes=(\d+)", log)]
+        assert any(who == "both/1" and n >= 8 * GIB for who, n in moved), log
+        assert all(who != "both" for who, _ in moved), log  # GPU 0's memory never moved
+        assert "device 1: restored" in err, err
+        gpu0 = _steps(out, 0, t_other_start, t_other_done)
+        gaps = [b - a for a, b in itertools.pairwise(gpu0)]
+        assert gpu0 and max(gaps) < 0.5, gaps  # GPU 0 went on through GPU 1's moves
+        evicted = [n for who, n in moved if who == "both/1"]
+        summary = {"evicted_gpu1_bytes": evicted, "gpu0_max_gap_s": round(max(gaps), 3)}
+        print(json.dumps(summary))
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "multi_gpu_memory.json").write_text(json.dumps(summary))

@@ -1,8 +1,9 @@
 """One process computing on two GPUs at once (PyTorch), for issue 12 item 3 / issue 16.
 
-usage: two_gpus.py SECONDS MIB
+usage: two_gpus.py SECONDS MIB [MIB1]
 
-One thread per GPU (cuda:0 and cuda:1): MIB MiB of float32 on that GPU, then `x += 1` in steps of
+One thread per GPU (cuda:0 and cuda:1): MIB MiB of float32 on that GPU (MIB1 on cuda:1 when
+given), and a scratch tensor as large, then `x += 1` in steps of
 ~20 ms until SECONDS have passed. After every step it prints {"event": "step", "dev": n,
 "t": time.monotonic()}; at the end {"event": "done", "dev": n, "steps": k, "correct": bool} (the
 tensor holds exactly the number of steps). The test reads the step times to see which GPU ran
@@ -47,10 +48,11 @@ def work(dev: int, seconds: float, mib: int, results: dict[int, bool]) -> None:
 
 def main() -> None:
     seconds, mib = float(sys.argv[1]), int(sys.argv[2])
+    mibs = {0: mib, 1: int(sys.argv[3]) if len(sys.argv) > 3 else mib}
     assert torch.cuda.device_count() >= 2, "needs two visible GPUs"
     results: dict[int, bool] = {}
     torch.zeros(1, device="cuda:0")  # GPU 0's context first: the process registers there first
-    threads = [threading.Thread(target=work, args=(d, seconds, mib, results)) for d in (0, 1)]
+    threads = [threading.Thread(target=work, args=(d, seconds, mibs[d], results)) for d in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
