@@ -11,7 +11,10 @@
  * several more to touch it), so the thread takes the engine's lock only to pick a block and to
  * hand it the buffer; a block freed meanwhile is found gone by its id and the buffer released.
  */
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "memory_vmm.h"
 
@@ -44,7 +47,7 @@ static void hold_off_captures(void)
 #define PREPARE_QUIET 0.5
 #define PREPARE_MAX_DEFER 5.0
 
-/* With gs_vmm_mu held; may let it go while it sleeps. 1: it slept (look again). */
+/* With gs_vmm_mu held; lets it go while it waits. 1: it waited (look again). */
 static int wait_for_a_pause(double *deferring_since)
 {
     double now = gs_now(), quiet = now - gs_vmm_last_change;
@@ -56,16 +59,24 @@ static int wait_for_a_pause(double *deferring_since)
         *deferring_since = now;
     if (now - *deferring_since >= PREPARE_MAX_DEFER)
         return 0;
-    pthread_mutex_unlock(&gs_vmm_mu);
-    struct timespec ts = {0, (long)((PREPARE_QUIET - quiet) * 1e9)};
-    nanosleep(&ts, NULL);
-    pthread_mutex_lock(&gs_vmm_mu);
+    /* On the condition, not a plain sleep: a pre-copy the scheduler asks for meanwhile (an idle
+     * kernel, whose next cell may come soon) must start at once, not after the pause. */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until); /* the condition's clock */
+    long ns = until.tv_nsec + (long)((PREPARE_QUIET - quiet) * 1e9);
+    until.tv_sec += ns / 1000000000L;
+    until.tv_nsec = ns % 1000000000L;
+    pthread_cond_timedwait(&gs_vmm_prepare_cv, &gs_vmm_mu, &until);
     return 1;
 }
 
 static void *preparer(void *arg)
 {
     (void)arg;
+    /* Populating host memory is CPU work the program did not ask for: the lowest priority, so
+     * it never takes a core from the program (Linux: a thread's own nice value). */
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) != 0)
+        GS_DEBUG("the staging thread keeps the process's priority");
     typedef CUresult (*set_ctx_fn)(CUcontext);
     set_ctx_fn set_ctx = (set_ctx_fn)gs_driver_sym("cuCtxSetCurrent");
     double deferring_since = 0;
