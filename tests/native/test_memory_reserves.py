@@ -182,6 +182,27 @@ def test_an_auto_free_graph_relaunches_without_counting_its_memory_again(harness
     assert plain.event("launched")["ok"] == 1
 
 
+def test_a_graph_allocation_freed_outside_its_graph_leaves_room_for_the_next_launch(
+    harness, reserves_probe
+):
+    # PyTorch frees a graph's output tensor with cudaFreeAsync, outside the graph: the graph pool
+    # keeps the memory idle (still counted) and serves the next launch from it. 600 MiB then
+    # 800 MiB under 1 GiB: 64 + 800 MiB fits; 64 + 600 + 800 MiB (the freed 600 MiB taken for
+    # still in use) would not.
+    first, second = 600 * MiB, 800 * MiB
+    run = probe(harness, reserves_probe, "regraph", first, second)
+    assert run.event("first_launched")["status"]["used_bytes"] == CONTEXT + first
+    freed = run.event("freed_outside")
+    assert freed["rc"] == 0 and freed["driver"]["graph_used"] == 0, freed
+    assert freed["driver"]["graph_reserved"] == first, freed
+    assert freed["status"]["used_bytes"] == CONTEXT + first, "the idle graph pool is not counted"
+    second_launch = run.event("second_launched")
+    assert second_launch["rc"] == 0, (second_launch, run.stderr)
+    assert not quota_lines(run), run.stderr
+    assert second_launch["driver"]["graph_reserved"] == second, second_launch
+    assert second_launch["status"]["used_bytes"] == CONTEXT + second, second_launch
+
+
 def test_a_captured_allocation_past_the_quota_is_refused(harness, reserves_probe):
     run = probe(harness, reserves_probe, "capture", 2 * GiB, 0, 1)
     assert run.event("captured_alloc")["rc"] == OOM
