@@ -1,6 +1,7 @@
 """PyTorch's cudaMallocAsync backend and a CUDA graph under a quota: what the pool keeps after
 frees and what graph memory holds must be in the shim's count, equal to what the driver says,
-and an allocation or a graph replay past the quota must fail with the shim's line.
+and an allocation or a graph replay past the quota must fail with the shim's line; once room is
+made, the refused replay runs.
 
 Run with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, GPUSHARE_MEMORY_LIMIT=2GiB and
 GPUSHARE_CONTEXT_BYTES=512MiB (tests/gpu/test_gpu_reserves.py). Prints one JSON line per phase
@@ -100,10 +101,24 @@ def main() -> None:
     phase("replay_over_quota", error=error)
     g1.replay()
     ok_after = int(out1[:4096].sum()) == 4096 and float((small * 2).sum()) == 2048.0
-    del out1, out2, g1, g2
+    phase("usable_after_refusal", ok=ok_after)
+    # The refused replay left out2 with an address and no memory: the driver refuses to free
+    # such an allocation (cudaErrorInvalidValue, which PyTorch's deleter turns into a terminate),
+    # so out2 may be dropped only once g2 has run. Make room as a user would: drop g1's output
+    # and give the graph pool's memory back; then the same replay fits (512 + 1024 MiB and the
+    # pool's few MiB).
+    del out1
     torch.cuda.synchronize()
-    assert cuda.cuDeviceGraphMemTrim(torch.cuda.current_device()) == 0
-    phase("graph_trimmed", ok=ok_after)
+    dev = torch.cuda.current_device()
+    assert cuda.cuDeviceGraphMemTrim(dev) == 0
+    phase("room_made")
+    g2.replay()
+    ok2 = int(out2[:4096].sum()) == 2 * 4096
+    phase("replayed_after_room", ok=ok2)
+    del out2, g1, g2
+    torch.cuda.synchronize()
+    assert cuda.cuDeviceGraphMemTrim(dev) == 0
+    phase("graph_trimmed")
 
 
 if __name__ == "__main__":
