@@ -3,9 +3,9 @@ cudaMallocAsync pool keeps what it frees (release threshold at the maximum) and 
 their captured allocations from the graph pool at replay. Under a 2 GiB quota the shim's count
 must equal what the driver says the pool and the graph pool hold, the scheduler must see it as
 pinned, and going past the quota through either must fail with the shim's line. A refused replay
-leaves the graph's allocation without memory, and the real driver refuses to free it
-(cudaErrorInvalidValue, a terminate in PyTorch's deleter): the workload makes room and replays
-it before dropping its output, as a user must after any out-of-memory at a graph launch."""
+leaves the graph's allocation without memory, which the real driver refuses to free
+(cudaErrorInvalidValue, a terminate in PyTorch's deleter: the first run on the H100 died so);
+dropping that output must succeed, and once room is made a replay of the same size runs."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def test_pool_reserves_and_graph_memory_count_against_the_quota(
         "alloc_after_free",
         "trimmed",
         "replayed",
+        "dropped_refused",
         "room_made",
         "replayed_after_room",
         "graph_trimmed",
@@ -107,11 +108,15 @@ def test_pool_reserves_and_graph_memory_count_against_the_quota(
     over = phases["replay_over_quota"]
     assert "out of memory" in over["error"], over
     assert over["driver"]["graph_reserved"] < 1600 * MIB, "the driver backed the refused replay"
+    # The refused graph's output dropped (the process is alive to say so): it had no memory, so
+    # nothing is counted for it and the driver's graph pool holds only g1's 640 MiB.
+    dropped = phases["dropped_refused"]
+    assert dropped["driver"]["graph_reserved"] == replayed["driver"]["graph_reserved"], dropped
     assert phases["usable_after_refusal"]["ok"], "the process was not usable after the refusal"
     # Room made (g1's output dropped, synchronised, the graph pool trimmed): no graph uses any
     # graph memory, and the trim gives back every block no graph uses, so none is left and none
     # is counted; what remains is the context and the pool's remainder (the 64 MiB of "trimmed").
-    # The replay that was refused then fits (0.5 + 1 GiB) and computes; its 1 GiB is counted.
+    # A replay of the refused size (g3, 1 GiB) then fits (0.5 + 1 GiB) and computes; counted.
     room = phases["room_made"]
     assert room["driver"]["graph_reserved"] == 0, room
     assert room["shim"]["used_bytes"] < CONTEXT + 64 * MIB, room

@@ -79,13 +79,16 @@ def main() -> None:
     phase("trimmed", rc=rc)
 
     # CUDA graphs whose captured allocations outlive the capture (mem-alloc nodes).
-    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    g1, g2, g3 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g1):
         out1 = torch.empty(640 * MIB, dtype=torch.uint8, device="cuda")
         out1.fill_(1)
     with torch.cuda.graph(g2):
         out2 = torch.empty(1024 * MIB, dtype=torch.uint8, device="cuda")
         out2.fill_(2)
+    with torch.cuda.graph(g3):
+        out3 = torch.empty(1024 * MIB, dtype=torch.uint8, device="cuda")
+        out3.fill_(3)
     phase("captured")
     g1.replay()
     g1.replay()  # relaunch: auto-free-on-launch reuses the first launch's memory
@@ -99,23 +102,25 @@ def main() -> None:
     except RuntimeError as e:
         error = str(e).splitlines()[0]
     phase("replay_over_quota", error=error)
+    # g2 never ran: out2 has an address and no memory, and the driver refuses to free it
+    # (cudaErrorInvalidValue, a terminate in PyTorch's deleter). Dropping it must just work.
+    del out2, g2
+    torch.cuda.synchronize()
+    phase("dropped_refused")
     g1.replay()
     ok_after = int(out1[:4096].sum()) == 4096 and float((small * 2).sum()) == 2048.0
     phase("usable_after_refusal", ok=ok_after)
-    # The refused replay left out2 with an address and no memory: the driver refuses to free
-    # such an allocation (cudaErrorInvalidValue, which PyTorch's deleter turns into a terminate),
-    # so out2 may be dropped only once g2 has run. Make room as a user would: drop g1's output
-    # and give the graph pool's memory back; then the same replay fits (512 + 1024 MiB and the
-    # pool's few MiB).
+    # Make room as a user would: drop g1's output and give the graph pool's memory back; then a
+    # replay of the same size as the refused one fits (512 + 1024 MiB and the pool's few MiB).
     del out1
     torch.cuda.synchronize()
     dev = torch.cuda.current_device()
     assert cuda.cuDeviceGraphMemTrim(dev) == 0
     phase("room_made")
-    g2.replay()
-    ok2 = int(out2[:4096].sum()) == 2 * 4096
-    phase("replayed_after_room", ok=ok2)
-    del out2, g1, g2
+    g3.replay()
+    ok3 = int(out3[:4096].sum()) == 3 * 4096
+    phase("replayed_after_room", ok=ok3)
+    del out3, g1, g3
     torch.cuda.synchronize()
     assert cuda.cuDeviceGraphMemTrim(dev) == 0
     phase("graph_trimmed")
