@@ -42,6 +42,11 @@ static atomic_int any_unbacked; /* read without the lock by every free */
 
 static void add_unbacked_locked(CUgraphExec exec, CUdeviceptr dptr)
 {
+    for (size_t i = 0; i < n_unbacked; i++)
+        if (unbacked[i].dptr == dptr) { /* an address a destroyed graph left, given out again */
+            unbacked[i].exec = exec;
+            return;
+        }
     if (n_unbacked == unbacked_cap) {
         size_t cap = unbacked_cap ? unbacked_cap * 2 : 16;
         struct unbacked *grown = realloc(unbacked, cap * sizeof *grown);
