@@ -260,6 +260,8 @@ CUresult gs_mem_free(gs_fn_cuMemFree_v2 real, CUdeviceptr dptr)
     CUresult r;
     if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
         return r;
+    if (dptr && !gs_config()->disabled && gs_graphs_free_unbacked(dptr))
+        return CUDA_SUCCESS;
     r = real(dptr);
     if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled) {
         gs_memtab_uncount(dptr, NS_PTR);
@@ -274,6 +276,8 @@ CUresult gs_mem_free_async(gs_fn_cuMemFreeAsync real, CUdeviceptr dptr, CUstream
     /* cudaFreeAsync of cudaMalloc memory is legal: freed at once, after a synchronise. */
     if (dptr && !gs_config()->disabled && gs_vmm_free(dptr, &r))
         return r;
+    if (dptr && !gs_config()->disabled && gs_graphs_free_unbacked(dptr))
+        return CUDA_SUCCESS;
     r = real(dptr, hStream);
     if (r == CUDA_SUCCESS && dptr && !gs_config()->disabled) {
         gs_memtab_uncount(dptr, NS_PTR);

@@ -135,6 +135,9 @@ void gs_reserves_context_gone(void);
 void gs_reserves_after_fork_child(void);
 /* memory_graphs.c */
 void gs_graphs_after_fork_child(void);
+/* cuMemFree / cuMemFreeAsync of `dptr`: 1 when it is an allocation of a graph that never ran
+ * (its launch refused, or never made): it has no memory, nothing to free (forgotten here). */
+int gs_graphs_free_unbacked(CUdeviceptr dptr);
 
 /* ---- memory_staging.c: host memory that copies run from/to at the bus's speed ---- */
 

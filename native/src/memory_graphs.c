@@ -5,6 +5,13 @@
  * instantiated graph with alloc nodes, how much its launch needs, so that a launch that would
  * take the process over its quota is refused with the shim's one line, before the driver backs
  * anything. A graph without memory nodes costs its launch one atomic load here.
+ *
+ * Until a graph has run, its allocations (those not freed inside it) have an address and no
+ * memory, and the driver refuses to free one (CUDA_ERROR_INVALID_VALUE). After a launch the shim
+ * refused, a program drops the output: PyTorch's cudaMallocAsync deleter turns that error into a
+ * terminate. So such a free is answered here, without the driver: there is nothing to free.
+ * Should the program launch that graph later all the same, the allocation it dropped is backed
+ * and counted as graph memory, and a relaunch with auto-free-on-launch (PyTorch's) frees it.
  */
 #include <stdlib.h>
 
@@ -24,13 +31,72 @@ static struct exec_need *execs;
 static size_t n_execs, execs_cap;
 static atomic_int any_execs; /* read without the lock by every graph launch */
 
+/* Allocations of graphs that have not run (exec NULL: its graph is destroyed, never having run). */
+struct unbacked {
+    CUdeviceptr dptr;
+    CUgraphExec exec;
+};
+static struct unbacked *unbacked;
+static size_t n_unbacked, unbacked_cap;
+static atomic_int any_unbacked; /* read without the lock by every free */
+
+static void add_unbacked_locked(CUgraphExec exec, CUdeviceptr dptr)
+{
+    for (size_t i = 0; i < n_unbacked; i++)
+        if (unbacked[i].dptr == dptr) { /* an address a destroyed graph left, given out again */
+            unbacked[i].exec = exec;
+            return;
+        }
+    if (n_unbacked == unbacked_cap) {
+        size_t cap = unbacked_cap ? unbacked_cap * 2 : 16;
+        struct unbacked *grown = realloc(unbacked, cap * sizeof *grown);
+        if (!grown)
+            return; /* then the driver answers that free, as without the shim */
+        unbacked = grown;
+        unbacked_cap = cap;
+    }
+    unbacked[n_unbacked++] = (struct unbacked){dptr, exec};
+    atomic_store(&any_unbacked, 1);
+}
+
+/* `exec` ran (its allocations have memory now) or is gone (they never will): NULL marks gone. */
+static void settle_unbacked_locked(CUgraphExec exec, int ran)
+{
+    for (size_t i = 0; i < n_unbacked; i++) {
+        if (unbacked[i].exec != exec)
+            continue;
+        if (ran)
+            unbacked[i--] = unbacked[--n_unbacked];
+        else
+            unbacked[i].exec = NULL;
+    }
+    atomic_store(&any_unbacked, n_unbacked > 0);
+}
+
+int gs_graphs_free_unbacked(CUdeviceptr dptr)
+{
+    if (GS_LIKELY(!atomic_load_explicit(&any_unbacked, memory_order_relaxed)))
+        return 0;
+    int found = 0;
+    pthread_mutex_lock(&graphs_mu);
+    for (size_t i = 0; i < n_unbacked && !found; i++)
+        if (unbacked[i].dptr == dptr) {
+            unbacked[i] = unbacked[--n_unbacked];
+            found = 1;
+        }
+    atomic_store(&any_unbacked, n_unbacked > 0);
+    pthread_mutex_unlock(&graphs_mu);
+    return found;
+}
+
 typedef CUresult (*get_nodes_fn)(CUgraph, CUgraphNode *, size_t *);
 typedef CUresult (*node_type_fn)(CUgraphNode, CUgraphNodeType *);
 typedef CUresult (*alloc_params_fn)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *);
 typedef CUresult (*free_params_fn)(CUgraphNode, CUdeviceptr *);
 
-/* The alloc nodes of `graph` (memory nodes cannot be in child graphs: top level only). */
-static struct exec_need measure(CUgraph graph)
+/* The alloc nodes of `graph` (memory nodes cannot be in child graphs: top level only); those it
+ * does not free are remembered as `exec`'s, without memory until it runs. */
+static struct exec_need measure(CUgraph graph, CUgraphExec exec)
 {
     struct exec_need e = {0};
     get_nodes_fn get_nodes = (get_nodes_fn)gs_driver_sym("cuGraphGetNodes");
@@ -65,12 +131,17 @@ static struct exec_need measure(CUgraph graph)
         }
     }
     e.net = e.need;
-    for (size_t a = 0; a < n_allocs; a++)
-        for (size_t f = 0; f < n_frees; f++)
-            if (allocs[a] == frees[f]) {
-                e.net -= sizes[a];
-                break;
-            }
+    pthread_mutex_lock(&graphs_mu);
+    for (size_t a = 0; a < n_allocs; a++) {
+        size_t f = 0;
+        while (f < n_frees && allocs[a] != frees[f])
+            f++;
+        if (f < n_frees)
+            e.net -= sizes[a];
+        else
+            add_unbacked_locked(exec, allocs[a]);
+    }
+    pthread_mutex_unlock(&graphs_mu);
     free(nodes);
     free(allocs);
     free(frees);
@@ -94,6 +165,7 @@ static void forget(CUgraphExec exec)
         *e = execs[--n_execs];
         atomic_store(&any_execs, n_execs > 0);
     }
+    settle_unbacked_locked(exec, 0);
     pthread_mutex_unlock(&graphs_mu);
 }
 
@@ -103,7 +175,7 @@ static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph, uint6
     if (r != CUDA_SUCCESS || !exec || !*exec || gs_config()->disabled)
         return r;
     forget(*exec); /* a handle the driver reuses */
-    struct exec_need e = measure(graph);
+    struct exec_need e = measure(graph, *exec);
     if (!e.need)
         return r;
     e.exec = *exec;
@@ -122,6 +194,7 @@ static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph graph, uint6
         atomic_store(&any_execs, 1);
     } else {
         GS_WARN("out of host memory: a graph's memory nodes are counted only once it has run");
+        settle_unbacked_locked(e.exec, 1); /* its launches are not followed: the driver answers */
     }
     pthread_mutex_unlock(&graphs_mu);
     return r;
@@ -223,8 +296,10 @@ void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held)
     pthread_mutex_lock(&graphs_mu);
     struct exec_need *e = find_locked(exec);
     struct exec_need copy = e ? *e : (struct exec_need){0};
-    if (e && r == CUDA_SUCCESS)
+    if (e && r == CUDA_SUCCESS && !e->launched) {
         e->launched = 1;
+        settle_unbacked_locked(exec, 1);
+    }
     pthread_mutex_unlock(&graphs_mu);
     /* Counted as graph memory before the reservation goes, so no allocation slips between. */
     uint64_t reused = copy.auto_free && copy.launched ? copy.net : 0;
@@ -240,4 +315,8 @@ void gs_graphs_after_fork_child(void)
     execs = NULL;
     n_execs = execs_cap = 0;
     atomic_store(&any_execs, 0);
+    free(unbacked);
+    unbacked = NULL;
+    n_unbacked = unbacked_cap = 0;
+    atomic_store(&any_unbacked, 0);
 }

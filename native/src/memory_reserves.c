@@ -14,9 +14,9 @@
  *    counted twice. memory_graphs.c keeps what each instantiated graph's alloc nodes need, so that
  *    a launch that would take the process over its quota is refused before the driver backs it.
  *
- * The driver is asked at cheap points only: after a pool allocation, free, trim, a context's
- * teardown or a launch of a graph with memory nodes (on the caller's thread), and when the process
- * goes idle. Never on other launches, never from the shim's thread otherwise (a process frozen by
+ * The driver is asked at cheap points only: after a pool allocation, free (the graph pool too
+ * while graph memory is in use), trim, a context's teardown or a launch of a graph with memory
+ * nodes (on the caller's thread), and when the process goes idle. Never on other launches, never from the shim's thread otherwise (a process frozen by
  * a checkpoint blocks every driver call), never while a stream captures (the next cheap point
  * does it).
  */
@@ -314,11 +314,23 @@ CUresult gs_mem_alloc_from_pool_ptsz(gs_fn_cuMemAllocFromPoolAsync_ptsz real, CU
                                 1);
 }
 
-/* After cuMemFreeAsync: the pool keeps what it does not release (memory.c calls this). */
+/* After cuMemFreeAsync / cuMemFree: the pool keeps what it does not release (memory.c calls
+ * this). The freed pointer may also be a graph allocation freed outside its graph (PyTorch frees a
+ * graph's output tensors so): the graph pool then keeps it idle, and a later launch is served from
+ * it. While the device has graph memory in use, ask the graph pool too, or its used number stays
+ * high and launches that fit are refused until the next idle. */
 void gs_reserves_after_free(void)
 {
-    if (!gs_config()->disabled)
-        refresh(current_device(), 0);
+    if (gs_config()->disabled)
+        return;
+    CUdevice dev = current_device();
+    int graphs = 0;
+    if (device_ok(dev)) {
+        pthread_mutex_lock(&res_mu);
+        graphs = devs[dev].graph_used > 0;
+        pthread_mutex_unlock(&res_mu);
+    }
+    refresh(dev, graphs);
 }
 
 /* ---- the pools themselves ---- */

@@ -14,7 +14,9 @@
  * the node is made. Launching an instantiated graph backs its alloc nodes from the device's graph
  * pool (used grows, reserved follows; with AUTO_FREE_ON_LAUNCH the last launch's allocations are
  * freed first, as PyTorch instantiates) and runs its free nodes; cuMemFreeAsync of a graph
- * allocation outside the graph frees it; cuDeviceGraphMemTrim gives back what no graph uses.
+ * allocation outside the graph frees it (one whose graph has not run has no memory: its free fails
+ * with CUDA_ERROR_INVALID_VALUE, as the H100's driver answered PyTorch); cuDeviceGraphMemTrim
+ * gives back what no graph uses.
  * cuDeviceGetGraphMemAttribute and cuMemPoolGetAttribute report the numbers; so do the stats.
  */
 

@@ -60,6 +60,7 @@ CUresult cuGraphAddMemAllocNode(CUgraphNode *, CUgraph, const CUgraphNode *, siz
                                 CUDA_MEM_ALLOC_NODE_PARAMS *);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuGraphExecDestroy(CUgraphExec);
 CUresult cuDeviceGraphMemTrim(CUdevice);
 CUresult cuDeviceGetGraphMemAttribute(CUdevice, CUgraphMem_attribute, void *);
 
@@ -217,6 +218,56 @@ static int scenario_graph(size_t size, int n)
     return 0;
 }
 
+/* One graph allocates `first` bytes and is launched; its allocation is freed outside the graph
+ * (as PyTorch frees a graph's output tensor); then a second graph allocating `second` bytes is
+ * launched: the graph pool serves it from what the first left idle. */
+static int scenario_regraph(size_t first, size_t second)
+{
+    CUgraph g1, g2;
+    CUgraphExec e1, e2;
+    CUgraphNode node;
+    CUDA_MEM_ALLOC_NODE_PARAMS p1 = node_params(first), p2 = node_params(second);
+    if (cuGraphCreate(&g1, 0) || cuGraphAddMemAllocNode(&node, g1, NULL, 0, &p1) ||
+        cuGraphInstantiateWithFlags(&e1, g1, 0) || cuGraphCreate(&g2, 0) ||
+        cuGraphAddMemAllocNode(&node, g2, NULL, 0, &p2) ||
+        cuGraphInstantiateWithFlags(&e2, g2, 0))
+        return 1;
+    int rc = cuGraphLaunch(e1, g_stream);
+    step("first_launched", rc, NULL);
+    if (rc)
+        return 1;
+    step("freed_outside", cuMemFreeAsync(p1.dptr, g_stream), NULL);
+    step("second_launched", cuGraphLaunch(e2, g_stream), NULL);
+    return 0;
+}
+
+/* A captured allocation of `size` whose launch is refused (`other` bytes allocated meanwhile),
+ * then dropped, as PyTorch drops a graph's output tensor (after the graph itself with
+ * `destroy_first`). Then, room made, a second capture of the same size is launched and freed. */
+static int scenario_unbacked(size_t size, size_t other, int destroy_first)
+{
+    CUgraph g;
+    CUgraphExec exec;
+    CUdeviceptr d = 0, o = 0;
+    if (cuStreamBeginCapture_v2(g_stream, CU_STREAM_CAPTURE_MODE_GLOBAL) ||
+        cuMemAllocAsync(&d, size, g_stream) || cuStreamEndCapture(g_stream, &g) ||
+        cuGraphInstantiateWithFlags(&exec, g, 1) || cuMemAlloc_v2(&o, other))
+        return 1;
+    step("refused", cuGraphLaunch(exec, g_stream), NULL);
+    if (destroy_first)
+        cuGraphExecDestroy(exec);
+    step("dropped", cuMemFreeAsync(d, g_stream), NULL);
+    cuMemFree_v2(o);
+    if (cuStreamBeginCapture_v2(g_stream, CU_STREAM_CAPTURE_MODE_GLOBAL) ||
+        cuMemAllocAsync(&d, size, g_stream) || cuStreamEndCapture(g_stream, &g) ||
+        cuGraphInstantiateWithFlags(&exec, g, 1))
+        return 1;
+    step("launched", cuGraphLaunch(exec, g_stream), NULL);
+    step("freed", cuMemFreeAsync(d, g_stream), NULL);
+    step("trimmed", cuDeviceGraphMemTrim(g_dev), NULL);
+    return 0;
+}
+
 static int scenario_capture(size_t size, int inner, int launches, unsigned long long flags)
 {
     CUgraph g;
@@ -264,6 +315,12 @@ int main(int argc, char **argv)
         rc = scenario_allocnode((size_t)strtoull(argv[2], NULL, 10));
     else if (!strcmp(s, "graph") && argc >= 4)
         rc = scenario_graph((size_t)strtoull(argv[2], NULL, 10), atoi(argv[3]));
+    else if (!strcmp(s, "regraph") && argc >= 4)
+        rc = scenario_regraph((size_t)strtoull(argv[2], NULL, 10),
+                              (size_t)strtoull(argv[3], NULL, 10));
+    else if (!strcmp(s, "unbacked") && argc >= 5)
+        rc = scenario_unbacked((size_t)strtoull(argv[2], NULL, 10),
+                               (size_t)strtoull(argv[3], NULL, 10), atoi(argv[4]));
     else if (!strcmp(s, "capture") && argc >= 5)
         rc = scenario_capture((size_t)strtoull(argv[2], NULL, 10), atoi(argv[3]), atoi(argv[4]),
                               argc > 5 ? strtoull(argv[5], NULL, 10) : 0);

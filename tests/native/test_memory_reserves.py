@@ -182,6 +182,51 @@ def test_an_auto_free_graph_relaunches_without_counting_its_memory_again(harness
     assert plain.event("launched")["ok"] == 1
 
 
+def test_a_graph_allocation_freed_outside_its_graph_leaves_room_for_the_next_launch(
+    harness, reserves_probe
+):
+    # PyTorch frees a graph's output tensor with cudaFreeAsync, outside the graph: the graph pool
+    # keeps the memory idle (still counted) and serves the next launch from it. 600 MiB then
+    # 800 MiB under 1 GiB: 64 + 800 MiB fits; 64 + 600 + 800 MiB (the freed 600 MiB taken for
+    # still in use) would not.
+    first, second = 600 * MiB, 800 * MiB
+    run = probe(harness, reserves_probe, "regraph", first, second)
+    assert run.event("first_launched")["status"]["used_bytes"] == CONTEXT + first
+    freed = run.event("freed_outside")
+    assert freed["rc"] == 0 and freed["driver"]["graph_used"] == 0, freed
+    assert freed["driver"]["graph_reserved"] == first, freed
+    assert freed["status"]["used_bytes"] == CONTEXT + first, "the idle graph pool is not counted"
+    second_launch = run.event("second_launched")
+    assert second_launch["rc"] == 0, (second_launch, run.stderr)
+    assert not quota_lines(run), run.stderr
+    assert second_launch["driver"]["graph_reserved"] == second, second_launch
+    assert second_launch["status"]["used_bytes"] == CONTEXT + second, second_launch
+
+
+@pytest.mark.parametrize("destroy_first", [0, 1])
+def test_dropping_the_output_of_a_refused_launch_does_not_fail(
+    harness, reserves_probe, destroy_first
+):
+    # 512 MiB captured, then 512 MiB by cuMemAlloc: the launch (64 + 512 + 512 MiB) is refused.
+    # Its allocation has an address and no memory; the driver refuses to free it
+    # (CUDA_ERROR_INVALID_VALUE, which PyTorch's deleter turns into a terminate). Dropping it
+    # must succeed, whether the graph is destroyed before or after, and change no count.
+    size = 512 * MiB
+    run = probe(harness, reserves_probe, "unbacked", size, size, destroy_first)
+    refused = run.event("refused")
+    assert refused["rc"] == OOM and len(quota_lines(run)) == 1, (refused, run.stderr)
+    dropped = run.event("dropped")
+    assert dropped["rc"] == 0, dropped
+    assert dropped["driver"]["graph_reserved"] == 0, dropped
+    assert dropped["status"]["used_bytes"] == CONTEXT + size, dropped
+    # A graph that ran: its allocation has memory, and its free reaches the driver.
+    launched = run.event("launched")
+    assert launched["rc"] == 0 and launched["status"]["used_bytes"] == CONTEXT + size, launched
+    freed = run.event("freed")
+    assert freed["rc"] == 0 and freed["driver"]["graph_used"] == 0, freed
+    assert run.event("trimmed")["status"]["used_bytes"] == CONTEXT
+
+
 def test_a_captured_allocation_past_the_quota_is_refused(harness, reserves_probe):
     run = probe(harness, reserves_probe, "capture", 2 * GiB, 0, 1)
     assert run.event("captured_alloc")["rc"] == OOM

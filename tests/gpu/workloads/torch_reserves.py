@@ -1,6 +1,7 @@
 """PyTorch's cudaMallocAsync backend and a CUDA graph under a quota: what the pool keeps after
 frees and what graph memory holds must be in the shim's count, equal to what the driver says,
-and an allocation or a graph replay past the quota must fail with the shim's line.
+and an allocation or a graph replay past the quota must fail with the shim's line; once room is
+made, the refused replay runs.
 
 Run with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, GPUSHARE_MEMORY_LIMIT=2GiB and
 GPUSHARE_CONTEXT_BYTES=512MiB (tests/gpu/test_gpu_reserves.py). Prints one JSON line per phase
@@ -78,13 +79,16 @@ def main() -> None:
     phase("trimmed", rc=rc)
 
     # CUDA graphs whose captured allocations outlive the capture (mem-alloc nodes).
-    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    g1, g2, g3 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g1):
         out1 = torch.empty(640 * MIB, dtype=torch.uint8, device="cuda")
         out1.fill_(1)
     with torch.cuda.graph(g2):
         out2 = torch.empty(1024 * MIB, dtype=torch.uint8, device="cuda")
         out2.fill_(2)
+    with torch.cuda.graph(g3):
+        out3 = torch.empty(1024 * MIB, dtype=torch.uint8, device="cuda")
+        out3.fill_(3)
     phase("captured")
     g1.replay()
     g1.replay()  # relaunch: auto-free-on-launch reuses the first launch's memory
@@ -98,12 +102,28 @@ def main() -> None:
     except RuntimeError as e:
         error = str(e).splitlines()[0]
     phase("replay_over_quota", error=error)
+    # g2 never ran: out2 has an address and no memory, and the driver refuses to free it
+    # (cudaErrorInvalidValue, a terminate in PyTorch's deleter). Dropping it must just work.
+    del out2, g2
+    torch.cuda.synchronize()
+    phase("dropped_refused")
     g1.replay()
     ok_after = int(out1[:4096].sum()) == 4096 and float((small * 2).sum()) == 2048.0
-    del out1, out2, g1, g2
+    phase("usable_after_refusal", ok=ok_after)
+    # Make room as a user would: drop g1's output and give the graph pool's memory back; then a
+    # replay of the same size as the refused one fits (512 + 1024 MiB and the pool's few MiB).
+    del out1
     torch.cuda.synchronize()
-    assert cuda.cuDeviceGraphMemTrim(torch.cuda.current_device()) == 0
-    phase("graph_trimmed", ok=ok_after)
+    dev = torch.cuda.current_device()
+    assert cuda.cuDeviceGraphMemTrim(dev) == 0
+    phase("room_made")
+    g3.replay()
+    ok3 = int(out3[:4096].sum()) == 3 * 4096
+    phase("replayed_after_room", ok=ok3)
+    del out3, g1, g3
+    torch.cuda.synchronize()
+    assert cuda.cuDeviceGraphMemTrim(dev) == 0
+    phase("graph_trimmed")
 
 
 if __name__ == "__main__":
