@@ -178,7 +178,7 @@ class Scheduler:
     process: subprocess.Popen[bytes]
 
     def status(self) -> dict[str, Any]:
-        from jupyter_gpushare.client import SchedulerClient
+        from jupyter_gpushare.scheduler_client import SchedulerClient
 
         return SchedulerClient(str(self.socket)).status_sync()
 
@@ -187,7 +187,7 @@ class Scheduler:
         return {c["id"]: c for dev in doc.get("devices", []) for c in dev.get("clients", [])}
 
     def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
-        from jupyter_gpushare.client import SchedulerClient
+        from jupyter_gpushare.scheduler_client import SchedulerClient
 
         return SchedulerClient(str(self.socket)).control_sync(action, **kwargs)
 

@@ -319,6 +319,21 @@ full of idle kernels whose memory was pre-copied: target **granted ≤ 100 ms** 
 scheduler's request-to-grant time). Twice: with `keep_free` 0, its room is made in its wait (an
 unmap of the least recently used idle kernel); with `keep_free` on (`--arrival-keep-free`,
 default `auto`), the scheduler made the room before it asked.
+
+What the two arrival rows mean:
+
+- **room made (keep_free 0)**: the scheduler keeps no room. The arrival's first cell allocates
+  and asks for the GPU; the scheduler evicts the least recently used idle kernel for it (the
+  driver's unmap and release of its physical memory: its data is already on the host) and grants
+  once that eviction is answered. The row is that request-to-grant wait; "of unmapping" is the
+  eviction's own time inside it.
+- **room kept (keep_free auto)**: the daemon's default. Once the idle kernels' copies were
+  complete and nobody waited, the scheduler evicted the least recently used ones until the room
+  `auto` estimates (the largest recent arrival, at most a quarter of the pool) was free, before the
+  arrival existed. The row is the same request-to-grant wait; the text below says how much was
+  free when it asked, how long those earlier evictions took, and whether any eviction still fell
+  in its wait (none when the room was kept). The first cell's time from its busy (allocation,
+  fill, one kernel) is given for both runs.
 """
         rec = self.recs.get("memory")
         if rec is None:

@@ -440,7 +440,7 @@ def replay(path: str) -> None:
         spec = json.load(fh)
     client = None
     if spec.get("socket"):
-        from jupyter_gpushare.client import SchedulerClient
+        from jupyter_gpushare.scheduler_client import SchedulerClient
 
         client = SchedulerClient(spec["socket"])
 

@@ -28,9 +28,9 @@ from traitlets import Bool, Enum, Float, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
-from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .protocol import printable
 from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
+from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .units import format_size, parse_size
 
 __all__ = [

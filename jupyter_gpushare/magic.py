@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import shim, waitline
-from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .paths import default_socket_path
+from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .units import format_size, parse_size
 
 __all__ = ["GPUShareReport", "gpushare_command", "load_ipython_extension"]

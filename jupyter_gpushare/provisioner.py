@@ -102,11 +102,11 @@ from .adoption import (
     same_process,
     write_record,
 )
-from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
 from .protocol import ErrorCode
 from .scheduler.devices import discover_devices_async
+from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
 

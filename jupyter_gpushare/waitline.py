@@ -308,8 +308,8 @@ class WaitLine:
 
 def _set_quota(status: dict[str, Any], quota: int) -> str | None:
     """Apply a pending quota; None when done, else why not."""
-    from .client import SchedulerClient, SchedulerError, SchedulerUnavailable
     from .paths import default_socket_path
+    from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
     client_id = str(status["client_id"])
     socket = str(status.get("socket_path") or default_socket_path())

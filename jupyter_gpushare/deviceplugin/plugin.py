@@ -49,7 +49,7 @@ from typing import Any
 
 import grpc
 
-from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..units import format_size
 from .config import ContainerSetup, GPUShareDevicePlugin
 from .podresources import api_pb2 as podresources

@@ -25,10 +25,10 @@ from typing import Any
 
 from traitlets import default
 
-from ..client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..hub import server_user
 from ..protocol import ErrorCode
 from ..scheduler.server import GPUShareScheduler
+from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
 __all__ = [
     "NotifyingScheduler",

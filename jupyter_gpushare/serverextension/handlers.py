@@ -25,8 +25,8 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web, websocket
 
-from ..client import SchedulerError, SchedulerUnavailable
 from ..protocol import ErrorCode
+from ..scheduler_client import SchedulerError, SchedulerUnavailable
 from ..units import parse_size
 from .status import kernel_id_of
 

@@ -37,8 +37,8 @@ from typing import Any
 from jupyter_client.session import Session
 from zmq.eventloop.zmqstream import ZMQStream
 
-from ..client import SchedulerError, SchedulerUnavailable
 from ..protocol import ErrorCode
+from ..scheduler_client import SchedulerError, SchedulerUnavailable
 
 __all__ = ["KERNEL_ACTIONS_SCHEMA", "KernelWatcher", "Transition"]
 

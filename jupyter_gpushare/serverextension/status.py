@@ -23,8 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..client import SchedulerError, SchedulerUnavailable
 from ..protocol import kernel_client_id
+from ..scheduler_client import SchedulerError, SchedulerUnavailable
 from .backend import SchedulerBackend
 
 __all__ = ["StatusBroadcaster", "enrich", "kernel_id_of", "signature"]

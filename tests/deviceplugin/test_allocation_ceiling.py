@@ -24,10 +24,10 @@ from typing import Any
 import grpc
 import pytest
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
 from jupyter_gpushare.deviceplugin.plugin import DevicePluginServer
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 from tests.conftest import Run
 from tests.deviceplugin.kubelet_standin import KubeletStandIn, PodResourcesStandIn, next_list
 

@@ -414,7 +414,7 @@ def stop_scheduler(sched: Scheduler) -> None:
 def test_scheduler_mps_mode_end_to_end(binary: str) -> None:
     """`gpushare scheduler --mps`: its daemon, mps_env for a kernel, mps_terminate before a kill.
     Runs before the module's own daemon exists (one MPS setup on the GPU at a time)."""
-    from jupyter_gpushare.client import SchedulerClient
+    from jupyter_gpushare.scheduler_client import SchedulerClient
 
     rec: dict[str, Any] = {}
     RESULT["scheduler_mode"] = rec

@@ -28,7 +28,7 @@ from conftest import running_scheduler, shimmed_env, start_workload
 from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 8 s, checked
 from test_jupyter_gpu import run_cell
 
-from jupyter_gpushare.client import SchedulerClient
+from jupyter_gpushare.scheduler_client import SchedulerClient
 
 GIB = 1 << 30
 

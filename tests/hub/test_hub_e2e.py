@@ -34,9 +34,9 @@ import jsonschema
 import pytest
 from hub_helpers import Hub, find_or_install_chp, wait_for
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.identity import generate_key, load_key, user_token
 from jupyter_gpushare.protocol import ErrorCode
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "jupyter"))

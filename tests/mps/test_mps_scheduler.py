@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from mps_helpers import command_names, commands, set_clients, sleeper, wait_gone
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, PeerCred, SchedulerStartError
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 GPU0 = "GPU-00000000-1111-2222-3333-444444444444"
 GPU1 = "GPU-55555555-6666-7777-8888-999999999999"

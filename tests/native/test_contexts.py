@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 
-from jupyter_gpushare.client import SchedulerClient
+from jupyter_gpushare.scheduler_client import SchedulerClient
 from tests.native.probe import spawn_probe, trace
 
 

@@ -13,7 +13,7 @@ import itertools
 import time
 from typing import Any
 
-from jupyter_gpushare.client import SchedulerClient
+from jupyter_gpushare.scheduler_client import SchedulerClient
 from tests.native.probe import run_probe, spawn_probe
 
 DEVICES = {"GPUSHARE_FAKE_DEVICES": "2"}

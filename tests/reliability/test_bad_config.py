@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from traitlets import TraitError
 
-from jupyter_gpushare.client import SchedulerUnavailable
 from jupyter_gpushare.provisioner import GPUShareProvisioner
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerConfigError
+from jupyter_gpushare.scheduler_client import SchedulerUnavailable
 from jupyter_gpushare.serverextension.backend import SchedulerBackend
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,11 +31,11 @@ from test_utilization import FakeNVMLProcesses
 # Imported here, before any fork: a child running as another user may not be able to read the
 # source tree (a clone under /root), so it must find every module it uses already loaded.
 from jupyter_gpushare import cli
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.protocol import ErrorCode, MsgType, read_message_sync
 from jupyter_gpushare.scheduler import server as server_module
 from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery, nvml_pids_comparable
 from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 # -- what the processes of the other users run (module level: the forked child calls them) ----
 

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from sched_helpers import DEVICE, GiB
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.deviceplugin.config import ContainerSetup
 from jupyter_gpushare.deviceplugin.plugin import allocation_host_dir
 from jupyter_gpushare.protocol import MsgType
@@ -30,6 +29,7 @@ from jupyter_gpushare.scheduler.allocations import (
     prunable,
     superseded,
 )
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 
 def test_cap_quota_only_lowers() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 from sched_helpers import MiB
 
-from jupyter_gpushare.client import SchedulerClient
 from jupyter_gpushare.protocol import MsgType
+from jupyter_gpushare.scheduler_client import SchedulerClient
 
 
 async def test_history_as_each_viewer_may_see_it(

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from sched_helpers import DEVICE, GiB, MiB
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from jupyter_gpushare.protocol import ErrorCode, MsgType
 from jupyter_gpushare.scheduler import events as ev
 from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
 DEVICE_KEYS = {
     "uuid", "name", "total_bytes", "pool_bytes", "resident_bytes", "mode", "quantum_ms",

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from sched_helpers import DEVICE, FakeShim, GiB, MiB
 
-from jupyter_gpushare.client import SchedulerClient, SchedulerError
 from jupyter_gpushare.identity import generate_key, load_key, user_token
 from jupyter_gpushare.protocol import ErrorCode, MsgType
+from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 UID = os.getuid()
 
