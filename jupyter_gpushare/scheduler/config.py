@@ -16,7 +16,7 @@ from traitlets.config import LoggingConfigurable
 from ..paths import default_socket_path
 from ..units import format_size, parse_size
 from .ordering import ORDERINGS, OrderingConfig
-from .policy import POLICIES, PolicyConfig
+from .policy_config import POLICIES, PolicyConfig
 from .room import KeepFree
 
 __all__ = ["SchedulerConfig"]
