@@ -14,22 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Scheduler, shimmed_env, start_scheduler, start_workload
+from conftest import Scheduler, running_scheduler, shimmed_env, start_workload
 
 MIB = 1 << 20
 
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
-    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum=60)
-    yield sched
-    sched.process.terminate()
-    try:
-        sched.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        sched.process.kill()
-    print("---- scheduler log ----")
-    print(sched.log_text())
+    with running_scheduler(tmp_path, quantum=60) as sched:
+        yield sched
 
 
 def nvml_bytes(pid: int) -> int:
@@ -87,8 +80,7 @@ def test_taking_turns_with_the_cross_check_on(tmp_path: Path) -> None:
     the host decides whether an eviction lie could be caught the same way (docs/reliability.md)."""
     from conftest import Result
 
-    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum=2)
-    try:
+    with running_scheduler(tmp_path, quantum=2) as sched:
 
         def hog(tag: str, seconds: str) -> subprocess.Popen:
             env = shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": tag})
@@ -118,8 +110,3 @@ def test_taking_turns_with_the_cross_check_on(tmp_path: Path) -> None:
         assert evicted, "A was never evicted: the two did not take turns"
         # Counted as pinned (never moved) only what the claim left out: the context's error.
         assert max(s[2] for s in seen) < 2 << 30, seen
-    finally:
-        sched.process.terminate()
-        sched.process.wait(timeout=10)
-        print("---- scheduler log ----")
-        print(sched.log_text()[-6000:])

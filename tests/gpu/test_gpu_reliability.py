@@ -4,7 +4,6 @@ the time from killing a holder to the waiter's first GPU work (docs/reliability.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from conftest import (
     Result,
     Scheduler,
     kill_holder,
+    running_scheduler,
     shimmed_env,
     start_scheduler,
     start_workload,
@@ -25,15 +25,8 @@ GIB = 1 << 30
 @pytest.fixture
 def long_turns(tmp_path: Path) -> Iterator[Scheduler]:
     """A scheduler whose turns (120 s) outlast each test's moves: no revoke races the faults."""
-    sched = start_scheduler(tmp_path / "gpushare.sock", tmp_path / "scheduler.log", quantum=120)
-    yield sched
-    sched.process.terminate()
-    try:
-        sched.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        sched.process.kill()
-    print("---- scheduler log ----")
-    print(sched.log_text())
+    with running_scheduler(tmp_path, quantum=120) as sched:
+        yield sched
 
 
 def wait_for(scheduler: Scheduler, check, what: str, timeout: float = 120) -> dict:
