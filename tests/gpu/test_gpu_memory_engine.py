@@ -31,6 +31,17 @@ GIB = 1 << 30
 MOVE = re.compile(r"(evicted|restored) client=(\S+) bytes=(\d+) \([^)]*\) ms=([\d.]+)")
 
 
+def b_arrives_and_a_survives(scheduler: Scheduler, a: subprocess.Popen, what: str) -> None:
+    """B (14 GiB for 2 s) runs to a correct end; then A, whose memory made B's room, ends with
+    its data intact."""
+    b_env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "B"})
+    b = run_workload("memory_hog.py", "14", "2", "B", env=b_env)
+    assert b.returncode == 0 and b.record["correct"], b.stderr
+    out_a, err_a = a.communicate(timeout=120)
+    assert a.returncode == 0, err_a
+    assert Result(0, out_a, err_a).record["correct"], f"A's data did not survive {what}"
+
+
 def rates(log: str, kind: str, at_least: int = 8 * GIB) -> list[float]:
     return [
         int(n) / (float(ms) / 1000)
@@ -118,12 +129,7 @@ def test_an_idle_kernel_is_precopied_and_leaves_in_milliseconds(scheduler: Sched
         assert time.monotonic() < deadline, scheduler.log_text()
         assert a.poll() is None or a.returncode == 0
         time.sleep(0.5)
-    b_env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "B"})
-    b = run_workload("memory_hog.py", "14", "2", "B", env=b_env)
-    assert b.returncode == 0 and b.record["correct"], b.stderr
-    out_a, err_a = a.communicate(timeout=120)
-    assert a.returncode == 0, err_a
-    assert Result(0, out_a, err_a).record["correct"], "A's data did not survive pre-copy + eviction"
+    b_arrives_and_a_survives(scheduler, a, "pre-copy + eviction")
     log = scheduler.log_text()
     ms = [float(m) for k, c, n, m in MOVE.findall(log) if k == "evicted" and c == "A"]
     assert ms, log
@@ -186,12 +192,7 @@ def test_room_is_kept_for_the_next_arrival(tmp_path) -> None:
             assert time.monotonic() < deadline, scheduler.log_text()
             assert a.poll() is None or a.returncode == 0
             time.sleep(0.2)
-        b_env = shimmed_env(scheduler.socket, {"GPUSHARE_CLIENT_ID": "B"})
-        b = run_workload("memory_hog.py", "14", "2", "B", env=b_env)
-        assert b.returncode == 0 and b.record["correct"], b.stderr
-        out_a, err_a = a.communicate(timeout=120)
-        assert a.returncode == 0, err_a
-        assert Result(0, out_a, err_a).record["correct"], "A's data did not survive"
+        b_arrives_and_a_survives(scheduler, a, "its eviction for room")
         log = scheduler.log_text()
     waits = [float(ms) for client, ms in GRANT.findall(log) if client == "B"]
     assert waits, log
