@@ -206,9 +206,10 @@ def test_a_burst_of_allocations_is_not_slowed_by_host_staging(tmp_path) -> None:
     host staging is made in the background (memory_prepare.c), after the program's allocations
     pause: made beside the burst, it held the memory-map lock the program's own mappings need,
     and on an H100 (2026-11-24) the burst took 25.4 s under the shim against 0.015 s without.
-    After the fix: 0.014 s under the shim, 0.018 s without. Bound: the unshimmed time plus 0.1 s
-    per part (a hundredth of the one-second-per-GiB regression, and several times the recorded
-    run-to-run spread of the unshimmed parts)."""
+    After the fix (run 7): alloc 0.014 / 0.018 s, sum 0.085 / 0.114 s, free 0.015 / 0.015 s
+    (shim / plain); unshimmed runs spread by 20% (run 6: 0.015, 0.094, 0.015). Bound per part:
+    1.5x the unshimmed time plus 30 ms (for a 15 ms part, 3-4x what was measured; the
+    regression was a thousand times that)."""
     require("torch")
     with running_scheduler(tmp_path, pool="70GiB") as sched:
         plain = run_workload("alloc_burst.py", "40", env=workload_env())
@@ -221,4 +222,4 @@ def test_a_burst_of_allocations_is_not_slowed_by_host_staging(tmp_path) -> None:
     parts = ", ".join(f"{p[:-2]} {a[p]:.3f} / {b[p]:.3f} s" for p in ("alloc_s", "sum_s", "free_s"))
     print(f"40 x 1 GiB (plain / shim): {parts}")
     for part in ("alloc_s", "sum_s", "free_s"):
-        assert b[part] <= a[part] + 0.1, (part, a[part], b[part])
+        assert b[part] <= 1.5 * a[part] + 0.03, (part, a[part], b[part])
