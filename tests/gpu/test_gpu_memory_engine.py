@@ -198,7 +198,14 @@ def test_room_is_kept_for_the_next_arrival(tmp_path) -> None:
     assert waits, log
     evicted_a = [float(m) for k, c, n, m in MOVE.findall(log) if k == "evicted" and c == "A"]
     print(f"B granted {waits[0]:.1f} ms after it asked; A's room eviction took {evicted_a}")
-    assert waits[0] <= 100.0, log
+    # The room was made before B existed: A's eviction is logged before B joins, and none after.
+    joined_b = log.index("join client=B ")
+    assert room.search(log[:joined_b]), log
+    assert not room.search(log[joined_b:]), log
+    # With nothing to evict, B's grant is a handoff without memory to move: within that
+    # benchmark's documented p99 of 10 ms (docs/performance.md), not only the 100 ms. On
+    # an H100 (runs 5 and 7, 2026-11-24): 0.4 ms; room made in the wait instead: 9.6 ms.
+    assert waits[0] <= 10.0, log
 
 
 def test_a_burst_of_allocations_is_not_slowed_by_host_staging(tmp_path) -> None:
