@@ -27,6 +27,11 @@ static pthread_cond_t cap_cv;
 static pthread_once_t cap_once = PTHREAD_ONCE_INIT;
 static struct capture captures[MAX_CAPTURES];
 static atomic_int n_active;
+/* Threads of the shim's holding captures off (gs_capture_hold_off): a hold, not the lock, so
+ * holders do not wait for each other. A revoke's release must not wait behind the host staging
+ * being populated beside it (seen on 2 cores: 2 s for 1 GiB); a capture begins only when none
+ * holds. Under cap_mu. */
+static int n_holders;
 /* Begins seen while the table was full: counted, so the shim still knows captures are running. */
 static int n_untracked;
 
@@ -145,14 +150,26 @@ int gs_capture_hold_off(double seconds)
     int r = 0;
     while (atomic_load(&n_active) > 0 && r == 0)
         r = pthread_cond_timedwait(&cap_cv, &cap_mu, &until);
-    if (atomic_load(&n_active) == 0)
-        return 1; /* with the lock held: no capture can begin until gs_capture_unlock() */
+    int held = atomic_load(&n_active) == 0;
+    n_holders += held; /* no capture can begin until gs_capture_unlock() */
     pthread_mutex_unlock(&cap_mu);
-    return 0;
+    return held;
 }
 
-void gs_capture_lock(void) { pthread_mutex_lock(&cap_mu); }
-void gs_capture_unlock(void) { pthread_mutex_unlock(&cap_mu); }
+void gs_capture_unlock(void)
+{
+    pthread_mutex_lock(&cap_mu);
+    n_holders--;
+    pthread_cond_broadcast(&cap_cv);
+    pthread_mutex_unlock(&cap_mu);
+}
+
+/* With cap_mu held: a capture may begin once no thread of the shim holds captures off. */
+static void wait_for_no_holders_locked(void)
+{
+    while (n_holders > 0)
+        pthread_cond_wait(&cap_cv, &cap_mu);
+}
 
 void gs_capture_forget_stream(CUstream s)
 {
@@ -168,6 +185,7 @@ void gs_capture_after_fork_child(void)
     for (int i = 0; i < MAX_CAPTURES; i++)
         captures[i].stream = 0;
     n_untracked = 0;
+    n_holders = 0;
     atomic_store(&n_active, 0);
 }
 
@@ -183,6 +201,7 @@ static CUresult begin(CUresult (*call)(void *, CUstream, CUstreamCaptureMode), v
 {
     pthread_once(&cap_once, init_cv);
     pthread_mutex_lock(&cap_mu);
+    wait_for_no_holders_locked();
     CUresult r = call(real, s, mode);
     if (r == CUDA_SUCCESS)
         note_begin_locked(s, per_thread);
@@ -229,6 +248,7 @@ static CUresult begin_to_graph(gs_fn_cuStreamBeginCaptureToGraph real, CUstream 
 {
     pthread_once(&cap_once, init_cv);
     pthread_mutex_lock(&cap_mu);
+    wait_for_no_holders_locked();
     CUresult r = real(hStream, hGraph, deps, data, n, mode);
     if (r == CUDA_SUCCESS)
         note_begin_locked(hStream, per_thread);

@@ -526,10 +526,12 @@ void gs_conn_lost(struct gs_session *s, const char *why)
         } else {
             s->resume.mode = 0;
         }
-        if (was_holding || wait <= 0 || s->state == GPUSHARE_STATE_UNSHARED) {
+        if (was_holding || s->state == GPUSHARE_STATE_UNSHARED) {
             gs_session_set_state_locked(s, GPUSHARE_STATE_UNSHARED);
         } else {
-            s->resume.unshare_at = gs_now() + wait;
+            /* Even with no wait, the shim's thread opens the gate (thread.c): memory allocated
+             * while waiting is backed first. */
+            s->resume.unshare_at = gs_now() + (wait > 0 ? wait : 0);
             gs_session_set_state_locked(s, GPUSHARE_STATE_IDLE);
         }
         gs_conn_unreachable_locked(s, why, 1);

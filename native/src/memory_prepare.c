@@ -124,8 +124,14 @@ static void *preparer(void *arg)
             set_ctx(ctx);
         struct gs_staging st;
         hold_off_captures();
+        double made_from = gs_now();
         int have = gs_staging_get(&st, size) == 0;
         gs_capture_unlock();
+        if (have) {
+            char a[32];
+            GS_DEBUG("host staging of %s made in %.1f ms", gs_format_size(size, a, sizeof a),
+                     (gs_now() - made_from) * 1e3);
+        }
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);

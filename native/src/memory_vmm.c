@@ -24,6 +24,8 @@ static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
 pthread_mutex_t gs_vmm_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t gs_vmm_prepare_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t copies_done = PTHREAD_COND_INITIALIZER;
+static size_t copies_in_flight; /* blocks marked copying by a pre-copy */
 int gs_vmm_prepare_pending;
 unsigned gs_vmm_precopy_wanted;
 double gs_vmm_last_change;
@@ -45,7 +47,8 @@ static void load_driver(void)
     gs_vmm_drv.ok = SYM(reserve, "cuMemAddressReserve") && SYM(addr_free, "cuMemAddressFree") &&
              SYM(map, "cuMemMap") && SYM(unmap, "cuMemUnmap") && SYM(access, "cuMemSetAccess") &&
              SYM(gran, "cuMemGetAllocationGranularity") && SYM(ctx_dev, "cuCtxGetDevice") &&
-             SYM(ctx_cur, "cuCtxGetCurrent") && SYM(ctx_sync, "cuCtxSynchronize") &&
+             SYM(ctx_cur, "cuCtxGetCurrent") && SYM(ctx_push, "cuCtxPushCurrent_v2") &&
+             SYM(ctx_pop, "cuCtxPopCurrent_v2") && SYM(ctx_sync, "cuCtxSynchronize") &&
              SYM(stream_create, "cuStreamCreateWithPriority") &&
              SYM(stream_sync, "cuStreamSynchronize") && SYM(event_create, "cuEventCreate") &&
              SYM(event_record, "cuEventRecord") && SYM(event_sync, "cuEventSynchronize") &&
@@ -209,6 +212,20 @@ void gs_vmm_unback(struct block *b)
     b->resident = 0;
 }
 
+void gs_vmm_copies_begin_locked(size_t n) { copies_in_flight += n; }
+
+void gs_vmm_copies_end_locked(size_t n)
+{
+    copies_in_flight -= n;
+    pthread_cond_broadcast(&copies_done);
+}
+
+void gs_vmm_wait_copies_locked(const struct block *b)
+{
+    while (b ? b->copying : copies_in_flight > 0)
+        pthread_cond_wait(&copies_done, &gs_vmm_mu);
+}
+
 /* A new block of `size` bytes (granularity-aligned), counted against the quota. */
 static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struct block **out)
 {
@@ -304,6 +321,7 @@ static CUresult small_alloc(CUdeviceptr *dptr, uint64_t bytes)
         b->chunk->len[u] = (uint16_t)n;
         b->chunk->used += n;
         b->precopied = 0; /* a new allocation's contents are not in the staging copy */
+        b->allocs++;
         *dptr = b->va + (CUdeviceptr)u * UNIT;
         return CUDA_SUCCESS;
     }
@@ -355,6 +373,10 @@ int gs_vmm_free(CUdeviceptr dptr, CUresult *r)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
     struct block *b = gs_vmm_find(dptr);
+    while (b && b->copying) { /* never unmapped under a pre-copy's read: then look again */
+        gs_vmm_wait_copies_locked(b);
+        b = gs_vmm_find(dptr);
+    }
     int mine = b != NULL;
     if (b) {
         *r = CUDA_SUCCESS;
@@ -411,6 +433,7 @@ void gs_vmm_forget_context(CUcontext ctx)
     if (!gs_vmm_drv.ok)
         return;
     pthread_mutex_lock(&gs_vmm_mu);
+    gs_vmm_wait_copies_locked(NULL);
     /* The program destroyed the context its memory was allocated in: that memory is gone with
      * it as far as the program can tell. Give back what the driver still holds and stop
      * counting it. */
@@ -434,4 +457,6 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_forget_streams();
     pthread_cond_init(&gs_vmm_prepare_cv, NULL);
     gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;
+    pthread_cond_init(&copies_done, NULL);
+    copies_in_flight = 0; /* the parent's pre-copy thread is not the child's */
 }

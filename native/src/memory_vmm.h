@@ -28,6 +28,8 @@ struct block {
     int preparing;         /* memory_prepare.c is making its staging */
     uint64_t id;           /* unique for the process's life: found again after the lock was let go */
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
+    int copying;           /* a pre-copy reads it, gs_vmm_mu let go: not freed or unmapped */
+    uint64_t allocs;       /* allocations made in it (a chunk's): one during a pre-copy spoils it */
     struct gs_staging staging;
     struct chunk *chunk; /* NULL: one allocation owns the block */
     /* CUDA IPC (memory_ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
@@ -48,6 +50,7 @@ typedef CUresult (*access_fn)(CUdeviceptr, size_t, const gs_mem_access_desc *, s
 typedef CUresult (*gran_fn)(size_t *, const CUmemAllocationProp *, int);
 typedef CUresult (*ctx_dev_fn)(CUdevice *);
 typedef CUresult (*ctx_cur_fn)(CUcontext *);
+typedef CUresult (*ctx_push_fn)(CUcontext);
 typedef CUresult (*void_fn)(void);
 typedef CUresult (*stream_prio_fn)(CUstream *, unsigned int, int);
 typedef CUresult (*prio_range_fn)(int *, int *);
@@ -68,6 +71,8 @@ struct gs_vmm_driver {
     gran_fn gran;
     ctx_dev_fn ctx_dev;
     ctx_cur_fn ctx_cur;
+    ctx_push_fn ctx_push; /* a block's context, on a thread that has none (the shim's own) */
+    ctx_cur_fn ctx_pop;
     void_fn ctx_sync;
     stream_prio_fn stream_create;
     prio_range_fn prio_range;
@@ -120,5 +125,13 @@ extern unsigned gs_vmm_precopy_wanted;
  * program's allocations to pause before it populates and registers host memory. */
 extern double gs_vmm_last_change;
 void gs_vmm_wake_preparer_locked(void);
+
+/* A pre-copy copies with gs_vmm_mu let go (the program and the shim's thread need the lock while
+ * a large copy runs), its blocks marked `copying`. What would free, unmap or overwrite a block's
+ * memory or staging first waits here (under gs_vmm_mu): for block b, or for every block (NULL). */
+void gs_vmm_wait_copies_locked(const struct block *b);
+/* The pre-copy marked n blocks copying / cleared them (wakes the waiters). */
+void gs_vmm_copies_begin_locked(size_t n);
+void gs_vmm_copies_end_locked(size_t n);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */

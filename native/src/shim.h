@@ -239,12 +239,12 @@ void gs_calls_after_fork_child(void);
 /* Captures in progress in this process (any mode). Cheap: an atomic load. */
 int gs_capture_active(void);
 /* Wait until no stream captures, at most `seconds`. 1: none captures, and none can begin until
- * gs_capture_unlock() (the lock is held); 0: timed out (not held). */
+ * gs_capture_unlock() (a shared hold: several threads may hold captures off at once); 0: timed
+ * out (not held). */
 int gs_capture_hold_off(double seconds);
 /* Whether `s` captures now (asked from the calling thread, which owns its per-thread stream). */
 int gs_capture_stream_capturing(CUstream s, int per_thread);
-/* Hold off new captures while the shim uses the legacy stream (idle.c). */
-void gs_capture_lock(void);
+/* Ends a hold gs_capture_hold_off returned 1 for. */
 void gs_capture_unlock(void);
 void gs_capture_forget_stream(CUstream s);
 void gs_capture_after_fork_child(void);

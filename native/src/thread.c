@@ -139,16 +139,23 @@ static void *thread_main(void *arg)
         if (!s->conn.connected && s->resume.unshare_at > 0 && now >= s->resume.unshare_at) {
             s->resume.unshare_at = 0;
             if (s->state == GPUSHARE_STATE_IDLE) {
-                GS_WARN("the scheduler did not come back within %.1f s: running unshared",
-                        gs_config()->reconnect_wait);
+                if (gs_config()->reconnect_wait > 0) /* else the loss said it runs unshared */
+                    GS_WARN("the scheduler did not come back within %.1f s: running unshared",
+                            gs_config()->reconnect_wait);
                 s->resume.mode = 0; /* it runs now: no place in a queue to claim back */
-                gs_session_set_state_locked(s, GPUSHARE_STATE_UNSHARED);
                 unshared = 1;
             }
         }
         pthread_mutex_unlock(&s->mu);
-        if (unshared)
+        if (unshared) {
+            /* Memory first, then the gate: a call let through before its block is backed would
+             * reach an address with nothing mapped (as the grant does, lifecycle.c). Only this
+             * thread connects, so the state is still idle and unconnected here. */
             restore_within_free(s);
+            pthread_mutex_lock(&s->mu);
+            gs_session_set_state_locked(s, GPUSHARE_STATE_UNSHARED);
+            pthread_mutex_unlock(&s->mu);
+        }
         if (reconnect)
             try_reconnect(s);
         else

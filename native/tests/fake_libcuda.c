@@ -48,8 +48,9 @@
  * instantaneous), GPUSHARE_FAKE_TRACE (a file: one JSON line per prefetch and per
  * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit),
  * GPUSHARE_FAKE_LAUNCH_DELAY_US (a launch stays that long inside the driver before its work is
- * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_OTHER_BYTES (memory other
- * processes hold on the device: cuMemGetInfo's free shrinks by it).
+ * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_MAP_DELAY_US (each cuMemMap takes
+ * that long), GPUSHARE_FAKE_OTHER_BYTES (memory other processes hold on the device: cuMemGetInfo's
+ * free shrinks by it, and cuMemCreate refuses what would not fit beside it).
  *
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed),
  * fakecuda_call_count(name) and fakecuda_process_device_bytes(pid) (fake_checkpoint.c: the process
@@ -1212,8 +1213,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     memcpy(loc, (const char *)prop + 2 * sizeof(int), sizeof loc);
     int phys = loc[0] == 1 ? fk_phys(loc[1]) : -1;
     if (phys < 0) return 101; /* CUDA_ERROR_INVALID_DEVICE */
+    /* What other processes hold (GPUSHARE_FAKE_OTHER_BYTES) is not free either, as on a card. */
+    unsigned long long other = fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
     pthread_mutex_lock(&g_lock);
-    if (g_dev_resident[phys] + size > fk_phys_total(phys)) {
+    if (g_dev_resident[phys] + other + size > fk_phys_total(phys)) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1319,6 +1322,14 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     COUNT();
     NEED_INIT();
     if (!ptr || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    /* GPUSHARE_FAKE_MAP_DELAY_US: a mapping takes that long (a large one on a real card takes
+     * milliseconds), so a call let through before its memory is mapped is caught every time. */
+    static long delay_us = -1;
+    if (delay_us < 0) {
+        const char *d = getenv("GPUSHARE_FAKE_MAP_DELAY_US");
+        delay_us = d && *d ? atol(d) : 0;
+    }
+    if (delay_us > 0) sleep_until_ns(now_ns() + (uint64_t)delay_us * 1000ULL);
     pthread_mutex_lock(&g_lock);
     struct fk_handle *h = find_handle_locked(handle);
     if (!h || h->released || offset + size > h->size || !reserved_locked((uintptr_t)ptr, size) ||

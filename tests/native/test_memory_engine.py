@@ -9,7 +9,11 @@ stand-in, whose "physical memory" is a memfd to tear down) by its duration.
 
 from __future__ import annotations
 
+import itertools
 import re
+import time
+
+from jupyter_gpushare.scheduler_client import SchedulerClient
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -129,3 +133,49 @@ def test_staging_waits_until_the_programs_allocations_pause(harness):
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
     kept = harness.run("temporary", BIG, 1.5, 0.5, **common()).ok()
     assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
+
+
+def _largest_tick_gap(proc, start: str, end: str) -> tuple[float, int]:
+    """The longest pause between status ticks from event ``start`` to event ``end``, and how many
+    ticks there were (the program ticks every 0.1 s; each tick reads the engine's totals)."""
+    t0 = proc.event(start)["t_mono"]
+    t1 = proc.event(end)["t_mono"]
+    ticks = [e["t_mono"] for e in proc.events if e["event"] == "tick" and t0 <= e["t_mono"] <= t1]
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    return max(gaps, default=t1 - t0), len(ticks)
+
+
+def test_a_precopy_does_not_stop_the_program_while_it_copies(harness):
+    """A pre-copy copies without the engine's lock: the program's allocations, frees and status
+    reads, and the shim's own memory reports (a request for the device carries one), go on while
+    it runs. Held for the whole copy, a request waited 0.5 s behind a 1 GiB pre-copy."""
+    harness.scheduler(pool="1GiB", quantum=1.0)
+    a = harness.spawn("precopy_cycle", BIG, 3.0, 0.3, 0.3, extra=SLOW, **common(client_id="A"))
+    run = a.finish(60).ok()
+    assert run.event("cycle_end")["data_ok"]
+    said = re.findall(r"pre-copied 640.00 MiB .* in ([\d.]+) ms", run.stderr)
+    copy_ms = [float(ms) for ms in said]
+    assert copy_ms and copy_ms[0] >= COPY_MS * 0.7, run.stderr  # the stand-in's copy: ~670 ms
+    gap, ticks = _largest_tick_gap(run, "idle1_start", "written2")
+    # Ticks come every 0.1 s plus the program's own time (measured: largest gap 0.10-0.11 s);
+    # a status read stuck behind the copy would leave a gap of the copy's length.
+    assert ticks >= 20 and gap < 0.25, (gap, ticks, copy_ms)
+
+
+def test_a_release_does_not_wait_for_staging_being_made(harness):
+    """Making host staging holds stream captures off (registering fails a capture), and so does
+    a release's synchronisation: both are holds that share, not a lock. Before, a revoke waited
+    behind the background thread's registration (1 GiB: 2 s on 2 cores) before it could answer."""
+    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+    slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "1500"}
+    a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow_register, **common(client_id="A"))
+    a.wait_event("first_launch", 30)
+    # The staging is made once allocations have paused 0.5 s, and takes 1.5 s: release in it.
+    time.sleep(1.0)
+    SchedulerClient(str(sched.socket_path)).control_sync("release", client="A")
+    run = a.finish(60).ok()
+    assert run.event("hold_end")["data_ok"]
+    released = [float(ms) for ms in re.findall(r"released after ([\d.]+) ms", run.stderr)]
+    assert run.calls("cuMemHostRegister_v2") >= 1, run.stats["calls"]
+    # Measured 5-15 ms; waiting for the registration would take up to 1.5 s.
+    assert released and released[0] < 300, run.stderr

@@ -113,7 +113,12 @@ def test_waiter_runs_unshared_after_the_reconnect_bound(harness):
     sched = harness.scheduler(pool="1GiB", quantum=60.0)
     a = harness.spawn("hold", 30.0, BIG, 20000, **common(client_id="A"))
     a.wait_event("first_launch", 30)
-    b = harness.spawn("hold", 0.3, BIG, 20000, **common(client_id="B", reconnect_wait=1.5))
+    # B allocates while it waits: its memory has an address but is backed only when it runs.
+    # Mapping is made slow (0.3 s) so a call let through before the backing ends fails every time.
+    slow_map = {"fake_map_delay_us": 300_000}
+    b = harness.spawn(
+        "hold", 0.3, BIG, 20000, **common(client_id="B", reconnect_wait=1.5, **slow_map)
+    )
     b.wait_event("hold_start", 30)
     sched.wait_log("request client=B")
     killed_at = time.monotonic()
@@ -123,6 +128,7 @@ def test_waiter_runs_unshared_after_the_reconnect_bound(harness):
     assert 1.2 < waited < 8.0, f"B should wait ~1.5 s for the scheduler, then run: {waited:.2f}"
     assert b.finish(30).ok().event("hold_end")["data_ok"]
     assert "did not come back within 1.5 s" in b.stderr
+    assert "backed 640.00 MiB allocated while waiting" in b.stderr
     a.kill()
 
 
