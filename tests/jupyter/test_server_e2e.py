@@ -30,8 +30,9 @@ from server_helpers import (
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "gpushare-e2e"
-#: What each kernel allocates: two of them do not fit the 1 GiB pool together.
-FOOTPRINT = 700 * MiB
+#: What each kernel allocates: two of them do not fit the 512 MiB pool together. Small, because the
+#: handoff moves it with the CPU's memcpy in the stand-in (about 0.2 s for this on 2 cores).
+FOOTPRINT = 300 * MiB
 
 CELL_A = f"""
 import json, time
@@ -95,7 +96,7 @@ def gpushare_config(e2e_kernelspec: str) -> dict[str, Any]:
         "GPUShareExtension": {"status_interval": 0.1},
         "GPUShareScheduler": {
             "use_nvml": False,
-            "pool_size": "1GiB",
+            "pool_size": "512MiB",
             "base_quantum": 60.0,
             "max_quantum": 60.0,
         },
@@ -159,7 +160,8 @@ async def test_idle_kernel_hands_the_gpu_over(jp_fetch: Any, jp_serverapp: Any) 
         assert out_a["launches"] > 10
         assert waited > 1.0, "B did not wait for A"
         assert out_b["first_launch"] >= out_a["end"], "B ran while A held the device"
-        assert -0.05 < latency < 1.0, f"A's idle -> B's launch took {latency:.3f}s"
+        # Measured 0.20-0.25 s on 2 cores, most of it the stand-in's copy of A's 300 MiB.
+        assert -0.05 < latency < 0.75, f"A's idle -> B's launch took {latency:.3f}s"
 
         doc = await status()
         dev = device_of(doc)
