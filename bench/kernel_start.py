@@ -2,9 +2,10 @@
 
 jupyter_client's KernelManager starts an ipykernel from a kernelspec that either names the
 gpushare provisioner (the kernel runs under the shim, registered with a running scheduler) or
-not, or only preloads the shim through the kernelspec's env (no provisioner, no magic: to see
-where any cost sits); the time is from ``start_kernel()`` to the kernel's ``kernel_info`` reply
-(``wait_for_ready``). Starts alternate (ABC CBA); medians and the paired difference (gpushare
+not, or only preloads the shim through the kernelspec's env (no provisioner, no magic), or
+preloads it and loads the %gpushare magic as the provisioner does (no provisioner): to see where
+any cost sits; the time is from ``start_kernel()`` to the kernel's ``kernel_info`` reply
+(``wait_for_ready``). Starts alternate (ABCD DCBA); medians and the paired difference (gpushare
 minus plain) are reported.
 Target: <= +50 ms.
 """
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpushare.provisioner import MAGIC_EXTENSION
+
 from .common import child_env, median_ci
 from .common import scheduler as start_scheduler
 
@@ -27,10 +30,15 @@ TARGET_MS = 50.0
 
 
 def _write_spec(
-    kernels: Path, name: str, socket: str | None, env: dict[str, str] | None = None
+    kernels: Path,
+    name: str,
+    socket: str | None,
+    env: dict[str, str] | None = None,
+    extra_argv: tuple[str, ...] = (),
 ) -> None:
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", *extra_argv]
     spec: dict[str, Any] = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": argv,
         "display_name": name,
         "language": "python",
         "metadata": {},
@@ -63,9 +71,11 @@ async def _start_once(ksm: Any, name: str, env: dict[str, str]) -> float:
     return elapsed
 
 
-#: plain; the shim preloaded by the kernelspec's env alone (no provisioner, no magic: where the
-#: cost sits); the gpushare provisioner (shim, scheduler registration, %gpushare magic).
-VARIANTS = ("plain", "shim-only", "gpushare")
+#: plain; the shim preloaded by the kernelspec's env alone (no provisioner, no magic); the shim
+#: and the %gpushare magic with its wait line, as the provisioner loads it, but no provisioner;
+#: the gpushare provisioner (shim, scheduler round trips before the launch, magic). The
+#: differences between neighbours say where any cost sits.
+VARIANTS = ("plain", "shim-only", "shim-magic", "gpushare")
 
 
 async def _run(kernels: Path, pairs: int) -> dict[str, list[float]]:
@@ -90,6 +100,8 @@ def run(workdir: Path, pairs: int = 20, no_nvml: bool = False, log: Any = print)
         _write_spec(kernels, "plain", None)
         preload = {"LD_PRELOAD": library_path(), "GPUSHARE_SOCKET": str(sched.socket)}
         _write_spec(kernels, "shim-only", None, preload)
+        magic = (f"--InteractiveShellApp.extra_extensions={MAGIC_EXTENSION}",)
+        _write_spec(kernels, "shim-magic", None, preload, magic)
         _write_spec(kernels, "gpushare", str(sched.socket))
         times = asyncio.run(_run(kernels, pairs))
     plain, shim = times["plain"], times["gpushare"]
@@ -98,11 +110,20 @@ def run(workdir: Path, pairs: int = 20, no_nvml: bool = False, log: Any = print)
     # Where the cost sits: the preloaded shim alone against plain, paired the same way.
     so_diffs = [(s - p) * 1000 for p, s in zip(plain, times["shim-only"], strict=True)]
     so_med, so_lo, so_hi = median_ci(so_diffs)
+    # The magic and its wait line (shim-magic minus shim-only), and the provisioner's own part
+    # (gpushare minus shim-magic: its round trips to the scheduler before the launch).
+    magic_med, magic_lo, magic_hi = median_ci(
+        [(m - o) * 1000 for o, m in zip(times["shim-only"], times["shim-magic"], strict=True)]
+    )
+    prov_med, prov_lo, prov_hi = median_ci(
+        [(g - m) * 1000 for m, g in zip(times["shim-magic"], shim, strict=True)]
+    )
     log(
         f"kernel start: {statistics.median(plain) * 1e3:.0f} ms plain, "
         f"{statistics.median(shim) * 1e3:.0f} ms with the provisioner and shim: "
         f"{med:+.1f} ms (95% CI {lo:+.1f} .. {hi:+.1f}; target <= +{TARGET_MS:.0f}); "
-        f"shim alone {so_med:+.1f} ms (95% CI {so_lo:+.1f} .. {so_hi:+.1f})"
+        f"shim alone {so_med:+.1f} ms (95% CI {so_lo:+.1f} .. {so_hi:+.1f}), the magic "
+        f"{magic_med:+.1f} ms more, the provisioner {prov_med:+.1f} ms more"
     )
     return {
         "pairs": pairs,
@@ -117,6 +138,11 @@ def run(workdir: Path, pairs: int = 20, no_nvml: bool = False, log: Any = print)
         "paired_diff_ms": diffs,
         "shim_only_added_ms_median": so_med,
         "shim_only_added_ms_ci95": [so_lo, so_hi],
+        "shim_magic_s": times["shim-magic"],
+        "magic_added_ms_median": magic_med,
+        "magic_added_ms_ci95": [magic_lo, magic_hi],
+        "provisioner_added_ms_median": prov_med,
+        "provisioner_added_ms_ci95": [prov_lo, prov_hi],
         "target_ms": TARGET_MS,
         "met": med <= TARGET_MS,
         "met_ci": hi <= TARGET_MS,

@@ -92,7 +92,15 @@ def test_handoff_and_memory_records(campaign):
 
 def test_kernel_start_record(campaign):
     rec = load(campaign, "kernel_start")
-    assert len(rec["plain_s"]) == len(rec["gpushare_s"]) == 1
+    assert len(rec["plain_s"]) == len(rec["gpushare_s"]) == len(rec["shim_magic_s"]) == 1
+    # The parts add up to the whole: shim alone, then the magic, then the provisioner (with one
+    # pair each median is that pair's difference, so the sum is exact).
+    parts = (
+        rec["shim_only_added_ms_median"]
+        + rec["magic_added_ms_median"]
+        + rec["provisioner_added_ms_median"]
+    )
+    assert abs(parts - rec["added_ms_median"]) < 1e-6, rec
 
 
 def test_replay_record(campaign):
