@@ -32,6 +32,10 @@ static atomic_int n_active;
  * being populated beside it (seen on 2 cores: 2 s for 1 GiB); a capture begins only when none
  * holds. Under cap_mu. */
 static int n_holders;
+/* Capture begins waiting for the holders to finish: no new hold starts meanwhile, so a program's
+ * capture is not starved by holds that overlap one another (the staging thread's, block after
+ * block, and the idle detector's every tick). Under cap_mu. */
+static int n_begins_waiting;
 /* Begins seen while the table was full: counted, so the shim still knows captures are running. */
 static int n_untracked;
 
@@ -148,9 +152,9 @@ int gs_capture_hold_off(double seconds)
     deadline_in(seconds, &until);
     pthread_mutex_lock(&cap_mu);
     int r = 0;
-    while (atomic_load(&n_active) > 0 && r == 0)
+    while ((atomic_load(&n_active) > 0 || n_begins_waiting > 0) && r == 0)
         r = pthread_cond_timedwait(&cap_cv, &cap_mu, &until);
-    int held = atomic_load(&n_active) == 0;
+    int held = atomic_load(&n_active) == 0 && n_begins_waiting == 0;
     n_holders += held; /* no capture can begin until gs_capture_unlock() */
     pthread_mutex_unlock(&cap_mu);
     return held;
@@ -167,8 +171,16 @@ void gs_capture_unlock(void)
 /* With cap_mu held: a capture may begin once no thread of the shim holds captures off. */
 static void wait_for_no_holders_locked(void)
 {
+    n_begins_waiting++;
     while (n_holders > 0)
         pthread_cond_wait(&cap_cv, &cap_mu);
+}
+
+/* After the begin (noted, or refused by the driver): holds that waited for it look again. */
+static void begin_done_locked(void)
+{
+    n_begins_waiting--;
+    pthread_cond_broadcast(&cap_cv);
 }
 
 void gs_capture_forget_stream(CUstream s)
@@ -185,7 +197,7 @@ void gs_capture_after_fork_child(void)
     for (int i = 0; i < MAX_CAPTURES; i++)
         captures[i].stream = 0;
     n_untracked = 0;
-    n_holders = 0;
+    n_holders = n_begins_waiting = 0;
     atomic_store(&n_active, 0);
 }
 
@@ -205,6 +217,7 @@ static CUresult begin(CUresult (*call)(void *, CUstream, CUstreamCaptureMode), v
     CUresult r = call(real, s, mode);
     if (r == CUDA_SUCCESS)
         note_begin_locked(s, per_thread);
+    begin_done_locked();
     pthread_mutex_unlock(&cap_mu);
     return r;
 }
@@ -252,6 +265,7 @@ static CUresult begin_to_graph(gs_fn_cuStreamBeginCaptureToGraph real, CUstream 
     CUresult r = real(hStream, hGraph, deps, data, n, mode);
     if (r == CUDA_SUCCESS)
         note_begin_locked(hStream, per_thread);
+    begin_done_locked();
     pthread_mutex_unlock(&cap_mu);
     return r;
 }
