@@ -242,6 +242,37 @@ def _start_both(sched: Any, *args: str) -> tuple[Any, list[str], threading.Threa
     return both, lines, reader
 
 
+def _start_other_on_gpu1(sched: Any, gpus: list[Any], *args: str) -> Any:
+    """memory_hog.py ARGS as client "other", on GPU 1 alone."""
+    env = shimmed_env(
+        sched.socket, {"CUDA_VISIBLE_DEVICES": gpus[1].uuid, "GPUSHARE_CLIENT_ID": "other"}
+    )
+    return start_workload("memory_hog.py", *args, "other", env=env)
+
+
+def _other_done(other: Any) -> float:
+    """When "other" ended (it must succeed); its pipes are read meanwhile, never left full."""
+    _, other_err = other.communicate(timeout=300)
+    assert other.returncode == 0, other_err
+    return time.monotonic()
+
+
+def _both_output(both: Any, reader: threading.Thread, lines: list[str]) -> tuple[str, str]:
+    """Wait for "both" to end: its stdout and stderr."""
+    both.wait(timeout=300)
+    reader.join(timeout=30)
+    return "".join(lines), both.stderr.read() if both.stderr else ""
+
+
+def _record(summary: dict[str, Any], name: str) -> None:
+    """Print the test's figures, and keep them under $OUT (the device run's results)."""
+    print(json.dumps(summary))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / name).write_text(json.dumps(summary))
+
+
 def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
     """A PyTorch process computing on cuda:0 and cuda:1 is listed under both GPUs (as ``both``
     and ``both/1``). When GPU 1 is revoked and another process takes it, the first keeps
@@ -268,23 +299,15 @@ def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
                 time.sleep(0.3)
             assert ids.get("both") == gpus[0].uuid and ids.get("both/1") == gpus[1].uuid, ids
 
-            other_env = shimmed_env(
-                sched.socket,
-                {"CUDA_VISIBLE_DEVICES": gpus[1].uuid, "GPUSHARE_CLIENT_ID": "other"},
-            )
-            other = start_workload("memory_hog.py", "1.2", "8", "other", env=other_env)
+            other = _start_other_on_gpu1(sched, gpus, "1.2", "8")
             deadline = time.monotonic() + 60
             while "other" not in {c["id"] for d in sched.status()["devices"] for c in d["clients"]}:
                 assert time.monotonic() < deadline, "the second process never registered"
                 time.sleep(0.2)
             t_revoke = time.monotonic()
             SchedulerClient(str(sched.socket)).control_sync("release", client="both/1")
-            _, other_err = other.communicate(timeout=300)
-            t_other_done = time.monotonic()
-            assert other.returncode == 0, other_err
-            both.wait(timeout=300)
-            reader.join(timeout=30)
-            out, err = "".join(lines), both.stderr.read() if both.stderr else ""
+            t_other_done = _other_done(other)
+            out, err = _both_output(both, reader, lines)
         finally:
             if both.poll() is None:
                 both.kill()
@@ -305,11 +328,7 @@ def test_one_process_on_two_gpus_is_a_client_of_both(tmp_path: Path) -> None:
             "gpu0_max_gap_s": round(max(gaps), 3),
             "gpu1_steps_in_window": len(gpu1),
         }
-        print(json.dumps(summary))
-        out_dir = os.environ.get("OUT")
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / "multi_gpu_one_process.json").write_text(json.dumps(summary))
+        _record(summary, "multi_gpu_one_process.json")
 
 
 def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path) -> None:
@@ -339,18 +358,10 @@ def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path
             assert 2 * GIB <= clients["both"]["managed_bytes"] <= 2 * GIB + slack, clients
             assert 8 * GIB <= clients["both/1"]["managed_bytes"] <= 8 * GIB + slack, clients
 
-            other_env = shimmed_env(
-                sched.socket,
-                {"CUDA_VISIBLE_DEVICES": gpus[1].uuid, "GPUSHARE_CLIENT_ID": "other"},
-            )
             t_other_start = time.monotonic()
-            other = start_workload("memory_hog.py", "10", "8", "other", env=other_env)
-            _, other_err = other.communicate(timeout=300)
-            t_other_done = time.monotonic()
-            assert other.returncode == 0, other_err
-            both.wait(timeout=300)
-            reader.join(timeout=30)
-            out, err = "".join(lines), both.stderr.read() if both.stderr else ""
+            other = _start_other_on_gpu1(sched, gpus, "10", "8")
+            t_other_done = _other_done(other)
+            out, err = _both_output(both, reader, lines)
         finally:
             if both.poll() is None:
                 both.kill()
@@ -365,8 +376,4 @@ def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path
         assert gpu0 and max(gaps) < 0.5, gaps  # GPU 0 went on through GPU 1's moves
         evicted = [n for who, n in moved if who == "both/1"]
         summary = {"evicted_gpu1_bytes": evicted, "gpu0_max_gap_s": round(max(gaps), 3)}
-        print(json.dumps(summary))
-        out_dir = os.environ.get("OUT")
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / "multi_gpu_memory.json").write_text(json.dumps(summary))
+        _record(summary, "multi_gpu_memory.json")
