@@ -85,6 +85,7 @@ struct batch {
     CUstream stream;
     struct block **list;
     CUevent *events;
+    int *copied; /* a pre-copy's: whether block k's copy was queued and completed */
 };
 
 /* 0 when there is nothing to do or the batch is ready; -1 when it could not be set up. */
@@ -96,13 +97,15 @@ static int batch_open(struct batch *b, int low_priority)
     b->stream = gs_vmm_move_stream(low_priority);
     b->list = calloc(gs_vmm_nblocks, sizeof *b->list);
     b->events = calloc(gs_vmm_nblocks, sizeof *b->events);
-    return b->stream && b->list && b->events ? 0 : -1;
+    b->copied = calloc(gs_vmm_nblocks, sizeof *b->copied);
+    return b->stream && b->list && b->events && b->copied ? 0 : -1;
 }
 
 static void batch_close(struct batch *b)
 {
     free(b->list);
     free(b->events);
+    free(b->copied);
 }
 
 int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
@@ -269,41 +272,33 @@ int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros)
     struct batch bt;
     int failed = batch_open(&bt, 1) != 0;
     size_t n = 0;
-    uint64_t *allocs = NULL;
     if (!failed && bt.stream) {
         n = queue_copies_out(dev, NULL, bt.list, bt.events, 0, calls, &failed); /* picked only */
-        allocs = calloc(n ? n : 1, sizeof *allocs);
-        for (size_t k = 0; k < n; k++) {
+        for (size_t k = 0; k < n; k++)
             bt.list[k]->copying = 1;
-            allocs[k] = bt.list[k]->allocs;
-        }
         gs_vmm_copies_begin_locked(n);
     }
     pthread_mutex_unlock(&gs_vmm_mu);
     /* Queued without the lock too: a driver may copy before the call returns (the stand-in's
      * memcpy does). The blocks marked copying are neither freed nor unmapped meanwhile. */
-    int *done = calloc(n ? n : 1, sizeof *done);
     for (size_t k = 0; k < n; k++)
-        if (done)
-            done[k] = queue_copy_out(bt.list[k], bt.stream, &bt.events[k]) == 0;
+        bt.copied[k] = queue_copy_out(bt.list[k], bt.stream, &bt.events[k]) == 0;
     for (size_t k = 0; k < n; k++)
-        if (done && done[k])
-            done[k] = wait_copy(bt.events[k], bt.stream) == CUDA_SUCCESS;
+        if (bt.copied[k])
+            bt.copied[k] = wait_copy(bt.events[k], bt.stream) == CUDA_SUCCESS;
     pthread_mutex_lock(&gs_vmm_mu);
     for (size_t k = 0; k < n; k++) {
         struct block *b = bt.list[k];
-        b->copying = 0;
-        if (!done || !done[k] || !allocs || allocs[k] != b->allocs) {
-            failed |= !done || !done[k];
+        int spoiled = b->copy_spoiled;
+        b->copying = b->copy_spoiled = 0;
+        failed |= !bt.copied[k];
+        if (!bt.copied[k] || spoiled)
             continue;
-        }
         b->precopied = 1;
         b->precopy_mark = calls; /* a gated call made meanwhile has already spoiled it */
         copied += b->size;
     }
     gs_vmm_copies_end_locked(n);
-    free(done);
-    free(allocs);
     batch_close(&bt);
     gs_mem_engine_account(dev, 0, 0, 0); /* what is pre-copied changed: report it */
     pthread_mutex_unlock(&gs_vmm_mu);

@@ -321,7 +321,7 @@ static CUresult small_alloc(CUdeviceptr *dptr, uint64_t bytes)
         b->chunk->len[u] = (uint16_t)n;
         b->chunk->used += n;
         b->precopied = 0; /* a new allocation's contents are not in the staging copy */
-        b->allocs++;
+        b->copy_spoiled = b->copying; /* nor in one being made */
         *dptr = b->va + (CUdeviceptr)u * UNIT;
         return CUDA_SUCCESS;
     }

@@ -29,7 +29,7 @@ struct block {
     uint64_t id;           /* unique for the process's life: found again after the lock was let go */
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
     int copying;           /* a pre-copy reads it, gs_vmm_mu let go: not freed or unmapped */
-    uint64_t allocs;       /* allocations made in it (a chunk's): one during a pre-copy spoils it */
+    int copy_spoiled;      /* an allocation was carved into it meanwhile: that copy is not whole */
     struct gs_staging staging;
     struct chunk *chunk; /* NULL: one allocation owns the block */
     /* CUDA IPC (memory_ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;

@@ -210,6 +210,19 @@ static void sleep_until_ns(uint64_t t) {
     }
 }
 
+/* A delay setting (microseconds, from environment variable `name`), read once into *cache. */
+static long env_delay_us(const char *name, long *cache) {
+    if (*cache < 0) {
+        const char *d = getenv(name);
+        *cache = d && *d ? atol(d) : 0;
+    }
+    return *cache;
+}
+
+static void delay_us(long us) {
+    if (us > 0) sleep_until_ns(now_ns() + (uint64_t)us * 1000ULL);
+}
+
 /* Per-function call counts, keyed by __func__ (= the exported symbol's name). */
 #define FK_MAX_FN 320
 static const char *g_fn_names[FK_MAX_FN];
@@ -1161,6 +1174,11 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     return CUDA_SUCCESS;
 }
 
+/* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device. */
+static unsigned long long fk_other_bytes(void) {
+    return fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
+}
+
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     COUNT();
     NEED_CTX();
@@ -1170,7 +1188,7 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     unsigned long long used = g_dev_resident[phys];
     pthread_mutex_unlock(&g_lock);
     /* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device (core). */
-    used += fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
+    used += fk_other_bytes();
     unsigned long long t = fk_device_total();
     *total = (size_t)t;
     *free = (size_t)(used >= t ? 0 : t - used);
@@ -1214,7 +1232,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     int phys = loc[0] == 1 ? fk_phys(loc[1]) : -1;
     if (phys < 0) return 101; /* CUDA_ERROR_INVALID_DEVICE */
     /* What other processes hold (GPUSHARE_FAKE_OTHER_BYTES) is not free either, as on a card. */
-    unsigned long long other = fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
+    unsigned long long other = fk_other_bytes();
     pthread_mutex_lock(&g_lock);
     if (g_dev_resident[phys] + other + size > fk_phys_total(phys)) {
         pthread_mutex_unlock(&g_lock);
@@ -1324,12 +1342,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     if (!ptr || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     /* GPUSHARE_FAKE_MAP_DELAY_US: a mapping takes that long (a large one on a real card takes
      * milliseconds), so a call let through before its memory is mapped is caught every time. */
-    static long delay_us = -1;
-    if (delay_us < 0) {
-        const char *d = getenv("GPUSHARE_FAKE_MAP_DELAY_US");
-        delay_us = d && *d ? atol(d) : 0;
-    }
-    if (delay_us > 0) sleep_until_ns(now_ns() + (uint64_t)delay_us * 1000ULL);
+    static long map_delay = -1;
+    delay_us(env_delay_us("GPUSHARE_FAKE_MAP_DELAY_US", &map_delay));
     pthread_mutex_lock(&g_lock);
     struct fk_handle *h = find_handle_locked(handle);
     if (!h || h->released || offset + size > h->size || !reserved_locked((uintptr_t)ptr, size) ||
@@ -1544,13 +1558,10 @@ static CUresult launch_now(CUfunction f, unsigned int gx, unsigned int gy, unsig
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                        unsigned int bx, unsigned int by, unsigned int bz, CUstream h, int per_thread,
                        void **params, void **extra) {
-    static long delay_us = -1;
-    if (delay_us < 0) {
-        const char *d = getenv("GPUSHARE_FAKE_LAUNCH_DELAY_US");
-        delay_us = d && *d ? atol(d) : 0;
-    }
+    static long launch_delay = -1;
+    long us = env_delay_us("GPUSHARE_FAKE_LAUNCH_DELAY_US", &launch_delay);
     __atomic_fetch_add(&g_calls_in_driver, 1, __ATOMIC_SEQ_CST);
-    if (delay_us > 0) sleep_until_ns(now_ns() + (uint64_t)delay_us * 1000ULL);
+    delay_us(us);
     CUresult r = launch_now(f, gx, gy, gz, bx, by, bz, h, per_thread, params, extra);
     __atomic_fetch_sub(&g_calls_in_driver, 1, __ATOMIC_SEQ_CST);
     return r;
