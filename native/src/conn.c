@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -25,24 +24,6 @@
 #define BACKOFF_MAX_S 2.0
 
 /* ---- identity ---- */
-
-static void default_socket_path(char *out, size_t cap)
-{
-    const char *s = getenv("GPUSHARE_SOCKET");
-    if (s && *s) {
-        snprintf(out, cap, "%s", s);
-        return;
-    }
-    uid_t uid = getuid();
-    if (uid == 0) {
-        snprintf(out, cap, "/run/gpushare/scheduler.sock");
-        return;
-    }
-    const char *rt = getenv("XDG_RUNTIME_DIR");
-    if (!rt || !*rt)
-        rt = "/tmp";
-    snprintf(out, cap, "%s/gpushare-%u/scheduler.sock", rt, (unsigned)uid);
-}
 
 static void read_cmdline(char *out, size_t cap)
 {
@@ -86,8 +67,7 @@ void gs_conn_gather_identity(struct gs_session *s)
         snprintf(s->id.label, sizeof s->id.label, "%s", v);
     else
         read_cmdline(s->id.label, sizeof s->id.label);
-    default_socket_path(s->id.socket_path, sizeof s->id.socket_path);
-
+    gs_socket_default_path(s->id.socket_path, sizeof s->id.socket_path);
 }
 
 static int send_all(int fd, const uint8_t *p, size_t n)
@@ -195,69 +175,9 @@ void gs_conn_send_request(struct gs_session *s)
     GS_DEBUG("requested the device");
 }
 
-/* The rule of docs/protocol.md, "Trusting the socket" (jupyter_gpushare/paths.py's
- * socket_distrust says the same; tests/native/test_socket_trust.py checks both): the directory is
- * not writable by its group or by everyone; it belongs to this user or root, or to one service
- * account (a node scheduler's, /run/gpushare) whose socket is that account's too, and never to
- * another user when it is this user's own gpushare-$UID directory, which anyone could have made
- * first in /tmp. The HELLO carries the command line, the user and the user token, and must never
- * go to a socket another user put there. */
-static int socket_trusted(const char *path, char *why, size_t whylen)
-{
-    char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    snprintf(dir, sizeof dir, "%s", path);
-    char *slash = strrchr(dir, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == dir)
-        dir[1] = 0;
-    else
-        *slash = 0;
-    uid_t me = getuid();
-    struct stat st;
-    if (stat(dir, &st) != 0) {
-        snprintf(why, whylen, "%s: %s", dir, strerror(errno));
-        return -1;
-    }
-    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
-        snprintf(why, whylen, "refusing the socket: its directory %s is writable by %s", dir,
-                 st.st_mode & S_IWOTH ? "everyone" : "its group");
-        return 0;
-    }
-    uid_t dir_owner = st.st_uid;
-    int dir_mine = dir_owner == me || dir_owner == 0;
-    char own_dir[32];
-    snprintf(own_dir, sizeof own_dir, "gpushare-%u", (unsigned)me);
-    const char *base = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
-    if (!dir_mine && strcmp(base, own_dir) == 0) {
-        /* The reason first: a long path must not cut it off. */
-        snprintf(why, whylen,
-                 "refusing the socket: another user (uid %u) made this user's socket directory %s",
-                 (unsigned)dir_owner, dir);
-        return 0;
-    }
-    if (lstat(path, &st) != 0) {
-        snprintf(why, whylen, "%s", strerror(errno));
-        return -1;
-    }
-    if (!S_ISSOCK(st.st_mode)) {
-        snprintf(why, whylen, "refusing %s: not a socket", path);
-        return 0;
-    }
-    /* A directory of this user or root: the socket is this user's, root's or the directory
-     * owner's. A service account's directory: the socket is that account's. */
-    int sock_ok = dir_mine ? (st.st_uid == me || st.st_uid == 0 || st.st_uid == dir_owner)
-                           : st.st_uid == dir_owner;
-    if (!sock_ok) {
-        snprintf(why, whylen, "refusing %s: it belongs to uid %u", path, (unsigned)st.st_uid);
-        return 0;
-    }
-    return 1;
-}
-
 int gs_conn_connect(struct gs_session *s, char *why, size_t whylen)
 {
-    int trusted = socket_trusted(s->id.socket_path, why, whylen);
+    int trusted = gs_socket_trusted(s->id.socket_path, why, whylen);
     if (trusted <= 0) {
         if (trusted == 0 && !s->conn.refused) {
             /* Loud, once: this is an attack or a misconfiguration, not an outage. */

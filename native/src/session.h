@@ -240,6 +240,12 @@ int gs_drain_devices(struct gs_session *s, CUdevice *devs);
 /* gs_drain_restore of every device (the process runs on unshared). */
 void gs_drain_restore_every_device(struct gs_session *s, const char *what);
 
+/* ---- socket_trust.c: which socket, and whether to trust it ---- */
+
+void gs_socket_default_path(char *out, size_t cap);
+/* 1: trusted; 0: refused (an attack or a misconfiguration); -1: cannot be checked (missing). `why` says which. */
+int gs_socket_trusted(const char *path, char *why, size_t whylen);
+
 /* ---- conn.c: the scheduler connection ---- */
 
 void gs_conn_gather_identity(struct gs_session *s);

@@ -78,10 +78,10 @@ def _socket_path_function() -> str:
     """The C function that computes the default socket path, wherever native/src keeps it."""
     for source in sorted(SRC.glob("*.c")):
         text = source.read_text()
-        match = re.search(r"\n[^\n]*default_socket_path\([^)]*\)\s*\{(.*?)\n\}", text, re.S)
+        match = re.search(r"\n[^\n]*gs_socket_default_path\([^)]*\)\s*\{(.*?)\n\}", text, re.S)
         if match:
             return match.group(1)
-    raise AssertionError("no default_socket_path() in native/src/*.c")
+    raise AssertionError("no gs_socket_default_path() in native/src/*.c")
 
 
 def test_default_socket_path_agrees() -> None:
