@@ -6,6 +6,8 @@
   provisioner and ``gpushare run`` use it).
 * :func:`read_status` asks the shim *in this process* what it is doing, through cffi in ABI mode
   (no compiler): the ``%gpushare`` magic runs inside the kernel, where the shim is preloaded.
+* :func:`in_process` says whether the shim is there at all, without cffi: importing cffi and
+  parsing :data:`CDEF` costs about 35 ms, which a kernel's start must not pay.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "CDEF",
     "STATES",
     "ShimNotFound",
+    "in_process",
     "library_path",
     "read_status",
     "release",
@@ -167,10 +170,24 @@ _ffi: Any = None
 _lib: Any = None
 
 
+def in_process() -> bool:
+    """Whether this process has the shim loaded (its status API is in the global scope).
+
+    A symbol lookup through ctypes (which ipykernel has imported already), not cffi: the wait
+    line checks this while the kernel starts, and cffi's first ``cdef()`` (pycparser's import
+    and parse) takes about 35 ms there; the first status read pays it instead.
+    """
+    import ctypes
+
+    return hasattr(ctypes.CDLL(None), "gpushare_get_status")
+
+
 def _process_library() -> tuple[Any, Any] | None:
     """(ffi, lib) for the shim loaded in this process, or None when it is not."""
     global _ffi, _lib
     if _lib is None:
+        if not in_process():
+            return None
         from cffi import FFI
 
         ffi = FFI()

@@ -4,13 +4,78 @@ a real kernel under the shim whose cell waits for another process's turn on the 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from provisioner_helpers import CONTEXT, GPU_PRELUDE, MiB, async_wait_for, execute
 
+from jupyter_gpushare.shim import library_path, shim_environment
 from jupyter_gpushare.waitline import MIME_TYPE, WaitLine, got_text, ordinal, wait_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# ---------------------------------------------------------------------------------------------
+# Loading the extension
+
+#: Loads the magic as ipykernel does (a shell with a kernel and events), then reports what the
+#: start cost: whether cffi was imported, whether the wait line's thread runs, and what the
+#: first status read (the thread's first poll, or %gpushare) finds.
+_LOAD_EXTENSION = """
+import json, sys, threading
+from jupyter_gpushare import magic, shim
+
+class Events:
+    def register(self, *args):
+        pass
+
+class Shell:
+    kernel = object()
+    events = Events()
+    def register_magics(self, magics):
+        pass
+
+magic.load_ipython_extension(Shell())
+report = {
+    "imported": sorted(m for m in ("cffi", "pycparser") if m in sys.modules),
+    "wait_line": any(t.name == "gpushare-wait-line" for t in threading.enumerate()),
+}
+status = shim.read_status()
+report["state"] = status and status["state"]
+print(json.dumps(report))
+"""
+
+
+def _load_extension(env: dict[str, str]) -> dict[str, Any]:
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_EXTENSION], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_loading_the_magic_does_not_load_cffi() -> None:
+    """The kernel start path: cffi's import and the parse of the status API's declarations take
+    about 35 ms, which every kernel's start paid when the wait line asked for the status to
+    decide whether to start. It now checks for the shim with a symbol lookup; the first status
+    read loads cffi, after the kernel is ready."""
+    env = shim_environment(
+        os.environ, socket="/nonexistent/s.sock", client_id="probe", library=library_path()
+    )
+    under_shim = _load_extension(env)
+    assert under_shim == {"imported": [], "wait_line": True, "state": "inactive"}
+
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    outside = _load_extension(plain)
+    # No shim: no thread, and the status read answers None without loading cffi either.
+    assert outside == {"imported": [], "wait_line": False, "state": None}
+
 
 # ---------------------------------------------------------------------------------------------
 # Texts
