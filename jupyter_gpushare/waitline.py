@@ -388,7 +388,7 @@ def start_in_kernel(shell: Any) -> bool:
 
     if _started is not None or getattr(shell, "kernel", None) is None:
         return False
-    # Not read_status(): its first call loads cffi, which would add ~35 ms to every kernel's
+    # Not read_status(): its first call loads cffi, which would add ~13 ms to every kernel's
     # start; the thread's first poll pays that instead, after the kernel is ready.
     if not shim.in_process():
         return False

@@ -243,7 +243,8 @@ void gs_drain_restore_every_device(struct gs_session *s, const char *what);
 /* ---- socket_trust.c: which socket, and whether to trust it ---- */
 
 void gs_socket_default_path(char *out, size_t cap);
-/* 1: trusted; 0: refused (an attack or a misconfiguration); -1: cannot be checked (missing). `why` says which. */
+/* 1: trusted; 0: refused (an attack or a misconfiguration); -1: cannot be checked (the
+ * directory or the socket is missing). `why` says which. */
 int gs_socket_trusted(const char *path, char *why, size_t whylen);
 
 /* ---- conn.c: the scheduler connection ---- */

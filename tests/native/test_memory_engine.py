@@ -177,5 +177,5 @@ def test_a_release_does_not_wait_for_staging_being_made(harness):
     assert run.event("hold_end")["data_ok"]
     released = [float(ms) for ms in re.findall(r"released after ([\d.]+) ms", run.stderr)]
     assert run.calls("cuMemHostRegister_v2") >= 1, run.stats["calls"]
-    # Measured 5-15 ms; waiting for the registration would take up to 1.5 s.
-    assert released and released[0] < 300, run.stderr
+    # Measured 4-15 ms (4-9 ms beside a CPU hog); waiting for the registration takes up to 1.5 s.
+    assert released and released[0] < 100, run.stderr
