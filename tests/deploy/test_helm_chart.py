@@ -172,6 +172,40 @@ def test_optional_parts_follow_the_values(helm: dict[str, Any]) -> None:
     assert "runtimeClassName" not in one(minimal, "DaemonSet")["spec"]["template"]["spec"]
 
 
+#: Values the chart's values.schema.json refuses, each with a word the refusal must name.
+MISTAKES: dict[str, tuple[dict[str, Any], str]] = {
+    "typo": ({"devicePlugin": {"enable": False}}, "enable"),
+    "top-level typo": ({"servicemonitor": {"enabled": False}}, "servicemonitor"),
+    "wrong type": ({"devicePlugin": {"enabled": "false"}}, "enabled"),
+    "bad size": ({"devicePlugin": {"unit": "1 gigabyte"}}, "unit"),
+    "bad uid": ({"scheduler": {"tokenUids": ["jovyan"]}}, "tokenUids"),
+}
+
+
+def test_values_schema_refuses_typos_and_wrong_types() -> None:
+    """`--set devicePlugin.enable=false` (a typo) must fail the install, not render the plugin."""
+    jobs = [{"values": v, "namespace": NAMESPACE, "release": RELEASE} for v, _ in MISTAKES.values()]
+    result = run_helm({"renders": jobs})
+    for (name, (_, word)), render in zip(MISTAKES.items(), result["renders"]):
+        assert "error" in render, f"{name}: helm installed it"
+        assert "schema" in render["error"] and word in render["error"], (name, render["error"])
+
+
+def test_values_schema_accepts_values_yaml_and_the_docs_sizes() -> None:
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    validator = jsonschema.Draft7Validator(schema)
+    validator.validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+    size = validator.evolve(schema=schema["definitions"]["size"])
+    for ok in ("", "1GiB", "512MiB", "0.5 GiB", "70GiB", "1g", "2048"):
+        assert size.is_valid(ok), ok
+        parse_size(ok or "0")
+    for bad in ("1 gigabyte", "GiB", "-1GiB"):
+        assert not size.is_valid(bad), bad
+
+
 def test_chart_versions_are_the_release() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == _version.__version__
