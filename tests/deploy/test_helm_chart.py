@@ -164,7 +164,7 @@ def test_every_rendered_object_fits_the_kubernetes_schema(
 def test_optional_parts_follow_the_values(helm: dict[str, Any]) -> None:
     kinds = {k for k, _ in objects(helm)}
     assert kinds == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor",
-                     "PrometheusRule"}  # fmt: skip
+                     "PrometheusRule", "Role", "RoleBinding"}  # fmt: skip
     minimal = objects(helm, "minimal")
     assert {k for k, _ in minimal} == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet"}
     [c] = one(minimal, "DaemonSet")["spec"]["template"]["spec"]["containers"]
@@ -277,6 +277,20 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
     assert pmounts["pod-resources"]["mountPath"] == os.path.dirname(plugin.pod_resources_socket)
     assert vols["pod-resources"]["hostPath"]["path"] == pmounts["pod-resources"]["mountPath"]
     assert 0 < plugin.prune_interval <= plugin.prune_grace
+    # Its events: the node's name, an API token in its container alone, the right to create
+    # events and nothing else; NVML (XID health) through the NVIDIA runtime.
+    penv = {e["name"]: e for e in plugin_c["env"]}
+    assert penv["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert penv["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert pmounts["api-token"]["mountPath"] == plugin.service_account_dir
+    assert {s_ for src in vols["api-token"]["projected"]["sources"] for s_ in src} == {
+        "serviceAccountToken", "configMap", "downwardAPI"}  # fmt: skip
+    assert "api-token" not in smounts and pod["automountServiceAccountToken"] is False
+    role = one(objs, "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    binding = one(objs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
     if plugin.device_nodes:
         assert pmounts["host-dev"]["mountPath"] == plugin.dev_root
         assert vols["host-dev"]["hostPath"]["path"] == "/dev"
