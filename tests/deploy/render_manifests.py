@@ -1,4 +1,4 @@
-"""Generate deploy/kubernetes's manifests from the chart, through the same Helm library the chart's
+"""Generate deploy/kubernetes's manifests and deploy/prometheus's rules from the chart, through the same Helm library the chart's
 tests use (tests/deploy/helm_sdk.py), so that the plain manifests cannot drift from the chart.
 
     python tests/deploy/render_manifests.py          # rewrite them
@@ -29,21 +29,46 @@ NAMESPACE, RELEASE = "gpushare", "gpushare"
 #: Objects of the Prometheus operator's CRDs, and the dashboard for Grafana's sidecar: applied
 #: from deploy/kubernetes/monitoring (a kustomization of its own), not with the base.
 MONITORING = ("servicemonitor.yaml", "prometheusrule.yaml", "dashboard-configmap.yaml")
+#: The alerts for Prometheus without the operator (a systemd install): the chart's, with the
+#: `up` series of deploy/prometheus/prometheus.yml's scrape job.
+PLAIN_RULES = ROOT / "deploy" / "prometheus" / "gpushare-rules.yml"
+PLAIN_JOB = "gpushare"
+PLAIN_HEADER = """\
+# GENERATED from deploy/helm/jupyter-gpushare/templates/prometheusrule.yaml (the chart's defaults,
+# prometheusRule.upSelector: job="gpushare") by tests/deploy/render_manifests.py.
+# Prometheus rule_files entry for a scheduler scraped as prometheus.yml beside this file shows.
+"""
 HEADER = """\
 # GENERATED from deploy/helm/jupyter-gpushare/templates/{name} with deploy/kubernetes/values.yaml
 # by tests/deploy/render_manifests.py: edit the chart or the values, then run it again.
 """
 
 
-def render() -> dict[str, str]:
-    """File name -> its text, as the committed files should be."""
+def render() -> dict[Path, str]:
+    """Path -> its text, as the committed files should be."""
     values = yaml.safe_load(VALUES.read_text())
-    job = {"values": values, "namespace": NAMESPACE, "release": RELEASE}
-    [result] = run_helm(CHART, {"renders": [job]})["renders"]
-    if "error" in result:
-        raise RuntimeError(f"helm install: {result['error']}")
+    jobs = [
+        {"values": values, "namespace": NAMESPACE, "release": RELEASE},
+        {"values": {"prometheusRule": {"upSelector": f'job="{PLAIN_JOB}"'}}},
+    ]
+    results = run_helm(CHART, {"renders": jobs})["renders"]
+    for result in results:
+        if "error" in result:
+            raise RuntimeError(f"helm install: {result['error']}")
+    out = {
+        KUBE / ("monitoring" if name in MONITORING else "") / name: text
+        for name, text in _split(results[0]["manifest"]).items()
+    }
+    [rule] = [o for o in results[1]["created"] if o["kind"] == "PrometheusRule"]
+    groups = yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False, width=100)
+    out[PLAIN_RULES] = PLAIN_HEADER + groups
+    return out
+
+
+def _split(manifest: str) -> dict[str, str]:
+    """Helm's manifest as one text per chart template."""
     files: dict[str, list[str]] = {}
-    for part in re.split(r"^---\n", result["manifest"], flags=re.M):
+    for part in re.split(r"^---\n", manifest, flags=re.M):
         match = re.match(r"# Source: jupyter-gpushare/templates/(\S+)\n", part)
         if not match or not part[match.end() :].strip():
             continue
@@ -59,15 +84,14 @@ def render() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     stale = []
-    for name, text in sorted(render().items()):
-        path = KUBE / ("monitoring" if name in MONITORING else "") / name
+    for path, text in sorted(render().items()):
         if path.exists() and path.read_text() == text:
             continue
-        stale.append(name)
+        stale.append(path.relative_to(ROOT))
         if not check:
             path.write_text(text)
     for name in stale:
-        print(f"{'stale' if check else 'written'}: {name} in deploy/kubernetes")
+        print(f"{'stale' if check else 'written'}: {name}")
     return 1 if check and stale else 0
 
 

@@ -198,19 +198,15 @@ def test_servicemonitor_selects_the_metrics_service() -> None:
 def test_the_generated_manifests_are_the_charts() -> None:
     """Every manifest but namespace.yaml is what the chart renders (through the Helm library the
     chart's tests use) with values.yaml: regenerate with tests/deploy/render_manifests.py."""
-    from tests.deploy.render_manifests import MONITORING as CHART_MONITORING
-    from tests.deploy.render_manifests import render
+    from tests.deploy.render_manifests import PLAIN_RULES, render
 
     rendered = render()
-    stale = []
-    for name, text in rendered.items():
-        path = KUBE / ("monitoring" if name in CHART_MONITORING else "") / name
-        if not path.exists() or path.read_text() != text:
-            stale.append(name)
+    stale = [str(p) for p, text in rendered.items() if not p.exists() or p.read_text() != text]
     assert not stale, f"run tests/deploy/render_manifests.py: stale {stale}"
     generated = {str(p.relative_to(KUBE)) for p in KUBE.rglob("*.yaml")
                  if p.read_text().startswith("# GENERATED from deploy/helm")}  # fmt: skip
     assert generated == set(MANIFESTS[1:]) | set(MONITORING)
+    assert PLAIN_RULES in rendered
     kinds = {d["kind"] for n in MANIFESTS + MONITORING for d in load_all(n)}
     assert {"DaemonSet", "ServiceMonitor", "PrometheusRule", "Role"} <= kinds
     containers = {c["name"] for c in daemonset()["spec"]["template"]["spec"]["containers"]}
