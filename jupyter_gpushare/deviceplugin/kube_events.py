@@ -108,12 +108,16 @@ class NodeEvents:
         if self.token_file and os.path.exists(self.token_file):
             with open(self.token_file) as f:  # read each time: projected tokens rotate
                 headers["Authorization"] = f"Bearer {f.read().strip()}"
-        context = None
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
         if url.startswith("https:"):
             cafile = self.ca_file if self.ca_file and os.path.exists(self.ca_file) else None
-            context = ssl.create_default_context(cafile=cafile)
+            handlers.append(
+                urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=cafile))
+            )
+        # No proxy from the environment: the API server is the cluster's own.
+        opener = urllib.request.build_opener(*handlers)
         request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        with opener.open(request, timeout=10) as response:
             response.read()
 
     async def warn(self, reason: str, message: str) -> bool:

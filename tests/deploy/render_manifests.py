@@ -1,5 +1,6 @@
-"""Generate deploy/kubernetes's manifests and deploy/prometheus's rules from the chart, through the same Helm library the chart's
-tests use (tests/deploy/helm_sdk.py), so that the plain manifests cannot drift from the chart.
+"""Generate deploy/kubernetes's manifests and deploy/prometheus's rules from the chart, through
+the same Helm library the chart's tests use (tests/deploy/helm_sdk.py), so that the plain
+manifests and rules cannot drift from the chart.
 
     python tests/deploy/render_manifests.py          # rewrite them
     python tests/deploy/render_manifests.py --check  # exit 1 when a committed one differs
