@@ -31,6 +31,7 @@ from ._version import __version__
 from .protocol import printable
 from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .sd_notify import sd_notify
 from .units import format_size, parse_size
 
 __all__ = [
@@ -168,7 +169,13 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, scheduler, sig)
-        await scheduler.run_forever()
+        await scheduler.start()
+        # systemd's Type=notify (deploy/systemd): units ordered after us start once the socket is.
+        sd_notify(f"READY=1\nSTATUS=listening on {scheduler.socket_path}")
+        try:
+            await scheduler.run_forever()
+        finally:
+            sd_notify("STOPPING=1")
 
     def _on_signal(self, scheduler: Any, sig: signal.Signals) -> None:
         if sig == signal.SIGHUP:

@@ -38,11 +38,16 @@ gpushare device-plugin --resource-name example.com/gpu-memory --unit 512MiB"""
         "pod-resources-socket": "GPUShareDevicePlugin.pod_resources_socket",
         "prune-interval": "GPUShareDevicePlugin.prune_interval",
         "prune-grace": "GPUShareDevicePlugin.prune_grace",
+        "node-name": "GPUShareDevicePlugin.node_name",
     }
     flags: dict[Any, Any] = {
         "no-device-nodes": (
             {"GPUShareDevicePlugin": {"device_nodes": False}},
             "Hand out no /dev/nvidia* nodes (the NVIDIA runtime or CDI provides them).",
+        ),
+        "no-xid-health": (
+            {"GPUShareDevicePlugin": {"xid_health": False}},
+            "Leave GPUs Healthy after NVML XID errors (health is then the scheduler's alone).",
         ),
     }
 

