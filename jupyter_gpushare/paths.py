@@ -11,6 +11,7 @@ import struct
 from collections.abc import Mapping
 
 __all__ = [
+    "ENV_SERVICE_USER",
     "SYSTEM_SOCKET",
     "SocketDistrusted",
     "check_peer",

@@ -1,4 +1,4 @@
-"""Issue 22, item 6 (A22 in docs/reliability.md), as real separate uids: ``revoke_signal`` goes
+"""Issue 22, item 6, as real separate uids: ``revoke_signal`` goes
 to the process that connected, through a pidfd taken at HELLO, and never to whoever has its pid
 now. Alice's holder passes its socket to a child and exits; bob's unrelated process is started
 on alice's old pid (``ns_last_pid``, as pid reuse would do by itself in time); the revoke

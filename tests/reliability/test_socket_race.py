@@ -2,7 +2,7 @@
 it checked, the peer is checked before any byte is sent, and only the service account the operator
 names is trusted besides the user and root (docs/protocol.md, "Trusting the socket").
 
-The race (A01r in docs/reliability.md): with XDG_RUNTIME_DIR unset, alice's socket is
+The race (item 1): with XDG_RUNTIME_DIR unset, alice's socket is
 ``$TMP/gpushare-$UID/scheduler.sock``; mallory owns a symlink of that name in the sticky shared
 directory and flips it between a directory alice trusts and her own, while alice's shim (and the
 Python client) connect again and again. A check of a path that connect() looks up again loses
@@ -269,7 +269,7 @@ def _service_dir(shared_tmp: str, owner: LocalUser, mode: int = 0o755) -> tuple[
 def test_a_directory_and_socket_of_another_user_are_refused_unless_named(
     local_users: Any, shared_tmp: str, public_shim: dict[str, str]
 ) -> None:
-    """A02: mallory makes a node-like directory and socket, both hers; alice's shim and client
+    """Item 2: mallory makes a node-like directory and socket, both hers; alice's shim and client
     refuse them. Named as GPUSHARE_SERVICE_USER (by name or uid), the same pair is used."""
     alice, mallory = local_users("alice"), local_users("mallory")
     path, closer = _service_dir(shared_tmp, mallory)
@@ -349,3 +349,29 @@ def test_the_peer_is_checked_before_the_hello(
     finally:
         open(stop, "w").close()
         collect(*listener, 30)
+
+
+def _configure(service_user: str) -> str:
+    """A scheduler's configuration with ``service_user``: '' if accepted, else why not."""
+    from traitlets import TraitError
+
+    from jupyter_gpushare.scheduler.config import SchedulerConfig
+
+    try:
+        SchedulerConfig(service_user=service_user)
+    except TraitError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_scheduler_that_is_not_the_named_service_account_refuses_the_name(
+    local_users: Any,
+) -> None:
+    """The scheduler's service_user is the name clients are told: a scheduler running as
+    another (non-root) account would be refused by all of them, so it refuses the setting."""
+    service, other = local_users("svc"), local_users("other")
+    assert collect(*spawn_as(service, _configure, service.name), 30) == ""
+    assert collect(*spawn_as(service, _configure, str(service.uid)), 30) == ""
+    why = collect(*spawn_as(other, _configure, service.name), 30)
+    assert f"runs as uid {other.uid}" in why, why
+    assert "no user" in collect(*spawn_as(service, _configure, "gs-no-such-user-x"), 30)
