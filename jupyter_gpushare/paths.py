@@ -17,6 +17,7 @@ __all__ = [
     "check_peer",
     "connect_trusted",
     "default_socket_path",
+    "open_own_directory",
     "open_socket_directory",
     "service_uid",
     "socket_distrust",
@@ -129,6 +130,30 @@ def open_socket_directory(path: str, uid: int | None = None, service: int | None
             raise SocketDistrusted(f"refusing {path}: it is not a socket")
         if sock_st.st_uid not in trusted:
             raise SocketDistrusted(f"refusing {path}: it belongs to uid {sock_st.st_uid}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_own_directory(directory: str, uid: int | None = None) -> int:
+    """For a scheduler about to put its socket in ``directory``: the directory opened without
+    following a link (O_PATH), that belongs to this user or root and that neither its group nor
+    everyone may write, checked on the fd. Bind through it (:func:`via_directory`) and rename
+    with ``src_dir_fd``/``dst_dir_fd``: a symlink flipped since the check cannot move the
+    socket into another user's directory. Raises :class:`SocketDistrusted` or OSError; the
+    caller closes the fd."""
+    me = os.getuid() if uid is None else uid
+    try:
+        fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP:
+            raise SocketDistrusted(
+                f"refusing to put the socket in {directory}: it is a link or not a directory"
+            ) from exc
+        raise
+    try:
+        _check_directory(directory, os.fstat(fd), me, frozenset({me, 0}))
     except BaseException:
         os.close(fd)
         raise

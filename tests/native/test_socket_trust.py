@@ -114,3 +114,13 @@ def test_a_socket_of_this_user_in_a_private_directory_is_used(harness):
     run = harness.run("status").ok()
     assert run.event("status")["status"]["connected"] == 1, run.describe()
     assert not [line for line in run.shim_lines if "refusing" in line]
+
+
+def test_the_shim_and_the_client_read_the_same_service_account_variable():
+    """One name for the operator to set (docs/protocol.md): the shim's getenv and paths.py's."""
+    from pathlib import Path
+
+    from jupyter_gpushare.paths import ENV_SERVICE_USER
+
+    source = (Path(__file__).parents[2] / "native" / "src" / "socket_trust.c").read_text()
+    assert f'getenv("{ENV_SERVICE_USER}")' in source

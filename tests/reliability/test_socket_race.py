@@ -375,3 +375,37 @@ def test_a_scheduler_that_is_not_the_named_service_account_refuses_the_name(
     why = collect(*spawn_as(other, _configure, service.name), 30)
     assert f"runs as uid {other.uid}" in why, why
     assert "no user" in collect(*spawn_as(service, _configure, "gs-no-such-user-x"), 30)
+
+
+def _own_directory(directory: str) -> str:
+    """The scheduler's side: why ``directory`` may not hold this user's socket ('' if it may)."""
+    from jupyter_gpushare.paths import SocketDistrusted, open_own_directory
+
+    try:
+        os.close(open_own_directory(directory))
+    except SocketDistrusted as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_scheduler_checks_its_own_directory_without_following_a_link(
+    local_users: Any, shared_tmp: str
+) -> None:
+    """paths.open_own_directory, for the scheduler's socket (transport binds through it): alice's
+    own private directory is fine; mallory's symlink to it, mallory's directory and a directory
+    its group may write are refused."""
+    alice, mallory = local_users("alice"), local_users("mallory")
+    good = os.path.join(shared_tmp, "alice-real")
+    os.mkdir(good, 0o700)
+    os.chown(good, alice.uid, alice.gid)
+    theirs = os.path.join(shared_tmp, "m")
+    os.mkdir(theirs, 0o755)
+    os.chown(theirs, mallory.uid, mallory.gid)
+    link = os.path.join(shared_tmp, f"gpushare-{alice.uid}")
+    os.symlink(good, link)
+    os.lchown(link, mallory.uid, mallory.gid)
+    assert collect(*spawn_as(alice, _own_directory, good), 30) == ""
+    assert "is a link" in collect(*spawn_as(alice, _own_directory, link), 30)
+    assert f"belongs to uid {mallory.uid}" in collect(*spawn_as(alice, _own_directory, theirs), 30)
+    os.chmod(good, 0o770)
+    assert "writable by its group" in collect(*spawn_as(alice, _own_directory, good), 30)
