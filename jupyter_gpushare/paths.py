@@ -99,6 +99,25 @@ def _check_directory(directory: str, st: os.stat_result, me: int, trusted: froze
         )
 
 
+def _open_checked_directory(directory: str, me: int, trusted: frozenset[int]) -> int:
+    """``directory`` opened with O_PATH|O_NOFOLLOW|O_DIRECTORY and checked on the fd
+    (:func:`_check_directory`); a link is refused. The caller closes the fd."""
+    try:
+        fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP:
+            raise SocketDistrusted(
+                f"refusing the socket: its directory {directory} is a link or not a directory"
+            ) from exc
+        raise
+    try:
+        _check_directory(directory, os.fstat(fd), me, trusted)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_socket_directory(path: str, uid: int | None = None, service: int | None = None) -> int:
     """The socket's directory, opened without following a link (O_PATH), checked on that fd,
     with the socket in it checked too (docs/protocol.md, "Trusting the socket"). Connect through
@@ -112,19 +131,9 @@ def open_socket_directory(path: str, uid: int | None = None, service: int | None
     """
     me = os.getuid() if uid is None else uid
     trusted = trusted_uids(me, service)
-    directory = os.path.dirname(path) or "."
     base = os.path.basename(path)
-    flags = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    fd = _open_checked_directory(os.path.dirname(path) or ".", me, trusted)
     try:
-        fd = os.open(directory, flags)
-    except (NotADirectoryError, OSError) as exc:
-        if isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP:
-            raise SocketDistrusted(
-                f"refusing the socket: its directory {directory} is a link or not a directory"
-            ) from exc
-        raise
-    try:
-        _check_directory(directory, os.fstat(fd), me, trusted)
         sock_st = os.stat(base, dir_fd=fd, follow_symlinks=False)
         if not stat.S_ISSOCK(sock_st.st_mode):
             raise SocketDistrusted(f"refusing {path}: it is not a socket")
@@ -144,20 +153,7 @@ def open_own_directory(directory: str, uid: int | None = None) -> int:
     socket into another user's directory. Raises :class:`SocketDistrusted` or OSError; the
     caller closes the fd."""
     me = os.getuid() if uid is None else uid
-    try:
-        fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        if isinstance(exc, NotADirectoryError) or exc.errno == errno.ELOOP:
-            raise SocketDistrusted(
-                f"refusing to put the socket in {directory}: it is a link or not a directory"
-            ) from exc
-        raise
-    try:
-        _check_directory(directory, os.fstat(fd), me, frozenset({me, 0}))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _open_checked_directory(directory, me, frozenset({me, 0}))
 
 
 def via_directory(fd: int, path: str) -> str:
