@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import pwd
 import stat
+from collections.abc import Collection
 
 __all__ = [
     "ENV_TOKEN",
@@ -34,6 +36,7 @@ __all__ = [
     "KeyFileError",
     "generate_key",
     "load_key",
+    "token_name_refusal",
     "user_environment",
     "user_token",
     "verify_token",
@@ -73,6 +76,28 @@ def verify_token(key: bytes, user: str, token: str) -> bool:
         return False
     expected = user_token(key, user)
     return hmac.compare_digest(expected.encode("ascii"), token.strip().lower().encode("utf-8"))
+
+
+def token_name_refusal(user: str, token_uids: Collection[int]) -> str | None:
+    """Why a token may not vouch for ``user`` on this node, or None.
+
+    Token users (a hub's, proven by a token on a uid many users share) and local accounts (known
+    by their uid) are two namespaces that meet in one user name: a hub user named like a local
+    account would own that account's kernels, its users-config ceilings and admin rights. A name
+    that is a local account's is refused for a token, unless that account's uid is itself one of
+    the ``token_uids`` (the shared uid's own name, which never speaks by uid). Blocking (NSS):
+    call it off an event loop.
+    """
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except (KeyError, ValueError):
+        return None
+    if uid in token_uids:
+        return None
+    return (
+        f"the token's user {user!r} is also this node's account of uid {uid}: a token may not "
+        "speak for a local account (rename the hub user)"
+    )
 
 
 def load_key(path: str) -> bytes:

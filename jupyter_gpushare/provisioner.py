@@ -28,7 +28,9 @@ What a kernel gets (environment of the kernel process):
   ``%gpushare`` magic all name the kernel the same way;
 * ``GPUSHARE_LABEL``: the notebook path (``JPY_SESSION_NAME``) when known, else the kernel's
   working directory;
-* ``GPUSHARE_USER``, ``GPUSHARE_MEMORY_LIMIT`` and ``GPUSHARE_WEIGHT`` from the traits below.
+* ``GPUSHARE_USER``, ``GPUSHARE_MEMORY_LIMIT`` and ``GPUSHARE_WEIGHT`` from the traits below;
+* whatever else the server's environment has, ``GPUSHARE_SERVICE_USER`` included (the node
+  scheduler's service account, which the shim trusts only when named: docs/protocol.md).
 
 IPython kernels also load the ``%gpushare`` magic by themselves: the provisioner adds
 ``--InteractiveShellApp.extra_extensions=jupyter_gpushare.magic`` to an ipykernel's command line.

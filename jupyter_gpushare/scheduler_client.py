@@ -24,7 +24,15 @@ import socket
 from typing import Any
 
 from .identity import ENV_TOKEN, ENV_USER
-from .paths import default_socket_path, socket_distrust
+from .paths import (
+    SocketDistrusted,
+    check_peer,
+    connect_trusted,
+    default_socket_path,
+    open_socket_directory,
+    service_uid,
+    via_directory,
+)
 from .protocol import (
     ErrorCode,
     Message,
@@ -76,11 +84,23 @@ def _unavailable(path: str, exc: BaseException) -> SchedulerUnavailable:
     return SchedulerUnavailable(path, reason)
 
 
-def _check_trusted(path: str) -> None:
-    """Refuse, loudly, a socket another user could have put there (paths.socket_distrust)."""
-    why = socket_distrust(path)
-    if why is not None:
-        raise SchedulerUnavailable(path, why)
+async def _connect_trusted_async(path: str, timeout: float) -> socket.socket:
+    """:func:`paths.connect_trusted` without blocking the event loop on the connect: the
+    directory checked on its fd, connected through it, the peer checked before any byte."""
+    service = service_uid()
+    fd = open_socket_directory(path, service=service)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.sock_connect(sock, via_directory(fd, path)), timeout)
+        check_peer(sock, path, service=service)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(fd)
+    return sock
 
 
 def _answer(path: str, reply: Message | None, expected: MsgType) -> dict[str, Any]:
@@ -127,11 +147,11 @@ class SchedulerClient:
 
     async def request(self, msg: Message, expected: MsgType) -> dict[str, Any]:
         path = self.socket_path
-        _check_trusted(path)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path), self.timeout
-            )
+            sock = await _connect_trusted_async(path, self.timeout)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except SocketDistrusted as exc:
+            raise SchedulerUnavailable(path, str(exc)) from exc
         except (OSError, asyncio.TimeoutError) as exc:
             raise _unavailable(path, exc) from exc
         try:
@@ -191,14 +211,13 @@ class SchedulerClient:
 
     def request_sync(self, msg: Message, expected: MsgType) -> dict[str, Any]:
         path = self.socket_path
-        _check_trusted(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
         try:
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                raise _unavailable(path, exc) from exc
+            sock = connect_trusted(path, self.timeout)
+        except SocketDistrusted as exc:
+            raise SchedulerUnavailable(path, str(exc)) from exc
+        except OSError as exc:
+            raise _unavailable(path, exc) from exc
+        try:
             try:
                 write_message_sync(sock, self._identified(msg))
                 reply = read_message_sync(sock)

@@ -7,13 +7,14 @@ keep writing ``c.GPUShareScheduler.pool_size = "24GiB"``.
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
 
 from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
-from ..paths import default_socket_path
+from ..paths import ENV_SERVICE_USER, default_socket_path, service_uid
 from ..units import format_size, parse_size
 from .ordering import ORDERINGS, OrderingConfig
 from .policy_config import POLICIES, PolicyConfig
@@ -54,6 +55,34 @@ class SchedulerConfig(LoggingConfigurable):
         "",
         help="Group name (or gid) that owns the socket; '' leaves the scheduler's own group.",
     ).tag(config=True)
+
+    service_user = Unicode(
+        help="""The service account a node scheduler runs as (a user name or uid), as kernels
+        and the command line must be told it: they trust a socket, its directory and its
+        listener only when they are the user's own, root's or this account's
+        ($GPUSHARE_SERVICE_USER in their environment; docs/protocol.md, "Trusting the socket").
+        Default: $GPUSHARE_SERVICE_USER. A scheduler that is neither root nor this account
+        refuses to start with it set: every client would refuse it.""",
+    ).tag(config=True)
+
+    @default("service_user")
+    def _default_service_user(self) -> str:
+        return os.environ.get(ENV_SERVICE_USER, "")
+
+    @validate("service_user")
+    def _validate_service_user(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if not value:
+            return value
+        uid = service_uid({ENV_SERVICE_USER: value})
+        if uid is None:
+            raise TraitError(f"service_user: no user {value!r} on this machine")
+        if os.getuid() not in (0, uid):
+            raise TraitError(
+                f"service_user: {value!r} is uid {uid} but this scheduler runs as uid "
+                f"{os.getuid()}: shims and clients would refuse its socket"
+            )
+        return value
 
     pool_size = Union(
         [Int(), Unicode()],

@@ -35,7 +35,7 @@ from typing import Any
 from traitlets import Float, observe
 
 from .._version import __version__
-from ..identity import KeyFileError
+from ..identity import KeyFileError, token_name_refusal
 from ..protocol import CONTROL_MESSAGES, SHIM_MESSAGES, ErrorCode, Message, MsgType
 from ..units import format_size
 from . import events as ev
@@ -183,6 +183,12 @@ class GPUShareScheduler(
         found = await self.access.identify(
             peer, str(msg.get("user") or ""), str(msg.get("token") or "")
         )
+        if isinstance(found, Identity) and found.token:
+            # Token users and local accounts are kept apart (issue 22, item 11).
+            clash = await asyncio.get_running_loop().run_in_executor(
+                None, token_name_refusal, found.user, self.access.token_uids
+            )
+            found = clash or found
         if isinstance(found, str) and peer.uid in self.access.token_uids:
             self.log.warning("forbidden: uid %d: %s", peer.uid, found)
         return found

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ from .access import Access
 from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
 from .mps import MPSManager
+from .peer_process import PeerProcess
 from .resume import ResumeKey
 from .transport import Connection, LogLimiter, PeerCred
 from .users import Identity, Limits
@@ -73,6 +73,10 @@ class ShimSessions:
     limits_for: Callable[[Identity], Limits]
     identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
 
+    def _peer_processes(self) -> dict[int, PeerProcess]:
+        """Connection serial -> the pidfd of its peer process, taken at HELLO (revoke_signal)."""
+        return self.__dict__.setdefault("_peer_process_table", {})
+
     def _send(self, conn: Connection, msg: Message) -> bool:
         return conn.send(msg, self.log)
 
@@ -84,6 +88,8 @@ class ShimSessions:
         if conn.kind != "shim" or conn.left or conn.client_id is None:
             return
         conn.left = True
+        if (process := self._peer_processes().pop(conn.serial, None)) is not None:
+            process.close()
         now = time.monotonic()
         self._metrics_feed.account(conn, now)
         if self._shims.get(conn.client_id) is conn:
@@ -164,6 +170,8 @@ class ShimSessions:
         if isinstance(hello, tr.Refusal):
             self._refuse(conn, hello)
             return
+        # The process that connected, held before anything is awaited (its pid may be reused).
+        process = PeerProcess(conn.peer) if self.revoke_signal else None
         ident = await self.identify(conn.peer, msg)
         if conn.closed or self._stopping:
             return
@@ -184,6 +192,8 @@ class ShimSessions:
         client_id = self._assign_client_id(hello.requested_id, conn, proven)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         conn.requested_id = hello.requested_id
+        if process is not None:
+            self._peer_processes()[conn.serial] = process
         self._shims[client_id] = conn
         self._remember_owner(client_id, ident.user)
         limits = self.limits_for(ident)
@@ -478,10 +488,18 @@ class ShimSessions:
         if not self._still_revoking(conn, sent):
             return
         signum = getattr(signal, self.revoke_signal)
-        try:
-            os.kill(conn.peer.pid, signum)
-        except OSError as exc:
-            self.log.warning("cannot send %s to pid %d: %s", self.revoke_signal, conn.peer.pid, exc)
+        # Through the pidfd taken at HELLO: the process that connected or none, never whoever
+        # has its pid now (issue 22, item 6).
+        process = self._peer_processes().get(conn.serial)
+        why = process.signal(signum) if process is not None else "no pidfd was taken at HELLO"
+        if why:
+            self.log.warning(
+                "not sending %s to client %s (pid %d): %s",
+                self.revoke_signal,
+                conn.client_id,
+                conn.peer.pid,
+                why,
+            )
             return
         self.log.warning(
             "revoke_signal client=%s pid=%d signal=%s",

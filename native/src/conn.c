@@ -177,42 +177,13 @@ void gs_conn_send_request(struct gs_session *s)
 
 int gs_conn_connect(struct gs_session *s, char *why, size_t whylen)
 {
-    int trusted = gs_socket_trusted(s->id.socket_path, why, whylen);
-    if (trusted <= 0) {
-        if (trusted == 0 && !s->conn.refused) {
-            /* Loud, once: this is an attack or a misconfiguration, not an outage. */
-            s->conn.refused = 1;
-            gs_log(GS_LOG_QUIET, "%s; running unshared", why);
-        }
-        return -1;
-    }
-    struct sockaddr_un addr;
-    memset(&addr, 0, sizeof addr);
-    addr.sun_family = AF_UNIX;
-    if (strlen(s->id.socket_path) >= sizeof addr.sun_path) {
-        snprintf(why, whylen, "path too long");
-        return -1;
-    }
-    memcpy(addr.sun_path, s->id.socket_path, strlen(s->id.socket_path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) {
-        snprintf(why, whylen, "%s", strerror(errno));
-        return -1;
-    }
-    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-        int e = errno;
-        if (e == EINPROGRESS || e == EAGAIN) {
-            struct pollfd pfd = {fd, POLLOUT, 0};
-            int soerr = 0;
-            socklen_t sl = sizeof soerr;
-            if (poll(&pfd, 1, (int)(GS_CONNECT_TIMEOUT_S * 1000)) == 1 &&
-                getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0)
-                return fd;
-            e = soerr ? soerr : ETIMEDOUT;
-        }
-        snprintf(why, whylen, "%s", strerror(e));
-        close(fd);
-        return -1;
+    int refused = 0;
+    int fd = gs_socket_connect(s->id.socket_path, (int)(GS_CONNECT_TIMEOUT_S * 1000), &refused,
+                               why, whylen);
+    if (fd < 0 && refused && !s->conn.refused) {
+        /* Loud, once: this is an attack or a misconfiguration, not an outage. */
+        s->conn.refused = 1;
+        gs_log(GS_LOG_QUIET, "%s; running unshared", why);
     }
     return fd;
 }

@@ -243,9 +243,11 @@ void gs_drain_restore_every_device(struct gs_session *s, const char *what);
 /* ---- socket_trust.c: which socket, and whether to trust it ---- */
 
 void gs_socket_default_path(char *out, size_t cap);
-/* 1: trusted; 0: refused (an attack or a misconfiguration); -1: cannot be checked (the
- * directory or the socket is missing). `why` says which. */
-int gs_socket_trusted(const char *path, char *why, size_t whylen);
+/* Connect (non-blocking fd, bounded by timeout_ms) to the socket at path if it is trusted: its
+ * directory and the socket checked on the opened directory and connected through it, the peer's
+ * uid checked (SO_PEERCRED) before the caller sends anything. -1 with `why` set and *refused 1
+ * for a refusal (an attack or a misconfiguration), 0 for an outage (missing, refused). */
+int gs_socket_connect(const char *path, int timeout_ms, int *refused, char *why, size_t whylen);
 
 /* ---- conn.c: the scheduler connection ---- */
 

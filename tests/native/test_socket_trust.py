@@ -47,19 +47,39 @@ def test_a_socket_of_another_user_is_refused(harness, other_user):
     assert run.event("status")["status"]["connected"] == 0
 
 
-def test_a_service_accounts_directory_and_socket_are_used(harness, other_user):
+def test_a_service_accounts_directory_and_socket_are_used_only_when_named(harness, other_user):
     """A node scheduler runs as its own account (deploy/systemd: User=gpushare, so systemd makes
-    /run/gpushare that account's): a directory and a socket that both belong to one account, and
-    that nobody else can write, are trusted; a socket of yet another user in it is not."""
+    /run/gpushare that account's). A directory and a socket that both belong to another account
+    are trusted only when the operator names that account (GPUSHARE_SERVICE_USER, a name or a
+    uid; issue 22, item 2): never inferred from ownership, which any user can arrange."""
+    import pwd
+
     harness.scheduler()
     os.chown(harness.sock_dir, other_user, -1)
     os.chmod(harness.sock_dir, 0o755)
     os.chown(harness.socket_path, other_user, -1)
     run = harness.run("status").ok()
-    assert run.event("status")["status"]["connected"] == 1, run.describe()
+    assert any(f"belongs to uid {other_user}" in line for line in run.shim_lines), run.describe()
+    assert run.event("status")["status"]["connected"] == 0
+    for named in (pwd.getpwuid(other_user).pw_name, str(other_user)):
+        run = harness.run("status", service_user=named).ok()
+        assert run.event("status")["status"]["connected"] == 1, run.describe()
+    # Named, the account's directory still holds no socket of yet another user.
     os.chown(harness.socket_path, os.getuid() + 1 if os.getuid() else 1, -1)
-    run = harness.run("status").ok()
+    run = harness.run("status", service_user=str(other_user)).ok()
     assert any("refusing" in line for line in run.shim_lines), run.describe()
+    assert run.event("status")["status"]["connected"] == 0
+
+
+def test_a_directory_its_group_can_write_is_refused(harness):
+    """Issue 24: 0770 is refused like 0777 (a member of the group could swap the socket)."""
+    harness.scheduler()
+    os.chmod(harness.sock_dir, 0o770)
+    try:
+        run = harness.run("status", log="quiet").ok()
+    finally:
+        os.chmod(harness.sock_dir, 0o700)
+    assert any("writable by its group" in line for line in run.shim_lines), run.describe()
     assert run.event("status")["status"]["connected"] == 0
 
 
@@ -94,3 +114,13 @@ def test_a_socket_of_this_user_in_a_private_directory_is_used(harness):
     run = harness.run("status").ok()
     assert run.event("status")["status"]["connected"] == 1, run.describe()
     assert not [line for line in run.shim_lines if "refusing" in line]
+
+
+def test_the_shim_and_the_client_read_the_same_service_account_variable():
+    """One name for the operator to set (docs/protocol.md): the shim's getenv and paths.py's."""
+    from pathlib import Path
+
+    from jupyter_gpushare.paths import ENV_SERVICE_USER
+
+    source = (Path(__file__).parents[2] / "native" / "src" / "socket_trust.c").read_text()
+    assert f'getenv("{ENV_SERVICE_USER}")' in source
