@@ -55,11 +55,12 @@ from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
 from .reservations import Reservations
-from .resume import ResumeKey
+from .resume import KeptClient, KeptState, ResumeKey
 from .shims import ShimSessions
 from .sleeping import DeepIdleShell
 from .transport import (
     Connection,
+    EventBudget,
     LogLimiter,
     PeerCred,
     SchedulerConfigError,
@@ -89,6 +90,21 @@ class GPUShareScheduler(
         5.0, help="Seconds between two points of the last hour's history (per kernel, user, GPU)."
     ).tag(config=True)
 
+    frames_per_second = Float(
+        500.0,
+        help="""Frames of one peer the scheduler reads per second, on all its connections
+        together (a peer: a uid, or each user a token proves on one of token_uids); bursts of
+        twice as many pass at once. Past it, its connections are read more slowly (their
+        writes block), so a peer writing frames as fast as it can never delays the others'
+        status, HELLOs or the liveness probe. A shim sends a few a second (it spaces its
+        MEMORY reports itself). 0: no limit.""",
+    ).tag(config=True)
+
+    #: The history and the kept state (.resume.KeptState) take the status at most this often
+    #: (seconds): a burst of events costs one status document, not one each (a history point
+    #: closer than its resolution replaces the one before anyway).
+    HISTORY_DELAY = 0.25
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.access = Access(os.getuid(), frozenset(self.admin_uids))
@@ -117,7 +133,15 @@ class GPUShareScheduler(
         self._log_limit = LogLimiter(self.log)
         #: The last hour per kernel, user and GPU, recorded at every status change.
         self.history = History(resolution=self.history_resolution)
-        self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
+        self._history_timer: asyncio.TimerHandle | None = None
+        self._history_at = -1e9  # when the history last took the status (monotonic)
+        self.add_status_listener(self._history_changed)
+        #: Set once start() has armed the recovery window: no message is handled before.
+        self._accepting = asyncio.Event()
+        self._kept: KeptState | None = None  # what the last scheduler kept (.resume)
+        self._keeping: asyncio.Future[None] | None = None  # a save of our state under way
+        self._keep_again = False
+        self._budget = EventBudget(self.frames_per_second, 2 * self.frames_per_second)
         self._mps: MPSManager | None = None
         self._access_error = ""  # why the last load of the access configuration failed
         # Replaced at start by the key kept beside the socket (see .resume).
@@ -140,6 +164,8 @@ class GPUShareScheduler(
         """The history as ``viewer`` may see it: every GPU and every user's sums (as the status
         shows them), the kernels of their own only unless they are an admin (None: all). Thinned
         until it fits a control reply's frame (64 KiB) with room to spare."""
+        if self._history_timer is not None:
+            self._record_history()  # the changes since it last took the status
         now = time.time()
         own = None
         if viewer is not None and not viewer.admin:
@@ -150,6 +176,45 @@ class GPUShareScheduler(
             if points <= 2 or len(json.dumps(view)) < 48_000:
                 return view
             points //= 2
+
+    def _history_changed(self) -> None:
+        """A status change: the history takes the status now, or once HISTORY_DELAY has passed
+        since it last did (later changes until then are in that one)."""
+        if self._history_timer is not None:
+            return
+        wait = self._history_at + self.HISTORY_DELAY - time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            wait = 0.0
+        if wait <= 0:
+            self._record_history()
+        else:
+            self._history_timer = loop.call_later(wait, self._record_history)
+
+    def _record_history(self) -> None:
+        if self._history_timer is not None:
+            self._history_timer.cancel()
+            self._history_timer = None
+        self._history_at = time.monotonic()
+        self.history.record(time.time(), self.status_document())
+        self._keep_state()
+
+    async def _pace(self, conn: Connection, frames: int) -> None:
+        """Pause ``conn`` while its peer is past frames_per_second (.transport.EventBudget)."""
+        peer = conn.peer.uid
+        if peer in (0, self.own_uid):
+            return  # root's and the scheduler's own account's tools (the liveness probe)
+        user = conn.identity.user if conn.identity is not None else ""
+        key = (peer, user if peer in self.access.token_uids else "")
+        end = time.monotonic() + self._budget.debt(key, frames, time.monotonic())
+        while not (self._stopping or conn.closed) and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.5))  # a scheduler that stops does not wait for it
+
+    @observe("frames_per_second")
+    def _frames_per_second_changed(self, change: Any) -> None:
+        if hasattr(self, "_budget"):
+            self._budget.rate, self._budget.burst = change["new"], 2 * change["new"]
 
     @property
     def own_uid(self) -> int:
@@ -239,6 +304,7 @@ class GPUShareScheduler(
             )
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
+        self._accepting.clear()  # until the recovery window is armed (see the end)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
         await self._load_resume_key()
         await self.allocation_sockets.start(self._on_connection)  # before any pod reconnects
@@ -267,6 +333,8 @@ class GPUShareScheduler(
                 self.recovery_seconds,
             )
             self._reschedule()
+        self._forget_kept_after(self.recovery_seconds if left_clients else 0.0)
+        self._accepting.set()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -308,6 +376,9 @@ class GPUShareScheduler(
         server.close()
         await self.allocation_sockets.stop()
         self._cancel_timer()
+        if self._history_timer is not None:
+            self._history_timer.cancel()
+            self._history_timer = None
         self._stop_deep_idle()
         await self._metrics_feed.stop()
         if self._sampler is not None:
@@ -316,6 +387,7 @@ class GPUShareScheduler(
                 await self._sampler
             self._sampler = None
         shims = any(c.kind == "shim" and not c.left for c in self._connections.values())
+        await self._keep_state_now()
         if shims and self.recovery_seconds > 0:
             # The shims keep running and will reconnect to the next scheduler on this socket:
             # tell it to take them back (a restart by the service manager, not only a crash).
@@ -333,14 +405,20 @@ class GPUShareScheduler(
         await loop.run_in_executor(None, self.socket_file.remove)
         self._connections.clear()
         self._shims.clear()
+        self._accepting.set()  # messages that waited for a start that failed: their conns closed
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
 
+    @property
+    def _private_dir(self) -> str:
+        return os.path.join(self.socket_file.directory, ".gpushare-private")
+
     async def _load_resume_key(self) -> None:
-        """The key resume secrets come from, kept in a private directory beside the socket so
-        that the next scheduler on this socket can check the secrets this one gave."""
-        directory = os.path.join(self.socket_file.directory, ".gpushare-private")
+        """The key resume secrets come from and the clients the last scheduler kept, in a
+        private directory beside the socket, so that this scheduler can check the secrets the
+        last one gave (.resume)."""
+        directory = self._private_dir
         loop = asyncio.get_running_loop()
         try:
             self._resume_key = await loop.run_in_executor(None, ResumeKey.load_or_create, directory)
@@ -350,6 +428,81 @@ class GPUShareScheduler(
                 directory,
                 exc,
             )
+            return
+        self._kept = await loop.run_in_executor(None, KeptState.take, directory)
+        for kept in self._kept.clients if self._kept is not None else []:
+            # Each id stays its user's: nobody who connects first after the restart takes it.
+            self._remember_owner(kept.requested_id, kept.user)
+            self._remember_owner(kept.client_id, kept.user)
+
+    def _forget_kept_after(self, seconds: float) -> None:
+        """The kept state proves claims during the recovery window only."""
+        if seconds <= 0:
+            self._kept = None
+            return
+        kept = self._kept
+
+        def forget() -> None:
+            if self._kept is kept:
+                self._kept = None
+
+        asyncio.get_running_loop().call_later(seconds, forget)
+
+    def _kept_state(self) -> KeptState:
+        """The clients as they are now, for the next scheduler (.resume.KeptState)."""
+        mono, wall = time.monotonic(), time.time()
+        waiting = {
+            c["id"]: c.get("waiting_since")
+            for d in (self.policy.snapshot(mono) if self.policy is not None else [])
+            for c in d.get("clients", [])
+        }
+        clients = []
+        for conn in self._shims.values():
+            if conn.left or conn.client_id is None or conn.identity is None:
+                continue
+            since = waiting.get(conn.client_id)
+            if conn.granted_at is not None:
+                since = conn.granted_at
+            held = conn.grant if conn.granted_at is not None else ""
+            clients.append(
+                KeptClient(
+                    conn.requested_id,
+                    conn.client_id,
+                    conn.peer.uid,
+                    conn.identity.user,
+                    held,
+                    None if since is None else round(wall - (mono - since), 3),
+                )
+            )
+        return KeptState(wall, clients)
+
+    def _keep_state(self) -> None:
+        """Write the kept state (in an executor; one write at a time, the latest wins)."""
+        if self._server is None or self._stopping:
+            return
+        if self._keeping is not None:
+            self._keep_again = True
+            return
+        loop = asyncio.get_running_loop()
+        self._keeping = loop.run_in_executor(None, self._kept_state().save, self._private_dir)
+        self._keeping.add_done_callback(self._kept_written)
+
+    def _kept_written(self, done: asyncio.Future[None]) -> None:
+        self._keeping = None
+        if not done.cancelled() and done.exception() is not None:
+            self.log.debug("gpushare: cannot keep the state: %s", done.exception())
+        if self._keep_again:
+            self._keep_again = False
+            self._keep_state()
+
+    async def _keep_state_now(self) -> None:
+        """At stop, before the connections close: the state as it is, for the next one."""
+        if self._keeping is not None:
+            with contextlib.suppress(Exception):
+                await self._keeping
+        state = self._kept_state()
+        with contextlib.suppress(OSError):
+            await asyncio.get_running_loop().run_in_executor(None, state.save, self._private_dir)
 
     async def _start_mps(self) -> None:
         devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]
@@ -574,7 +727,9 @@ class GPUShareScheduler(
             self.handshake_seconds, self._handshake_expired, conn
         )
         try:
-            await serve_frames(conn, reader, self._dispatch, self._log_limit.log_for(peer.uid))
+            await serve_frames(
+                conn, reader, self._dispatch, self._log_limit.log_for(peer.uid), self._pace
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -607,6 +762,10 @@ class GPUShareScheduler(
             conn.writer.transport.abort()
 
     async def _dispatch(self, conn: Connection, msg: Message) -> None:
+        if not self._accepting.is_set():
+            await self._accepting.wait()  # a restart's recovery window is not armed yet
+            if conn.closed or self._stopping:
+                return
         mtype = msg.type
         if mtype in CONTROL_MESSAGES:
             await self._on_control_message(conn, msg)
