@@ -51,11 +51,12 @@ from .devices import (
     nvml_pids_comparable,
 )
 from .history import History
+from .keep import KeptStateShell
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
 from .reservations import Reservations
-from .resume import KeptClient, KeptState, ResumeKey
+from .resume import KeptState, ResumeKey
 from .shims import ShimSessions
 from .sleeping import DeepIdleShell
 from .transport import (
@@ -82,7 +83,7 @@ __all__ = [
 
 
 class GPUShareScheduler(
-    DeepIdleShell, ShimSessions, ControlActions, AllocationControl, SchedulerConfig
+    DeepIdleShell, ShimSessions, KeptStateShell, ControlActions, AllocationControl, SchedulerConfig
 ):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
@@ -248,8 +249,13 @@ class GPUShareScheduler(
         found = await self.access.identify(
             peer, str(msg.get("user") or ""), str(msg.get("token") or "")
         )
+        if not isinstance(found, str) and self._over_identity_limit(peer.uid, found.user):
+            found = (
+                f"user {found.user!r} has too many connections open to the scheduler "
+                "(max_connections_per_uid, per user on a shared uid)"
+            )
         if isinstance(found, str) and peer.uid in self.access.token_uids:
-            self.log.warning("forbidden: uid %d: %s", peer.uid, found)
+            self._log_limit.warning(peer.uid, "forbidden: uid %d: %s", peer.uid, found)
         return found
 
     def peer_credentials(self, sock: Any) -> PeerCred:
@@ -409,100 +415,6 @@ class GPUShareScheduler(
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
-
-    @property
-    def _private_dir(self) -> str:
-        return os.path.join(self.socket_file.directory, ".gpushare-private")
-
-    async def _load_resume_key(self) -> None:
-        """The key resume secrets come from and the clients the last scheduler kept, in a
-        private directory beside the socket, so that this scheduler can check the secrets the
-        last one gave (.resume)."""
-        directory = self._private_dir
-        loop = asyncio.get_running_loop()
-        try:
-            self._resume_key = await loop.run_in_executor(None, ResumeKey.load_or_create, directory)
-        except OSError as exc:
-            self.log.warning(
-                "gpushare: no resume key in %s (%s): after a restart, holders will wait",
-                directory,
-                exc,
-            )
-            return
-        self._kept = await loop.run_in_executor(None, KeptState.take, directory)
-        for kept in self._kept.clients if self._kept is not None else []:
-            # Each id stays its user's: nobody who connects first after the restart takes it.
-            self._remember_owner(kept.requested_id, kept.user)
-            self._remember_owner(kept.client_id, kept.user)
-
-    def _forget_kept_after(self, seconds: float) -> None:
-        """The kept state proves claims during the recovery window only."""
-        if seconds <= 0:
-            self._kept = None
-            return
-        kept = self._kept
-
-        def forget() -> None:
-            if self._kept is kept:
-                self._kept = None
-
-        asyncio.get_running_loop().call_later(seconds, forget)
-
-    def _kept_state(self) -> KeptState:
-        """The clients as they are now, for the next scheduler (.resume.KeptState)."""
-        mono, wall = time.monotonic(), time.time()
-        waiting = {
-            c["id"]: c.get("waiting_since")
-            for d in (self.policy.snapshot(mono) if self.policy is not None else [])
-            for c in d.get("clients", [])
-        }
-        clients = []
-        for conn in self._shims.values():
-            if conn.left or conn.client_id is None or conn.identity is None:
-                continue
-            since = waiting.get(conn.client_id)
-            if conn.granted_at is not None:
-                since = conn.granted_at
-            held = conn.grant if conn.granted_at is not None else ""
-            clients.append(
-                KeptClient(
-                    conn.requested_id,
-                    conn.client_id,
-                    conn.peer.uid,
-                    conn.identity.user,
-                    held,
-                    None if since is None else round(wall - (mono - since), 3),
-                )
-            )
-        return KeptState(wall, clients)
-
-    def _keep_state(self) -> None:
-        """Write the kept state (in an executor; one write at a time, the latest wins)."""
-        if self._server is None or self._stopping:
-            return
-        if self._keeping is not None:
-            self._keep_again = True
-            return
-        loop = asyncio.get_running_loop()
-        self._keeping = loop.run_in_executor(None, self._kept_state().save, self._private_dir)
-        self._keeping.add_done_callback(self._kept_written)
-
-    def _kept_written(self, done: asyncio.Future[None]) -> None:
-        self._keeping = None
-        if not done.cancelled() and done.exception() is not None:
-            self.log.debug("gpushare: cannot keep the state: %s", done.exception())
-        if self._keep_again:
-            self._keep_again = False
-            self._keep_state()
-
-    async def _keep_state_now(self) -> None:
-        """At stop, before the connections close: the state as it is, for the next one."""
-        if self._keeping is not None:
-            with contextlib.suppress(Exception):
-                await self._keeping
-        state = self._kept_state()
-        with contextlib.suppress(OSError):
-            await asyncio.get_running_loop().run_in_executor(None, state.save, self._private_dir)
 
     async def _start_mps(self) -> None:
         devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]
@@ -744,10 +656,44 @@ class GPUShareScheduler(
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     def _over_connection_limit(self, uid: int) -> bool:
+        """Is a new connection of ``uid`` one too many? On a uid many users share
+        (token_uids) the limit is per user, once a message proved who (:meth:`identify`):
+        there, a new connection is never refused; the oldest of the uid's connections that
+        have not proved anyone yet is closed instead, so that no user of the uid can keep the
+        others out with half-open connections."""
         limit = self.max_connections_per_uid
         if limit <= 0 or uid in (0, self.own_uid):
             return False
-        return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+        if uid not in self.access.token_uids:
+            return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+        unproven = [
+            c for c in self._connections.values() if c.peer.uid == uid and c.identity is None
+        ]
+        if len(unproven) >= limit:
+            oldest = min(unproven, key=lambda c: c.serial)
+            self._log_limit.warning(
+                uid,
+                "closing %s: uid %d has %d connections that proved no user",
+                oldest.name,
+                uid,
+                len(unproven),
+            )
+            oldest.closed = True
+            if oldest.writer is not None:
+                oldest.writer.transport.abort()
+        return False
+
+    def _over_identity_limit(self, uid: int, user: str) -> bool:
+        """Does ``user`` of the shared ``uid`` hold max_connections_per_uid connections already?"""
+        limit = self.max_connections_per_uid
+        if limit <= 0 or uid not in self.access.token_uids:
+            return False
+        mine = sum(
+            1
+            for c in self._connections.values()
+            if c.peer.uid == uid and c.identity is not None and c.identity.user == user
+        )
+        return mine >= limit
 
     def _handshake_expired(self, conn: Connection) -> None:
         """A connection that has not finished its first message in time is closed."""
