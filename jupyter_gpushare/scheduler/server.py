@@ -284,7 +284,8 @@ class GPUShareScheduler(
         self._stopping = False
         self._stop_requested = asyncio.Event()
         if not await self._load_access():
-            raise SchedulerStartError(self._access_error)
+            # A users config or key file that does not load: the operator must fix it (exit 2).
+            raise SchedulerConfigError(self._access_error)
         self.policy = Policy(self.policy_config())
         if self.max_quantum < self.base_quantum:
             self.log.warning(
