@@ -196,7 +196,7 @@ class ShimSessions:
         if conn.closed or self._stopping:
             return
         if isinstance(ident, str):
-            self.log.warning("refused HELLO of %s: %s", conn.name, ident)
+            self._log_limit.warning(conn.peer.uid, "refused HELLO of %s: %s", conn.name, ident)
             conn.error(ErrorCode.FORBIDDEN, ident, self.log)
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
