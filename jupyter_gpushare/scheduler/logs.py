@@ -25,7 +25,9 @@ import re
 import time
 from typing import Any
 
-__all__ = ["JsonFormatter"]
+from ..protocol import printable
+
+__all__ = ["JsonFormatter", "PrintableFilter", "escape_log"]
 
 _PAIR = re.compile(
     r"(?<![\w=])([a-z][a-z0-9_]*)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s,;)]+)"
@@ -66,3 +68,24 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return json.dumps(doc, ensure_ascii=False, default=str)
+
+
+class PrintableFilter(logging.Filter):
+    """Escapes every character a terminal or a log reader would act on in a record's message
+    (:func:`..protocol.printable`): what peers send (a device uuid, a shim's version, a place
+    id) must not forge a log line or move a cursor, in the text log as in the JSON one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.isprintable():
+            record.msg, record.args = printable(message), ()
+        return True
+
+
+def escape_log(log: Any) -> None:
+    """Install :class:`PrintableFilter` on ``log`` (a Logger or a LoggerAdapter), once."""
+    logger = getattr(log, "logger", log)
+    if isinstance(logger, logging.Logger) and not any(
+        isinstance(f, PrintableFilter) for f in logger.filters
+    ):
+        logger.addFilter(PrintableFilter())

@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._version import __version__
+from ..protocol import printable
 
 __all__ = ["DEVICE_LABELS", "DEVICE_MODES", "DelegatingCollector", "SchedulerMetrics"]
 
@@ -168,7 +169,7 @@ class _SnapshotCollector(Collector):
                 utilization.add_metric(labels, snap.utilization[uuid] / 100.0)
             per_user: dict[str, list[int]] = {}  # user -> [clients, used, resident, holding]
             for c in cls:
-                row = per_user.setdefault(str(c.get("user", "")), [0, 0, 0, 0])
+                row = per_user.setdefault(printable(str(c.get("user", ""))), [0, 0, 0, 0])
                 used = int(c.get("used_bytes") or 0)
                 row[0] += 1
                 row[1] += used
@@ -258,7 +259,8 @@ class SchedulerMetrics:
 
     def device_labels(self, uuid: str) -> list[str]:
         index, model = self._gpus.get(uuid.lower(), ("", ""))
-        return [uuid, uuid, index, model]
+        uuid = printable(uuid)  # learnt from a HELLO without NVML: a peer's text
+        return [uuid, uuid, index, printable(model)]
 
     def granted(self, device: str, waited: float | None) -> None:
         labels = self.device_labels(device)
@@ -279,7 +281,7 @@ class SchedulerMetrics:
 
     def gpu_time(self, user: str, seconds: float) -> None:
         if seconds > 0:
-            self.user_gpu.labels(user).inc(seconds)
+            self.user_gpu.labels(printable(user)).inc(seconds)
 
     def publish(
         self,

@@ -52,6 +52,7 @@ from .devices import (
 )
 from .history import History
 from .keep import KeptStateShell
+from .logs import escape_log
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
@@ -132,6 +133,7 @@ class GPUShareScheduler(
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
         self._log_limit = LogLimiter(self.log)
+        escape_log(self.log)  # peers' text never forges a log line (A17)
         #: The last hour per kernel, user and GPU, recorded at every status change.
         self.history = History(resolution=self.history_resolution)
         self._history_timer: asyncio.TimerHandle | None = None
