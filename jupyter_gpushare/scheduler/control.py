@@ -27,7 +27,7 @@ from .policy import Policy
 from .reservations import Reservations
 from .transport import Connection
 from .users import Identity
-from .views import filter_status
+from .views import filter_status, fit_status
 
 __all__ = ["ControlActions"]
 
@@ -150,7 +150,8 @@ class ControlActions:
         if isinstance(device, tr.Refusal):
             self._refuse(conn, device)
             return
-        conn.write_frame(tr.encode_status(self.status_document(device, viewer)), self.log)
+        doc = fit_status(self.status_document(device, viewer))
+        conn.write_frame(tr.encode_status(doc), self.log)
 
     def _on_client_action(
         self, conn: Connection, who: Identity, action: str, body: dict[str, Any]
