@@ -27,7 +27,7 @@ from .policy import Policy
 from .reservations import Reservations
 from .transport import Connection
 from .users import Identity
-from .views import filter_status
+from .views import filter_status, fit_status
 
 __all__ = ["ControlActions"]
 
@@ -60,6 +60,8 @@ class ControlActions:
     _refuse: Callable[[Connection, tr.Refusal], None]
     _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
     _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
+    _id_owners: dict[str, str]
+    _remember_owner: Callable[[str, str], None]
 
     def _reply(self, conn: Connection, body: dict[str, Any]) -> None:
         conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
@@ -133,7 +135,7 @@ class ControlActions:
         elif action == "reload":
             self._on_reload_request(conn, ident)
         elif action == "place":
-            self._on_place(conn, body)
+            self._on_place(conn, body, ident)
         elif action == "allocate":
             await self._on_allocate(conn, ident, body)
         elif action == "prune_allocations":
@@ -148,7 +150,8 @@ class ControlActions:
         if isinstance(device, tr.Refusal):
             self._refuse(conn, device)
             return
-        conn.write_frame(tr.encode_status(self.status_document(device, viewer)), self.log)
+        doc = fit_status(self.status_document(device, viewer))
+        conn.write_frame(tr.encode_status(doc), self.log)
 
     def _on_client_action(
         self, conn: Connection, who: Identity, action: str, body: dict[str, Any]
@@ -288,12 +291,19 @@ class ControlActions:
             reachable,
         )
 
-    def _on_place(self, conn: Connection, body: dict[str, Any]) -> None:
-        """CONTROL ``place`` (docs/protocol.md) -> the chosen device's uuid and index."""
+    def _on_place(self, conn: Connection, body: dict[str, Any], who: Identity) -> None:
+        """CONTROL ``place`` (docs/protocol.md) -> the chosen device's uuid and index.
+
+        The provisioner places each kernel before it starts: the kernel's id becomes its
+        caller's (no owner yet, or already theirs), so another user who reads the id in ``ps``
+        and says ``HELLO`` with it first gets ``<id>#<pid>``, not the id."""
         request = tr.check_place(body)
         if isinstance(request, tr.Refusal):
             self._refuse(conn, request)
             return
+        owner = self._id_owners.get(request.client_id)
+        if owner is None or owner == who.user:
+            self._remember_owner(request.client_id, who.user)
         try:
             answer = self.place(request.client_id, request.need, request.device, request.reachable)
         except PlacementError as exc:

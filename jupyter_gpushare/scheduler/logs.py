@@ -33,7 +33,9 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
-__all__ = ["JsonFormatter", "event_word", "template_fields"]
+from ..protocol import printable
+
+__all__ = ["JsonFormatter", "PrintableFilter", "escape_log", "event_word", "template_fields"]
 
 #: A printf conversion in a format string (the scheduler's own text, never a value).
 _CONVERSION = re.compile(r"%(?:\((\w+)\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[diouxXeEfFgGcrsa%]")
@@ -124,3 +126,24 @@ class JsonFormatter(_LibraryJsonFormatter):
 
     def jsonify_log_record(self, log_data: dict[str, Any]) -> str:
         return json.dumps(log_data, ensure_ascii=False, default=str)
+
+
+class PrintableFilter(logging.Filter):
+    """Escapes every character a terminal or a log reader would act on in a record's message
+    (:func:`..protocol.printable`): what peers send (a device uuid, a shim's version, a place
+    id) must not forge a log line or move a cursor, in the text log as in the JSON one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.isprintable():
+            record.msg, record.args = printable(message), ()
+        return True
+
+
+def escape_log(log: Any) -> None:
+    """Install :class:`PrintableFilter` on ``log`` (a Logger or a LoggerAdapter), once."""
+    logger = getattr(log, "logger", log)
+    if isinstance(logger, logging.Logger) and not any(
+        isinstance(f, PrintableFilter) for f in logger.filters
+    ):
+        logger.addFilter(PrintableFilter())

@@ -41,6 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._version import __version__
+from ..protocol import printable
 
 # No `<counter>_created` series: nothing reads them and they doubled each counter's series. The
 # switch is prometheus_client's, for the whole process (a Jupyter server's own metrics too).
@@ -178,7 +179,7 @@ class _SnapshotCollector(Collector):
                 utilization.add_metric(labels, snap.utilization[uuid] / 100.0)
             per_user: dict[str, list[int]] = {}  # user -> [clients, used, resident, holding]
             for c in cls:
-                row = per_user.setdefault(str(c.get("user", "")), [0, 0, 0, 0])
+                row = per_user.setdefault(printable(str(c.get("user", ""))), [0, 0, 0, 0])
                 used = int(c.get("used_bytes") or 0)
                 row[0] += 1
                 row[1] += used
@@ -268,7 +269,8 @@ class SchedulerMetrics:
 
     def device_labels(self, uuid: str) -> list[str]:
         index, model = self._gpus.get(uuid.lower(), ("", ""))
-        return [uuid, uuid, index, model]
+        uuid = printable(uuid)  # learnt from a HELLO without NVML: a peer's text
+        return [uuid, uuid, index, printable(model)]
 
     def granted(self, device: str, waited: float | None) -> None:
         labels = self.device_labels(device)
@@ -289,7 +291,7 @@ class SchedulerMetrics:
 
     def gpu_time(self, user: str, seconds: float) -> None:
         if seconds > 0:
-            self.user_gpu.labels(user).inc(seconds)
+            self.user_gpu.labels(printable(user)).inc(seconds)
 
     def publish(
         self,

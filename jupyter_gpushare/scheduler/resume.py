@@ -1,11 +1,21 @@
-"""Resume proofs: a secret given with each GRANT that a reconnecting holder must send back.
+"""Resume proofs: a secret given with each GRANT that a reconnecting holder must send back, and
+what the scheduler keeps on disk to check it after a restart.
 
 After a scheduler restart the shims reconnect and say what they held (``resume = 1``: "I held
-the device"). Believed on its word, such a claim let another user connect first during the
-recovery window and take the grant. Each GRANT therefore carries ``resume_secret``: an HMAC of
-the client id and the client's uid under a key that the scheduler keeps in a private directory
-(0700, the file 0600) beside its socket, so the *next* scheduler process, which did not issue
-it, can check it. A holding claim without the right secret is treated as a waiting one.
+the device") and since when (``since_ms``). Believed on their word, such claims let another user
+take the grant or jump the queue during the recovery window. So:
+
+* each GRANT carries ``resume_secret``: an HMAC of the client id, the client's uid and the
+  grant's own random number, under a key that the scheduler keeps in a private directory (0700,
+  the files 0600) beside its socket (a hold taken back at a restart keeps its number: the shim's
+  secret stays good for the next restart);
+* the scheduler keeps its clients as they are (:class:`KeptState`: who holds which grant, who
+  waits since when, which user each id belongs to) in ``state.json`` in that directory, updated
+  as they change and when it stops;
+* the next scheduler reads (and removes) that file at start: a holding claim is believed only with
+  the secret of the grant its id held then (an older grant's secret proves nothing), a claimed
+  wait is cut to what was kept, and the ids keep their
+  owners. A kept state older than :data:`KEPT_FOR` seconds is ignored: it proves nothing.
 """
 
 from __future__ import annotations
@@ -13,15 +23,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["RESUME_SECRET_LENGTH", "ResumeKey"]
+__all__ = ["KEPT_FOR", "RESUME_SECRET_LENGTH", "KeptClient", "KeptState", "ResumeKey"]
 
 #: The secret's length in hex characters (128 bits).
 RESUME_SECRET_LENGTH = 32
 _KEY_BYTES = 32
+#: Seconds a kept state proves anything after it was written: a scheduler down for longer has
+#: no holder left to take back (the shims give up reconnecting well before).
+KEPT_FOR = 600.0
+#: At most this many clients are kept (a node has far fewer; the file stays small).
+MAX_KEPT = 4096
 
 
 class ResumeKey:
@@ -43,9 +62,7 @@ class ResumeKey:
         path = os.path.join(directory, "resume.key")
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700)
-        st = os.lstat(directory)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-            raise PermissionError(f"{directory} is not a private directory of this user")
+        _private_file(directory, "resume.key")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -66,10 +83,94 @@ class ResumeKey:
         os.rename(tmp, path)
         return key
 
-    def secret(self, client_id: str, uid: int) -> str:
-        """The resume secret of ``client_id`` run by ``uid``."""
-        mac = hmac.new(self._key, f"{client_id}\0{uid}".encode(), hashlib.sha256)
-        return mac.hexdigest()[:RESUME_SECRET_LENGTH]
+    def secret(self, client_id: str, uid: int, grant: str) -> str:
+        """The resume secret of the grant numbered ``grant`` to ``client_id`` run by ``uid``."""
+        text = f"{client_id}\0{uid}\0{grant}"
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:RESUME_SECRET_LENGTH]
 
-    def verify(self, client_id: str, uid: int, secret: str) -> bool:
-        return hmac.compare_digest(self.secret(client_id, uid), secret)
+    def verify(self, client_id: str, uid: int, grant: str, secret: str) -> bool:
+        return bool(grant) and hmac.compare_digest(self.secret(client_id, uid, grant), secret)
+
+
+def _private_file(directory: str, name: str) -> str:
+    """``directory``/``name`` if ``directory`` is this user's private directory."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{directory} is not a private directory of this user")
+    return os.path.join(directory, name)
+
+
+@dataclass(frozen=True)
+class KeptClient:
+    """One client as the scheduler kept it: the id its shim asked for, its uid and user, the
+    number of the grant it holds ('': none) and since when (Unix time) it held or waited."""
+
+    requested_id: str
+    client_id: str
+    uid: int
+    user: str
+    grant: str = ""
+    since: float | None = None
+
+
+@dataclass
+class KeptState:
+    """The scheduler's clients, kept on disk for the next scheduler on this socket."""
+
+    saved: float
+    clients: list[KeptClient] = field(default_factory=list)
+
+    FILE = "state.json"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "saved": self.saved,
+                "clients": [c.__dict__ for c in self.clients[:MAX_KEPT]],
+            }
+        )
+
+    def save(self, directory: str) -> None:
+        """Write it atomically (0600); blocking."""
+        path = _private_file(directory, self.FILE)
+        tmp = f"{path}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_json())
+        os.rename(tmp, path)
+
+    @classmethod
+    def take(cls, directory: str, now: float | None = None) -> KeptState | None:
+        """The state the last scheduler kept, removed from the disk (it proves claims for one
+        restart only); None when there is none, it is not private, or it is older than
+        KEPT_FOR. Blocking."""
+        now = time.time() if now is None else now
+        try:
+            path = _private_file(directory, cls.FILE)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        with os.fdopen(fd) as f:
+            fst = os.fstat(f.fileno())
+            raw = f.read(1 << 22)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if not stat.S_ISREG(fst.st_mode) or fst.st_uid != os.getuid() or fst.st_mode & 0o077:
+            return None
+        try:
+            data: dict[str, Any] = json.loads(raw)
+            state = cls(
+                float(data["saved"]),
+                [KeptClient(**c) for c in data["clients"][:MAX_KEPT]],
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not 0 <= now - state.saved <= KEPT_FOR:
+            return None
+        return state
+
+    def find(self, requested_id: str, uid: int) -> KeptClient | None:
+        for c in self.clients:
+            if c.requested_id == requested_id and c.uid == uid:
+                return c
+        return None

@@ -51,15 +51,18 @@ from .devices import (
     nvml_pids_comparable,
 )
 from .history import History
+from .keep import KeptStateShell
+from .logs import escape_log
 from .metrics_feed import MetricsFeed
 from .mps import MPSError, MPSManager
 from .policy import Policy
 from .reservations import Reservations
-from .resume import ResumeKey
+from .resume import KeptState, ResumeKey
 from .shims import ShimSessions
 from .sleeping import DeepIdleShell
 from .transport import (
     Connection,
+    EventBudget,
     LogLimiter,
     PeerCred,
     SchedulerConfigError,
@@ -81,13 +84,28 @@ __all__ = [
 
 
 class GPUShareScheduler(
-    DeepIdleShell, ShimSessions, ControlActions, AllocationControl, SchedulerConfig
+    DeepIdleShell, ShimSessions, KeptStateShell, ControlActions, AllocationControl, SchedulerConfig
 ):
     """The node's GPU scheduler: one policy, one Unix socket, many shim clients."""
 
     history_resolution = Float(
         5.0, help="Seconds between two points of the last hour's history (per kernel, user, GPU)."
     ).tag(config=True)
+
+    frames_per_second = Float(
+        500.0,
+        help="""Frames of one peer the scheduler reads per second, on all its connections
+        together (a peer: a uid, or each user a token proves on one of token_uids); bursts of
+        twice as many pass at once. Past it, its connections are read more slowly (their
+        writes block), so a peer writing frames as fast as it can never delays the others'
+        status, HELLOs or the liveness probe. A shim sends a few a second (it spaces its
+        MEMORY reports itself). 0: no limit.""",
+    ).tag(config=True)
+
+    #: The history and the kept state (.resume.KeptState) take the status at most this often
+    #: (seconds): a burst of events costs one status document, not one each (a history point
+    #: closer than its resolution replaces the one before anyway).
+    HISTORY_DELAY = 0.25
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -115,9 +133,18 @@ class GPUShareScheduler(
         self._status_listeners: list[Callable[[], None]] = []
         self._metrics_feed = MetricsFeed(self.log)
         self._log_limit = LogLimiter(self.log)
+        escape_log(self.log)  # peers' text never forges a log line (A17)
         #: The last hour per kernel, user and GPU, recorded at every status change.
         self.history = History(resolution=self.history_resolution)
-        self.add_status_listener(lambda: self.history.record(time.time(), self.status_document()))
+        self._history_timer: asyncio.TimerHandle | None = None
+        self._history_at = -1e9  # when the history last took the status (monotonic)
+        self.add_status_listener(self._history_changed)
+        #: Set once start() has armed the recovery window: no message is handled before.
+        self._accepting = asyncio.Event()
+        self._kept: KeptState | None = None  # what the last scheduler kept (.resume)
+        self._keeping: asyncio.Future[None] | None = None  # a save of our state under way
+        self._keep_again = False
+        self._budget = EventBudget(self.frames_per_second, 2 * self.frames_per_second)
         self._mps: MPSManager | None = None
         self._access_error = ""  # why the last load of the access configuration failed
         # Replaced at start by the key kept beside the socket (see .resume).
@@ -140,6 +167,8 @@ class GPUShareScheduler(
         """The history as ``viewer`` may see it: every GPU and every user's sums (as the status
         shows them), the kernels of their own only unless they are an admin (None: all). Thinned
         until it fits a control reply's frame (64 KiB) with room to spare."""
+        if self._history_timer is not None:
+            self._record_history()  # the changes since it last took the status
         now = time.time()
         own = None
         if viewer is not None and not viewer.admin:
@@ -150,6 +179,45 @@ class GPUShareScheduler(
             if points <= 2 or len(json.dumps(view)) < 48_000:
                 return view
             points //= 2
+
+    def _history_changed(self) -> None:
+        """A status change: the history takes the status now, or once HISTORY_DELAY has passed
+        since it last did (later changes until then are in that one)."""
+        if self._history_timer is not None:
+            return
+        wait = self._history_at + self.HISTORY_DELAY - time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            wait = 0.0
+        if wait <= 0:
+            self._record_history()
+        else:
+            self._history_timer = loop.call_later(wait, self._record_history)
+
+    def _record_history(self) -> None:
+        if self._history_timer is not None:
+            self._history_timer.cancel()
+            self._history_timer = None
+        self._history_at = time.monotonic()
+        self.history.record(time.time(), self.status_document())
+        self._keep_state()
+
+    async def _pace(self, conn: Connection, frames: int) -> None:
+        """Pause ``conn`` while its peer is past frames_per_second (.transport.EventBudget)."""
+        peer = conn.peer.uid
+        if peer in (0, self.own_uid):
+            return  # root's and the scheduler's own account's tools (the liveness probe)
+        user = conn.identity.user if conn.identity is not None else ""
+        key = (peer, user if peer in self.access.token_uids else "")
+        end = time.monotonic() + self._budget.debt(key, frames, time.monotonic())
+        while not (self._stopping or conn.closed) and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.5))  # a scheduler that stops does not wait for it
+
+    @observe("frames_per_second")
+    def _frames_per_second_changed(self, change: Any) -> None:
+        if hasattr(self, "_budget"):
+            self._budget.rate, self._budget.burst = change["new"], 2 * change["new"]
 
     @property
     def own_uid(self) -> int:
@@ -189,8 +257,13 @@ class GPUShareScheduler(
                 None, token_name_refusal, found.user, self.access.token_uids
             )
             found = clash or found
+        if not isinstance(found, str) and self._over_identity_limit(peer.uid, found.user):
+            found = (
+                f"user {found.user!r} has too many connections open to the scheduler "
+                "(max_connections_per_uid, per user on a shared uid)"
+            )
         if isinstance(found, str) and peer.uid in self.access.token_uids:
-            self.log.warning("forbidden: uid %d: %s", peer.uid, found)
+            self._log_limit.warning(peer.uid, "forbidden: uid %d: %s", peer.uid, found)
         return found
 
     def peer_credentials(self, sock: Any) -> PeerCred:
@@ -219,7 +292,8 @@ class GPUShareScheduler(
         self._stopping = False
         self._stop_requested = asyncio.Event()
         if not await self._load_access():
-            raise SchedulerStartError(self._access_error)
+            # A users config or key file that does not load: the operator must fix it (exit 2).
+            raise SchedulerConfigError(self._access_error)
         self.policy = Policy(self.policy_config())
         if self.max_quantum < self.base_quantum:
             self.log.warning(
@@ -245,6 +319,7 @@ class GPUShareScheduler(
             )
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
+        self._accepting.clear()  # until the recovery window is armed (see the end)
         self._server, left_clients = await listen(self.socket_file, self._on_connection, self.log)
         await self._load_resume_key()
         await self.allocation_sockets.start(self._on_connection)  # before any pod reconnects
@@ -273,6 +348,8 @@ class GPUShareScheduler(
                 self.recovery_seconds,
             )
             self._reschedule()
+        self._forget_kept_after(self.recovery_seconds if left_clients else 0.0)
+        self._accepting.set()
         if self.discovery.devices and self.utilization_interval > 0:
             self._sampler = asyncio.ensure_future(self._sample_utilization())
 
@@ -314,6 +391,9 @@ class GPUShareScheduler(
         server.close()
         await self.allocation_sockets.stop()
         self._cancel_timer()
+        if self._history_timer is not None:
+            self._history_timer.cancel()
+            self._history_timer = None
         self._stop_deep_idle()
         await self._metrics_feed.stop()
         if self._sampler is not None:
@@ -322,6 +402,7 @@ class GPUShareScheduler(
                 await self._sampler
             self._sampler = None
         shims = any(c.kind == "shim" and not c.left for c in self._connections.values())
+        await self._keep_state_now()
         if shims and self.recovery_seconds > 0:
             # The shims keep running and will reconnect to the next scheduler on this socket:
             # tell it to take them back (a restart by the service manager, not only a crash).
@@ -339,23 +420,10 @@ class GPUShareScheduler(
         await loop.run_in_executor(None, self.socket_file.remove)
         self._connections.clear()
         self._shims.clear()
+        self._accepting.set()  # messages that waited for a start that failed: their conns closed
         if self._stop_requested is not None:
             self._stop_requested.set()
         self.log.info("gpushare scheduler stopped")
-
-    async def _load_resume_key(self) -> None:
-        """The key resume secrets come from, kept in a private directory beside the socket so
-        that the next scheduler on this socket can check the secrets this one gave."""
-        directory = os.path.join(self.socket_file.directory, ".gpushare-private")
-        loop = asyncio.get_running_loop()
-        try:
-            self._resume_key = await loop.run_in_executor(None, ResumeKey.load_or_create, directory)
-        except OSError as exc:
-            self.log.warning(
-                "gpushare: no resume key in %s (%s): after a restart, holders will wait",
-                directory,
-                exc,
-            )
 
     async def _start_mps(self) -> None:
         devices = list(self.mps_devices) or [dev.uuid for dev in self.discovery.devices]
@@ -580,7 +648,9 @@ class GPUShareScheduler(
             self.handshake_seconds, self._handshake_expired, conn
         )
         try:
-            await serve_frames(conn, reader, self._dispatch, self._log_limit.log_for(peer.uid))
+            await serve_frames(
+                conn, reader, self._dispatch, self._log_limit.log_for(peer.uid), self._pace
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -595,10 +665,44 @@ class GPUShareScheduler(
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     def _over_connection_limit(self, uid: int) -> bool:
+        """Is a new connection of ``uid`` one too many? On a uid many users share
+        (token_uids) the limit is per user, once a message proved who (:meth:`identify`):
+        there, a new connection is never refused; the oldest of the uid's connections that
+        have not proved anyone yet is closed instead, so that no user of the uid can keep the
+        others out with half-open connections."""
         limit = self.max_connections_per_uid
         if limit <= 0 or uid in (0, self.own_uid):
             return False
-        return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+        if uid not in self.access.token_uids:
+            return sum(1 for c in self._connections.values() if c.peer.uid == uid) >= limit
+        unproven = [
+            c for c in self._connections.values() if c.peer.uid == uid and c.identity is None
+        ]
+        if len(unproven) >= limit:
+            oldest = min(unproven, key=lambda c: c.serial)
+            self._log_limit.warning(
+                uid,
+                "closing %s: uid %d has %d connections that proved no user",
+                oldest.name,
+                uid,
+                len(unproven),
+            )
+            oldest.closed = True
+            if oldest.writer is not None:
+                oldest.writer.transport.abort()
+        return False
+
+    def _over_identity_limit(self, uid: int, user: str) -> bool:
+        """Does ``user`` of the shared ``uid`` hold max_connections_per_uid connections already?"""
+        limit = self.max_connections_per_uid
+        if limit <= 0 or uid not in self.access.token_uids:
+            return False
+        mine = sum(
+            1
+            for c in self._connections.values()
+            if c.peer.uid == uid and c.identity is not None and c.identity.user == user
+        )
+        return mine >= limit
 
     def _handshake_expired(self, conn: Connection) -> None:
         """A connection that has not finished its first message in time is closed."""
@@ -613,6 +717,10 @@ class GPUShareScheduler(
             conn.writer.transport.abort()
 
     async def _dispatch(self, conn: Connection, msg: Message) -> None:
+        if not self._accepting.is_set():
+            await self._accepting.wait()  # a restart's recovery window is not armed yet
+            if conn.closed or self._stopping:
+                return
         mtype = msg.type
         if mtype in CONTROL_MESSAGES:
             await self._on_control_message(conn, msg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
 from .mps import MPSManager
 from .peer_process import PeerProcess
-from .resume import ResumeKey
+from .resume import KeptState, ResumeKey
 from .transport import Connection, LogLimiter, PeerCred
 from .users import Identity, Limits
 
@@ -60,6 +61,7 @@ class ShimSessions:
     _shims: dict[str, Connection]
     _device_totals: dict[str, int]
     _resume_key: ResumeKey
+    _kept: KeptState | None
     #: client id -> the user whose client last had it (oldest first; see _remember_owner)
     _id_owners: dict[str, str]
     _metrics_feed: MetricsFeed
@@ -121,11 +123,37 @@ class ShimSessions:
         return min(q for q in (conn.quota, total) if q > 0) if conn.quota or total else 0
 
     def _resume_secret(self, conn: Connection) -> str:
-        """The secret a GRANT gives ``conn``'s shim (bound to the id it asked for and its uid)."""
-        return self._resume_key.secret(conn.requested_id, conn.peer.uid)
+        """The secret a GRANT gives ``conn``'s shim: bound to the id it asked for, its uid and
+        this grant (.resume)."""
+        if not conn.grant:
+            conn.grant = secrets.token_hex(8)
+        return self._resume_key.secret(conn.requested_id, conn.peer.uid, conn.grant)
 
     def _resume_proven(self, conn: Connection, hello: tr.Hello) -> bool:
-        return self._resume_key.verify(hello.requested_id, conn.peer.uid, hello.resume_secret)
+        """Does the HELLO prove the hold its id had when the last scheduler stopped? The secret
+        of that very grant, kept by the last scheduler (.resume.KeptState); once only."""
+        kept = self._kept.find(hello.requested_id, conn.peer.uid) if self._kept else None
+        if kept is None or not hello.resume_secret:
+            return False
+        if not self._resume_key.verify(
+            hello.requested_id, conn.peer.uid, kept.grant, hello.resume_secret
+        ):
+            return False
+        conn.grant = kept.grant  # the same hold goes on: the shim's secret stays good
+        assert self._kept is not None
+        self._kept.clients.remove(kept)
+        return True
+
+    def _bounded_resume(self, conn: Connection, hello: tr.Hello) -> tr.Hello:
+        """A reconnecting shim's ``since_ms`` cut to what the last scheduler kept of its wait or
+        hold (none kept: now): a forged one must not put it ahead of those who waited."""
+        if "since" not in hello.resume:
+            return hello
+        kept = self._kept.find(hello.requested_id, conn.peer.uid) if self._kept else None
+        kept_since = kept.since if kept is not None and kept.since is not None else None
+        allowed = 0.0 if kept_since is None else max(0.0, time.time() - kept_since)
+        since = min(max(0.0, float(hello.resume["since"])), allowed)
+        return dataclasses.replace(hello, resume={**hello.resume, "since": since})
 
     def _assign_client_id(self, requested: str, conn: Connection, proven: bool = False) -> str:
         """The id of a new shim asking for ``requested``; ``proven``: its resume secret proves
@@ -176,7 +204,7 @@ class ShimSessions:
         if conn.closed or self._stopping:
             return
         if isinstance(ident, str):
-            self.log.warning("refused HELLO of %s: %s", conn.name, ident)
+            self._log_limit.warning(conn.peer.uid, "refused HELLO of %s: %s", conn.name, ident)
             conn.error(ErrorCode.FORBIDDEN, ident, self.log)
             conn.closed = True  # the reader loop ends and closes the socket after the ERROR
             return
@@ -188,7 +216,8 @@ class ShimSessions:
             self._refuse(conn, device)
             return
         conn.identity = ident = confined(ident, conn)
-        proven = bool(hello.resume_secret) and self._resume_proven(conn, hello)
+        hello = self._bounded_resume(conn, hello)
+        proven = self._resume_proven(conn, hello)
         client_id = self._assign_client_id(hello.requested_id, conn, proven)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         conn.requested_id = hello.requested_id
@@ -435,6 +464,7 @@ class ShimSessions:
                 )
             message = tr.decision_message(decision)
             if isinstance(decision, ev.Grant):
+                conn.grant = ""  # a new grant: a new secret (the old one proves nothing)
                 message.fields["resume_secret"] = self._resume_secret(conn)
             self._send(conn, message)
 

@@ -20,12 +20,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ErrorCode, FrameDecoder, Message, ProtocolError, encode, error_message
+from ..protocol import (
+    ErrorCode,
+    FrameDecoder,
+    Message,
+    MsgType,
+    ProtocolError,
+    encode,
+    error_message,
+)
 from .users import Identity
 
 __all__ = [
     "MAX_WRITE_BUFFER",
     "Connection",
+    "EventBudget",
     "LogLimiter",
     "PeerCred",
     "SchedulerConfigError",
@@ -40,6 +49,9 @@ MAX_WRITE_BUFFER = 1 << 20
 #: The longest path a Unix socket address holds (sun_path minus its terminating NUL).
 MAX_SOCKET_PATH = 107
 _PEERCRED = struct.Struct("3i")
+#: Bytes read off a connection at once: what one read decodes (~450 small frames) without
+#: giving the event loop back.
+READ_SIZE = 16384
 #: The scheduler's logger (a traitlets logger: a Logger or a LoggerAdapter).
 Log = Any
 
@@ -150,6 +162,7 @@ class Connection:
     )
     requested_at: float | None = None
     granted_at: float | None = None
+    grant: str = ""  # the random number of its current grant (its resume secret's, .resume)
     identity: Identity | None = None  # shims: from HELLO; control peers: from the last message
     requested_quota: int = 0  # what the kernel (or a set_quota) asked for; 0 = none
     requested_weight: float = 1.0
@@ -203,29 +216,87 @@ class Connection:
         self.send(error_message(code, text), log)
 
 
+class EventBudget:
+    """How many frames of a peer the scheduler reads per second: a token bucket per key (a uid, or
+    a user a token proved on a uid many users share).
+
+    A peer past its budget is not refused: its connections simply stop being read for a while,
+    so its socket buffers fill and its writes block (backpressure), while everyone else's
+    messages, status requests and HELLOs are served in between.
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._buckets: dict[Any, tuple[float, float]] = {}  # key -> (tokens, at)
+
+    def debt(self, key: Any, spent: int, now: float) -> float:
+        """Take ``spent`` frames from ``key``'s bucket; the seconds it must now pause."""
+        if self.rate <= 0:
+            return 0.0
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate) - spent
+        self._buckets[key] = (tokens, now)
+        if len(self._buckets) > 4096:  # bounded: forget the full buckets (they owe nothing)
+            for k in [k for k, (t, _) in self._buckets.items() if t >= self.burst][:2048]:
+                del self._buckets[k]
+        return 0.0 if tokens >= 0 else -tokens / self.rate
+
+
+def merge_memory(first: Message, then: Message) -> Message:
+    """Two MEMORY frames of one peer in a row as one: each field as the later one says it
+    (absent fields keep their value, as :func:`.translate.memory_after` reads them)."""
+    return Message(MsgType.MEMORY, {**first.fields, **then.fields})
+
+
 async def serve_frames(
     conn: Connection,
     reader: asyncio.StreamReader,
     on_message: Callable[[Connection, Message], Awaitable[None]],
     log: Log,
+    pace: Callable[[Connection, int], Awaitable[None]] | None = None,
 ) -> None:
     """Read frames off ``conn`` and hand each message to ``on_message`` until the peer closes,
-    sends something undecodable (answered with an ERROR), or ``conn`` is closed."""
+    sends something undecodable (answered with an ERROR), or ``conn`` is closed.
+
+    Consecutive MEMORY frames in what one read brought are merged (only the latest claim
+    matters), and after each read ``pace(conn, frames)`` may pause the connection: a peer
+    that writes frames as fast as it can costs the scheduler a bounded share of its time."""
     writer = conn.writer
     assert writer is not None
     decoder = FrameDecoder()
     try:
         while not conn.closed:
-            data = await reader.read(65536)
+            data = await reader.read(READ_SIZE)
             if not data:
                 decoder.eof()
                 break
-            for msg in decoder.feed(data):
-                await on_message(conn, msg)
-                if conn.closed:
-                    break
+            frames = 0
+            memory: Message | None = None
+            try:
+                for msg in decoder.feed(data):
+                    frames += 1
+                    if msg.type == MsgType.MEMORY:
+                        memory = msg if memory is None else merge_memory(memory, msg)
+                        continue
+                    if memory is not None:
+                        await on_message(conn, memory)
+                        memory = None
+                        if conn.closed:
+                            break
+                    await on_message(conn, msg)
+                    if conn.closed:
+                        break
+            except ProtocolError:
+                if memory is not None and not conn.closed:  # what came before the bad frame
+                    await on_message(conn, memory)
+                raise
+            if memory is not None and not conn.closed:
+                await on_message(conn, memory)
             if not conn.closed and not writer.is_closing():
                 await writer.drain()
+            if pace is not None and frames:
+                await pace(conn, frames)
     except ProtocolError as exc:
         log.warning("protocol error from %s: %s; closing it", conn.name, exc.message)
         conn.send(error_message(exc.code, exc.message), log)

@@ -9,11 +9,15 @@ quotas never leave the scheduler for them. Queue and holder *order* stays visibl
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .users import Identity
 
-__all__ = ["filter_status"]
+__all__ = ["STATUS_BUDGET", "filter_status", "fit_status"]
+
+#: Bytes of JSON a status document may take to fit a STATUS frame (64 KiB) with room to spare.
+STATUS_BUDGET = 56_000
 
 #: Per-user sums of other users' clients.
 _SUMMED = ("used_bytes", "evicted_bytes", "gpu_seconds", "wait_seconds", "weight")
@@ -77,3 +81,60 @@ def _without_others_ids(client: dict[str, Any], own_ids: set[str]) -> dict[str, 
         for h in wait["holders"]
     ]
     return {**client, "wait": {**wait, "holders": holders}}
+
+
+def _size(doc: dict[str, Any]) -> int:
+    return len(json.dumps(doc, default=str))
+
+
+def _user_sums(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-user counts and sums of ``clients``, the biggest user (memory used) first."""
+    sums: dict[str, dict[str, Any]] = {}
+    for c in clients:
+        user = str(c.get("user", ""))
+        row = sums.setdefault(
+            user, {"user": user, "clients": 0, "running": 0, "waiting": 0, "used_bytes": 0}
+        )
+        row["clients"] += 1
+        row["running"] += int(c.get("state") in ("running", "revoking"))
+        row["waiting"] += int(c.get("state") == "waiting")
+        row["used_bytes"] += int(c.get("used_bytes") or 0)
+    return sorted(sums.values(), key=lambda r: (-r["used_bytes"], -r["clients"], r["user"]))
+
+
+def fit_status(doc: dict[str, Any], budget: int = STATUS_BUDGET) -> dict[str, Any]:
+    """``doc`` cut to fit a STATUS frame, keeping what an operator needs most.
+
+    A document that fits is returned as it is. Otherwise the labels go, each device's clients
+    are listed biggest first (memory used) and as many as fit stay (the same number on every
+    device), and each device says how many it left out (``clients_truncated``) and gives every
+    user's counts and sums (``users``, the biggest first): hundreds of small connections never
+    hide the kernel that holds the GPU, nor who they belong to."""
+    if _size(doc) <= budget:
+        return doc
+    out = dict(doc)
+    devices = []
+    for dev in doc.get("devices", []):
+        clients = [{k: v for k, v in c.items() if k != "label"} for c in dev.get("clients", [])]
+        clients.sort(key=lambda c: -int(c.get("used_bytes") or 0))
+        devices.append({**dev, "clients": clients, "users": _user_sums(clients)})
+    out["devices"] = devices
+    out["labels_truncated"] = True
+    if _size(out) <= budget:
+        return out
+    full = [d["clients"] for d in devices]
+    low, high = 0, max((len(c) for c in full), default=0)
+    while low < high:  # the most clients per device that fit
+        mid = (low + high + 1) // 2
+        for dev, clients in zip(devices, full, strict=True):
+            dev["clients"] = clients[:mid]
+        if _size(out) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    for dev, clients in zip(devices, full, strict=True):
+        dev["clients"] = clients[:low]
+        if len(clients) > low:
+            dev["clients_truncated"] = len(clients) - low
+    out["truncated"] = True
+    return out

@@ -48,11 +48,16 @@ def local_users() -> Iterator[Callable[[str], LocalUser]]:
 
     def make(role: str) -> LocalUser:
         name = f"gs{role[:6]}{secrets.token_hex(3)}"
-        subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            check=True,
-            capture_output=True,
-        )
+        for attempt in range(60):  # another process may hold /etc/passwd's lock a while
+            made_it = subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                capture_output=True,
+                text=True,
+            )
+            if made_it.returncode == 0 or "cannot lock" not in made_it.stderr or attempt == 59:
+                break
+            time.sleep(1.0)
+        made_it.check_returncode()
         made.append(name)
         entry = pwd.getpwnam(name)
         return LocalUser(name, entry.pw_uid, entry.pw_gid)

@@ -156,3 +156,16 @@ def test_server_extension_with_an_invalid_mode_runs_no_scheduler(sock_dir: str) 
 
     asyncio.run(run())
     assert [line for line in logged if line.startswith("error")], logged
+
+
+def test_scheduler_cli_users_config_that_does_not_load(sock_dir: str) -> None:
+    """A users config with a syntax error: one line, exit 2, nothing started (issue 22)."""
+    users = Path(sock_dir) / "users.toml"
+    users.write_text("[defaults\nquota = \n")
+    socket = os.path.join(sock_dir, "s.sock")
+    out = scheduler_cli(
+        "--socket", socket, f"--GPUShareScheduler.users_config={users}", cwd=sock_dir
+    )
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr and str(users) in out.stderr, out.stderr
+    assert not os.path.exists(socket)

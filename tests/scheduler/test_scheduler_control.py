@@ -79,7 +79,11 @@ async def test_status_too_large_for_a_frame_is_trimmed(scheduler: Any, sock_path
     doc = await SchedulerClient(sock_path).status()
     assert doc["truncated"] is True
     (dev,) = doc["devices"]
-    assert dev["clients"] == [] and dev["clients_truncated"] == 400
+    # As many clients as fit (the biggest first), how many were left out, and per-user sums.
+    assert dev["clients"] and dev["clients_truncated"] == 400 - len(dev["clients"])
+    assert dev["users"] == [
+        {"user": "user", "clients": 400, "running": 0, "waiting": 0, "used_bytes": 0}
+    ]
 
 
 async def test_release_evict_and_quota(scheduler: Any, connect: Any, sock_path: str) -> None:

@@ -295,3 +295,68 @@ async def test_start_refuses_bad_access_config(
     bad = write_users(tmp_path, "[users.alice]\nquota = -1\n")
     with pytest.raises(SchedulerStartError, match=r"users\.alice\.quota"):
         await make_scheduler(users_config=bad)
+
+
+# -- One peer's frames have a bounded cost (issue 22, item 4; the real-uid flood is in
+# tests/reliability/test_hostile_flood.py) ------------------------------------------------------
+
+
+def _memory_frames(count: int, last: int) -> bytes:
+    from jupyter_gpushare.protocol import Message, encode
+
+    frames = [
+        encode(Message(MsgType.MEMORY, {"used_bytes": (i + 1) * MiB, "pinned_bytes": MiB}))
+        for i in range(count)
+    ]
+    return b"".join(frames) + encode(Message(MsgType.MEMORY, {"used_bytes": last}))
+
+
+async def test_a_burst_of_memory_frames_is_one_event_with_the_latest_claim(
+    make_scheduler: Any, connect: Any
+) -> None:
+    scheduler = await make_scheduler(frames_per_second=0)
+    scheduler.fake_creds = [{"uid": 1001}]
+    events: list[int] = []
+    scheduler.add_status_listener(lambda: events.append(1))
+    shim = await connect()
+    await shim.hello("k")
+    before = len(events)
+    await shim.send_raw(_memory_frames(300, 77 * MiB))
+    await asyncio.sleep(0.3)
+    client = scheduler.status_document()["devices"][0]["clients"][0]
+    # The latest claim, its absent field kept from the frame before (as one frame at a time).
+    assert (client["used_bytes"], client["pinned_bytes"]) == (77 * MiB, MiB), client
+    assert len(events) - before <= 5, len(events) - before  # one per read, not 301
+
+
+async def test_a_peer_past_its_frame_budget_is_read_more_slowly(
+    make_scheduler: Any, connect: Any
+) -> None:
+    scheduler = await make_scheduler(frames_per_second=200)
+    scheduler.fake_creds = [{"uid": 1001}, {"uid": 1001}, {"uid": 1002}]
+    flooder = await connect()
+    await flooder.hello("flood")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    # 1000 frames: 400 pass at once (the burst), the other 600 take 3 s at 200 a second.
+    await flooder.send_raw(_memory_frames(999, 5 * MiB))
+    await flooder.request(6 * MiB)
+    same_uid = await connect()  # another connection of the flooding uid shares its budget
+    await same_uid.send(MsgType.HELLO, client_id="flood-2", pid=os.getpid(), device_uuid=DEVICE)
+    other = await connect()  # another uid is served at once
+    await other.hello("bystander")
+    assert loop.time() - t0 < 1.0
+    await flooder.expect(MsgType.GRANT, timeout=10)
+    assert loop.time() - t0 >= 2.0  # read only as fast as its budget allows
+    await same_uid.expect(MsgType.WELCOME, timeout=10)
+
+
+def test_the_frame_budget_is_a_token_bucket_per_peer() -> None:
+    from jupyter_gpushare.scheduler.transport import EventBudget
+
+    budget = EventBudget(rate=100, burst=200)
+    assert budget.debt("a", 200, now=0.0) == 0.0  # the burst
+    assert budget.debt("a", 50, now=0.0) == pytest.approx(0.5)  # 50 over, at 100 a second
+    assert budget.debt("b", 100, now=0.0) == 0.0  # another peer has its own
+    assert budget.debt("a", 0, now=1.0) == 0.0  # refilled: 100 a second
+    assert EventBudget(rate=0, burst=0).debt("a", 10**6, now=0.0) == 0.0  # no limit
