@@ -43,7 +43,7 @@ from ..protocol import Message, MsgType, read_message, write_message
 from .checkpoint import CheckpointAPI, CheckpointError
 from .checkpoint import load_cached as load_checkpoint_api
 
-__all__ = ["CheckpointAgent", "ancestors", "run_checkpoint"]
+__all__ = ["CheckpointAgent", "ancestors", "keep_agent", "run_checkpoint", "serve_while"]
 
 #: CUresult-like codes of the agent's own refusals (the driver's codes are positive).
 NOT_DESCENDANT = -3
@@ -146,6 +146,21 @@ class CheckpointAgent:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+async def keep_agent(socket_path: str, library: str = "libcuda.so.1") -> None:
+    """An agent for as long as the task runs: it connects again after the scheduler restarts
+    (1 s, doubling to 30 s). The Jupyter server runs this in node mode (serverextension)."""
+    delay = 1.0
+    while True:
+        agent = CheckpointAgent(socket_path, library)
+        try:
+            await agent.run()
+            delay = 1.0
+        except (OSError, ConnectionError) as exc:
+            log.debug("gpushare checkpoint agent: %s; again in %.0f s", exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(30.0, delay * 2)
 
 
 async def serve_while(agent: CheckpointAgent, child: subprocess.Popen[Any] | int) -> int:

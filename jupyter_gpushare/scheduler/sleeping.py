@@ -400,7 +400,7 @@ class DeepIdleShell:
         self._handle(ev.Released(now, client, evicted=True))
         target.revoked_at = None
         target.revoking = target.overdue = False
-        reply["done"] = True
+        reply["done"] = reply["checkpointed"] = True
         reply["effect"] = (
             f"its process was checkpointed by {who}: {format_size(used)} left the GPU without its "
             "help; it wakes when it is granted the GPU again"

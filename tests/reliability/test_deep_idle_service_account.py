@@ -348,7 +348,7 @@ def test_an_operators_evict_takes_the_memory_of_a_holder_that_ignores_revoke(
             time.sleep(0.5)
             assert (node.client("waiter") or {})["state"] == "waiting"
             reply = node.ask("evict", "hog")
-            assert reply["done"] is True, reply
+            assert reply["done"] is True and reply["checkpointed"] is True, reply
             assert "checkpointed" in reply["effect"] and "768" in reply["effect"], reply
             grant = read_message_sync(sock)
             assert grant is not None and grant.type == MsgType.GRANT, grant
