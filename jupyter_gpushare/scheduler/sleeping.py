@@ -39,6 +39,9 @@ from .transport import Connection
 #: Codes of failures that are not the driver's (CheckpointError.code).
 NO_CHECKPOINTER = -1  # neither the scheduler nor an agent of the client's user may
 AGENT_LOST = -2  # the agent's connection closed mid-call: what the driver did is unknown
+#: How long an agent's call may take past the lock's own timeout (a checkpoint copies the
+#: process's device memory to the host: seconds per tens of GiB) before its outcome is unknown.
+AGENT_CALL_SECONDS = 300.0
 
 __all__ = ["DeepIdleShell"]
 
@@ -52,6 +55,7 @@ class DeepIdleShell:
     deep_idle_seconds: float
     checkpoint_library: str
     checkpoint_lock_timeout: float
+    revoke_warning_seconds: float
     _shims: dict[str, Connection]
     _stopping: bool
     _handle: Callable[[ev.Event], None]
@@ -64,7 +68,7 @@ class DeepIdleShell:
     _held_grants: dict[str, ev.Grant]
     _deep_idle_timer: asyncio.TimerHandle | None = None
     _agents: dict[int, Connection]
-    _agent_calls: dict[int, asyncio.Future[dict[str, Any]]]
+    _agent_calls: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]]  # seq: agent's serial
     _agent_seq: int = 0
 
     def _init_deep_idle(self) -> None:
@@ -292,14 +296,15 @@ class DeepIdleShell:
         self._agent_seq += 1
         seq = self._agent_seq
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        self._agent_calls[seq] = fut
+        self._agent_calls[seq] = (who.serial, fut)
         body = {"action": "checkpoint", "op": op, "pid": pid, "seq": seq}
         who.send(Message(MsgType.CONTROL, {"body": body}), self.log)
+        deadline = time.monotonic() + self.checkpoint_lock_timeout + AGENT_CALL_SECONDS
         try:
             while not fut.done():
-                if who.closed:
+                if who.closed or time.monotonic() > deadline:
                     raise CheckpointError(
-                        f"{op} by the agent of pid {who.peer.pid} (lost)", AGENT_LOST
+                        f"{op} by the agent of pid {who.peer.pid}: no answer", AGENT_LOST
                     )
                 await asyncio.wait({fut}, timeout=0.2)
         finally:
@@ -331,6 +336,8 @@ class DeepIdleShell:
         """CONTROL ``checkpoint_agent`` (a process offers to checkpoint its own user's
         descendants) and ``checkpoint_done`` (its answer to a call)."""
         if action == "checkpoint_agent":
+            for serial in [s for s, a in self._agents.items() if a.closed]:
+                del self._agents[serial]
             self._agents[conn.serial] = conn
             self.log.info("checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid)
             body_out = {"ok": True, "action": action, "uid": conn.peer.uid}
@@ -338,7 +345,9 @@ class DeepIdleShell:
             self._deep_idle_pass()  # its user's idle kernels may sleep now
             return
         seq = body.get("seq")
-        fut = self._agent_calls.get(seq) if isinstance(seq, int) else None
+        call = self._agent_calls.get(seq) if isinstance(seq, int) else None
+        # Only the agent asked may answer: another's answer would count memory as gone.
+        fut = call[1] if call is not None and call[0] == conn.serial else None
         if conn.serial not in self._agents or fut is None or fut.done():
             conn.error(ErrorCode.UNEXPECTED, "checkpoint_done without a call", self.log)
             return
@@ -348,10 +357,14 @@ class DeepIdleShell:
     # An operator's evict of a holder that does not answer (docs/reliability.md)
 
     def _may_force_evict(self, target: Connection) -> bool:
-        """Whether an evict may take ``target``'s memory without its help: it was asked to
-        release and has not answered, and someone may checkpoint its process."""
+        """Whether an evict may take ``target``'s memory without its help: its revoke went
+        unanswered past its deadline (``revoke_deadline_seconds``) or for as long as the
+        scheduler waits before it warns (``revoke_warning_seconds``; a holder whose GPU work
+        ends meanwhile answers by itself), and someone may checkpoint its process."""
+        sent = target.revoked_at
         return (
-            target.revoked_at is not None
+            sent is not None
+            and (target.overdue or time.monotonic() - sent >= self.revoke_warning_seconds)
             and target.client_id is not None
             and self._deep_idle.phase(target.client_id) is Phase.AWAKE
             and self._checkpointer(target) is not None
@@ -373,12 +386,11 @@ class DeepIdleShell:
         try:
             who = await self._checkpoint_call(target, "sleep", target.peer.pid)
         except CheckpointError as exc:
-            if exc.code != AGENT_LOST:
-                self.log.warning("force_evict_failed client=%s: %s", client, exc)
-                reply["effect"] = f"{reply['effect']}; its process could not be checkpointed: {exc}"
-                self._reply_control(conn, reply)
-                return
-            who = "a checkpoint agent lost mid-call (counted as done)"
+            # Unknown outcomes included: its memory stays counted until the driver said so.
+            self.log.warning("force_evict_failed client=%s: %s", client, exc)
+            reply["effect"] = f"{reply['effect']}; its process could not be checkpointed: {exc}"
+            self._reply_control(conn, reply)
+            return
         now = time.monotonic()
         if target.closed or target.client_id is None:
             reply["effect"] = f"{reply['effect']}; it left meanwhile"

@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import WORKLOADS, card_used_mib, ms_of, process_mib, require, shimmed_env
+from conftest import (
+    WORKLOADS,
+    card_used_mib,
+    ms_of,
+    process_mib,
+    require,
+    shimmed_env,
+    start_scheduler,
+)
 from test_gpu_deep_idle import Kernel
 
 from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
@@ -119,45 +127,25 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         log_path = logs / "scheduler.log"
-        with log_path.open("w") as log:
-            sched = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "jupyter_gpushare",
-                    "scheduler",
-                    "--socket",
-                    sock,
-                    "--pool",
-                    "24GiB",
-                    "--deep-idle",
-                    "3",
-                    "--log-level",
-                    "DEBUG",
-                    "--GPUShareScheduler.socket_mode=438",  # 0o666: every user's kernels
-                ],
-                cwd=str(tmp),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                **as_user(svc),
-            )
+        sched = start_scheduler(
+            Path(sock),
+            log_path,
+            args=("--deep-idle", "3", "--GPUShareScheduler.socket_mode=438"),  # 0o666
+            cwd=str(tmp),
+            env=env,
+            **as_user(svc),
+        )
 
         def stop_scheduler() -> None:
-            sched.terminate()
+            sched.process.terminate()
             try:
-                sched.wait(10)
+                sched.process.wait(10)
             except subprocess.TimeoutExpired:
-                sched.kill()
+                sched.process.kill()
             print("---- scheduler log ----")
             print(log_path.read_text(errors="replace"))
 
         stack.callback(stop_scheduler)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            assert sched.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-
         baseline = card_used_mib()
         # Alice's "Jupyter server": the agent, which starts her kernel as its child.
         kenv = shimmed_env(

@@ -5,10 +5,15 @@ tests/reliability/test_deep_idle_service_account.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from typing import Any
 
+from sched_helpers import FakeShim
+
+from jupyter_gpushare.protocol import MsgType
 from jupyter_gpushare.scheduler.checkpoint_agent import CheckpointAgent, ancestors
 
 
@@ -40,3 +45,27 @@ def test_an_agent_refuses_a_process_of_another_uid() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+async def test_only_the_agent_asked_may_answer_a_call(make_scheduler: Any) -> None:
+    """A call to alice's agent answered by mallory's (another registered agent) is refused and
+    stays open: a forged ``ok`` would have the scheduler count alice's memory as gone."""
+    sched = await make_scheduler()
+    sched.fake_creds = [{"uid": 4001}, {"uid": 4002}]
+    alice = await FakeShim.connect(sched.socket_path)
+    mallory = await FakeShim.connect(sched.socket_path)
+    for agent in (alice, mallory):
+        await agent.send(MsgType.CONTROL, body={"action": "checkpoint_agent"})
+        reply = await agent.expect(MsgType.CONTROL_REPLY)
+        assert reply.get("body")["ok"] is True
+    (alice_serial,) = [s for s, c in sched._agents.items() if c.peer.uid == 4001]
+    fut = asyncio.get_running_loop().create_future()
+    sched._agent_calls[7] = (alice_serial, fut)  # as _checkpoint_call leaves it
+    forged = {"action": "checkpoint_done", "seq": 7, "ok": True, "code": 0}
+    await mallory.send(MsgType.CONTROL, body=forged)
+    err = await mallory.expect(MsgType.ERROR)
+    assert "without a call" in str(err.get("message"))
+    assert not fut.done()
+    await alice.send(MsgType.CONTROL, body={**forged, "ok": False, "code": 700})
+    await asyncio.wait_for(fut, 3)
+    assert fut.result()["code"] == 700
