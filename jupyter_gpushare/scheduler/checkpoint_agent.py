@@ -24,7 +24,8 @@ locked, and does nothing to a running process). The kernel dies mid-call: the ca
 kernel's connection closes and the scheduler forgets it.
 
 Run it by hand (a kernel started outside Jupyter, or a test):
-``python -m jupyter_gpushare.scheduler.checkpoint_agent --socket PATH -- COMMAND ...``.
+``python -m jupyter_gpushare.scheduler.checkpoint_agent --socket PATH -- COMMAND ...`` runs
+COMMAND under the shim (as ``gpushare run`` does), as its child, and serves until it ends.
 """
 
 from __future__ import annotations
@@ -192,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no COMMAND")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    child = subprocess.Popen(command)
+    from ..shim import shim_environment
+
+    # COMMAND runs under the shim, as ``gpushare run`` would start it; this process does not.
+    env = shim_environment(os.environ, socket=args.socket)
+    child = subprocess.Popen(command, env=env)
     return asyncio.run(serve_while(CheckpointAgent(args.socket, args.library), child))
 
 

@@ -110,22 +110,29 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         logs.mkdir()
         logs.chmod(0o1777)
         sock = str(run / "s.sock")
+        # The package, its shim and the workloads, where the other users can read them (the
+        # checkout may lie under /root); the interpreter and torch must be readable as they are.
+        src = tmp / "src"
+        shutil.copytree(ROOT / "jupyter_gpushare", src / "jupyter_gpushare")
+        shutil.copytree(WORKLOADS, tmp / "workloads")
+        for path in (src, tmp / "workloads", *src.rglob("*"), *(tmp / "workloads").rglob("*")):
+            path.chmod(0o755)
         probe = subprocess.run(
             [sys.executable, "-c", "import torch, jupyter_gpushare"],
-            cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=str(tmp),
+            env={**os.environ, "PYTHONPATH": str(src)},
             capture_output=True,
             text=True,
             **as_user(alice),
         )
         if probe.returncode != 0:
             pytest.fail(
-                f"another user cannot run this interpreter ({sys.executable}) with torch and this "
-                f"checkout ({ROOT}): run the GPU suite from a readable place\n{probe.stderr}",
+                f"another user cannot run this interpreter ({sys.executable}) with torch: run the "
+                f"GPU suite with an interpreter outside /root\n{probe.stderr}",
                 pytrace=False,
             )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = str(src)
         log_path = logs / "scheduler.log"
         sched = start_scheduler(
             Path(sock),
@@ -151,7 +158,9 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         kenv = shimmed_env(
             Path(sock), {"GPUSHARE_CLIENT_ID": "sleepy", "GPUSHARE_IDLE_SECONDS": "0.5"}
         )
-        kenv["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), kenv.get("PYTHONPATH")]))
+        kenv["PYTHONPATH"] = os.pathsep.join([str(tmp / "workloads"), str(src)])
+        kenv.pop("LD_PRELOAD")  # the agent itself runs without the shim; it preloads the copy's
+        # shim into the kernel (shim_environment of the package it runs from)
         k = Kernel.__new__(Kernel)
         k.name = "sleepy"
         k.err = logs / "sleepy.err"
@@ -166,7 +175,7 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
                     sock,
                     "--",
                     sys.executable,
-                    str(WORKLOADS / "sleepy_tensor.py"),
+                    str(tmp / "workloads" / "sleepy_tensor.py"),
                     "1.0",
                 ],
                 stdin=subprocess.PIPE,
