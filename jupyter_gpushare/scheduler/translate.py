@@ -323,7 +323,7 @@ def control_action(msg: Message) -> str | Refusal:
     if action not in known:
         return Refusal(
             ErrorCode.BAD_REQUEST,
-            f"unknown action {action!r} (one of: {', '.join(known[:-2])})",
+            f"unknown action {action!r} (one of: {', '.join(CLIENT_ACTIONS + SCHEDULER_ACTIONS)})",
         )
     return str(action)
 
