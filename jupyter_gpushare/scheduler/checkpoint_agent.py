@@ -14,8 +14,11 @@ Who may ask whom, checked on both sides:
   asks an agent only for a client of that uid whose process descends from the agent's process
   (``/proc``'s parent links, in the scheduler's pid namespace: the pid of a client is the one
   its socket proved, never one a message claims);
-* the agent acts only on a pid that is its own descendant and of its own uid: a scheduler cannot
-  make a user's server freeze any other of the user's processes.
+* the agent acts only on a pid of its own uid that is its own descendant or runs the shim (a
+  kernel adopted after the server restarted, docs/reliability.md): a scheduler cannot make a
+  user's server freeze her other processes. The scheduler prefers the agent above the client, and
+  otherwise asks another agent of the same uid (the driver may then refuse a non-ancestor where
+  Yama's ``ptrace_scope`` is 1: the call fails and the kernel stays awake).
 
 Failure modes: the agent's connection closes while a call is in flight (the server died): the
 scheduler does not know what the driver did, so it treats the kernel as asleep and wakes it
@@ -40,14 +43,22 @@ import sys
 import time
 from typing import Any
 
+from ..paths import socket_distrust
 from ..protocol import Message, MsgType, read_message, write_message
 from .checkpoint import CheckpointAPI, CheckpointError
 from .checkpoint import load_cached as load_checkpoint_api
 
-__all__ = ["CheckpointAgent", "ancestors", "keep_agent", "run_checkpoint", "serve_while"]
+__all__ = [
+    "CheckpointAgent",
+    "ancestors",
+    "keep_agent",
+    "run_checkpoint",
+    "runs_the_shim",
+    "serve_while",
+]
 
 #: CUresult-like codes of the agent's own refusals (the driver's codes are positive).
-NOT_DESCENDANT = -3
+REFUSED = -3
 
 log = logging.getLogger("jupyter_gpushare.checkpoint_agent")
 
@@ -68,6 +79,16 @@ def ancestors(pid: int, limit: int = 64) -> list[int]:
             break
         out.append(pid)
     return out
+
+
+def runs_the_shim(pid: int) -> bool:
+    """Whether ``pid`` has libgpushare loaded (a kernel the server adopted after a restart is
+    no descendant of the new server, but it is a gpushare client of the same user)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(b"libgpushare" in line for line in f)
+    except OSError:
+        return False
 
 
 def run_checkpoint(api: CheckpointAPI, op: str, pid: int) -> None:
@@ -96,9 +117,9 @@ class CheckpointAgent:
             return f"no process {pid}"
         if owner != os.getuid():
             return f"process {pid} is not of uid {os.getuid()}"
-        if os.getpid() not in ancestors(pid):
-            return f"process {pid} is not a descendant of the agent ({os.getpid()})"
-        return ""
+        if os.getpid() in ancestors(pid) or runs_the_shim(pid):
+            return ""
+        return f"process {pid} is neither a descendant of the agent ({os.getpid()}) nor shimmed"
 
     async def _serve_one(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> None:
         seq, op, pid = body.get("seq"), str(body.get("op")), body.get("pid")
@@ -106,7 +127,7 @@ class CheckpointAgent:
         t0 = time.monotonic()
         why = self._may(pid) if isinstance(pid, int) and pid > 0 else f"bad pid {pid!r}"
         if why:
-            answer |= {"code": NOT_DESCENDANT, "error": why}
+            answer |= {"code": REFUSED, "error": why}
         else:
             loop = asyncio.get_running_loop()
             api = await loop.run_in_executor(None, load_checkpoint_api, self.library, 10_000)
@@ -125,6 +146,9 @@ class CheckpointAgent:
 
     async def run(self) -> None:
         """Serve until the connection closes (or the task is cancelled)."""
+        why = socket_distrust(self.socket_path)  # as every client checks (paths.py)
+        if why is not None:
+            raise ConnectionError(why)
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         try:
             hello = {"action": "checkpoint_agent"}

@@ -264,7 +264,7 @@ class DeepIdleShell:
     def _checkpointer(self, conn: Connection) -> str | Connection | None:
         """``"scheduler"`` when the driver lets this process checkpoint ``conn``'s (root, or
         its uid; never itself: an embedded scheduler shares the server's process), else a
-        checkpoint agent of the client's uid that the client's process descends from."""
+        checkpoint agent of the client's uid: the one its process descends from, or any."""
         pid, uid = conn.peer.pid, conn.peer.uid
         if pid <= 0 or pid == os.getpid():
             return None
@@ -277,7 +277,9 @@ class DeepIdleShell:
         for agent in agents:
             if agent.peer.pid in above:
                 return agent
-        return None
+        # A kernel its server adopted after a restart descends from no agent: another agent of
+        # its uid may still try (the agent checks that it runs the shim; the driver decides).
+        return agents[0]
 
     async def _checkpoint_call(self, conn: Connection, op: str, pid: int) -> str:
         """``op`` (sleep: lock + checkpoint; wake: restore + unlock) on ``conn``'s process, by

@@ -159,6 +159,7 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
             Path(sock), {"GPUSHARE_CLIENT_ID": "sleepy", "GPUSHARE_IDLE_SECONDS": "0.5"}
         )
         kenv["PYTHONPATH"] = os.pathsep.join([str(tmp / "workloads"), str(src)])
+        kenv["GPUSHARE_SERVICE_USER"] = svc.pw_name  # the account the socket may belong to
         kenv.pop("LD_PRELOAD")  # the agent itself runs without the shim; it preloads the copy's
         # shim into the kernel (shim_environment of the package it runs from)
         k = Kernel.__new__(Kernel)

@@ -220,6 +220,7 @@ def kernel_env(node: Node, client: str) -> dict[str, str]:
         "GPUSHARE_LOG": "info",
         "GPUSHARE_FAKE_CHECKPOINT_DIR": str(node.ckpt),
         "GPUSHARE_FAKE_CONTEXT_BYTES": str(CONTEXT),
+        "GPUSHARE_SERVICE_USER": node.svc.name,  # the account the node's socket may belong to
     }
 
 
@@ -228,6 +229,7 @@ def jupyter_server(node: Node, argv: list[str], env: dict[str, str], out: str) -
     as her checkpoint agent until the kernel ends; the kernel's exit code and stdout."""
     import subprocess
 
+    os.environ["GPUSHARE_SERVICE_USER"] = node.svc.name
     with open(out, "w") as stdout, open(out + ".err", "w") as stderr:
         kernel = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr)
     agent = CheckpointAgent(node.socket, str(node.driver))
@@ -297,6 +299,7 @@ def hog(node: Node, nbytes: int, stop: str, out: str) -> None:
 
 def hog_under_server(node: Node, nbytes: int, stop: str, out: str) -> int:
     """Alice's server: the hog is its child (forked: the interpreter is not hers to exec)."""
+    os.environ["GPUSHARE_SERVICE_USER"] = node.svc.name
     child = os.fork()
     if child == 0:
         code = 0

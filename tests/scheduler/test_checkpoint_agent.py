@@ -6,15 +6,20 @@ tests/reliability/test_deep_idle_service_account.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from sched_helpers import FakeShim
 
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.checkpoint_agent import CheckpointAgent, ancestors
+from jupyter_gpushare.scheduler.checkpoint_agent import CheckpointAgent, ancestors, runs_the_shim
+from jupyter_gpushare.shim import library_path
 
 
 def test_an_agent_acts_on_its_descendants_only() -> None:
@@ -24,12 +29,47 @@ def test_an_agent_acts_on_its_descendants_only() -> None:
         assert os.getpid() in ancestors(child.pid)
         assert agent._may(child.pid) == ""
         # Its parent, a process of the same uid, is not its descendant: refused.
-        assert "not a descendant" in agent._may(os.getppid())
-        assert "not a descendant" in agent._may(os.getpid())
+        assert "neither a descendant" in agent._may(os.getppid())
+        assert "neither a descendant" in agent._may(os.getpid())
     finally:
         child.kill()
         child.wait()
     assert "no process" in agent._may(child.pid)
+
+
+def orphan(env: dict[str, str]) -> int:
+    """A ``sleep`` whose parent has exited: no descendant of this process any more."""
+    out = subprocess.run(
+        ["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout)
+
+
+def test_an_agent_acts_on_a_shimmed_process_of_its_uid_that_it_did_not_start() -> None:
+    """A kernel its server adopted after a restart (docs/reliability.md) is no descendant of
+    the new server, but runs the shim: the agent acts on it; on a plain process it does not."""
+    agent = CheckpointAgent("/nonexistent.sock")
+    shim = Path(library_path())
+    plain = orphan(dict(os.environ))
+    shimmed = orphan({**os.environ, "LD_PRELOAD": str(shim)}) if shim.is_file() else 0
+    try:
+        assert os.getpid() not in ancestors(plain)
+        assert "nor shimmed" in agent._may(plain)
+        if shimmed:  # the package's shim is built in CI (native/build.py)
+            deadline = time.monotonic() + 10
+            while not runs_the_shim(shimmed) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.getpid() not in ancestors(shimmed)
+            assert agent._may(shimmed) == ""
+    finally:
+        for pid in (plain, shimmed):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_an_agent_refuses_a_process_of_another_uid() -> None:
