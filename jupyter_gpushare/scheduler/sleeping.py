@@ -180,7 +180,7 @@ class DeepIdleShell:
                         resident_bytes=max(0, resident),
                         idle=bool(c.get("idle")),
                         notebook=bool(c.get("notebook")),
-                        may_checkpoint=self._checkpointer(conn) is not None,
+                        may_checkpoint=self._checkpointer(conn, choose=False) is not None,
                     )
                 )
         return views
@@ -261,7 +261,7 @@ class DeepIdleShell:
     # ----------------------------------------------------------------------------------------
     # Who makes the driver's calls: the scheduler, or an agent of the client's user
 
-    def _checkpointer(self, conn: Connection) -> str | Connection | None:
+    def _checkpointer(self, conn: Connection, choose: bool = True) -> str | Connection | None:
         """``"scheduler"`` when the driver lets this process checkpoint ``conn``'s (root, or
         its uid; never itself: an embedded scheduler shares the server's process), else a
         checkpoint agent of the client's uid: the one its process descends from, or any."""
@@ -271,8 +271,8 @@ class DeepIdleShell:
         if may_checkpoint(uid):
             return "scheduler"
         agents = [a for a in self._agents.values() if not a.closed and a.peer.uid == uid]
-        if not agents:
-            return None
+        if not agents or not choose:  # views ask after every event: no /proc walk for them
+            return agents[0] if agents else None
         above = ancestors(pid)
         for agent in agents:
             if agent.peer.pid in above:
