@@ -607,6 +607,8 @@ class ControlApp(GPUShareBaseApp):
         )
         if self.json:
             print(json.dumps(reply))
+        elif reply.get("checkpointed"):  # a holder that ignored its revoke (docs/reliability.md)
+            print(f"gpushare {self.action}: {target}: {reply.get('effect')}")
         else:
             print(f"gpushare {self.action}: " + self.DONE[self.action].format(client=target))
 

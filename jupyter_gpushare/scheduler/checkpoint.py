@@ -9,7 +9,8 @@ device resource, its context included (the process then holds 0 bytes of the GPU
 
 Every call blocks (seconds for gigabytes): the scheduler runs them in a thread executor, never on
 its event loop (:mod:`.sleeping`). The driver checks permissions as ptrace does: the scheduler
-must run as root or as the kernel's own user, otherwise it never tries (:func:`may_checkpoint`).
+calls it itself only as root or as the kernel's own user (:func:`may_checkpoint`); otherwise a
+process of the kernel's user makes the calls for it (:mod:`.checkpoint_agent`).
 The library is ``c.GPUShareScheduler.checkpoint_library`` (``libcuda.so.1``; CI points it at the
 stand-in driver, which models the API, see native/tests/fake_checkpoint.c).
 """
@@ -130,8 +131,12 @@ class CheckpointAPI:
             raise
 
     def wake(self, pid: int) -> None:
-        """Restore (if checkpointed), then unlock ``pid``."""
-        if self.state(pid) == ProcessState.CHECKPOINTED:
+        """Restore (if checkpointed), then unlock ``pid`` (if locked): a wake after a sleep
+        whose outcome is unknown (its agent was lost mid-call) puts back whatever was done."""
+        state = self.state(pid)
+        if state == ProcessState.RUNNING:
+            return
+        if state == ProcessState.CHECKPOINTED:
             self._call("cuCheckpointProcessRestore", pid, _Reserved64())
         self._call("cuCheckpointProcessUnlock", pid, _Reserved64())
 

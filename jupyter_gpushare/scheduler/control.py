@@ -62,6 +62,9 @@ class ControlActions:
     _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
     _id_owners: dict[str, str]
     _remember_owner: Callable[[str, str], None]
+    _on_agent_control: Callable[[Connection, str, dict[str, Any]], None]
+    _may_force_evict: Callable[[Connection], bool]
+    _force_evict: Callable[[Connection, Connection, dict[str, Any]], Coroutine[Any, Any, None]]
 
     def _reply(self, conn: Connection, body: dict[str, Any]) -> None:
         conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
@@ -140,6 +143,8 @@ class ControlActions:
             await self._on_allocate(conn, ident, body)
         elif action == "prune_allocations":
             await self._on_prune_allocations(conn, ident, body)
+        elif action in tr.AGENT_ACTIONS:
+            self._on_agent_control(conn, action, body)
         elif action == "history":
             self._reply(conn, {"ok": True, "action": action, "history": self.history_view(ident)})
         else:
@@ -200,6 +205,10 @@ class ControlActions:
         reply = {**request.reply(), **_effect(target, decisions, now)}
         self._execute(decisions)
         self._reschedule()
+        if action == "evict" and who.admin and not reply["done"] and self._may_force_evict(target):
+            # It does not answer its revoke: the driver's checkpoint takes its memory (sleeping.py).
+            self._spawn(self._force_evict(conn, target, reply))
+            return
         self._reply(conn, reply)
 
     def _device_clients(self, client_id: str, target: Connection) -> list[str]:

@@ -21,7 +21,14 @@ The rules:
   (:meth:`DeepIdle.may_grant`): the driver blocks the locked process's CUDA calls anyway, but the
   shim must not believe it holds the device before its context is back.
 * A sleep that fails leaves the client awake; it is not tried again in the same idle period. A
-  client the scheduler may not checkpoint (another uid, the scheduler not root) is never due.
+  client nobody may checkpoint (another uid, the scheduler not root, and no checkpoint agent of
+  the client's user above its process: :mod:`.checkpoint_agent`) is never due.
+* A sleep whose outcome is unknown (the agent making it was lost mid-call) counts as done: the
+  client is asleep, and its wake puts back whatever the driver did.
+* An operator's ``evict`` of a holder that does not answer its revoke may checkpoint it
+  (:meth:`DeepIdle.forced`): it is asleep, and its activity does not wake it; only a grant does
+  (the policy counted its memory as evicted, so a wake before the grant would put it back on the
+  GPU beside the waiters that took its room).
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ class _Entry:
     wake_wanted: bool = False  # asked while the checkpoint was in flight
     wake_started: float | None = None
     grant_held_since: float | None = None  # a grant waits for the wake to complete
+    forced: bool = False  # checkpointed by an operator's evict: only a grant wakes it
     held_seconds: float = 0.0  # time grants waited for wakes (counted into its wait)
     sleeps: int = 0
 
@@ -160,6 +168,8 @@ class DeepIdle:
         if e is None:
             return []
         self._active(e)
+        if e.forced and e.grant_held_since is None:
+            return []  # its room went to others: a grant wakes it (hold_grant)
         if e.phase is Phase.ASLEEP:
             e.phase = Phase.WAKING
             e.wake_started = now
@@ -190,12 +200,20 @@ class DeepIdle:
             return [Wake(client, e.pid)]
         return []
 
+    def forced(self, client: str, pid: int) -> None:
+        """An operator's evict checkpointed the client (a holder that ignored its revoke)."""
+        e = self._clients.setdefault(client, _Entry(pid))
+        e.phase = Phase.ASLEEP
+        e.forced = True
+        e.sleeps += 1
+
     def woke(self, client: str, now: float) -> None:
         """Restore and unlock finished (failed or not: the process is not locked any more)."""
         e = self._clients.get(client)
         if e is None or e.phase is not Phase.WAKING:
             return
         e.phase = Phase.AWAKE
+        e.forced = False
         e.wake_started = None
         if e.grant_held_since is not None:
             e.held_seconds += max(0.0, now - e.grant_held_since)

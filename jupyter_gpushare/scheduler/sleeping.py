@@ -8,6 +8,15 @@ A wake (its ``REQUEST``, or its notebook's busy) runs ``Restore`` + ``Unlock``, 
 flag 0, then the ``GRANT`` the policy decided meanwhile: a grant is never sent to a locked
 process. Where the driver lacks the API (no symbol, or error 801) the feature says so once and
 stays off.
+
+Who makes the calls: the scheduler itself where the driver lets it (root, or the kernel's own
+uid); otherwise a checkpoint agent of the kernel's user whose process the kernel descends from
+(its Jupyter server: :mod:`.checkpoint_agent`). A kernel with neither never sleeps.
+
+The same calls serve an operator's ``gpushare evict`` of a holder that does not answer its revoke
+(:meth:`DeepIdleShell._force_evict`): its process is checkpointed without its help, its memory
+is counted as gone from the GPU once the driver said so (not before: while the call runs, the
+memory is still there), and it wakes only when the policy grants it the GPU again.
 """
 
 from __future__ import annotations
@@ -18,12 +27,21 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..protocol import Message, MsgType
+from ..protocol import ErrorCode, Message, MsgType
+from ..units import format_size
 from . import events as ev
 from .checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointAPI, CheckpointError, may_checkpoint
 from .checkpoint import load_cached as load_checkpoint_api
+from .checkpoint_agent import ancestors, run_checkpoint
 from .deep_idle import Action, ClientView, DeepIdle, EvictFirst, Phase, Sleep, Wake
 from .transport import Connection
+
+#: Codes of failures that are not the driver's (CheckpointError.code).
+NO_CHECKPOINTER = -1  # neither the scheduler nor an agent of the client's user may
+AGENT_LOST = -2  # the agent's connection closed mid-call: what the driver did is unknown
+#: How long an agent's call may take past the lock's own timeout (a checkpoint copies the
+#: process's device memory to the host: seconds per tens of GiB) before its outcome is unknown.
+AGENT_CALL_SECONDS = 300.0
 
 __all__ = ["DeepIdleShell"]
 
@@ -37,6 +55,7 @@ class DeepIdleShell:
     deep_idle_seconds: float
     checkpoint_library: str
     checkpoint_lock_timeout: float
+    revoke_warning_seconds: float
     _shims: dict[str, Connection]
     _stopping: bool
     _handle: Callable[[ev.Event], None]
@@ -48,12 +67,18 @@ class DeepIdleShell:
     _checkpoint_api: CheckpointAPI | None = None
     _held_grants: dict[str, ev.Grant]
     _deep_idle_timer: asyncio.TimerHandle | None = None
+    _agents: dict[int, Connection]
+    _agent_calls: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]]  # seq: agent's serial
+    _agent_seq: int = 0
 
     def _init_deep_idle(self) -> None:
         self._deep_idle = DeepIdle(0.0)  # off until start() found the API
         self._held_grants = {}
         self._deep_idle_timer = None
         self._checkpoint_api = None
+        self._agents = {}
+        self._agent_calls = {}
+        self._agent_seq = 0
 
     async def _start_deep_idle(self) -> None:
         if self.deep_idle_seconds <= 0:
@@ -108,14 +133,16 @@ class DeepIdleShell:
             return False
         self._held_grants[decision.client] = decision
         self.log.info("grant_held client=%s (waking it from deep idle first)", decision.client)
+        if self._deep_idle.phase(decision.client) is Phase.ASLEEP:  # a forced sleeper, say
+            self._run_deep_idle(self._deep_idle.activity(decision.client, time.monotonic()))
         return True
 
     def _deep_idle_pass(self) -> None:
         """After each event and timer: put the clients that are due to sleep; arm the timer."""
         if self._checkpoint_api is None or self.policy is None or self._stopping:
             return
-        if not self._deep_idle.enabled:  # turned off by the driver: sleepers still wake
-            return
+        if not self._deep_idle.enabled:
+            return  # turned off (by the driver): sleepers still wake
         now = time.monotonic()
         actions = self._deep_idle.observe(self._deep_idle_views(now), now)
         self._run_deep_idle(actions)
@@ -153,9 +180,7 @@ class DeepIdleShell:
                         resident_bytes=max(0, resident),
                         idle=bool(c.get("idle")),
                         notebook=bool(c.get("notebook")),
-                        # Never itself (an embedded scheduler shares the server's process).
-                        may_checkpoint=may_checkpoint(conn.peer.uid)
-                        and conn.peer.pid != os.getpid(),
+                        may_checkpoint=self._checkpointer(conn, choose=False) is not None,
                     )
                 )
         return views
@@ -181,26 +206,26 @@ class DeepIdleShell:
                 self._spawn(self._wake_client(action))
 
     async def _sleep_client(self, action: Sleep) -> None:
-        api = self._checkpoint_api
-        assert api is not None
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         ok = True
+        conn = self._shims.get(action.client)
         try:
-            await loop.run_in_executor(None, api.sleep, action.pid)
+            if conn is None:
+                raise CheckpointError("checkpoint", NO_CHECKPOINTER)
+            await self._checkpoint_call(conn, "sleep", action.pid)
         except CheckpointError as exc:
-            ok = False
+            ok = exc.code == AGENT_LOST  # unknown: counted asleep, its wake puts it back
             if exc.code == CUDA_ERROR_NOT_SUPPORTED:
                 self._deep_idle_off(f"{exc.call} answers CUDA_ERROR_NOT_SUPPORTED (801)")
             else:
                 self.log.warning(
-                    "sleep_failed client=%s pid=%d: %s; it stays awake",
+                    "sleep_failed client=%s pid=%d: %s; %s",
                     action.client,
                     action.pid,
                     exc,
+                    "counted asleep: its wake puts back what was done" if ok else "it stays awake",
                 )
         now = time.monotonic()
-        conn = self._shims.get(action.client)
         if ok:
             self.log.info(
                 "asleep client=%s pid=%d ms=%.1f", action.client, action.pid, (now - t0) * 1000
@@ -215,24 +240,190 @@ class DeepIdleShell:
         self._deep_idle_pass()
 
     async def _wake_client(self, action: Wake) -> None:
-        api = self._checkpoint_api
-        assert api is not None
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
+        conn = self._shims.get(action.client)
         try:
-            await loop.run_in_executor(None, api.wake, action.pid)
+            if conn is None:
+                raise CheckpointError("wake", NO_CHECKPOINTER)
+            await self._checkpoint_call(conn, "wake", action.pid)
         except CheckpointError as exc:
             # The process cannot be helped from here; its CUDA calls will fail and say so.
             self.log.error("wake_failed client=%s pid=%d: %s", action.client, action.pid, exc)
         now = time.monotonic()
         self.log.info("woke client=%s pid=%d ms=%.1f", action.client, action.pid, (now - t0) * 1000)
         self._deep_idle.woke(action.client, now)
-        conn = self._shims.get(action.client)
         if conn is not None:
             conn.send(Message(MsgType.SLEEP, {"flag": 0}), self.log)
         self._send_held_grant(action.client)
         self._notify_status()
         self._deep_idle_pass()
+
+    # ----------------------------------------------------------------------------------------
+    # Who makes the driver's calls: the scheduler, or an agent of the client's user
+
+    def _checkpointer(self, conn: Connection, choose: bool = True) -> str | Connection | None:
+        """``"scheduler"`` when the driver lets this process checkpoint ``conn``'s (root, or
+        its uid; never itself: an embedded scheduler shares the server's process), else a
+        checkpoint agent of the client's uid: the one its process descends from, or any."""
+        pid, uid = conn.peer.pid, conn.peer.uid
+        if pid <= 0 or pid == os.getpid():
+            return None
+        if may_checkpoint(uid):
+            return "scheduler"
+        agents = [a for a in self._agents.values() if not a.closed and a.peer.uid == uid]
+        if not agents or not choose:  # views ask after every event: no /proc walk for them
+            return agents[0] if agents else None
+        above = ancestors(pid)
+        for agent in agents:
+            if agent.peer.pid in above:
+                return agent
+        # A kernel its server adopted after a restart descends from no agent: another agent of
+        # its uid may still try (the agent checks that it runs the shim; the driver decides).
+        return agents[0]
+
+    async def _checkpoint_call(self, conn: Connection, op: str, pid: int) -> str:
+        """``op`` (sleep: lock + checkpoint; wake: restore + unlock) on ``conn``'s process, by
+        the scheduler or an agent; who did it. Raises CheckpointError."""
+        who = self._checkpointer(conn)
+        if who is None:
+            raise CheckpointError(
+                f"{op}: no checkpoint agent of uid {conn.peer.uid}", NO_CHECKPOINTER
+            )
+        loop = asyncio.get_running_loop()
+        if who == "scheduler":
+            api = await self._ensure_checkpoint_api()
+            await loop.run_in_executor(None, run_checkpoint, api, op, pid)
+            return "the scheduler"
+        assert isinstance(who, Connection)
+        self._agent_seq += 1
+        seq = self._agent_seq
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._agent_calls[seq] = (who.serial, fut)
+        body = {"action": "checkpoint", "op": op, "pid": pid, "seq": seq}
+        who.send(Message(MsgType.CONTROL, {"body": body}), self.log)
+        deadline = time.monotonic() + self.checkpoint_lock_timeout + AGENT_CALL_SECONDS
+        try:
+            while not fut.done():
+                if who.closed or time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"{op} by the agent of pid {who.peer.pid}: no answer", AGENT_LOST
+                    )
+                await asyncio.wait({fut}, timeout=0.2)
+        finally:
+            self._agent_calls.pop(seq, None)
+        answer = fut.result()
+        if not answer.get("ok"):
+            code = answer.get("code")
+            text = str(answer.get("error") or "failed")[:200]
+            raise CheckpointError(
+                f"{op} by the agent of pid {who.peer.pid}: {text}",
+                code if isinstance(code, int) and code != 0 else 1,
+            )
+        return f"the checkpoint agent of uid {who.peer.uid} (pid {who.peer.pid})"
+
+    async def _ensure_checkpoint_api(self) -> CheckpointAPI:
+        api = self._checkpoint_api
+        if api is None:
+            loop = asyncio.get_running_loop()
+            timeout_ms = max(1, round(self.checkpoint_lock_timeout * 1000))
+            loaded = await loop.run_in_executor(
+                None, load_checkpoint_api, self.checkpoint_library, timeout_ms
+            )
+            if isinstance(loaded, str):
+                raise CheckpointError(f"the driver's checkpoint API: {loaded}", 801)
+            api = self._checkpoint_api = loaded
+        return api
+
+    def _on_agent_control(self, conn: Connection, action: str, body: dict[str, Any]) -> None:
+        """CONTROL ``checkpoint_agent`` (a process offers to checkpoint its own user's
+        descendants) and ``checkpoint_done`` (its answer to a call)."""
+        if action == "checkpoint_agent":
+            for serial in [s for s, a in self._agents.items() if a.closed]:
+                del self._agents[serial]
+            self._agents[conn.serial] = conn
+            self.log.info("checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid)
+            body_out = {"ok": True, "action": action, "uid": conn.peer.uid}
+            conn.send(Message(MsgType.CONTROL_REPLY, {"body": body_out}), self.log)
+            self._deep_idle_pass()  # its user's idle kernels may sleep now
+            return
+        seq = body.get("seq")
+        call = self._agent_calls.get(seq) if isinstance(seq, int) else None
+        # Only the agent asked may answer: another's answer would count memory as gone.
+        fut = call[1] if call is not None and call[0] == conn.serial else None
+        if conn.serial not in self._agents or fut is None or fut.done():
+            conn.error(ErrorCode.UNEXPECTED, "checkpoint_done without a call", self.log)
+            return
+        fut.set_result(dict(body))
+
+    # ----------------------------------------------------------------------------------------
+    # An operator's evict of a holder that does not answer (docs/reliability.md)
+
+    def _may_force_evict(self, target: Connection) -> bool:
+        """Whether an evict may take ``target``'s memory without its help: its revoke went
+        unanswered past its deadline (``revoke_deadline_seconds``) or for as long as the
+        scheduler waits before it warns (``revoke_warning_seconds``; a holder whose GPU work
+        ends meanwhile answers by itself), and someone may checkpoint its process."""
+        sent = target.revoked_at
+        return (
+            sent is not None
+            and (target.overdue or time.monotonic() - sent >= self.revoke_warning_seconds)
+            and target.client_id is not None
+            and self._deep_idle.phase(target.client_id) is Phase.AWAKE
+            and self._checkpointer(target) is not None
+        )
+
+    async def _force_evict(
+        self, conn: Connection, target: Connection, reply: dict[str, Any]
+    ) -> None:
+        """Checkpoint the holder's process; once the driver took its memory off the GPU, the
+        policy counts it as released and evicted, and its waiters run. Answers ``conn``."""
+        client = target.client_id
+        assert client is not None and self.policy is not None
+        used = 0
+        for dev in self.policy.snapshot(time.monotonic()):
+            for c in dev.get("clients", []):
+                if c.get("id") == client:
+                    used = int(c.get("used_bytes") or 0)
+        t0 = time.monotonic()
+        try:
+            who = await self._checkpoint_call(target, "sleep", target.peer.pid)
+        except CheckpointError as exc:
+            # Unknown outcomes included: its memory stays counted until the driver said so.
+            self.log.warning("force_evict_failed client=%s: %s", client, exc)
+            reply["effect"] = f"{reply['effect']}; its process could not be checkpointed: {exc}"
+            self._reply_control(conn, reply)
+            return
+        now = time.monotonic()
+        if target.closed or target.client_id is None:
+            reply["effect"] = f"{reply['effect']}; it left meanwhile"
+            self._reply_control(conn, reply)
+            return
+        self._deep_idle.forced(client, target.peer.pid)
+        self._held_grants.pop(client, None)
+        target.send(Message(MsgType.SLEEP, {"flag": 1}), self.log)
+        self.log.warning(
+            "force_evict client=%s pid=%d by=%r %s ms=%.1f: checkpointed without its help; "
+            "it wakes when it is granted the GPU again",
+            client,
+            target.peer.pid,
+            who,
+            format_size(used),
+            (now - t0) * 1000,
+        )
+        self._handle(ev.Memory(now, client, used=used, managed=used, pinned=0, evicted=used))
+        self._handle(ev.Released(now, client, evicted=True))
+        target.revoked_at = None
+        target.revoking = target.overdue = False
+        reply["done"] = reply["checkpointed"] = True
+        reply["effect"] = (
+            f"its process was checkpointed by {who}: {format_size(used)} left the GPU without its "
+            "help; it wakes when it is granted the GPU again"
+        )
+        self._reply_control(conn, reply)
+        self._notify_status()
+
+    def _reply_control(self, conn: Connection, body: dict[str, Any]) -> None:
+        conn.send(Message(MsgType.CONTROL_REPLY, {"body": body}), self.log)
 
     def _send_held_grant(self, client: str) -> None:
         grant = self._held_grants.pop(client, None)

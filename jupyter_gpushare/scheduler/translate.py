@@ -54,6 +54,7 @@ MAX_LABEL = 512
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
 SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
 MPS_ACTIONS = ("mps_env", "mps_terminate")
+AGENT_ACTIONS = ("checkpoint_agent", "checkpoint_done")  # deep idle: scheduler/checkpoint_agent.py
 _MEMORY_FIELDS = (
     ("used", "used_bytes"),
     ("managed", "managed_bytes"),
@@ -318,11 +319,11 @@ def control_action(msg: Message) -> str | Refusal:
     if not isinstance(body, dict):
         return Refusal(ErrorCode.BAD_REQUEST, "CONTROL needs a body object with 'action'")
     action = body.get("action")
-    known = CLIENT_ACTIONS + SCHEDULER_ACTIONS + MPS_ACTIONS
+    known = CLIENT_ACTIONS + SCHEDULER_ACTIONS + MPS_ACTIONS + AGENT_ACTIONS
     if action not in known:
         return Refusal(
             ErrorCode.BAD_REQUEST,
-            f"unknown action {action!r} (one of: {', '.join(known[:-2])})",
+            f"unknown action {action!r} (one of: {', '.join(CLIENT_ACTIONS + SCHEDULER_ACTIONS)})",
         )
     return str(action)
 

@@ -27,6 +27,7 @@ from traitlets import default
 
 from ..hub import server_user
 from ..protocol import ErrorCode
+from ..scheduler.checkpoint_agent import keep_agent
 from ..scheduler.server import GPUShareScheduler
 from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
@@ -100,6 +101,7 @@ class SchedulerBackend:
         self.error: str | None = None
         self._listeners: list[Callable[[], None]] = []
         self._start_task: asyncio.Task[None] | None = None
+        self._agent_task: asyncio.Task[None] | None = None  # deep idle's checkpoint agent
         self._started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -145,6 +147,9 @@ class SchedulerBackend:
                 await self._start_embedded()
             else:
                 self._log("info", "gpushare: using the node scheduler at %s", self.socket_path)
+                # The node scheduler may not checkpoint this user's kernels (deep idle, a forced
+                # evict): this server, their parent and of their uid, makes the driver's calls.
+                self._agent_task = asyncio.ensure_future(keep_agent(self.socket_path))
             if not self.error:
                 os.environ["GPUSHARE_SOCKET"] = self.socket_path
         except Exception as exc:  # never let the server fail because of the GPU scheduler
@@ -177,6 +182,9 @@ class SchedulerBackend:
             self._start_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._start_task
+        if self._agent_task is not None:
+            self._agent_task.cancel()
+            self._agent_task = None
         scheduler, self.scheduler = self.scheduler, None
         self._hide_metrics()
         if scheduler is not None:

@@ -18,6 +18,11 @@
  *   S  state (CUprocessState), M  device bytes the process holds now (what nvidia-smi would show).
  * A restore that did not happen shows as poisoned data (FK_POISON bytes); a grant sent before the
  * unlock shows as a call that blocks in the stand-in.
+ *
+ * Who may: as the driver, which checks the caller as ptrace would, a command from a process of
+ * another uid (SO_PEERCRED of the caller) is refused with CUDA_ERROR_NOT_PERMITTED (800) unless
+ * that caller is root. The socket itself is open to everyone (0666), so that the refusal is the
+ * driver's answer, not a failed connect.
  */
 
 enum { FK_PROC_RUNNING = 0, FK_PROC_LOCKED = 1, FK_PROC_CHECKPOINTED = 2 };
@@ -162,8 +167,13 @@ static void *fk_ckpt_serve(void *arg) {
         }
         char cmd = 0;
         if (read(c, &cmd, 1) == 1) {
-            unsigned long long reply[2];
-            long rc = fk_ckpt_command(cmd, &reply[1]);
+            unsigned long long reply[2] = {0, 0};
+            struct ucred who;
+            socklen_t wlen = sizeof who;
+            long rc = CUDA_ERROR_NOT_PERMITTED;
+            int known = getsockopt(c, SOL_SOCKET, SO_PEERCRED, &who, &wlen) == 0;
+            if (cmd == 'M' || (known && (who.uid == 0 || who.uid == getuid())))
+                rc = fk_ckpt_command(cmd, &reply[1]); /* M: the test's view of the card */
             reply[0] = (unsigned long long)rc;
             ssize_t w = write(c, reply, sizeof reply);
             (void)w;
@@ -182,7 +192,8 @@ static void fk_ckpt_start(void) {
     snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
     unlink(path);
     pthread_t t;
-    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 8) != 0 ||
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || chmod(path, 0666) != 0 ||
+        listen(fd, 8) != 0 ||
         pthread_create(&t, NULL, fk_ckpt_serve, (void *)(intptr_t)fd) != 0) {
         close(fd);
         return;

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -171,10 +172,16 @@ def start_workload(script: str, *args: str, env: dict[str, str]) -> subprocess.P
 
 
 def start_scheduler(
-    sock: Path, log: Path, quantum: float = 2.0, pool: str = "24GiB", args: tuple[str, ...] = ()
+    sock: Path,
+    log: Path,
+    quantum: float = 2.0,
+    pool: str = "24GiB",
+    args: tuple[str, ...] = (),
+    **popen: Any,
 ) -> Scheduler:
     """A node scheduler (NVML discovery: every GPU of the machine) on ``sock``, appending to
-    ``log``; the caller stops it (``running_scheduler`` does). ``args``: more options."""
+    ``log``; the caller stops it (``running_scheduler`` does). ``args``: more options;
+    ``popen``: more of Popen's arguments (e.g. ``user``: a service account)."""
     with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
@@ -194,6 +201,7 @@ def start_scheduler(
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            **popen,
         )
     deadline = time.monotonic() + 30
     # Connectable, not only there: a killed scheduler leaves its socket file behind.

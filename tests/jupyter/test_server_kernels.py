@@ -221,6 +221,20 @@ class TestAutoFindsNode:
         assert ext.backend.mode == "node"
         assert ext.backend.socket_path == node_scheduler.socket_path
 
+    async def test_the_server_offers_to_checkpoint_its_kernels(
+        self, jp_serverapp: Any, node_scheduler: Any
+    ) -> None:
+        """Deep idle under a node scheduler that may not checkpoint this user's kernels (a
+        service account): the server, their parent and of their uid, is their checkpoint agent
+        (docs/architecture.md, "Deep idle")."""
+        import os
+
+        await started(jp_serverapp)
+        await wait_until(
+            lambda: any(a.peer.pid == os.getpid() for a in node_scheduler._agents.values()),
+            what="the server's checkpoint agent at the node scheduler",
+        )
+
 
 class TestBaseUrl:
     @pytest.fixture
