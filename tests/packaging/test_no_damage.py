@@ -7,27 +7,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench import report
+from tests.jupyter.test_kernelspec import BIN
+from tests.jupyter.test_kernelspec import jupyter as _jupyter
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 SHIPPED = ROOT / "jupyter-data" / "kernels" / "python3-gpushare"
-
-
-def _jupyter(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "jupyter"), "gpushare", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.mark.skipif(shutil.which("jupyter", path=str(BIN)) is None, reason="no jupyter command")
