@@ -6,6 +6,7 @@
     gpushare status [--socket PATH] [--json] [--watch [--interval 2]]
     gpushare release|evict CLIENT [--socket PATH] [--json]
     gpushare keygen PATH [--force] [--token-for USER]
+    gpushare lab [JUPYTER LAB OPTIONS ...]
 
 Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
 the Jupyter config path (``jupyter --paths``), or ``--config FILE``; the command line wins, e.g.
@@ -618,6 +619,18 @@ class EvictApp(ControlApp):
     action = "evict"
 
 
+class LabApp(GPUShareBaseApp):
+    name = "gpushare-lab"
+    description = """Start JupyterLab with gpushare (its scheduler embedded), as root or as a
+    user, with or without a display. Options pass to `jupyter lab`."""
+    examples = "gpushare lab --port 8889"
+
+    def start(self) -> None:  # pragma: no cover - main() hands `lab` over before parsing
+        from .launch import main as launch
+
+        launch(self.extra_args)
+
+
 class GPUShareApp(GPUShareBaseApp):
     name = "gpushare"
     description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
@@ -633,6 +646,7 @@ gpushare status"""
         "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
         "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
         "evict": (EvictApp, EvictApp.description.splitlines()[0]),
+        "lab": (LabApp, LabApp.description.splitlines()[0]),
         # Imported when chosen: its gRPC needs the k8s extra (grpcio, protobuf).
         "device-plugin": (
             "jupyter_gpushare.deviceplugin.app.DevicePluginApp",
@@ -652,6 +666,12 @@ gpushare status"""
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["lab"] and not {"-h", "--help", "--help-all"} & set(args[1:2]):
+        from .launch import main as launch
+
+        launch(args[1:])  # jupyter lab's options are its own: no parsing here
+        return
     GPUShareApp.launch_instance(argv=argv)
 
 

@@ -17,7 +17,7 @@ def _readme_commands() -> list[str]:
 
 def test_the_readme_opens_with_a_lab_command_and_a_test_command() -> None:
     lab, tests = _readme_commands()
-    assert lab.endswith("jupyter lab"), lab
+    assert lab.endswith(".venv/bin/gpushare lab"), lab
     assert tests.endswith(".venv/bin/pytest"), tests
 
 
