@@ -1,10 +1,15 @@
-"""Hatch build hook: compile libgpushare.so into the package, so `pip install .` ships the shim."""
+"""Hatch build hook: compile libgpushare.so into the package, so `pip install .` ships the shim.
+
+It runs before the jupyter-builder hook (pyproject.toml lists it first) so that a build that needs
+Node.js and has none stops with one line that says so, not a traceback from the JavaScript build.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import platform
+import shutil
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -24,8 +29,20 @@ def _native_build() -> Any:
     return module
 
 
+PREBUILT = HERE / "jupyter_gpushare" / "labextension" / "package.json"
+NO_NODE = (
+    "jupyter-gpushare: building from a git clone builds the JupyterLab sidebar, which needs "
+    "Node.js >= 18 (https://nodejs.org, or e.g. `apt install nodejs npm`): install it, or "
+    "install from a release's sdist or wheel, which carry the sidebar prebuilt"
+)
+
+
 class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if not PREBUILT.exists() and shutil.which("node") is None:
+            raise SystemExit(NO_NODE)
+        if self.target_name != "wheel":
+            return
         output = HERE / "jupyter_gpushare" / "lib" / "libgpushare.so"
         _native_build().build_shim(output)
         # The wheel now holds a native library, but no Python extension: any Python 3 on this

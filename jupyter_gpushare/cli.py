@@ -74,18 +74,33 @@ class GPUShareBaseApp(Application):
             paths = jupyter_config_path()
         except Exception:  # pragma: no cover - jupyter_core is a dependency
             paths = []
+        # A config file that does not load stops the command with one line (exit 2): starting
+        # with the defaults instead would drop an operator's quotas without a word.
+        self.raise_config_file_errors = True
         for name in ("jupyter_config", "gpushare_config"):
             try:
                 self.load_config_file(name, path=paths)
             except Exception as exc:
-                self.log.warning("cannot load %s: %s", name, exc)
+                self._bad_config(f"{name} (in {', '.join(paths)})", exc)
         if self.config_file:
             directory, filename = os.path.split(os.path.abspath(self.config_file))
             if not os.path.isfile(self.config_file):
                 self.log.critical("config file not found: %s", self.config_file)
                 self.exit(2)
-            self.load_config_file(filename, path=directory)
+            try:
+                self.load_config_file(filename, path=directory)
+            except Exception as exc:
+                self._bad_config(self.config_file, exc)
         self.update_config(cl_config)
+
+    def _bad_config(self, where: str, exc: BaseException) -> None:
+        self.log.critical("invalid configuration: cannot load %s: %s", where, _one_line(exc))
+        self.exit(2)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class SchedulerApp(GPUShareBaseApp):

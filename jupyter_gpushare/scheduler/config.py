@@ -208,6 +208,8 @@ class SchedulerConfig(LoggingConfigurable):
 
     metrics_port = Int(
         0,
+        min=0,
+        max=65535,
         help="""Serve Prometheus metrics over HTTP on this port (0 = off). The listener runs in
         its own thread; the metrics are taken from the event loop's decisions and snapshots.""",
     ).tag(config=True)
@@ -423,6 +425,12 @@ class SchedulerConfig(LoggingConfigurable):
                 parse_size(value)
             except ValueError as exc:
                 raise ValueError(f"{proposal['trait'].name}: {exc}") from None
+            if isinstance(value, str) and "." in value and value.strip()[-1:].isdigit():
+                # '--pool 0.5' is half a byte, surely meant as a fraction or in GiB: say so.
+                raise ValueError(
+                    f"{proposal['trait'].name}: {value!r} is a fraction of a byte: give a unit, "
+                    f"e.g. '{value.strip()}GiB'"
+                )
         return value
 
     @validate("keep_free")
