@@ -1,7 +1,7 @@
 """The distributions, built as a release builds them: an sdist from this tree, then a wheel from
 that sdist with no Node.js on PATH (the prebuilt sidebar travels in the sdist), then the wheel
-proved manylinux by auditwheel. Plus the metadata the package indexes show and the one version
-shared by the Python package and the JupyterLab extension."""
+proved manylinux by auditwheel (docs/install.md's build commands). Plus the metadata the package
+indexes show and the one version shared by the Python package and the JupyterLab extension."""
 
 from __future__ import annotations
 

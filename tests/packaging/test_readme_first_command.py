@@ -1,4 +1,4 @@
-"""The README's first command, verbatim, on a clean copy of the tree, as root and as a new user:
+"""README.md's first command, verbatim, on a clean copy of the tree, as root and as a new user:
 it sets everything up (a venv, the package with its shim and sidebar built from source) and starts
 JupyterLab with the embedded scheduler, which must answer over HTTP at the URL with its token that
 it prints (no display here, so no browser). Slow (two full installs): one test does both.
