@@ -76,7 +76,7 @@ def _reach_the_lab(command: str, cwd: Path, user: pwd.struct_passwd | None, log:
     argv = ["bash", "-c", command]
     if user is not None:
         env |= {"HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name}
-        argv = ["runuser", "-u", user.pw_name, "--", *argv]
+        argv = [shutil.which("runuser") or "runuser", "-u", user.pw_name, "--", *argv]
     with log.open("w") as out:
         proc = subprocess.Popen(
             argv,
