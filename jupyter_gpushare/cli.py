@@ -29,6 +29,7 @@ from traitlets import Bool, Enum, Float, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
+from .paths import default_socket_path
 from .protocol import printable
 from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
@@ -250,7 +251,7 @@ class RunApp(GPUShareBaseApp):
         try:
             env = shim_environment(
                 os.environ,
-                socket=self.socket or None,
+                socket=scheduler_socket(self.socket),
                 client_id=self.client_id or None,
                 quota=quota,
                 weight=self.weight or None,
@@ -389,7 +390,9 @@ class StatusApp(GPUShareBaseApp):
             while True:
                 try:
                     body = self._render(
-                        SchedulerClient(self.socket or None).status_sync(self.device or None)
+                        SchedulerClient(scheduler_socket(self.socket)).status_sync(
+                            self.device or None
+                        )
                     )
                 except (SchedulerUnavailable, SchedulerError) as exc:
                     body = f"gpushare status: {exc} (retrying)"
@@ -402,10 +405,24 @@ class StatusApp(GPUShareBaseApp):
             print()
 
 
+def scheduler_socket(explicit: str) -> str | None:
+    """The socket to use: ``--socket``; else, when ``$GPUSHARE_SOCKET`` is unset and nothing
+    listens on the default socket, the newest of this user's JupyterLab servers' embedded
+    schedulers (their runtime files, :mod:`jupyter_gpushare.lab_runtime`); else the default."""
+    if explicit:
+        return explicit
+    if os.environ.get("GPUSHARE_SOCKET") or os.path.exists(default_socket_path()):
+        return None
+    from .lab_runtime import find_lab_schedulers
+
+    labs = find_lab_schedulers()
+    return str(labs[0]["socket"]) if labs else None
+
+
 def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
     """``call(client)`` on the scheduler; a missing or refusing scheduler exits with 1."""
     try:
-        return call(SchedulerClient(socket or None))
+        return call(SchedulerClient(scheduler_socket(socket)))
     except SchedulerUnavailable as exc:
         print(f"gpushare {command}: {exc}", file=sys.stderr)
         app.exit(1)
