@@ -16,6 +16,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from .scheduler.mps import _alive
+
 __all__ = ["find_lab_schedulers", "remove_runtime_file", "write_runtime_file"]
 
 PREFIX = "gpushare-lab-"
@@ -37,16 +39,6 @@ def remove_runtime_file(path: Path | None) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             path.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def find_lab_schedulers(runtime_dir: str | None = None) -> list[dict[str, Any]]:
