@@ -110,7 +110,7 @@ class SchedulerApp(GPUShareBaseApp):
     SIGTERM or Ctrl-C stops it and removes its socket; SIGHUP re-reads the users config and the
     user key (a bad new file is logged and the old one kept)."""
     examples = """gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG
-gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \
+gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \\
     --user-key /etc/gpushare/user.key --metrics-port 9464 --log-format json"""
 
     log_style = Enum(
@@ -574,6 +574,14 @@ gpushare keygen /etc/gpushare/user.key --token-for alice"""
                 print(f"gpushare keygen: {exc}", file=sys.stderr)
                 self.exit(1)
             return
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            print(
+                f"gpushare keygen: cannot write {path}: the directory {directory} does not exist "
+                f"(create it first: install -d -m 0755 {directory})",
+                file=sys.stderr,
+            )
+            self.exit(1)
         try:
             generate_key(path, force=self.force)
         except (FileExistsError, OSError) as exc:
@@ -651,6 +659,13 @@ class EvictApp(ControlApp):
     action = "evict"
 
 
+def _summary(description: str) -> str:
+    """A description's first sentence, for the list of subcommands (not its first line)."""
+    text = " ".join(description.split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
 class LabApp(GPUShareBaseApp):
     name = "gpushare-lab"
     description = """Start JupyterLab with gpushare (its scheduler embedded), as root or as a
@@ -672,13 +687,13 @@ gpushare run -- python train.py
 gpushare status"""
 
     subcommands: dict[str, Any] = {
-        "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
-        "run": (RunApp, RunApp.description.splitlines()[0]),
-        "status": (StatusApp, StatusApp.description.splitlines()[0]),
-        "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
-        "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
-        "evict": (EvictApp, EvictApp.description.splitlines()[0]),
-        "lab": (LabApp, LabApp.description.splitlines()[0]),
+        "scheduler": (SchedulerApp, _summary(SchedulerApp.description)),
+        "run": (RunApp, _summary(RunApp.description)),
+        "status": (StatusApp, _summary(StatusApp.description)),
+        "keygen": (KeygenApp, _summary(KeygenApp.description)),
+        "release": (ReleaseApp, _summary(ReleaseApp.description)),
+        "evict": (EvictApp, _summary(EvictApp.description)),
+        "lab": (LabApp, _summary(LabApp.description)),
         # Imported when chosen: its gRPC needs the k8s extra (grpcio, protobuf).
         "device-plugin": (
             "jupyter_gpushare.deviceplugin.app.DevicePluginApp",
@@ -690,10 +705,16 @@ gpushare status"""
         if self.subapp is not None:
             self.subapp.start()
             return
-        print(
-            "gpushare: a subcommand is needed: scheduler, run, status or keygen\n", file=sys.stderr
-        )
-        self.print_subcommands()
+        names = ", ".join(self.subcommands)
+        if self.extra_args:
+            print(
+                f"gpushare: unknown command {self.extra_args[0]!r}; the commands are {names} "
+                "(`gpushare --help` says what each does)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"gpushare: a command is needed, one of {names}\n", file=sys.stderr)
+            self.print_subcommands()
         self.exit(2)
 
 

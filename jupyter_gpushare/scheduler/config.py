@@ -27,8 +27,9 @@ class SchedulerConfig(LoggingConfigurable):
 
     socket_path = Unicode(
         help="""Path of the scheduler's Unix socket. Default: $GPUSHARE_SOCKET, else
-        /run/gpushare/scheduler.sock for root and ${XDG_RUNTIME_DIR:-/tmp}/gpushare-$UID/
-        scheduler.sock for everyone else (the shim computes the same default).""",
+        /run/gpushare/scheduler.sock for root and
+        ${XDG_RUNTIME_DIR:-/tmp}/gpushare-$UID/scheduler.sock for everyone else (the shim
+        computes the same default).""",
     ).tag(config=True)
 
     @default("socket_path")
