@@ -1,10 +1,15 @@
-"""Hatch build hook: compile libgpushare.so into the package, so `pip install .` ships the shim."""
+"""Hatch build hook: compile libgpushare.so into the package, so `pip install .` ships the shim.
+
+It runs before the jupyter-builder hook (pyproject.toml lists it first) so that a build that needs
+Node.js and has none stops with one line that says so, not a traceback from the JavaScript build.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import platform
+import shutil
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -24,26 +29,41 @@ def _native_build() -> Any:
     return module
 
 
+PREBUILT = HERE / "jupyter_gpushare" / "labextension" / "package.json"
+NO_NODE = (
+    "jupyter-gpushare: building from a git clone builds the JupyterLab sidebar, which needs "
+    "Node.js >= 18 (https://nodejs.org, or e.g. `apt install nodejs npm`): install it, or "
+    "install from a release's sdist or wheel, which carry the sidebar prebuilt"
+)
+
+
 class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if not PREBUILT.exists() and shutil.which("node") is None:
+            raise SystemExit(NO_NODE)
+        if self.target_name != "wheel":
+            return
         output = HERE / "jupyter_gpushare" / "lib" / "libgpushare.so"
-        _native_build().build_shim(output)
+        native = _native_build()
+        native.build_shim(output, portable=True)
+        # The newest glibc symbol version the shim needs (zig cc links for PORTABLE_GLIBC, the
+        # system compiler for this machine's glibc), and never below manylinux_2_28.
+        glibc = max(native.glibc_needed(output), native.PORTABLE_GLIBC)
         # The wheel now holds a native library, but no Python extension: any Python 3 on this
         # platform can load it, so tag it py3-none-<platform> rather than cpXY-cpXY-<platform>.
         build_data["pure_python"] = False
-        build_data["tag"] = f"py3-none-{platform_tag()}"
+        build_data["tag"] = f"py3-none-{platform_tag(glibc)}"
         build_data["artifacts"].append("jupyter_gpushare/lib/libgpushare.so")
 
 
-def platform_tag() -> str:
-    """manylinux_2_<minor>_<arch> from the glibc this build runs on (PEP 600).
+def platform_tag(glibc: tuple[int, int]) -> str:
+    """manylinux_<major>_<minor>_<arch> for a shim that needs ``glibc`` (PEP 600).
 
     The shim links only libc (and libdl/libpthread, part of it since glibc 2.34); it never links
-    CUDA, which it finds with dlopen at run time. A library built against glibc 2.N runs on any
-    glibc >= 2.N, so the build's own glibc is a safe floor; `auditwheel show` confirms it
-    (tests/packaging). GPUSHARE_WHEEL_PLAT overrides it (e.g. a manylinux2014 image's tag), and
-    a build that is not on glibc (musl, macOS) keeps its plain platform tag, which no index takes
-    but which still installs locally.
+    CUDA, which it finds with dlopen at run time, so the glibc it needs is the whole platform
+    promise; `auditwheel show` confirms it (tests/packaging). GPUSHARE_WHEEL_PLAT overrides it,
+    and a build that is not on glibc (musl, macOS) keeps its plain platform tag, which no index
+    takes but which still installs locally.
     """
     override = os.environ.get("GPUSHARE_WHEEL_PLAT")
     if override:
@@ -52,5 +72,5 @@ def platform_tag() -> str:
     libc, version = platform.libc_ver()
     if not plain.startswith("linux_") or libc != "glibc" or not version:
         return plain
-    major, minor = version.split(".")[:2]
+    major, minor = glibc
     return f"manylinux_{major}_{minor}_{plain.removeprefix('linux_')}"

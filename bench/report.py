@@ -1,7 +1,12 @@
-"""Turn the campaign's result files into docs/performance.md and its plots.
+"""Turn the campaign's result files into a performance page and its plots.
 
-    python -m bench.report RESULTS_DIR [RESULTS_DIR ...] [--doc docs/performance.md]
-                           [--images docs/images]
+    python -m bench.report RESULTS_DIR [RESULTS_DIR ...] [--doc PATH] [--images DIR]
+    python -m bench.report RESULTS_DIR [RESULTS_DIR ...] --update-docs
+
+By default the page goes to the first RESULTS_DIR (``performance.md``, plots in ``images/``),
+never over the committed docs/performance.md: ``--update-docs`` regenerates that page and its
+plots in docs/images (as after a campaign on the GPU), and ``--doc`` refuses to overwrite a file
+that exists unless ``--update-docs`` or ``--force`` is given.
 
 Reads RESULTS_DIR/*.json as bench/run_campaign.py writes them (the campaign's parts may have
 written to different directories; a later directory's record of a benchmark wins); every
@@ -29,7 +34,8 @@ RUN_PARTS = (
     "python3 -m bench.run_campaign OUT_DIR --only replay\n"
     "python3 -m bench.run_campaign OUT_DIR --only replay-real\n"
     "python3 -m bench.capacity OUT_DIR   # the simulator's campaign: no GPU, ~1 CPU minute\n"
-    "python3 -m bench.report OUT_DIR   # or the parts' directories: OUT_DIR1 OUT_DIR2 ..."
+    "python3 -m bench.report OUT_DIR   # writes OUT_DIR/performance.md; or OUT_DIR1 OUT_DIR2 ...\n"
+    "python3 -m bench.report OUT_DIR --update-docs   # regenerates this page, docs/performance.md"
 )
 
 INTRO = f"""# Performance
@@ -743,16 +749,38 @@ interval. Target: **at most +50 ms**.
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "results", type=Path, nargs="*", help="the campaign's output directories (one per part)"
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Without --doc the page is RESULTS_DIR/performance.md; --update-docs rewrites "
+        "the committed docs/performance.md and docs/images/perf-*.png.",
     )
-    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "performance.md")
-    ap.add_argument("--images", type=Path, default=ROOT / "docs" / "images")
+    ap.add_argument(
+        "results", type=Path, nargs="+", help="the campaign's output directories (one per part)"
+    )
+    ap.add_argument("--doc", type=Path, help="where to write the page")
+    ap.add_argument("--images", type=Path, help="where to draw the plots (default: by the page)")
+    ap.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="regenerate the committed docs/performance.md and its plots in docs/images",
+    )
+    ap.add_argument("--force", action="store_true", help="overwrite an existing --doc")
     args = ap.parse_args(argv)
-    rep = Report(args.results, args.images, args.doc)
-    args.doc.write_text(rep.render())
-    print(f"wrote {args.doc} from {len(rep.recs)} result file(s)")
+    if args.update_docs and args.doc is not None:
+        ap.error("--update-docs writes docs/performance.md: leave --doc out")
+    if args.update_docs:
+        doc, images = ROOT / "docs" / "performance.md", ROOT / "docs" / "images"
+    elif args.doc is not None:
+        doc = args.doc
+        if doc.exists() and not args.force:
+            ap.error(f"{doc} exists: --force overwrites it (--update-docs for the committed page)")
+        images = doc.parent / "images"
+    else:
+        doc, images = args.results[0] / "performance.md", args.results[0] / "images"
+    images = args.images or images
+    rep = Report(args.results, images, doc)
+    doc.write_text(rep.render())
+    print(f"wrote {doc} from {len(rep.recs)} result file(s)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
     gpushare status [--socket PATH] [--json] [--watch [--interval 2]]
     gpushare release|evict CLIENT [--socket PATH] [--json]
     gpushare keygen PATH [--force] [--token-for USER]
+    gpushare lab [JUPYTER LAB OPTIONS ...]
 
 Configuration follows Jupyter's conventions: ``gpushare_config.py`` (and ``jupyter_config.py``) in
 the Jupyter config path (``jupyter --paths``), or ``--config FILE``; the command line wins, e.g.
@@ -28,6 +29,7 @@ from traitlets import Bool, Enum, Float, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
+from .paths import default_socket_path
 from .protocol import printable
 from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
@@ -74,18 +76,33 @@ class GPUShareBaseApp(Application):
             paths = jupyter_config_path()
         except Exception:  # pragma: no cover - jupyter_core is a dependency
             paths = []
+        # A config file that does not load stops the command with one line (exit 2): starting
+        # with the defaults instead would drop an operator's quotas without a word.
+        self.raise_config_file_errors = True
         for name in ("jupyter_config", "gpushare_config"):
             try:
                 self.load_config_file(name, path=paths)
             except Exception as exc:
-                self.log.warning("cannot load %s: %s", name, exc)
+                self._bad_config(f"{name} (in {', '.join(paths)})", exc)
         if self.config_file:
             directory, filename = os.path.split(os.path.abspath(self.config_file))
             if not os.path.isfile(self.config_file):
                 self.log.critical("config file not found: %s", self.config_file)
                 self.exit(2)
-            self.load_config_file(filename, path=directory)
+            try:
+                self.load_config_file(filename, path=directory)
+            except Exception as exc:
+                self._bad_config(self.config_file, exc)
         self.update_config(cl_config)
+
+    def _bad_config(self, where: str, exc: BaseException) -> None:
+        self.log.critical("invalid configuration: cannot load %s: %s", where, _one_line(exc))
+        self.exit(2)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class SchedulerApp(GPUShareBaseApp):
@@ -94,7 +111,7 @@ class SchedulerApp(GPUShareBaseApp):
     SIGTERM or Ctrl-C stops it and removes its socket; SIGHUP re-reads the users config and the
     user key (a bad new file is logged and the old one kept)."""
     examples = """gpushare scheduler --pool 24GiB --quantum 5 --log-level DEBUG
-gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \
+gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpushare/users.toml \\
     --user-key /etc/gpushare/user.key --metrics-port 9464 --log-format json"""
 
     log_style = Enum(
@@ -241,7 +258,7 @@ class RunApp(GPUShareBaseApp):
         try:
             env = shim_environment(
                 os.environ,
-                socket=self.socket or None,
+                socket=scheduler_socket(self.socket),
                 client_id=self.client_id or None,
                 quota=quota,
                 weight=self.weight or None,
@@ -380,7 +397,9 @@ class StatusApp(GPUShareBaseApp):
             while True:
                 try:
                     body = self._render(
-                        SchedulerClient(self.socket or None).status_sync(self.device or None)
+                        SchedulerClient(scheduler_socket(self.socket)).status_sync(
+                            self.device or None
+                        )
                     )
                 except (SchedulerUnavailable, SchedulerError) as exc:
                     body = f"gpushare status: {exc} (retrying)"
@@ -393,10 +412,24 @@ class StatusApp(GPUShareBaseApp):
             print()
 
 
+def scheduler_socket(explicit: str) -> str | None:
+    """The socket to use: ``--socket``; else, when ``$GPUSHARE_SOCKET`` is unset and nothing
+    listens on the default socket, the newest of this user's JupyterLab servers' embedded
+    schedulers (their runtime files, :mod:`jupyter_gpushare.lab_runtime`); else the default."""
+    if explicit:
+        return explicit
+    if os.environ.get("GPUSHARE_SOCKET") or os.path.exists(default_socket_path()):
+        return None
+    from .lab_runtime import find_lab_schedulers
+
+    labs = find_lab_schedulers()
+    return str(labs[0]["socket"]) if labs else None
+
+
 def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
     """``call(client)`` on the scheduler; a missing or refusing scheduler exits with 1."""
     try:
-        return call(SchedulerClient(socket or None))
+        return call(SchedulerClient(scheduler_socket(socket)))
     except SchedulerUnavailable as exc:
         print(f"gpushare {command}: {exc}", file=sys.stderr)
         app.exit(1)
@@ -548,6 +581,14 @@ gpushare keygen /etc/gpushare/user.key --token-for alice"""
                 print(f"gpushare keygen: {exc}", file=sys.stderr)
                 self.exit(1)
             return
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            print(
+                f"gpushare keygen: cannot write {path}: the directory {directory} does not exist "
+                f"(create it first: install -d -m 0755 {directory})",
+                file=sys.stderr,
+            )
+            self.exit(1)
         try:
             generate_key(path, force=self.force)
         except (FileExistsError, OSError) as exc:
@@ -627,6 +668,25 @@ class EvictApp(ControlApp):
     action = "evict"
 
 
+def _summary(description: str) -> str:
+    """A description's first sentence, for the list of subcommands (not its first line)."""
+    text = " ".join(description.split())
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+class LabApp(GPUShareBaseApp):
+    name = "gpushare-lab"
+    description = """Start JupyterLab with gpushare (its scheduler embedded), as root or as a
+    user, with or without a display. Options pass to `jupyter lab`."""
+    examples = "gpushare lab --port 8889"
+
+    def start(self) -> None:  # pragma: no cover - main() hands `lab` over before parsing
+        from .launch import main as launch
+
+        launch(self.extra_args)
+
+
 class GPUShareApp(GPUShareBaseApp):
     name = "gpushare"
     description = """Share one GPU among many Jupyter kernels: side by side when they fit, in
@@ -636,12 +696,13 @@ gpushare run -- python train.py
 gpushare status"""
 
     subcommands: dict[str, Any] = {
-        "scheduler": (SchedulerApp, SchedulerApp.description.splitlines()[0]),
-        "run": (RunApp, RunApp.description.splitlines()[0]),
-        "status": (StatusApp, StatusApp.description.splitlines()[0]),
-        "keygen": (KeygenApp, KeygenApp.description.splitlines()[0]),
-        "release": (ReleaseApp, ReleaseApp.description.splitlines()[0]),
-        "evict": (EvictApp, EvictApp.description.splitlines()[0]),
+        "scheduler": (SchedulerApp, _summary(SchedulerApp.description)),
+        "run": (RunApp, _summary(RunApp.description)),
+        "status": (StatusApp, _summary(StatusApp.description)),
+        "keygen": (KeygenApp, _summary(KeygenApp.description)),
+        "release": (ReleaseApp, _summary(ReleaseApp.description)),
+        "evict": (EvictApp, _summary(EvictApp.description)),
+        "lab": (LabApp, _summary(LabApp.description)),
         # Imported when chosen: its gRPC needs the k8s extra (grpcio, protobuf).
         "device-plugin": (
             "jupyter_gpushare.deviceplugin.app.DevicePluginApp",
@@ -653,14 +714,26 @@ gpushare status"""
         if self.subapp is not None:
             self.subapp.start()
             return
-        print(
-            "gpushare: a subcommand is needed: scheduler, run, status or keygen\n", file=sys.stderr
-        )
-        self.print_subcommands()
+        names = ", ".join(self.subcommands)
+        if self.extra_args:
+            print(
+                f"gpushare: unknown command {self.extra_args[0]!r}; the commands are {names} "
+                "(`gpushare --help` says what each does)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"gpushare: a command is needed, one of {names}\n", file=sys.stderr)
+            self.print_subcommands()
         self.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["lab"] and not {"-h", "--help", "--help-all"} & set(args[1:2]):
+        from .launch import main as launch
+
+        launch(args[1:])  # jupyter lab's options are its own: no parsing here
+        return
     GPUShareApp.launch_instance(argv=argv)
 
 

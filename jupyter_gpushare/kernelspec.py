@@ -3,7 +3,8 @@
     jupyter gpushare install-kernelspec [--user | --sys-prefix | --prefix P] [--name NAME ...]
                                         [--memory-limit 8GiB] [--weight 2]
     jupyter gpushare list-kernelspecs [--json]
-    jupyter gpushare remove-kernelspec [--name NAME ...]
+    jupyter gpushare remove-kernelspec [--user | --sys-prefix | --prefix P] [--name NAME ...]
+                                       [--force]
 
 ``install-kernelspec`` writes a "(GPU shared)" variant ``<name>-gpushare`` of each installed
 kernelspec (or of those named with ``--name``): the same ``argv``, ``env``, language and logos, plus
@@ -31,15 +32,17 @@ commands on ``PATH``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from traitlets import Bool, Float, Instance, List, Unicode, validate
 
@@ -63,6 +66,10 @@ DISPLAY_SUFFIX = " (GPU shared)"
 #: gpushare: logo-svg.svg is the source of the two PNGs.
 LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
 RESOURCES = Path(__file__).resolve().parent / "resources"
+#: The mark in a variant's metadata that install-kernelspec made it: remove-kernelspec removes only
+#: such variants unless forced (the package's own python3-gpushare, installed by pip, has none).
+MADE_BY_KEY = "gpushare_made_by"
+MADE_BY = "jupyter gpushare install-kernelspec"
 #: Resource files of a kernelspec that are not copied into its variant.
 _SKIP_FILES = {"kernel.json", "__pycache__"}
 
@@ -81,6 +88,11 @@ def is_gpushare_spec(spec: dict[str, Any]) -> bool:
     """Whether a kernel.json document launches its kernels through the gpushare provisioner."""
     prov = _provisioner(spec)
     return bool(prov and prov.get("provisioner_name") == PROVISIONER_NAME)
+
+
+def made_here(spec: dict[str, Any]) -> bool:
+    """Whether install-kernelspec wrote this kernel.json document (see MADE_BY_KEY)."""
+    return bool((spec.get("metadata") or {}).get(MADE_BY_KEY) == MADE_BY)
 
 
 def make_variant(
@@ -273,6 +285,7 @@ class InstallKernelspecApp(_KernelspecBase):
                 continue
             variant_name = f"{name}{self.suffix}"
             variant = make_variant(spec, config)
+            variant["metadata"][MADE_BY_KEY] = MADE_BY
             destination = ksm._get_destination_dir(
                 variant_name, user=self.user, prefix=self.prefix or None
             )
@@ -376,18 +389,66 @@ class ListKernelspecsApp(_KernelspecBase):
 
 class RemoveKernelspecApp(_KernelspecBase):
     name = "gpushare-remove-kernelspec"
-    description = """Remove GPU-shared kernelspec variants (all of them, or those named with
-    --name: the variant's name or the name of the kernelspec it was made from). Other
-    kernelspecs are never touched."""
+    description = """Remove the GPU-shared kernelspec variants that `jupyter gpushare
+    install-kernelspec` made (all of them, or those named with --name: the variant's name or the
+    name of the kernelspec it was made from), from every Jupyter path or only from the place that
+    --user, --sys-prefix or --prefix names. Other kernelspecs are never touched; a GPU-shared
+    kernelspec that this command did not make (the one pip installs, or one written by hand) is
+    removed only with --force."""
+    examples = """
+    jupyter gpushare remove-kernelspec --user --name myenv
+    jupyter gpushare remove-kernelspec --sys-prefix
+    """
 
     kernel_names = List(Unicode(), help="Variants to remove (repeatable). Default: all.").tag(
         config=True
     )
-    aliases = {**base_aliases, "name": "RemoveKernelspecApp.kernel_names"}
-    flags = base_flags
+    user = Bool(False, help="Only the current user's kernelspecs.").tag(config=True)
+    prefix = Unicode("", help="Only the kernelspecs under PREFIX/share/jupyter/kernels.").tag(
+        config=True
+    )
+    force = Bool(
+        False, help="Also remove GPU-shared kernelspecs that install-kernelspec did not make."
+    ).tag(config=True)
+    aliases = {
+        **base_aliases,
+        "name": "RemoveKernelspecApp.kernel_names",
+        "prefix": "RemoveKernelspecApp.prefix",
+    }
+    flags = {
+        **base_flags,
+        "user": ({"RemoveKernelspecApp": {"user": True}}, "Only the current user's kernelspecs."),
+        "sys-prefix": (
+            {"RemoveKernelspecApp": {"prefix": sys.prefix}},
+            f"Only this Python environment's kernelspecs ({sys.prefix}).",
+        ),
+        "force": (
+            {"RemoveKernelspecApp": {"force": True}},
+            "Also remove GPU-shared kernelspecs that install-kernelspec did not make.",
+        ),
+    }
+
+    def candidates(self) -> dict[str, dict[str, Any]]:
+        """The kernelspecs to choose from: every Jupyter path's, or one place's."""
+        if not (self.user or self.prefix):
+            return self.all_specs()
+        if self.user and self.prefix:
+            self.fail("choose one of --user, --sys-prefix and --prefix", 2)
+        place = Path(
+            self.kernel_spec_manager._get_destination_dir("x", user=self.user, prefix=self.prefix)
+        ).parent
+        found: dict[str, dict[str, Any]] = {}
+        for kernel_json in sorted(place.glob("*/kernel.json")):
+            with contextlib.suppress(OSError, ValueError):
+                spec = json.loads(kernel_json.read_text())
+                found[kernel_json.parent.name.lower()] = {
+                    "spec": spec,
+                    "resource_dir": str(kernel_json.parent),
+                }
+        return found
 
     def start(self) -> None:
-        specs = self.all_specs()
+        specs = self.candidates()
         variants = {n for n, s in specs.items() if is_gpushare_spec(s["spec"])}
         if self.kernel_names:
             chosen = set()
@@ -406,10 +467,21 @@ class RemoveKernelspecApp(_KernelspecBase):
         if not chosen:
             print("No GPU-shared kernelspecs installed.")
             return
+        foreign = sorted(n for n in chosen if not made_here(specs[n]["spec"]))
+        if foreign and not self.force:
+            where = ", ".join(f"{n} ({specs[n]['resource_dir']})" for n in foreign)
+            self.fail(
+                f"not removing {where}: `jupyter gpushare install-kernelspec` did not make it "
+                "(pip installs python3-gpushare with the package); --force removes it anyway"
+            )
         for name in sorted(chosen):
+            path = specs[name]["resource_dir"]
             try:
-                path = self.kernel_spec_manager.remove_kernel_spec(name)
-            except (OSError, KeyError, NoSuchKernel) as exc:
+                if os.path.islink(path):
+                    os.remove(path)
+                else:
+                    shutil.rmtree(path)
+            except OSError as exc:
                 self.fail(f"cannot remove {name}: {exc}")
             print(f"removed: {name} ({path})")
 
@@ -428,7 +500,7 @@ class GPUShareKernelspecApp(JupyterApp):
     examples = """
     jupyter gpushare install-kernelspec --user --memory-limit 8GiB
     jupyter gpushare list-kernelspecs
-    jupyter gpushare remove-kernelspec --name python3
+    jupyter gpushare remove-kernelspec --user --name python3
     """
 
     subcommands = {
@@ -442,7 +514,7 @@ class GPUShareKernelspecApp(JupyterApp):
         ),
         "remove-kernelspec": (
             RemoveKernelspecApp,
-            "Remove GPU-shared kernelspec variants.",
+            "Remove the GPU-shared variants that install-kernelspec made.",
         ),
     }
 

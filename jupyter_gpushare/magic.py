@@ -47,9 +47,8 @@ NOT_SHARED = (
     "enable the gpushare provisioner."
 )
 #: What every user-facing part says when there is no GPU (docs/jupyter.md).
-NO_GPU = (
-    "no NVIDIA GPU found (the scheduler finds none through NVML, and no kernel has reported one)"
-)
+NO_GPU_WORDS = "no NVIDIA GPU found"
+NO_GPU = f"{NO_GPU_WORDS} (the scheduler finds none through NVML, and no kernel has reported one)"
 
 
 def _seconds(value: float) -> str:
@@ -125,9 +124,12 @@ class GPUShareReport:
         if evicted:
             where = f"{format_size(evicted)} evicted to the host, "
             where += f"{format_size(max(used - evicted, 0))} resident"
-        else:
+        elif used:
             where = "all resident on the GPU"
-        where += f" ({format_size(managed)} evictable, {format_size(pinned)} pinned)"
+        else:
+            where = "nothing allocated on the GPU"
+        if used or evicted:
+            where += f" ({format_size(managed)} evictable, {format_size(pinned)} pinned)"
         lines.append(("residency", where))
         gpu = f"{_seconds(float(s.get('holding_seconds', 0.0)))} held"
         sched_gpu = (self.scheduler_client or {}).get("gpu_seconds")
@@ -147,7 +149,7 @@ class GPUShareReport:
         label = (self.scheduler_client or {}).get("label")
         if label:
             ident += f", {label}"
-        lines.append(("kernel", ident))
+        lines.append(("kernel", ident or "not registered yet (at its first GPU call)"))
         return lines
 
     def _device_text(self) -> str:
@@ -242,6 +244,9 @@ def find_own_entry(
     try:
         doc = client.status_sync()
     except (SchedulerUnavailable, SchedulerError) as exc:
+        missing = _no_driver()
+        if missing:  # e.g. `jupyter execute` on a machine without a GPU: no server, no driver
+            return None, None, f"{NO_GPU_WORDS} ({missing}; no scheduler answers either)"
         return None, None, f"no answer from the scheduler ({exc})"
     pid = os.getpid()
     want = status.get("client_id")
@@ -268,6 +273,18 @@ def find_own_entry(
 _scheduler_view = find_own_entry
 
 
+def _no_driver() -> str | None:
+    """Why there is no NVIDIA driver here, or None. Only loads libcuda (the shim has it loaded
+    already where it exists); never initialises it in the kernel's process."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "the NVIDIA driver's libcuda.so.1 is not installed"
+    return None
+
+
 def status_report() -> GPUShareReport:
     status = shim.read_status()
     if status is None:
@@ -282,7 +299,16 @@ def _release() -> str:
         return NOT_SHARED
     if result:
         return "gpushare: released the GPU (the next GPU call asks the scheduler for it again)"
-    return "gpushare: not connected to a scheduler: there is nothing to release"
+    # The shim talks to the scheduler from its first GPU call on: before it, or with no GPU,
+    # it holds nothing (while the panel may well show the scheduler live).
+    status = shim.read_status() or {}
+    if status.get("state") in (None, "inactive"):
+        missing = _no_driver()
+        why = f"{NO_GPU_WORDS} ({missing})" if missing else "this kernel has made no GPU call yet"
+        return f"gpushare: nothing to release: {why}, so it holds no GPU"
+    if status.get("state") == "unshared":
+        return "gpushare: not connected to a scheduler (running unshared): nothing to release"
+    return "gpushare: nothing to release: this kernel does not hold the GPU now"
 
 
 def _quota(args: list[str]) -> str:

@@ -28,8 +28,9 @@ class SchedulerConfig(LoggingConfigurable):
 
     socket_path = Unicode(
         help="""Path of the scheduler's Unix socket. Default: $GPUSHARE_SOCKET, else
-        /run/gpushare/scheduler.sock for root and ${XDG_RUNTIME_DIR:-/tmp}/gpushare-$UID/
-        scheduler.sock for everyone else (the shim computes the same default).""",
+        /run/gpushare/scheduler.sock for root and
+        ${XDG_RUNTIME_DIR:-/tmp}/gpushare-$UID/scheduler.sock for everyone else (the shim
+        computes the same default).""",
     ).tag(config=True)
 
     @default("socket_path")
@@ -237,6 +238,8 @@ class SchedulerConfig(LoggingConfigurable):
 
     metrics_port = Int(
         0,
+        min=0,
+        max=65535,
         help="""Serve Prometheus metrics over HTTP on this port (0 = off). The listener runs in
         its own thread; the metrics are taken from the event loop's decisions and snapshots.""",
     ).tag(config=True)
@@ -452,6 +455,12 @@ class SchedulerConfig(LoggingConfigurable):
                 parse_size(value)
             except ValueError as exc:
                 raise ValueError(f"{proposal['trait'].name}: {exc}") from None
+            if isinstance(value, str) and "." in value and value.strip()[-1:].isdigit():
+                # '--pool 0.5' is half a byte, surely meant as a fraction or in GiB: say so.
+                raise ValueError(
+                    f"{proposal['trait'].name}: {value!r} is a fraction of a byte: give a unit, "
+                    f"e.g. '{value.strip()}GiB'"
+                )
         return value
 
     @validate("keep_free")

@@ -31,6 +31,7 @@ from traitlets import Float, List, Unicode, Union, default, validate
 from .._version import __version__
 from ..adoption import adopt_kernels
 from ..hub import SCHEDULER_ENV
+from ..lab_runtime import remove_runtime_file, write_runtime_file
 from ..paths import SYSTEM_SOCKET
 from .backend import NotifyingScheduler, SchedulerBackend
 from .handlers import default_handlers
@@ -125,6 +126,7 @@ class GPUShareExtension(ExtensionApp):
         self.broadcaster = StatusBroadcaster(self.backend)  # replaced in initialize_settings
         self._started = False
         self._start_task: asyncio.Future[None] | None = None
+        self._runtime_file: Path | None = None
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -207,6 +209,13 @@ class GPUShareExtension(ExtensionApp):
         self._started = True
         await self.backend.ensure_started()
         assert self.serverapp is not None
+        if self.backend.embedded:
+            # So that `gpushare status` in another shell (or the lab's terminal) finds it.
+            self._runtime_file = write_runtime_file(
+                str(self.serverapp.runtime_dir),
+                self.backend.socket_path,
+                str(getattr(self.serverapp, "connection_url", "") or ""),
+            )
         self.watcher = KernelWatcher(
             self.serverapp.kernel_manager,
             getattr(self.serverapp, "event_logger", None),
@@ -243,6 +252,8 @@ class GPUShareExtension(ExtensionApp):
             )
 
     async def stop_extension(self) -> None:
+        remove_runtime_file(self._runtime_file)
+        self._runtime_file = None
         if self.watcher is not None:
             await self.watcher.stop()
         await self.broadcaster.stop()

@@ -44,3 +44,50 @@ async def test_kernel_starts_say_no_gpu_once(
     ]
     assert "not_found" not in caplog.text
     assert "gpushare: no NVIDIA GPU found through NVML (" in sched.log, sched.log
+
+
+# ---------------------------------------------------------------------------------------------
+# The magic's words before any GPU call, and without a GPU (issue 23, item 6)
+
+
+def _libcuda_missing() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False
+
+
+def test_status_before_any_gpu_call_says_so() -> None:
+    from jupyter_gpushare.magic import GPUShareReport
+
+    status = {"state": "inactive", "used_bytes": 0, "client_id": "", "connected": False}
+    text = repr(GPUShareReport(status, None, None, "no answer"))
+    assert "all resident on the GPU" not in text
+    assert "nothing allocated on the GPU" in text
+    [kernel] = [line for line in text.splitlines() if line.strip().startswith("kernel")]
+    assert kernel.split("kernel", 1)[1].strip(), f"an empty kernel row: {kernel!r}"
+
+
+@pytest.mark.skipif(not _libcuda_missing(), reason="this machine has an NVIDIA driver")
+def test_without_scheduler_or_driver_the_magic_says_no_gpu(tmp_path: Any) -> None:
+    """As under `jupyter execute` on a machine without a GPU: no server, so no scheduler."""
+    from jupyter_gpushare.magic import find_own_entry
+
+    entry, device, note = find_own_entry({"socket_path": str(tmp_path / "none.sock")})
+    assert entry is None and device is None
+    assert note and note.startswith("no NVIDIA GPU found ("), note
+
+
+def test_release_before_any_gpu_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jupyter_gpushare import magic
+
+    monkeypatch.setattr(magic.shim, "release", lambda: False)
+    monkeypatch.setattr(magic.shim, "read_status", lambda: {"state": "inactive"})
+    text = magic.gpushare_command("release")
+    assert isinstance(text, str) and "not connected" not in text, text
+    assert text.startswith("gpushare: nothing to release: "), text
+    monkeypatch.setattr(magic.shim, "read_status", lambda: {"state": "idle"})
+    assert "does not hold the GPU now" in str(magic.gpushare_command("release"))
