@@ -111,7 +111,9 @@ def pid_alive(pid: int) -> bool:
 def run_cell(runtime: Path, kid: str, code: str) -> None:
     kc = BlockingKernelClient(connection_file=str(runtime / f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # No heartbeat: jupyter_client takes a kernel whose beat is 1 s late for dead, which a loaded
+    # machine makes happen; the kernel_info reply (60 s) says whether it is up.
+    kc.start_channels(hb=False)
     try:
         kc.wait_for_ready(timeout=60)
         reply = kc.execute_interactive(code, timeout=60, output_hook=lambda msg: None)
