@@ -35,6 +35,45 @@ NATIVE = ROOT / "native"
 NATIVE_TESTS = NATIVE / "tests"
 
 
+# ---------------------------------------------------------------------------------------------
+# Signals: every process the tests start begins with the default dispositions
+# ---------------------------------------------------------------------------------------------
+
+# The signals the tests send to programs they start (tests/native/test_quit_signals.py, the
+# scheduler's SIGHUP reload, Ctrl-C of `gpushare status --watch`, ...).
+SIGNALS_SENT = (
+    signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGXCPU, signal.SIGABRT,
+    signal.SIGSEGV, signal.SIGUSR1, signal.SIGUSR2,
+)  # fmt: skip
+
+
+def _ignored_here(signum: int, frame: Any) -> None:
+    """Stands in for SIG_IGN in the test process itself (see restore_default_signals)."""
+
+
+def restore_default_signals() -> list[signal.Signals]:
+    """A test run started from a background job (``cmd &`` in a script, a CI wrapper) inherits
+    SIGINT and SIGQUIT as ignored (``nohup``: SIGHUP), and an ignored disposition survives fork
+    and exec: every program the tests start would ignore the signals the tests send it, unlike
+    the same run from a terminal. A handled signal, on the other hand, is reset to SIG_DFL by
+    exec. So where one of SIGNALS_SENT is ignored here, it gets a handler that does nothing: this
+    process goes on ignoring it, and everything it starts (the tests' programs, and what a Jupyter
+    server or a scheduler starts in turn) begins with the default disposition. Python's
+    ``restore_signals`` resets only SIGPIPE and SIGXFSZ; a ``preexec_fn`` would run Python
+    between fork and exec, which is unsafe beside the tests' reader threads. Returns the signals
+    changed."""
+    changed = []
+    for sig in SIGNALS_SENT:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, _ignored_here)
+            changed.append(sig)
+    return changed
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    restore_default_signals()
+
+
 def _load_build_module() -> Any:
     spec = importlib.util.spec_from_file_location("gpushare_native_build", NATIVE / "build.py")
     assert spec and spec.loader

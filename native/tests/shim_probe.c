@@ -9,7 +9,8 @@
  *   shim_probe capture SECONDS MS [BYTES]
  *                                 capture a graph over and over for SECONDS (each capture stays
  *                                 open MS milliseconds), with ordinary launches between captures,
- *                                 holding BYTES of managed memory
+ *                                 holding BYTES of managed memory; it stops early once the file
+ *                                 named by PROBE_STOP_FILE exists (the test has seen enough turns)
  *   shim_probe longcapture SECONDS BYTES
  *                                 hold BYTES, then keep one capture open for SECONDS (a capture
  *                                 that outlives the shim's bounded wait), then launch once more
@@ -205,11 +206,14 @@ static int scenario_capture(double seconds, double capture_ms, size_t bytes)
     CUstream s;
     CHECK(cuStreamCreate(&s, 0));
     int ok = 0, failed = 0, launch_failed = 0;
+    double longest = 0; /* the longest capture, begin to end, in seconds */
     double end = now() + seconds;
-    while (now() < end) {
+    const char *stop = getenv("PROBE_STOP_FILE");
+    while (now() < end && !(stop && access(stop, F_OK) == 0)) {
         /* Ordinary work between captures: the process wants the device, so revokes come. */
         launch_failed += launch_sleep(s, 2000) != CUDA_SUCCESS;
         CHECK(cuStreamSynchronize(s));
+        double began = now();
         CHECK(cuStreamBeginCapture_v2(s, CU_STREAM_CAPTURE_MODE_GLOBAL));
         for (int i = 0; i < 4; i++) {
             launch_failed += launch_noop(s) != CUDA_SUCCESS;
@@ -217,12 +221,15 @@ static int scenario_capture(double seconds, double capture_ms, size_t bytes)
         }
         CUgraph g = NULL;
         CUresult r = cuStreamEndCapture(s, &g);
+        if (now() - began > longest)
+            longest = now() - began;
         if (r == CUDA_SUCCESS && g)
             ok++;
         else
             failed++;
     }
-    emit("captures", ",\"ok\":%d,\"failed\":%d,\"launch_failed\":%d", ok, failed, launch_failed);
+    emit("captures", ",\"ok\":%d,\"failed\":%d,\"launch_failed\":%d,\"longest_ms\":%.1f", ok,
+         failed, launch_failed, longest * 1000.0);
     return 0;
 }
 

@@ -37,6 +37,9 @@ from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write
 
 GIB = 1 << 30
 DEEP_IDLE_S = 3.0
+# What kernels asleep cost the card over its baseline: 0-4 MiB recorded (docs/gpu-verification.md,
+# runs 4, 5 and 8, for 1 to 32 kernels); 3x that.
+ASLEEP_MIB = 12
 ARGS = ("--deep-idle", str(DEEP_IDLE_S))
 
 
@@ -160,7 +163,7 @@ def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path:
                 f"{asleep} MiB over its baseline (awake: {awake} MiB)"
             )
             assert not held, f"an asleep process holds {held} MiB"
-            assert asleep <= 16, f"the card still holds {asleep} MiB for an asleep process"
+            assert asleep <= ASLEEP_MIB, f"the card still holds {asleep} MiB for an asleep process"
             doc = sched.status()
             (client,) = [c for d in doc["devices"] for c in d["clients"] if c["id"] == "sleepy"]
             assert client["state"] == "asleep", client
@@ -203,7 +206,7 @@ def test_eight_sleeping_kernels_cost_the_card_under_one_gib(tmp_path: Path) -> N
             asleep = card_used_mib() - baseline
             print(f"8 kernels: {awake} MiB awake, {asleep} MiB asleep (card, over its baseline)")
             assert awake >= 8 * 1024, awake
-            assert asleep < 1024, asleep
+            assert asleep <= ASLEEP_MIB, asleep
             for k in kernels:
                 notebook_busy(sched, k.name)
                 done = k.go()
@@ -254,7 +257,7 @@ def test_thirty_two_sleeping_kernels_each_run_a_60_gib_cell_in_turn(tmp_path: Pa
                 f"{sleep_s:.1f} s after their idle, then {asleep} MiB (card, over its baseline)"
             )
             assert awake >= count * 1024, awake
-            assert asleep < 1024, asleep
+            assert asleep <= ASLEEP_MIB, asleep
             cells: list[tuple[str, float, float, float, float]] = []
             host_gib: list[float] = []
             for i, k in enumerate(kernels):
@@ -292,7 +295,7 @@ def test_thirty_two_sleeping_kernels_each_run_a_60_gib_cell_in_turn(tmp_path: Pa
                 f"{min(host_gib):.1f}-{max(host_gib):.1f} GiB before the cells; "
                 f"{time.monotonic() - started:.0f} s in all"
             )
-            assert again < 1024, again
+            assert again <= ASLEEP_MIB, again
         finally:
             for k in kernels:
                 k.kill()

@@ -267,11 +267,10 @@ def test_two_notebook_kernels_take_turns_on_the_gpu(tmp_path: Path) -> None:
         grant_b = next(t for t, line in events if f"grant client={kb}" in line and t >= idle_revoke)
         notice = idle_revoke - ra["end"]
         handoff = grant_b - idle_revoke
-        # Recorded on an H100: notice 3 ms, handoff 1.00-1.49 s (docs/gpu-runs/2026-11-22-h100*).
-        # Bounds: notice within 0.25 s (the iopub idle report is immediate; the rest is a loaded
-        # server's event loop), handoff within 4 s (2.7x the slowest record: evicting 14 GiB).
-        assert -0.05 < notice < 0.25, f"A was revoked {notice:.3f}s after its cell ended"
-        assert handoff < 4.0, f"B was granted {handoff:.2f}s after A's revoke"
+        # Recorded on an H100: notice 3-6 ms (every run in docs/gpu-runs), handoff 0.30 s since
+        # the memory engine (2026-11-24 runs 5 and b/1; 1.00-1.74 s before it). Bounds: 3x each.
+        assert -0.005 < notice < 3 * 0.006, f"A was revoked {notice:.3f}s after its cell ended"
+        assert handoff < 3 * 0.30, f"B was granted {handoff:.2f}s after A's revoke"
         print(
             f"A's cell ended; the scheduler revoked A {notice * 1000:.0f} ms later (idle) and "
             f"granted B {handoff:.2f}s after that, evicting A's 14 GiB in between; "

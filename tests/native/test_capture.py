@@ -8,32 +8,46 @@ eviction: no capture may fail, and the shim must never make a call that would fa
 from __future__ import annotations
 
 import re
+import time
 
 from tests.native.probe import spawn_probe
 
 
-def test_revokes_in_the_middle_of_captures_fail_none(harness, shim_probe):
+def test_revokes_in_the_middle_of_captures_fail_none(harness, shim_probe, tmp_path):
     harness.scheduler(pool="1GiB", quantum=0.3)
+    # The two take turns until enough revokes have come, one of them into a capture, however
+    # slowly a loaded machine gets there (60 s at most): then they stop and report.
+    stop = tmp_path / "stop"
     procs = [
         spawn_probe(
-            harness, shim_probe, "capture", 5, 60, 600 << 20, context_bytes="16MiB", idle_seconds=0
+            harness, shim_probe, "capture", 60, 60, 600 << 20, context_bytes="16MiB",
+            idle_seconds=0, extra={"PROBE_STOP_FILE": str(stop)},
         )
         for _ in range(2)
-    ]
+    ]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not stop.exists():
+        stderr = "".join(p.stderr for p in procs)
+        if stderr.count("revoked (") >= 8 and "waits for a stream capture" in stderr:
+            stop.touch()
+        time.sleep(0.1)
     runs = [p.finish(90).ok() for p in procs]
     revokes = [line for r in runs for line in r.shim_lines if "revoked (" in line]
     waited = [line for r in runs for line in r.shim_lines if "waits for a stream capture" in line]
-    assert len(revokes) >= 4, "too few turns to prove anything:\n" + runs[0].describe()
+    assert len(revokes) >= 8, "too few turns to prove anything:\n" + runs[0].describe()
     assert waited, "no revoke fell into a capture: the test proves nothing"
     # A capture's own launches pass the closed gate (they do not run on the GPU): the deferred
-    # release goes on as soon as the 60 ms capture ends, never after the 10 s bound.
+    # release goes on as soon as the capture ends (the shim's warning, not this line, would say
+    # it gave up at the 10 s bound). "As soon as": within 3x the longest capture the probes
+    # timed in this run (60 ms of sleeps, longer on a loaded machine), not after a poll.
     went_on = [
         float(m.group(1))
         for r in runs
         for line in r.shim_lines
         if (m := re.search(r"went on after the capture ended \(([\d.]+) ms\)", line))
     ]
-    assert went_on and max(went_on) < 1000, went_on
+    longest = max(run.event("captures")["longest_ms"] for run in runs)
+    assert went_on and max(went_on) < 3 * longest, (went_on, longest)
     for run in runs:
         caps = run.event("captures")
         assert caps["ok"] > 0 and caps["failed"] == 0 and caps["launch_failed"] == 0, caps

@@ -97,8 +97,13 @@ def test_without_the_shim_the_process_dies_mid_kernel(harness: Any, tmp_path: Pa
     sent = time.monotonic()
     p.signal(signal.SIGTERM)
     r = p.finish(30)
+    gone = time.monotonic()  # at most this late
     assert r.returncode == -signal.SIGTERM
-    assert time.monotonic() - sent < 1.5, "died only after its kernel: nothing to compare against"
+    # It died before the kernel in flight when the signal came had ended (kernels run back to
+    # back from the first launch), however late a loaded machine sent it.
+    kernel_s = KERNEL_US / 1e6
+    in_flight_ends = first["t_mono"] + kernel_s * (1 + (sent - first["t_mono"]) // kernel_s)
+    assert gone < in_flight_ends, "died only after its kernel: nothing to compare against"
     assert not [s for s in syncs(trace) if s["t_begin"] >= sent]
 
 

@@ -162,6 +162,10 @@ def test_kill_9_of_the_holder_lets_the_waiter_in_promptly(harness):
     b = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="B"))
     b.wait_event("hold_start", 30)
     sched.wait_log("request client=B")
+    # C waits behind B: B's ordinary end (a GOODBYE) is the handoff to compare with.
+    c = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="C"))
+    c.wait_event("hold_start", 30)
+    sched.wait_log("request client=C")
     time.sleep(1.0)
     assert not b.events or not [e for e in b.events if e["event"] == "first_copy"], (
         "B must wait: A's 30 s quantum is not over"
@@ -169,10 +173,18 @@ def test_kill_9_of_the_holder_lets_the_waiter_in_promptly(harness):
     killed_at = time.monotonic()
     a.kill()
     first = b.wait_event("first_copy", 30)
-    assert first["t_mono"] - killed_at < 5.0, "the waiter did not get the device promptly"
     rb = b.finish(60).ok()
     assert rb.event("hold_end")["data_ok"]
+    rc = c.finish(60).ok()
+    assert rc.event("hold_end")["data_ok"]
     sched.wait_log("leave client=A")
+    # Promptly: a holder killed hands over about as fast as one that ends and says GOODBYE
+    # (7-59 ms on 2 cores), not at a timeout or a poll. 3x that, plus 0.5 s for a loaded
+    # machine's delay in waking the processes involved.
+    after_kill = first["t_mono"] - killed_at
+    after_end = rc.event("first_copy")["t_mono"] - rb.event("hold_end")["t_mono"]
+    print(f"handoff after a kill -9: {after_kill:.3f} s; after an ordinary end: {after_end:.3f} s")
+    assert after_kill < 3 * after_end + 0.5, (after_kill, after_end)
 
 
 def test_idle_holder_gives_the_device_away_before_its_quantum(harness):

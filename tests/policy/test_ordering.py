@@ -208,14 +208,17 @@ def test_a_long_cell_is_never_paused_past_the_window_and_then_holds_its_weighted
 ):
     """The starvation bound: short cells arrive at random while one long cell stays busy."""
     cfg = OrderingConfig(starvation_window=window, min_slice=0.1)
-    p = joined("long", "s1", "s2", "s3", ordering=cfg, long=weight)
+    p = joined("long", "s0", "s1", "s2", "s3", ordering=cfg, long=weight)
     env = Env(p)
     env.busy.add("long")
     env.send(Busy(0.0, "long"))
     env.send(Request(0.0, "long", used=GB, managed=GB // 2))
-    env.run_until(250.0, arrivals)
+    # However the random cells fall, one short cell comes when the long one has had 20 s (or,
+    # shared four ways, 5 s: above level 0 at weight 4): the long one is paused at least once.
+    env.run_until(250.0, [*arrivals, (20.0, "s0", 1.0)])
     events = [(t, d) for t, c, d in env.log if c == "long"]
-    total_weight = weight + 3  # every client's weight: at least the busy weight at any time
+    assert any(isinstance(d, Revoke) for _, d in events), "never paused: the test proves nothing"
+    total_weight = weight + 4  # every client's weight: at least the busy weight at any time
     paused_at = None
     for t, d in events:
         if isinstance(d, Revoke):

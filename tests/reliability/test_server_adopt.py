@@ -85,7 +85,9 @@ def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
         "c.GPUShareProvisioner.survive_server_restart = True\n"
     )
     sock = str(harness.socket_path)
+    t0 = time.monotonic()
     first = Server(tmp_path, env, sock).start()
+    first_up = time.monotonic() - t0  # the baseline: a server's start on this machine, now
     second: Server | None = None
     kernel_pid = 0
     try:
@@ -110,9 +112,10 @@ def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
 
         t0 = time.monotonic()
         second = Server(tmp_path, env, sock).start()
-        # The server answers requests while its extensions start: adoption follows shortly.
+        # The server answers requests while its extensions start: adoption follows shortly,
+        # within 3x the first server's start (measured above, on the same machine and load).
         while not (kernels := second.get("api/kernels")):
-            assert time.monotonic() - t0 < 30, second.log.read_text()
+            assert time.monotonic() - t0 < 3 * first_up, (first_up, second.log.read_text())
             time.sleep(0.05)
         started = time.monotonic() - t0
         (listed,) = kernels
@@ -138,7 +141,7 @@ def test_server_killed_kernel_survives_and_is_adopted(harness, tmp_path):
         doc = second.get("gpushare/api/status")
         (client,) = [c for d in doc["devices"] for c in d["clients"]]
         assert client["id"] == kid and client["jupyter"]["local"] is True, client
-        print(f"new server up and kernel adopted in {started:.2f} s")
+        print(f"new server up and kernel adopted in {started:.2f} s (first start {first_up:.2f} s)")
 
         # A restart in the new server starts a child of its own under the same id and record.
         second.request("POST", f"api/kernels/{kid}/restart")

@@ -111,7 +111,9 @@ def pid_alive(pid: int) -> bool:
 def run_cell(runtime: Path, kid: str, code: str) -> None:
     kc = BlockingKernelClient(connection_file=str(runtime / f"kernel-{kid}.json"))
     kc.load_connection_file()
-    kc.start_channels()
+    # No heartbeat: jupyter_client takes a kernel whose beat is 1 s late for dead, which a loaded
+    # machine makes happen; the kernel_info reply (60 s) says whether it is up.
+    kc.start_channels(hb=False)
     try:
         kc.wait_for_ready(timeout=60)
         reply = kc.execute_interactive(code, timeout=60, output_hook=lambda msg: None)
@@ -162,24 +164,32 @@ def test_server_killed_its_kernels_end_and_nothing_stays_attributed(harness, tmp
     try:
         kid = first.request("POST", "api/kernels", {"name": "gpushare-crash"})["id"]
         run_cell(runtime, kid, GPU_PRELUDE + f"\nassert alloc({300 * MiB})[0] == 0\n")
+        t0 = time.monotonic()
         clients = {c["id"]: c for d in sched.status()["devices"] for c in d["clients"]}
+        asking = time.monotonic() - t0  # the baseline: one `gpushare status`, on this machine now
         assert clients[kid]["used_bytes"] == 316 * MiB, clients
         kernel_pid = clients[kid]["pid"]
 
         killed_at = time.monotonic()
         first.kill()
+        # ipykernel's parent poller looks every second: 3x that.
         while pid_alive(kernel_pid):
-            assert time.monotonic() - killed_at < 10, "the kernel outlived its server"
+            assert time.monotonic() - killed_at < 3.0, "the kernel outlived its server"
             time.sleep(0.05)
         ended = time.monotonic() - killed_at
+        # The scheduler drops it at once: what the test sees is at most the status read in
+        # flight as the kernel ended and the next one; 3 reads' time.
         while True:
             devices = sched.status()["devices"]
             if all(not d["clients"] and d["resident_bytes"] == 0 for d in devices):
                 break
-            assert time.monotonic() - killed_at < 10, devices
+            assert time.monotonic() - killed_at < ended + 3 * asking, (asking, devices)
             time.sleep(0.05)
         dropped = time.monotonic() - killed_at
-        print(f"server SIGKILL -> kernel gone {ended:.2f} s, scheduler clean {dropped:.2f} s")
+        print(
+            f"server SIGKILL -> kernel gone {ended:.2f} s, scheduler clean {dropped:.2f} s "
+            f"(one status read: {asking:.2f} s)"
+        )
         assert "leave client=" + kid in sched.log
 
         second = Server(tmp_path, env, sock).start()

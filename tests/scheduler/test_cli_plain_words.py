@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpushare import __version__
+
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
@@ -96,7 +98,9 @@ def test_release_and_evict_say_what_happens(harness: Any) -> None:
 
 def test_status_watch_redraws_until_ctrl_c(harness: Any) -> None:
     harness.scheduler(pool="1GiB")
-    sock = f"--socket={harness.socket_path}"
+    sock = str(harness.socket_path)
+    holder = harness.spawn("hold", 60.0, 64 * MiB, 20000, client_id="A", idle_seconds=0)
+    holder.wait_event("first_launch", 30)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -112,21 +116,32 @@ def test_status_watch_redraws_until_ctrl_c(harness: Any) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    frames: list[str] = []
     try:
         assert proc.stdout is not None
-        headers = 0
         deadline = time.monotonic() + 30
-        while headers < 3 and time.monotonic() < deadline:
+        while len(frames) < 4 and time.monotonic() < deadline:
             line = proc.stdout.readline()
+            if not line:
+                break
             if line.startswith("Every 0.2 s, "):
-                headers += 1
-        assert headers == 3
+                frames.append("")
+            elif frames:
+                frames[-1] += line
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
+        holder.kill()
+    assert len(frames) == 4, frames
+    # Each full redraw (the last one may be cut by Ctrl-C) is this scheduler's status, with the
+    # client that holds the GPU.
+    for frame in frames[:3]:
+        assert f"gpushare scheduler {__version__} on {sock}" in frame, frame
+        assert "holder: A " in frame, frame
+        assert "not available" not in frame, frame
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    out = cli("status", "--watch", "--interval", "0", sock)
+    out = cli("status", "--watch", "--interval", "0", f"--socket={sock}")
     assert out.returncode == 2 and "--interval must be positive" in out.stderr

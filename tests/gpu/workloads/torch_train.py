@@ -61,6 +61,7 @@ def main() -> None:
         params_sha256=digest.hexdigest(),
         final_loss=losses[-1],
         mem_get_info=list(torch.cuda.mem_get_info()),
+        torch_reserved=torch.cuda.memory_reserved(),  # what the allocator holds from the driver
     )
 
 
