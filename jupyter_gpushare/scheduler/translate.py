@@ -264,14 +264,27 @@ def shim_event(
 
 
 def decision_message(decision: ev.Decision) -> Message:
-    """The frame that carries a policy decision to its shim."""
+    """The frame that carries a policy decision to its shim.
+
+    ``evict_bytes`` (REVOKE with evict, EVICT) and ``room_bytes`` (GRANT) are sent only when
+    they limit something: absent means everything (evict_bytes) and no limit (room_bytes).
+    """
     if isinstance(decision, ev.Grant):
-        return Message(MsgType.GRANT, {"flag": int(decision.restore)})
+        fields: dict[str, Any] = {"flag": int(decision.restore)}
+        if decision.room_bytes is not None:
+            fields["room_bytes"] = max(0, decision.room_bytes)
+        return Message(MsgType.GRANT, fields)
     if isinstance(decision, ev.Revoke):
-        return Message(MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason})
+        fields = {"flag": int(decision.evict), "reason": decision.reason}
+        if decision.evict and decision.evict_bytes > 0:
+            fields["evict_bytes"] = decision.evict_bytes
+        return Message(MsgType.REVOKE, fields)
     if isinstance(decision, ev.Precopy):
         return Message(MsgType.PRECOPY, {})
-    return Message(MsgType.EVICT, {"reason": decision.reason})
+    fields = {"reason": decision.reason}
+    if decision.bytes > 0:
+        fields["evict_bytes"] = decision.bytes
+    return Message(MsgType.EVICT, fields)
 
 
 def encode_status(doc: dict[str, Any]) -> bytes:
