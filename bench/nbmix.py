@@ -20,20 +20,24 @@ No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .capacity import mean_ci
-from .common import GiB, record, write_json
+from .common import GiB, percentile, record, write_json
 from .simulator import SimConfig, Simulation, legacy, policy_config, summarize
-from .trace import TIME_SCALE, TraceConfig, generate, scaled
+from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
 VARIANTS = ("before", "engine", "after", "after-no-keep-free", "fits")
 #: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
 TARGETS = {8: 3.0, 16: 6.0}
 WARMUP = 300.0
+#: Short cells of the training scenario that arrive earlier are left out (allocation transient).
+TRAIN_WARMUP = 30.0
 
 
 def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
@@ -82,6 +86,68 @@ def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> d
     }
 
 
+def training_users(duration: float, seed: int) -> list[User]:
+    """One trainer (24 GiB, one cell as long as the run) and three users (8 GiB) running 0.3 s
+    cells every 2-4 s: issue 21's training-beside-interactive scenario (bench/train_beside.py
+    is the same on the GPU)."""
+    rng = random.Random(seed)
+    users = [User("trainer", 24 * GiB, [{"think": 0.0, "gpu": 10 * duration}])]
+    for i in range(3):
+        cells, t = [], 0.0
+        while t <= duration:
+            think = rng.uniform(2.0, 4.0)
+            cells.append({"think": think, "gpu": 0.3})
+            t += think + 0.3
+        users.append(User(f"u{i}", 8 * GiB, cells))
+    return users
+
+
+def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, Any]]:
+    """Short cells' latency vs solo and the trainer's throughput vs solo, per ordering and
+    without a pool (pool 80 GiB: everything fits), before and after issue 21's rules."""
+    rows = []
+    for label, mode, pool, variant in (
+        ("gpushare", "gpushare", 40, "after"),
+        ("fair", "gpushare-fair", 40, "after"),
+        ("gpushare, before", "gpushare", 40, "engine"),
+        ("fair, before", "gpushare-fair", 40, "engine"),
+        ("no pool", "gpushare", 80, "after"),
+    ):
+        cfg, pcfg = variant_configs(variant, SimConfig(pool_bytes=pool * GiB))
+        pcfg = (
+            policy_config(mode, cfg)
+            if variant == "after"
+            else replace(policy_config(mode, cfg), partial_eviction=False, cost_aware=False)
+        )
+        short, done, spent = [], 0.0, 0.0
+        for s in range(seeds):
+            sim = Simulation(training_users(duration, s + 1), mode, duration, cfg, pcfg)
+            cells = sim.run()
+            short += [
+                (c["end"] - c["arrival"], c["solo"])
+                for c in cells
+                if c["user"] != "trainer"
+                and c["end"] is not None
+                and c["arrival"] >= TRAIN_WARMUP  # the first seconds: allocation (cold staging)
+            ]
+            trainer = sim.users["trainer"]  # its one cell outlasts the run: the work it did
+            done += trainer.solo - trainer.work
+            spent += sim.now - trainer.arrival
+        solo = short[0][1] if short else math.nan
+        lats = [lat for lat, _ in short]
+        rows.append(
+            {
+                "scenario": label,
+                "pool_gib": pool,
+                "short_solo_s": solo,
+                "short_p50_x": percentile(lats, 50) / solo,
+                "short_p95_x": percentile(lats, 95) / solo,
+                "trainer_throughput": done / spent if spent > 0 else math.nan,
+            }
+        )
+    return rows
+
+
 def users_at(shape: str, variant: str, limit: float, seeds: int, horizon: float) -> int:
     """The most users per GPU whose mean p95 slowdown is at most ``limit`` (upward grid)."""
     best = 0
@@ -101,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon", type=float, default=3600.0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--capacity-seeds", type=int, default=5, help="seeds per users-per-GPU point")
+    ap.add_argument("--train-duration", type=float, default=300.0, help="trainer cell (s)")
+    ap.add_argument("--train-seeds", type=int, default=5)
     args = ap.parse_args(argv)
     started = time.monotonic()
     variants = args.variants.split(",")
@@ -126,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         pool_gib=SimConfig().pool_bytes / GiB,
         rows=rows,
         users_per_gpu_p95_2x=capacity,
+        training_beside=training_beside(args.train_duration, args.train_seeds),
         targets=TARGETS,
         duration_s=time.monotonic() - started,
     )
@@ -137,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     for c in capacity:
         print(f"users/GPU at p95 <= 2x: {c['trace']} {c['variant']}: {c['users']}")
+    for t in doc["training_beside"]:
+        print(
+            f"training beside: {t['scenario']:<18} short p50 {t['short_p50_x']:.2f}x "
+            f"p95 {t['short_p95_x']:.2f}x trainer {t['trainer_throughput']:.0%}"
+        )
     return 0
 
 

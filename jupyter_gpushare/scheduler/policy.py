@@ -399,8 +399,13 @@ class Policy:
             c.waiting_since = self._clock if since is None else min(since, self._clock)
         c.resume_since = None
         if evt.evicted > 0 and not c.evict_pending:
-            # Some of its memory is on the host: the grant restores it.
-            self._set_evicted(c, max(evt.evicted, c.away))
+            # Some of its memory is on the host (the shim's total): the grant restores it.
+            if c.resident and evt.evicted < c.movable:
+                c.away = max(c.away, evt.evicted)
+                c.restore = True
+                c.evicted = c.away
+            else:
+                self._set_evicted(c)
 
     def _on_released(self, dev: DeviceState, c: ClientState, evt: Released) -> None:
         """The client stopped using the device (answer to Revoke, or unsolicited).

@@ -14,6 +14,7 @@ from jupyter_gpushare.scheduler.events import (
     Idle,
     Precopied,
     Released,
+    Request,
     Revoke,
     Tick,
 )
@@ -127,3 +128,19 @@ def test_without_partial_eviction_whole_kernels_move():
     request(p, "a", 60)
     p.handle(Idle(1, "a"))
     assert request(p, "b", 60, now=2) == [Revoke("a", evict=True, reason="idle")]
+
+
+def test_a_request_after_a_partial_eviction_counts_what_the_shim_says_once():
+    """The shim's REQUEST carries its total evicted bytes: after a partial eviction that is
+    the part that left, not a second eviction of it (nor all of it)."""
+    p = make_policy()
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 60)
+    p.handle(Idle(1, "a"))
+    request(p, "b", 60, now=2)
+    p.handle(Released(3, "a", evicted=True))
+    a = p._clients["a"]
+    used = 60 * GB
+    p.handle(Request(4, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=part(20)))
+    assert a.resident and a.away == part(20) and a.on_gpu == used - part(20)
