@@ -22,6 +22,7 @@ from typing import Any
 
 from .common import ROOT, GiB, percentile
 from .replay import REALISTIC_THINK
+from .report_nbmix import nbmix_section
 from .report_realtime import ordering_section, replay_real_section
 
 RUN_PARTS = (
@@ -730,7 +731,7 @@ interval. Target: **at most +50 ms**.
     def render(self) -> str:
         sections = [self.launch(), self.train(), self.handoff(), self.memory(), self.replay(),
                     self.kernel_start(), ordering_section(self),
-                    replay_real_section(self)]  # fmt: skip
+                    replay_real_section(self), nbmix_section(self)]  # fmt: skip
         table = ["## Summary", ""]
         if any(r.get("driver") == "stand-in" for r in self.recs.values()):
             table += ["> **Some results below come from the stand-in driver (no GPU).**", ""]
