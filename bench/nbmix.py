@@ -86,17 +86,20 @@ def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> d
     }
 
 
-def training_users(duration: float, seed: int) -> list[User]:
-    """One trainer (24 GiB, one cell as long as the run) and three users (8 GiB) running 0.3 s
-    cells every 2-4 s: issue 21's training-beside-interactive scenario (bench/train_beside.py
-    is the same on the GPU)."""
+def training_users(
+    duration: float, seed: int, trainer_gpu: float | None = None, start: float = 0.0
+) -> list[User]:
+    """One trainer (24 GiB, one cell: ``trainer_gpu`` solo seconds, default longer than the run,
+    from ``start``) and three users (8 GiB) running 0.3 s cells every 2-4 s: issue 21's
+    training-beside-interactive scenario (bench/train_beside.py plays it on the GPU)."""
     rng = random.Random(seed)
-    users = [User("trainer", 24 * GiB, [{"think": 0.0, "gpu": 10 * duration}])]
+    gpu = 10 * duration if trainer_gpu is None else trainer_gpu
+    users = [User("trainer", 24 * GiB, [{"think": start, "gpu": gpu}])]
     for i in range(3):
         cells, t = [], 0.0
         while t <= duration:
             think = rng.uniform(2.0, 4.0)
-            cells.append({"think": think, "gpu": 0.3})
+            cells.append({"think": round(think, 6), "gpu": 0.3})
             t += think + 0.3
         users.append(User(f"u{i}", 8 * GiB, cells))
     return users

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import GiB, percentile, record, write_json
-from .nbmix import training_beside
+from .common import percentile, record, write_json
+from .nbmix import training_beside, training_users
 from .trace import TraceConfig, User
 
 #: Short cells that arrive earlier are left out (every kernel allocates then: cold staging).
@@ -31,19 +31,8 @@ TARGETS = {"short_p95_x": 2.5, "trainer_throughput": 0.75}
 
 
 def users(duration: float, seed: int = 1) -> list[User]:
-    """The scenario's users (seeded think times), as bench.nbmix simulates them."""
-    import random
-
-    rng = random.Random(seed)
-    out = [User("trainer", 24 * GiB, [{"think": 0.5, "gpu": 0.6 * duration}])]
-    for i in range(3):
-        cells, t = [], 0.0
-        while t <= duration:
-            think = rng.uniform(2.0, 4.0)
-            cells.append({"think": round(think, 6), "gpu": 0.3})
-            t += think + 0.3
-        out.append(User(f"u{i}", 8 * GiB, cells))
-    return out
+    """The scenario's users: the trainer's cell is 0.6 x duration of solo work, from 0.5 s."""
+    return training_users(duration, seed, trainer_gpu=0.6 * duration, start=0.5)
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:
