@@ -20,6 +20,7 @@ No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
@@ -162,6 +163,26 @@ def users_at(shape: str, variant: str, limit: float, seeds: int, horizon: float)
     return best
 
 
+def merge(out: Path, parts: list[Path]) -> int:
+    """One record from parts run side by side (``--users 8``, ``--users 32 --variants ...``):
+    their rows, capacity and training rows together; the parts' commands kept."""
+    docs = [json.loads(p.read_text()) for p in parts]
+    doc = record(
+        "nbmix",
+        horizon_s=docs[0]["horizon_s"],
+        warmup_s=docs[0]["warmup_s"],
+        pool_gib=docs[0]["pool_gib"],
+        rows=[r for d in docs for r in d["rows"]],
+        users_per_gpu_p95_2x=[c for d in docs for c in d["users_per_gpu_p95_2x"]],
+        targets=TARGETS,
+        training_beside=[t for d in docs for t in d["training_beside"]],
+        duration_s=sum(d["duration_s"] for d in docs),
+        parts=[d["meta"] for d in docs],
+    )
+    write_json(out / "nbmix.json", doc)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -172,7 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-seeds", type=int, default=5, help="seeds per users-per-GPU point")
     ap.add_argument("--train-duration", type=float, default=300.0, help="trainer cell (s)")
     ap.add_argument("--train-seeds", type=int, default=5)
+    ap.add_argument(
+        "--merge",
+        nargs="*",
+        type=Path,
+        help="instead of running: merge these nbmix.json files (parts run in parallel) into one",
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.out, args.merge)
     started = time.monotonic()
     variants = args.variants.split(",")
     rows = [
@@ -180,16 +209,20 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.users.split(",")
         for v in variants
     ]
-    capacity = [
-        {
-            "trace": shape,
-            "variant": v,
-            "limit": 2.0,
-            "users": users_at(shape, v, 2.0, args.capacity_seeds, args.horizon),
-        }
-        for shape in ("nbmix", "uniform")
-        for v in ("before", "after")
-    ]
+    capacity = (
+        []
+        if args.capacity_seeds <= 0
+        else [
+            {
+                "trace": shape,
+                "variant": v,
+                "limit": 2.0,
+                "users": users_at(shape, v, 2.0, args.capacity_seeds, args.horizon),
+            }
+            for shape in ("nbmix", "uniform")
+            for v in ("before", "after")
+        ]
+    )
     doc = record(
         "nbmix",
         horizon_s=args.horizon,
@@ -197,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         pool_gib=SimConfig().pool_bytes / GiB,
         rows=rows,
         users_per_gpu_p95_2x=capacity,
-        training_beside=training_beside(args.train_duration, args.train_seeds),
+        training_beside=(
+            training_beside(args.train_duration, args.train_seeds) if args.train_seeds > 0 else []
+        ),
         targets=TARGETS,
         duration_s=time.monotonic() - started,
     )
