@@ -167,12 +167,17 @@ def merge(out: Path, parts: list[Path]) -> int:
     """One record from parts run side by side (``--users 8``, ``--users 32 --variants ...``):
     their rows, capacity and training rows together; the parts' commands kept."""
     docs = [json.loads(p.read_text()) for p in parts]
+    best: dict[tuple[int, str], dict[str, Any]] = {}  # a point run twice: the most seeds wins
+    for r in (r for d in docs for r in d["rows"]):
+        key = (r["users"], r["variant"])
+        if key not in best or r["seeds"] > best[key]["seeds"]:
+            best[key] = r
     doc = record(
         "nbmix",
         horizon_s=docs[0]["horizon_s"],
         warmup_s=docs[0]["warmup_s"],
         pool_gib=docs[0]["pool_gib"],
-        rows=[r for d in docs for r in d["rows"]],
+        rows=list(best.values()),
         users_per_gpu_p95_2x=[c for d in docs for c in d["users_per_gpu_p95_2x"]],
         targets=TARGETS,
         training_beside=[t for d in docs for t in d["training_beside"]],
