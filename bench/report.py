@@ -30,6 +30,7 @@ RUN_PARTS = (
     "python3 -m bench.run_campaign OUT_DIR --only replay\n"
     "python3 -m bench.run_campaign OUT_DIR --only replay-real\n"
     "python3 -m bench.capacity OUT_DIR   # the simulator's campaign: no GPU, ~1 CPU minute\n"
+    "python3 -m bench.nbmix OUT_DIR   # memory that does not fit (simulator): ~20 CPU minutes\n"
     "python3 -m bench.report OUT_DIR   # or the parts' directories: OUT_DIR1 OUT_DIR2 ..."
 )
 
