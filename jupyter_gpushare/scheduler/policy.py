@@ -482,7 +482,10 @@ class Policy:
         c.resident = True
         c.away = 0  # the grant restores what left (only that: the shim knows which blocks)
         c.idle = False
-        room = room_for(self._devices[c.device], c) if self.config.policy == "gpushare" else None
+        room = None
+        if self.config.policy == "gpushare":  # never less than it holds (a grant alone, rule 5)
+            room = max(c.used, room_for(self._devices[c.device], c))
+        c.room = room
         return Grant(c.id, restore=restore, room_bytes=room)
 
     def _revoke(self, c: ClientState, evict: bool, reason: str, nbytes: int = 0) -> Revoke:
@@ -613,7 +616,20 @@ class Policy:
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev) + self._more_room(dev)
+
+    def _more_room(self, dev: DeviceState) -> list[Decision]:
+        """A holder whose memory grew past its grant's room waits for a grant with more (its
+        allocation is not backed): grant it again once the pool can give more."""
+        out: list[Decision] = []
+        for c in dev.clients.values():
+            if c.holding != "running" or c.room is None or c.used <= c.room:
+                continue
+            room = room_for(dev, c)
+            if room > c.room:
+                c.room = room
+                out.append(Grant(c.id, restore=False, room_bytes=room))
+        return out
 
     def _relieve(self, dev: DeviceState) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.

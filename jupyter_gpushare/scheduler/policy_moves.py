@@ -98,11 +98,11 @@ def room_for(dev: DeviceState, c: ClientState) -> int:
     """The most device memory ``c`` may hold backed without evicting a busy kernel.
 
     Everything but what other kernels that are not idle hold on the GPU (idle kernels' memory can
-    leave for it); never less than ``c`` uses already.
+    leave for it).
     """
     busy = sum(
         o.on_gpu
         for o in dev.clients.values()
         if o is not c and not (o.idle and o.waiting_since is None)
     )
-    return max(c.used, dev.pool_bytes - busy)
+    return dev.pool_bytes - busy

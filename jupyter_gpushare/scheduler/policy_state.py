@@ -72,6 +72,7 @@ class ClientState:
     away: int = 0  # movable bytes evicted while the rest stayed (a partial eviction)
     cell_start: float | None = None  # when its current cell began (Busy, or a Request after idle)
     turn_s: float = 0.0  # EWMA of its cells' lengths (expected wait, .policy_moves)
+    room: int | None = None  # the room_bytes of its current grant (None: no limit)
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
     restore: bool = False  # its managed memory was evicted: the next grant restores it
     idle: bool = False  # Idle seen since the last Busy/Request

@@ -10,14 +10,17 @@ from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
 from jupyter_gpushare.scheduler.events import (
     Busy,
     Evict,
+    Evicted,
     Grant,
     Idle,
+    Memory,
     Precopied,
     Released,
     Request,
     Revoke,
     Tick,
 )
+from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.translate import decision_message
 
 
@@ -144,3 +147,24 @@ def test_a_request_after_a_partial_eviction_counts_what_the_shim_says_once():
     used = 60 * GB
     p.handle(Request(4, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=part(20)))
     assert a.resident and a.away == part(20) and a.on_gpu == used - part(20)
+
+
+def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
+    """c's long cell is paused for a's short one, its memory in place: a's room is the pool less
+    c's 30 GB. a allocates past it (not backed: its launches wait for more room); c's memory
+    gives the 10 GB missing and a is granted again, with the room now free."""
+    p = make_policy(ordering=OrderingConfig())
+    join(p, "c")
+    join(p, "a", user="bob")
+    p.handle(Busy(0, "c"))
+    request(p, "c", 30)
+    p.handle(Busy(5, "a"))
+    grant, pause = request(p, "a", 10, now=5)
+    assert grant == Grant("a") and grant.room_bytes == 70 * GB
+    assert pause == Revoke("c", evict=False, reason="paused: shorter cells first")
+    p.handle(Released(5.01, "c"))
+    used = 80 * GB
+    grew = Memory(6, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0)
+    assert p.handle(grew) == [Evict("c", reason="memory pressure", bytes=part(10))]
+    (again,) = p.handle(Evicted(7, "c"))
+    assert again == Grant("a") and again.room_bytes == 100 * GB - (30 * GB - part(10))
