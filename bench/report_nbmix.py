@@ -92,17 +92,23 @@ def nbmix_section(rep: Any) -> str:
         for t in train
     ]
     meta = rec.get("meta", {})
+    seeds = sorted({(r["users"], r["seeds"]) for r in rows})
+    seeds_text = ", ".join(f"{n} users: {k}" for n, k in seeds)
+    parts = sorted({p.get("git_commit", "?")[:12] for p in rec.get("parts", [])})
+    parts_text = f" (its parts ran at {', '.join(parts)})" if parts else ""
     return "\n".join(
         [
             METHOD,
             *lines,
             "",
+            f"Seeds per point: {seeds_text}.",
+            "",
             f"Users per GPU whose mean p95 slowdown is at most 2x: {cap_text}.",
             "",
             *(tlines if train else []),
             "",
-            f"*Run:* commit {meta.get('git_commit', '?')}, {meta.get('date', '?')}, "
-            f"`{meta.get('command', '')}`.",
+            f"*Run:* commit {meta.get('git_commit', '?')[:12]}{parts_text}, "
+            f"{meta.get('date', '?')}, `{meta.get('command', '')}`.",
             "",
         ]
     )
