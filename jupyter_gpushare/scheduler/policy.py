@@ -43,7 +43,7 @@ has never held the device is not resident either: managed memory that no kernel 
 pages on the GPU (and needs no restore).
 
 ``PolicyConfig(policy="fixed-quantum")`` replaces rules 2-5 with a baseline to measure against
-(:meth:`Policy._admit_fixed`): an exclusive lock, first come first served, held for a fixed
+(:mod:`.policy_fixed`): an exclusive lock, first come first served, held for a fixed
 quantum unless a periodic timer finds the holder idle.
 """
 
@@ -74,9 +74,10 @@ from .events import (
     SetWeight,
     Tick,
 )
-from .idle_timer import found_idle, next_idle_check
+from .idle_timer import next_idle_check
 from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
+from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import ask, note_cell_end, order_candidates, room_for, worth_evicting
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
@@ -84,15 +85,13 @@ from .room import REASON_ROOM, precopy_candidates, room_deadline, room_evictions
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
-REASON_IDLE = "idle"
-REASON_QUANTUM = "quantum expired"
 REASON_GREW = "memory grew past the pool"
 REASON_PRESSURE = "memory pressure"
 REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
 
 
-class Policy:
+class Policy(FixedQuantumLock):
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -771,49 +770,3 @@ class Policy:
         """Pause (revoke, no eviction: the memory stays) what the ordering says to pause."""
         paused = self._order.to_pause(self._busy_holders(dev), self._clock)
         return [self._revoke(c, False, REASON_ORDER) for c in paused]
-
-    # ----------------------------------------------------------------------------------------
-    # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
-
-    def _admit_fixed(self, dev: DeviceState) -> list[Decision]:
-        """An exclusive lock, first come first served, with a fixed time quantum.
-
-        One holder at a time. While others wait, the holder keeps the device for
-        ``fixed_quantum`` seconds unless the timer (every ``idle_check_interval`` seconds from
-        its grant) finds it idle; Jupyter's cell-end signal is not used at once. Memory moves as
-        under the gpushare policy (the holder is evicted when the next one needs the room; idle
-        clients are evicted least recently used first), so the comparison isolates the policy.
-        """
-        queue = sorted(
-            (c for c in dev.clients.values() if c.waiting_since is not None),
-            key=lambda c: (c.waiting_since, c.seq),
-        )
-        dev.turns = False
-        if not queue:
-            return []
-        w = queue[0]
-        need = w.used - w.on_gpu
-        free = dev.pool_bytes - dev.resident_bytes
-        holders = [c for c in dev.clients.values() if c.holding is not None]
-        if holders:
-            dev.turns = True
-            out: list[Decision] = []
-            for h in holders:
-                if h.holding != "running":
-                    continue
-                if found_idle(h, self._clock, self.config.idle_check_interval):
-                    out.append(self._revoke(h, need > free, REASON_IDLE))
-                elif self._clock >= h.run_start + self.config.fixed_quantum:
-                    out.append(self._revoke(h, need > free, REASON_QUANTUM))
-            return out
-        if w.evict_pending:
-            return []  # its own eviction is in flight: grant it (with restore) after Evicted
-        if need <= free:
-            return [self._grant(w)]
-        short = need - free - dev.incoming_bytes
-        if short <= 0:
-            return []  # the evictions in flight make the room
-        out = self._evict_for(self._eviction_candidates(dev, queue[1:]), short, f"room for {w.id}")
-        if not out and not any(c.evict_pending for c in dev.clients.values()):
-            out.append(self._grant(w))  # nothing left to evict: run it alone (rule 5)
-        return out
