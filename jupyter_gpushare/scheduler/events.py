@@ -77,6 +77,7 @@ class Released:
     evicted: bool = False
     bytes_moved: int = 0
     micros: int = 0
+    evicted_bytes: int = -1  # the shim's total evicted bytes now; -1: not said
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Evicted:
     bytes_moved: int = 0
     micros: int = 0
     ok: bool = True
+    evicted_bytes: int = -1  # the shim's total evicted bytes now; -1: not said
 
 
 @dataclass(frozen=True)

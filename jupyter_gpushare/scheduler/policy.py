@@ -422,11 +422,22 @@ class Policy(FixedQuantumLock):
             c.last_active = self._clock
             c.resident = True
         if evt.evicted:
-            self._set_evicted(c, part)
+            self._set_evicted(c, part, evt.evicted_bytes)
 
     @staticmethod
-    def _set_evicted(c: ClientState, nbytes: int = 0) -> None:
-        """``nbytes`` of its memory left the GPU (0, or all it had there: everything)."""
+    def _set_evicted(c: ClientState, nbytes: int = 0, total: int = -1) -> None:
+        """``nbytes`` of its memory left the GPU (0, or all it had there: everything); ``total``,
+        when the shim said it: its evicted bytes now, which stand for the ask (a shim may free
+        more than asked, up to everything)."""
+        if total >= 0 and c.resident and total < c.movable:
+            gone = max(0, total - c.away)
+            c.away += gone
+            c.evicted = c.away
+            c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
+            c.restore = c.restore or c.away > 0
+            return
+        if total >= 0:
+            nbytes = 0  # all of it
         c.restore = True
         if c.resident and 0 < nbytes < c.evictable:  # a partial eviction: the rest stays
             c.away += nbytes
@@ -445,7 +456,7 @@ class Policy(FixedQuantumLock):
             return  # still resident: the room it was to free does not exist (the next pass retries)
         dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
-            self._set_evicted(c, part)
+            self._set_evicted(c, part, evt.evicted_bytes)
 
     def _on_admin_release(
         self, dev: DeviceState, c: ClientState, evt: AdminRelease

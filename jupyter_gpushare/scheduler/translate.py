@@ -227,6 +227,8 @@ def shim_event(
     mtype = msg.type
     moved = int(msg.get("bytes_moved") or 0)
     micros = int(msg.get("micros") or 0)
+    # What is on the host now, as the shim says (a partial eviction: the part that left).
+    total = int(msg.get("evicted_bytes") or 0) if "evicted_bytes" in msg else -1
     if mtype == MsgType.REQUEST:
         mem = memory_after(memory, msg, cap)
         return ev.Request(
@@ -244,7 +246,7 @@ def shim_event(
             precopied(msg, mem),
         )
     if mtype == MsgType.RELEASED:
-        return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros)
+        return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros, total)
     if mtype == MsgType.IDLE:
         said = "precopied_bytes" in msg
         return ev.Idle(now, client_id, precopied(msg, memory_after(memory, msg)) if said else -1)
@@ -255,7 +257,9 @@ def shim_event(
     if mtype == MsgType.EVICTED:
         # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
         # never reported a failure.
-        return ev.Evicted(now, client_id, moved, micros, ok=bool(msg.get("flag", 1)))
+        return ev.Evicted(
+            now, client_id, moved, micros, ok=bool(msg.get("flag", 1)), evicted_bytes=total
+        )
     if mtype == MsgType.RESTORED:
         return ev.Restored(now, client_id, moved, micros)
     if mtype == MsgType.GOODBYE:

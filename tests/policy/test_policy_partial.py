@@ -168,3 +168,25 @@ def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
     assert p.handle(grew) == [Evict("c", reason="memory pressure", bytes=part(10))]
     (again,) = p.handle(Evicted(7, "c"))
     assert again == Grant("a") and again.room_bytes == 100 * GB - (30 * GB - part(10))
+
+
+def test_what_the_shim_says_left_stands_for_the_ask():
+    """A shim that evicts more than asked (one that ignores evict_bytes frees everything) says
+    its total in RELEASED/EVICTED: the policy counts that, not its ask."""
+    p = make_policy()
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 60)
+    p.handle(Idle(1, "a"))
+    request(p, "b", 60, now=2)  # a is asked for 20 GB
+    p.handle(Released(3, "a", evicted=True, evicted_bytes=int(59.5 * GB)))
+    a = p._clients["a"]
+    assert not a.resident and a.on_gpu == GB // 2 and a.restore
+    p2 = make_policy()
+    join(p2, "a")
+    join(p2, "b", user="bob")
+    request(p2, "a", 60)
+    p2.handle(Idle(1, "a"))
+    request(p2, "b", 60, now=2)
+    p2.handle(Released(3, "a", evicted=True, evicted_bytes=part(20) + BLOCK_BYTES))
+    assert p2._clients["a"].on_gpu == 60 * GB - part(20) - BLOCK_BYTES
