@@ -72,12 +72,17 @@ def test_partial_eviction_frees_what_is_missing_and_at_most_a_block_more(sizes, 
     assert firsts == sorted(firsts, reverse=True)
 
 
-def test_a_grant_restores_only_what_left_and_says_its_room():
-    p = make_policy()
+def _idle_a(p):
+    """a (60 GB) ran and went idle; b (bob) has joined: b's 60 GB miss 20 of a's."""
     join(p, "a")
     join(p, "b", user="bob")
     request(p, "a", 60)
     p.handle(Idle(1, "a"))
+    return p
+
+
+def test_a_grant_restores_only_what_left_and_says_its_room():
+    p = _idle_a(make_policy())
     assert request(p, "b", 60, now=2) == [
         Revoke("a", evict=True, reason="idle", evict_bytes=part(20))
     ]
@@ -125,22 +130,14 @@ def test_without_cost_awareness_the_busy_kernel_is_evicted_at_once():
 
 
 def test_without_partial_eviction_whole_kernels_move():
-    p = make_policy(partial_eviction=False)
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    p.handle(Idle(1, "a"))
+    p = _idle_a(make_policy(partial_eviction=False))
     assert request(p, "b", 60, now=2) == [Revoke("a", evict=True, reason="idle")]
 
 
 def test_a_request_after_a_partial_eviction_counts_what_the_shim_says_once():
     """The shim's REQUEST carries its total evicted bytes: after a partial eviction that is
     the part that left, not a second eviction of it (nor all of it)."""
-    p = make_policy()
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    p.handle(Idle(1, "a"))
+    p = _idle_a(make_policy())
     request(p, "b", 60, now=2)
     p.handle(Released(3, "a", evicted=True))
     a = p._clients["a"]
@@ -173,20 +170,12 @@ def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
 def test_what_the_shim_says_left_stands_for_the_ask():
     """A shim that evicts more than asked (one that ignores evict_bytes frees everything) says
     its total in RELEASED/EVICTED: the policy counts that, not its ask."""
-    p = make_policy()
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    p.handle(Idle(1, "a"))
+    p = _idle_a(make_policy())
     request(p, "b", 60, now=2)  # a is asked for 20 GB
     p.handle(Released(3, "a", evicted=True, evicted_bytes=int(59.5 * GB)))
     a = p._clients["a"]
     assert not a.resident and a.on_gpu == GB // 2 and a.restore
-    p2 = make_policy()
-    join(p2, "a")
-    join(p2, "b", user="bob")
-    request(p2, "a", 60)
-    p2.handle(Idle(1, "a"))
+    p2 = _idle_a(make_policy())
     request(p2, "b", 60, now=2)
     p2.handle(Released(3, "a", evicted=True, evicted_bytes=part(20) + BLOCK_BYTES))
     assert p2._clients["a"].on_gpu == 60 * GB - part(20) - BLOCK_BYTES
