@@ -32,6 +32,7 @@ real value; nothing is compressed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -47,7 +48,7 @@ from .common import scheduler as start_scheduler
 from .handoff import bandwidths
 from .procs import WorkerProc
 from .simulator import SimConfig, Simulation, capacity_sweep, summarize
-from .trace import TIME_SCALE, TraceConfig, generate, scaled, to_json
+from .trace import TIME_SCALE, TraceConfig, User, generate, scaled, to_json
 from .worker import N
 
 MODES = ("gpushare", "gpushare-fair", "colocate", "fixed-quantum")
@@ -290,13 +291,16 @@ def run(
     log: Any = print,
     checkpoint: Any = None,
     sweeps: bool = True,
+    users: list[User] | None = None,
 ) -> dict[str, Any]:
     """The replay's record. ``checkpoint(partial)``, if given, receives the record so far after
     each mode, so that a run cut short (the device's time limit) still leaves results.
     ``sweeps``: also the capacity sweeps and what-ifs of the compressed replay (bench/capacity.py
-    does the real-time ones)."""
+    does the real-time ones). ``users``: play these instead of the trace's (a scenario such as
+    bench/train_beside.py's; ``trace_cfg`` then gives the horizon and the user count)."""
     trace_cfg = trace_cfg or TraceConfig()
-    users = generate(trace_cfg)
+    given = users
+    users = given if given is not None else generate(trace_cfg)
     pool = int(pool_gib * GiB)
     cal = calibrate(log)
     # Never ask for more managed memory than the card has free (all users at once, with a
@@ -376,7 +380,8 @@ def run(
     sim = {}
     sim_cells = {}  # the simulated latency of each real cell, for the per-cell comparison
     for m in (*(m for m in modes if "summary" in runs[m]), "dedicated", *SIM_REFERENCES):
-        cells = Simulation(generate(trace_cfg), m, trace_cfg.horizon, sim_cfg).run()
+        played = copy.deepcopy(given) if given is not None else generate(trace_cfg)
+        cells = Simulation(played, m, trace_cfg.horizon, sim_cfg).run()
         if m in ("gpushare", "gpushare-fair"):
             sim_cells[m] = [
                 {k: c[k] for k in ("user", "cell", "arrival", "end", "ok", "solo")} for c in cells

@@ -13,7 +13,10 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
     kernel_start  ~1.5 min   Jupyter kernel start-to-ready, provisioner vs plain, 20 rotations
     replay        ~7.5 min   8 notebook users: gpushare, co-location, fixed-quantum (replay.py)
     replay-real   ~9 min     8 users at real time (--real-horizon 420 s), gpushare only, and
-                             the simulator on the same cells (replay.py; docs/performance.md)
+                             the simulator on the same cells (replay.py; docs/performance.md);
+                             --real-shape nbmix replays the notebook-shaped trace instead
+    nbmix         no GPU     the simulator on the nbmix trace, before/after (nbmix.py; ~10 CPU
+                             minutes at --nbmix-seeds 20)
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
 directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
@@ -34,7 +37,7 @@ from typing import Any
 
 from .common import record, write_json
 
-PARTS = ("launch", "train", "handoff", "kernel_start", "replay", "replay-real")
+PARTS = ("launch", "train", "handoff", "kernel_start", "replay", "replay-real", "nbmix")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-median", type=float, default=0.12, help="median GPU s per cell")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
+    ap.add_argument("--real-shape", default="uniform", help="replay-real's trace: uniform, nbmix")
+    ap.add_argument("--nbmix-seeds", type=int, default=20, help="seeds per nbmix point")
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
     ap.add_argument(
         "--real-horizon", type=float, default=420.0, help="replay-real: seconds of arrivals"
@@ -199,6 +204,10 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
 
         # The default trace at real time: think and GPU times TIME_SCALE x, same duty cycle.
         tc = scaled(TraceConfig(users=args.users, seed=args.seed), TIME_SCALE, args.real_horizon)
+        if args.real_shape == "nbmix":  # at real time already
+            tc = TraceConfig(
+                users=args.users, seed=args.seed, horizon=args.real_horizon, shape="nbmix"
+            )
         modes = tuple(m for m in args.real_modes.split(",") if m)
 
         def checkpoint_real(partial: dict[str, Any]) -> None:
@@ -210,6 +219,11 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
             sweeps=False,
         )  # fmt: skip
         return {"replay_real": res}
+    if part == "nbmix":
+        from . import nbmix
+
+        nbmix.main([str(args.out), "--seeds", str(args.nbmix_seeds)])  # writes nbmix.json
+        return {}
     raise AssertionError(part)
 
 

@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jupyter_gpushare.scheduler import costs
 from jupyter_gpushare.scheduler import events as ev
 from jupyter_gpushare.scheduler.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
@@ -52,28 +53,53 @@ LONG_CELL = 10.0
 
 @dataclass
 class SimConfig:
+    """The simulated engine. Its costs default to the GPU measurements of
+    :mod:`jupyter_gpushare.scheduler.costs` (each names its result file); :func:`legacy` gives
+    the older model (one 10 GB/s eviction, no pre-copy, no cold staging, whole-kernel moves)."""
+
     pool_bytes: int = 40 * GiB
     total_bytes: int = 80 * GiB
     context_bytes: int = GiB // 2  # per process (a PyTorch context on an H100 is about this)
-    evict_bw: float = 10e9  # bytes/s: device->host moves of the shim
-    restore_bw: float = 48e9  # bytes/s: host->device
+    evict_bw: float = costs.EVICT_STAGED_BPS  # bytes/s: device->host into ready staging
+    restore_bw: float = costs.RESTORE_BPS  # bytes/s: host->device
     touch_s_per_gib: float = 0.0007  # each cell reads and writes its working set once
-    handoff_s: float = 0.002  # fixed cost of a grant (messages, wake-ups)
-    # After a revoke, the holder's launched work runs on this long on average: half a step of
-    # the replay's workers (bench/worker.py synchronises every STEP_ITERS matmuls, ~25 ms).
-    drain_s: float = 0.0125
+    handoff_s: float = costs.HANDOFF_S  # fixed cost of a grant (messages, wake-ups)
+    # After a revoke, the holder's launched work runs on this long on average.
+    drain_s: float = costs.DRAIN_S
     grace: float = 30.0  # seconds after the horizon before unfinished cells are cut
     base_quantum: float = 5.0
     fixed_quantum: float = 30.0
     idle_check_interval: float = 5.0
     extra_bytes: int = 0  # per user, beside the working set (e.g. matmul operands); movable
-    # Model the shim's pre-copy: a PRECOPY copies the working set to the host in the background
-    # (at evict_bw) while it stays on the GPU, and evicting a kernel whose copy is still valid is
-    # the driver's unmap and release (unmap_s_per_gib: 194.6 ms for 12 GiB on an H100), not a
-    # copy. Off by default: the capacity numbers were simulated without it.
-    model_precopy: bool = False
-    unmap_s_per_gib: float = 0.1946 / 12
+    # Model the shim's pre-copy as the daemon runs it: a PRECOPY copies the resident working set
+    # to the host in the background (at precopy_bw) while it stays on the GPU, and evicting
+    # bytes whose copy is still valid is an unmap (unmap_s_per_gib), not a copy.
+    model_precopy: bool = True
+    unmap_s_per_gib: float = costs.UNMAP_S_PER_GIB
+    precopy_bw: float = costs.PRECOPY_BPS
+    # Cold staging: an eviction before the kernel's host staging is ready (within
+    # costs.staging_ready_after of its allocation) runs at cold_evict_bw. 0: never cold.
+    cold_evict_bw: float = costs.EVICT_COLD_BPS
+    # Partial eviction: the engine frees what is asked, in blocks; False: whole kernels move.
+    partial: bool = True
+    block_bytes: int = costs.BLOCK_BYTES
+    keep_free: bool = True  # the daemon's keep_free "auto" (needs model_precopy to act)
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
+
+
+def legacy(cfg: SimConfig | None = None) -> SimConfig:
+    """The simulator before issue 21: 10 GB/s eviction, 48 GB/s restore, 2 ms per grant, no
+    pre-copy model, no cold staging, whole kernels moved (the 'before' column)."""
+    return replace(
+        cfg or SimConfig(),
+        evict_bw=10e9,
+        restore_bw=48e9,
+        handoff_s=0.002,
+        model_precopy=False,
+        unmap_s_per_gib=0.1946 / 12,
+        cold_evict_bw=0.0,
+        partial=False,
+    )
 
 
 @dataclass
@@ -87,8 +113,10 @@ class _U:
     holding: bool = False
     blocked_until: float = 0.0  # restoring, or the grant's fixed cost
     allocated: bool = False  # colocate: its working set is on the card
-    copied: bool = False  # model_precopy: a valid host copy of its working set exists
+    copied: int = 0  # model_precopy: resident bytes with a valid host copy
     copy_gen: int = 0  # bumped whenever a copy in flight goes stale (a cell, an eviction)
+    on_gpu: int = 0  # bytes of its working set on the GPU
+    allocated_at: float | None = None  # when its working set was first backed (staging clock)
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -106,12 +134,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         policy="fixed-quantum" if mode == "fixed-quantum" else "gpushare",
         fixed_quantum=cfg.fixed_quantum,
         idle_check_interval=cfg.idle_check_interval,
-        # The daemon's default. The simulator takes no time for a pre-copy and does not make the
-        # eviction that follows one cheaper: its numbers are those without pre-copy.
+        # The daemon's defaults: pre-copy idle kernels and keep room for the next arrival.
         precopy_idle=True,
-        # The daemon's default too; without pre-copy (above) no kernel is ever fully copied, so
-        # it evicts nothing unless SimConfig.model_precopy.
-        keep_free=KeepFree(auto=True),
+        keep_free=KeepFree(auto=cfg.keep_free),
         ordering=ordering,
     )
 
@@ -157,14 +182,37 @@ class Simulation:
         ctx, ws = self.cfg.context_bytes, self._movable(u)
         return {"used": ctx + ws, "managed": ws, "pinned": ctx, "evicted": 0}
 
-    def _evict_seconds(self, u: _U) -> float:
-        ws = self._movable(u)
-        if u.copied:
-            return ws / GiB * self.cfg.unmap_s_per_gib
-        return ws / self.cfg.evict_bw
+    def _evict_bytes(self, u: _U, asked: int) -> int:
+        """What the engine frees for an ask of ``asked`` bytes (0: all): whole blocks."""
+        if asked <= 0 or not self.cfg.partial:
+            return u.on_gpu
+        blocks = -(-asked // self.cfg.block_bytes)
+        return min(u.on_gpu, blocks * self.cfg.block_bytes)
+
+    def _evict(self, u: _U, asked: int) -> tuple[int, float]:
+        """Evict ``asked`` bytes of ``u`` now (pre-copied ones first): (bytes, seconds)."""
+        n = self._evict_bytes(u, asked)
+        cfg = self.cfg
+        staged = (
+            cfg.cold_evict_bw <= 0
+            or u.allocated_at is None
+            or self.now >= u.allocated_at + costs.staging_ready_after(self._movable(u))
+        )
+        secs = costs.evict_seconds(
+            n,
+            u.copied,
+            staged,
+            staged_bps=cfg.evict_bw,
+            cold_bps=cfg.cold_evict_bw or cfg.evict_bw,
+            unmap_s_per_gib=cfg.unmap_s_per_gib,
+        )
+        u.copied = max(0, u.copied - n)
+        u.on_gpu -= n
+        u.copy_gen += 1  # a copy in flight covered blocks that may have left
+        return n, secs
 
     def _stale(self, u: _U) -> None:
-        u.copied = False
+        u.copied = 0
         u.copy_gen += 1
 
     def _send(self, event: ev.Event) -> None:
@@ -180,20 +228,25 @@ class Simulation:
         ws = self._movable(u)
         if isinstance(d, ev.Grant):
             u.holding = True
-            move = ws / self.cfg.restore_bw if d.restore else 0.0
+            back = ws - u.on_gpu if u.allocated_at is not None else 0  # only what left
+            if u.allocated_at is None:
+                u.allocated_at = self.now  # its working set is backed now: staging starts
+            u.on_gpu = ws
+            move = back / self.cfg.restore_bw if d.restore else 0.0
             u.blocked_until = self.now + self.cfg.handoff_s + move
             if d.restore:
-                self._at(u.blocked_until, "restored", u.user.name, ws)
+                self._at(u.blocked_until, "restored", u.user.name, back)
         elif isinstance(d, ev.Revoke):
             self.revokes[d.reason] += 1
             # The shim closes the gate at once; the work already launched runs on (drains).
-            self._at(self.now + self.cfg.drain_s, "drained", u.user.name, d.evict)
+            arg = (d.evict_bytes or -1) if d.evict else 0
+            self._at(self.now + self.cfg.drain_s, "drained", u.user.name, arg)
         elif isinstance(d, ev.Evict):
-            secs = self._evict_seconds(u)
-            self._at(self.now + secs, "evicted", u.user.name, (ws, secs))
-            self._stale(u)
+            moved, secs = self._evict(u, d.bytes)
+            self._at(self.now + secs, "evicted", u.user.name, (moved, secs))
         elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
-            self._at(self.now + ws / self.cfg.evict_bw, "precopied", u.user.name, u.copy_gen)
+            todo = max(0, u.on_gpu - u.copied)
+            self._at(self.now + todo / self.cfg.precopy_bw, "precopied", u.user.name, u.copy_gen)
 
     def _active(self) -> list[_U]:
         return [
@@ -324,24 +377,21 @@ class Simulation:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
         elif kind == "drained":
             u.holding = False
-            evict_s = self._evict_seconds(u) if arg else 0.0
-            if arg:
-                self._stale(u)
-            self._at(self.now + evict_s, "released", name, (bool(arg), evict_s))
+            moved, evict_s = self._evict(u, max(0, arg)) if arg else (0, 0.0)
+            self._at(self.now + evict_s, "released", name, (bool(arg), moved, evict_s))
         elif kind == "released":
-            ws = self._movable(u)
-            evicted, evict_s = arg
+            evicted, moved, evict_s = arg
             micros = int(evict_s * 1e6)
-            self._send(ev.Released(self.now, name, evicted, ws if evicted else 0, micros))
+            self._send(ev.Released(self.now, name, evicted, moved, micros))
             if u.in_cell and u.work > 0 and not u.holding:
                 self._send(ev.Request(self.now, name, **self._mem(u)))
         elif kind == "evicted":
             moved, secs = arg
             self._send(ev.Evicted(self.now, name, moved, int(secs * 1e6)))
         elif kind == "precopied" and arg == u.copy_gen:  # still valid: no cell, no eviction since
-            u.copied = True
+            u.copied = u.on_gpu
             mem = self._mem(u)
-            self._send(ev.Memory(self.now, name, **mem, precopied=mem["managed"]))
+            self._send(ev.Memory(self.now, name, **mem, precopied=u.copied))
         elif kind == "restored":
             self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
 

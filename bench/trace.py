@@ -13,6 +13,14 @@ restore, handoff): against bursts 30x shorter they weigh ~30x more than in real 
 replay's slowdowns are pessimistic for gpushare. ``scaled`` gives the same trace at real time
 (for the simulator's capacity planning).
 
+The notebook-shaped trace ``nbmix`` (``TraceConfig(shape="nbmix")``, issue 21) is at real time
+and heavier-tailed: 80% interactive cells (log-normal, median 0.25 s, sigma 1.0, 0.01-5 s), 17%
+medium (median 8 s, sigma 1.0, 1-120 s), 3% training cells (Pareto alpha 1.5 from 120 s, cut at
+30 min); think time log-normal (median 110 s, sigma 1.2, at least 2 s) plus, with probability
+5%, a long break (exponential, mean 20 min); about 4% duty; working sets dealt from {1, 2, 3, 4,
+6, 8, 12, 16, 20, 24} GiB, so that 8 users hold about twice a 40 GiB pool. Its distributions are
+fixed (:data:`NBMIX`): only users, seed and horizon of the TraceConfig apply.
+
 The same seed gives the same trace in every process and on every machine (``random.Random``).
 """
 
@@ -25,6 +33,26 @@ from typing import Any
 GiB = 1 << 30
 #: How much faster than real use the default trace runs (think time and GPU bursts alike).
 TIME_SCALE = 30.0
+#: The trace shapes: today's time-scaled one and the notebook-shaped mix.
+SHAPES = ("uniform", "nbmix")
+
+
+@dataclass(frozen=True)
+class NbmixShape:
+    """The distributions of the ``nbmix`` trace (see the module docstring)."""
+
+    interactive_p: float = 0.80
+    interactive: tuple[float, float, float, float] = (0.25, 1.0, 0.01, 5.0)  # median, sigma, lo, hi
+    medium_p: float = 0.17
+    medium: tuple[float, float, float, float] = (8.0, 1.0, 1.0, 120.0)
+    training: tuple[float, float, float] = (1.5, 120.0, 1800.0)  # Pareto alpha, from, cut
+    think: tuple[float, float, float] = (110.0, 1.2, 2.0)  # median, sigma, at least
+    break_p: float = 0.05
+    break_mean: float = 1200.0
+    working_sets_gib: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24)
+
+
+NBMIX = NbmixShape()
 
 
 @dataclass(frozen=True)
@@ -39,8 +67,11 @@ class TraceConfig:
     gpu_min: float = 0.02
     gpu_max: float = 3.0
     working_sets_gib: tuple[float, ...] = (2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0)
+    shape: str = "uniform"  # or "nbmix": the fields above but users, seed, horizon do not apply
 
     def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"unknown trace shape {self.shape!r} (one of: {', '.join(SHAPES)})")
         if self.users < 1 or self.horizon <= 0 or self.think_mean <= 0 or self.gpu_median <= 0:
             raise ValueError(f"invalid trace configuration {self}")
         if not self.working_sets_gib:
@@ -61,25 +92,74 @@ def generate(cfg: TraceConfig) -> list[User]:
     i modulo the list), so the total is known in advance: the pool can be chosen below it.
     """
     rng = random.Random(cfg.seed)
-    sizes = list(cfg.working_sets_gib)
+    nbmix = cfg.shape == "nbmix"
+    sizes = list(NBMIX.working_sets_gib if nbmix else cfg.working_sets_gib)
     rng.shuffle(sizes)
     users = []
     for i in range(cfg.users):
         u = User(f"u{i:02d}", int(sizes[i % len(sizes)] * GiB))
         t = 0.0
         while t <= cfg.horizon:
-            think = max(cfg.think_min, rng.expovariate(1.0 / cfg.think_mean))
-            # lognormvariate(0, s) has median 1
-            gpu = cfg.gpu_median * rng.lognormvariate(0.0, cfg.gpu_sigma)
-            gpu = min(cfg.gpu_max, max(cfg.gpu_min, gpu))
+            think = nbmix_think(rng) if nbmix else _uniform_think(rng, cfg)
+            gpu = nbmix_cell(rng) if nbmix else _uniform_gpu(rng, cfg)
             u.cells.append({"think": round(think, 6), "gpu": round(gpu, 6)})
             t += think
         users.append(u)
     return users
 
 
+def _uniform_think(rng: random.Random, cfg: TraceConfig) -> float:
+    return max(cfg.think_min, rng.expovariate(1.0 / cfg.think_mean))
+
+
+def _uniform_gpu(rng: random.Random, cfg: TraceConfig) -> float:
+    # lognormvariate(0, s) has median 1
+    gpu = cfg.gpu_median * rng.lognormvariate(0.0, cfg.gpu_sigma)
+    return min(cfg.gpu_max, max(cfg.gpu_min, gpu))
+
+
+def _clipped_lognormal(
+    rng: random.Random, median: float, sigma: float, lo: float, hi: float
+) -> float:
+    return min(hi, max(lo, median * rng.lognormvariate(0.0, sigma)))
+
+
+def nbmix_cell(rng: random.Random, shape: NbmixShape = NBMIX) -> float:
+    """One cell's GPU seconds from the nbmix mix."""
+    r = rng.random()
+    if r < shape.interactive_p:
+        return _clipped_lognormal(rng, *shape.interactive)
+    if r < shape.interactive_p + shape.medium_p:
+        return _clipped_lognormal(rng, *shape.medium)
+    alpha, start, cut = shape.training
+    return min(cut, start * rng.paretovariate(alpha))
+
+
+def nbmix_think(rng: random.Random, shape: NbmixShape = NBMIX) -> float:
+    """One think time (seconds before the next cell) from the nbmix mix."""
+    median, sigma, least = shape.think
+    think = max(least, median * rng.lognormvariate(0.0, sigma))
+    if rng.random() < shape.break_p:
+        think += rng.expovariate(1.0 / shape.break_mean)
+    return think
+
+
+def nbmix_duty_cycle(samples: int = 200_000, shape: NbmixShape = NBMIX) -> float:
+    """A nbmix user's expected fraction of wall time on the GPU (Monte Carlo)."""
+    rng = random.Random(12345)
+    think = gpu = 0.0
+    for _ in range(samples):
+        think += nbmix_think(rng, shape)
+        gpu += nbmix_cell(rng, shape)
+    return gpu / (think + gpu)
+
+
 def scaled(cfg: TraceConfig, factor: float, horizon: float | None = None) -> TraceConfig:
-    """The same users ``factor`` times slower: think and GPU times alike (the duty cycle stays)."""
+    """The same users ``factor`` times slower: think and GPU times alike (the duty cycle stays).
+
+    A nbmix trace is at real time already: only its horizon changes."""
+    if cfg.shape == "nbmix":
+        return replace(cfg, horizon=cfg.horizon * factor if horizon is None else horizon)
     return replace(
         cfg,
         think_mean=cfg.think_mean * factor,
@@ -93,6 +173,8 @@ def scaled(cfg: TraceConfig, factor: float, horizon: float | None = None) -> Tra
 
 def duty_cycle(cfg: TraceConfig, samples: int = 200_000) -> float:
     """A user's expected fraction of wall time on the GPU (Monte Carlo of the distributions)."""
+    if cfg.shape == "nbmix":
+        return nbmix_duty_cycle(samples)
     rng = random.Random(12345)
     think = gpu = 0.0
     for _ in range(samples):

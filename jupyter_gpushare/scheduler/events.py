@@ -8,7 +8,7 @@ the benchmark simulator all feed it these events, each stamped with the time ``n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # --------------------------------------------------------------------------------------------
 # Events
@@ -77,6 +77,7 @@ class Released:
     evicted: bool = False
     bytes_moved: int = 0
     micros: int = 0
+    evicted_bytes: int = -1  # the shim's total evicted bytes now; -1: not said
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Evicted:
     bytes_moved: int = 0
     micros: int = 0
     ok: bool = True
+    evicted_bytes: int = -1  # the shim's total evicted bytes now; -1: not said
 
 
 @dataclass(frozen=True)
@@ -201,10 +203,17 @@ Event = (
 
 @dataclass(frozen=True)
 class Grant:
-    """Tell the client it holds the device; ``restore``: prefetch its evicted memory first."""
+    """Tell the client it holds the device; ``restore``: prefetch its evicted memory first.
+
+    ``room_bytes``: the most device memory the client may hold backed during this grant (None:
+    no limit); an allocation past it is not backed, and its launches wait for a grant with more.
+    It is a bound the grant carries, not part of what is decided (who runs, with or without a
+    restore), so two grants that differ only in it compare equal.
+    """
 
     client: str
     restore: bool = False
+    room_bytes: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -214,14 +223,20 @@ class Revoke:
     client: str
     evict: bool = False
     reason: str = ""
+    evict_bytes: int = 0  # with evict: the bytes to free on the GPU (0: everything)
 
 
 @dataclass(frozen=True)
 class Evict:
-    """Ask a client that does not hold the device to move its managed memory to the host."""
+    """Ask a client that does not hold the device to move its managed memory to the host.
+
+    ``bytes``: free at least this many on the GPU (pre-copied blocks first, then least recently
+    used ones); 0: everything (partial eviction, docs/architecture.md).
+    """
 
     client: str
     reason: str = ""
+    bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ has never held the device is not resident either: managed memory that no kernel 
 pages on the GPU (and needs no restore).
 
 ``PolicyConfig(policy="fixed-quantum")`` replaces rules 2-5 with a baseline to measure against
-(:meth:`Policy._admit_fixed`): an exclusive lock, first come first served, held for a fixed
+(:mod:`.policy_fixed`): an exclusive lock, first come first served, held for a fixed
 quantum unless a periodic timer finds the holder idle.
 """
 
@@ -74,24 +74,24 @@ from .events import (
     SetWeight,
     Tick,
 )
-from .idle_timer import found_idle, next_idle_check
+from .idle_timer import next_idle_check
 from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
+from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
+from .policy_moves import ask, note_cell_end, order_candidates, room_for, worth_evicting
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
 from .room import REASON_ROOM, precopy_candidates, room_deadline, room_evictions
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
-REASON_IDLE = "idle"
-REASON_QUANTUM = "quantum expired"
 REASON_GREW = "memory grew past the pool"
 REASON_PRESSURE = "memory pressure"
 REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
 
 
-class Policy:
+class Policy(FixedQuantumLock):
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -167,6 +167,7 @@ class Policy:
                 client.precopied = event.precopied
             if not client.idle:
                 client.idle_since = self._clock
+                note_cell_end(client, self._clock)
             client.idle = True
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
@@ -176,6 +177,7 @@ class Policy:
             client.precopy_asked = False
             client.room_tried = False
             client.cell.new_cell(from_jupyter=True)
+            client.cell_start = self._clock
         elif isinstance(event, Leave):
             self._remove(client)
         elif isinstance(event, AdminRelease):
@@ -387,13 +389,22 @@ class Policy:
             return
         if c.idle:  # it wants the GPU again after its cell ended: a new cell
             c.cell.new_cell()
+            c.cell_start = self._clock
+        elif c.cell_start is None:
+            c.cell_start = self._clock
         c.idle = False
         if c.waiting_since is None:
             since = c.resume_since
             c.waiting_since = self._clock if since is None else min(since, self._clock)
         c.resume_since = None
         if evt.evicted > 0 and not c.evict_pending:
-            self._set_evicted(c)  # some of its memory is on the host: the grant restores it
+            # Some of its memory is on the host (the shim's total): the grant restores it.
+            if c.resident and evt.evicted < c.movable:
+                c.away = max(c.away, evt.evicted)
+                c.restore = True
+                c.evicted = c.away
+            else:
+                self._set_evicted(c)
 
     def _on_released(self, dev: DeviceState, c: ClientState, evt: Released) -> None:
         """The client stopped using the device (answer to Revoke, or unsolicited).
@@ -403,28 +414,49 @@ class Policy:
         """
         if evt.evicted:
             dev.measure("evict", evt.bytes_moved, evt.micros)
+        part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
         if c.holding is not None:
             c.holding = None
             c.revoke_evict = False
+            c.revoke_bytes = 0
             c.last_active = self._clock
             c.resident = True
         if evt.evicted:
-            self._set_evicted(c)
+            self._set_evicted(c, part, evt.evicted_bytes)
 
     @staticmethod
-    def _set_evicted(c: ClientState) -> None:
-        c.resident = False
+    def _set_evicted(c: ClientState, nbytes: int = 0, total: int = -1) -> None:
+        """``nbytes`` of its memory left the GPU (0, or all it had there: everything); ``total``,
+        when the shim said it: its evicted bytes now, which stand for the ask (a shim may free
+        more than asked, up to everything)."""
+        if total >= 0 and c.resident and total < c.movable:
+            gone = max(0, total - c.away)
+            c.away += gone
+            c.evicted = c.away
+            c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
+            c.restore = c.restore or c.away > 0
+            return
+        if total >= 0:
+            nbytes = 0  # all of it
         c.restore = True
+        if c.resident and 0 < nbytes < c.evictable:  # a partial eviction: the rest stays
+            c.away += nbytes
+            c.evicted = c.away
+            c.precopied = max(0, c.precopied - nbytes)  # pre-copied blocks leave first
+            return
+        c.resident = False
+        c.away = 0
         c.evicted = c.managed
         c.precopied = 0  # nothing resident left to have a copy of
 
     def _on_evicted(self, dev: DeviceState, c: ClientState, evt: Evicted) -> None:
         c.evict_pending = False
+        part, c.evict_asked = c.evict_asked, 0
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
         dev.measure("evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
-            self._set_evicted(c)
+            self._set_evicted(c, part, evt.evicted_bytes)
 
     def _on_admin_release(
         self, dev: DeviceState, c: ClientState, evt: AdminRelease
@@ -458,18 +490,41 @@ class Policy:
         c.run_start = self._clock
         c.waiting_since = None
         c.resident = True
+        c.away = 0  # the grant restores what left (only that: the shim knows which blocks)
         c.idle = False
-        return Grant(c.id, restore=restore)
+        room = None
+        if self.config.policy == "gpushare":  # never less than it holds (a grant alone, rule 5)
+            room = max(c.used, room_for(self._devices[c.device], c))
+        c.room = room
+        return Grant(c.id, restore=restore, room_bytes=room)
 
-    def _revoke(self, c: ClientState, evict: bool, reason: str) -> Revoke:
+    def _revoke(self, c: ClientState, evict: bool, reason: str, nbytes: int = 0) -> Revoke:
+        """Revoke ``c``; with ``evict``, freeing ``nbytes`` of it (0: everything)."""
         c.holding = "revoking"
         c.revoke_evict = evict
+        partial = evict and nbytes > 0 and self.config.partial_eviction
+        c.revoke_bytes = ask(c, nbytes) if partial else c.evictable
         c.revoked_at = self._clock
-        return Revoke(c.id, evict=evict, reason=reason)
+        part = c.revoke_bytes if evict and c.revoke_bytes < c.evictable else 0
+        return Revoke(c.id, evict=evict, reason=reason, evict_bytes=part)
 
-    def _evict(self, c: ClientState, reason: str) -> Evict:
+    def _evict(self, c: ClientState, reason: str, nbytes: int = 0) -> Evict:
+        """Evict ``nbytes`` of ``c`` (rounded up to a block; 0: everything)."""
         c.evict_pending = True
-        return Evict(c.id, reason=reason)
+        partial = nbytes > 0 and self.config.partial_eviction
+        c.evict_asked = ask(c, nbytes) if partial else c.evictable
+        part = c.evict_asked if c.evict_asked < c.evictable else 0
+        return Evict(c.id, reason=reason, bytes=part)
+
+    def _evict_for(self, cands: Iterable[ClientState], short: int, reason: str) -> list[Decision]:
+        """Partial eviction: free ``short`` bytes from ``cands`` in order (.policy_moves)."""
+        out: list[Decision] = []
+        for c in cands:
+            if short <= 0:
+                break
+            out.append(self._evict(c, reason, short))
+            short -= c.evict_asked
+        return out
 
     # ----------------------------------------------------------------------------------------
     # Accounting helpers
@@ -521,21 +576,26 @@ class Policy:
 
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
-    @staticmethod
-    def _eviction_candidates(dev: DeviceState, behind: Iterable[ClientState]) -> list[ClientState]:
+    def _eviction_candidates(
+        self, dev: DeviceState, behind: Iterable[ClientState]
+    ) -> list[ClientState]:
         """Clients whose memory may be evicted for a waiter, cheapest loss first.
 
-        Idle clients, least recently used first; then waiters behind the one being served,
-        lowest priority first (their memory would block it, and they cannot run before it).
+        Idle clients, pre-copied ones first (an unmap), then least recently used first; then
+        waiters behind the one being served, lowest priority first (their memory would block it,
+        and they cannot run before it). Each gives only what is missing (.policy_moves). Cost-aware
+        (``PolicyConfig.cost_aware``), the kernels whose cell is expected to be longest give first
+        (.policy_moves.order_candidates).
         """
         idle = [
             c
             for c in dev.clients.values()
             if c.holding is None and c.waiting_since is None and c.resident
         ]
-        idle.sort(key=lambda c: (c.last_active, c.seq))
         waiters = [c for c in reversed(list(behind)) if c.resident]
-        return [c for c in idle + waiters if not c.evict_pending and c.movable > 0]
+        now = self._clock if self.config.cost_aware else None
+        cands = order_candidates(idle, waiters, now)
+        return [c for c in cands if not c.evict_pending and c.evictable > 0]
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         if self.config.policy == "gpushare":
@@ -552,6 +612,8 @@ class Policy:
         for c in dev.clients.values():
             if c.holding == "running" and not c.idle:
                 yield self._expires_at(dev, c)
+                if self.config.cost_aware and c.cell_start is not None:
+                    yield c.cell_start + c.turn_s  # it outlives its usual cell: weigh it again
             elif c.waiting_since is not None:
                 yield c.waiting_since + self.config.base_quantum
                 yield c.waiting_since + self.config.max_quantum
@@ -564,7 +626,20 @@ class Policy:
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev) + self._more_room(dev)
+
+    def _more_room(self, dev: DeviceState) -> list[Decision]:
+        """A holder whose memory grew past its grant's room waits for a grant with more (its
+        allocation is not backed): grant it again once the pool can give more."""
+        out: list[Decision] = []
+        for c in dev.clients.values():
+            if c.holding != "running" or c.room is None or c.used <= c.room:
+                continue
+            room = room_for(dev, c)
+            if room > c.room:
+                c.room = room
+                out.append(Grant(c.id, restore=False, room_bytes=room))
+        return out
 
     def _relieve(self, dev: DeviceState) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
@@ -585,15 +660,12 @@ class Policy:
         total = sum(c.used for c in running)
         while len(running) > 1 and total > dev.pool_bytes:
             c = running.pop(0)
-            out.append(self._revoke(c, True, REASON_GREW))
-            total -= c.used
+            out.append(self._revoke(c, True, REASON_GREW, total - dev.pool_bytes))
+            total -= c.revoke_bytes
         excess = dev.resident_bytes - dev.incoming_bytes - dev.pool_bytes
         if excess > 0:
-            for c in self._eviction_candidates(dev, self._queue(dev, self._clock)):
-                if excess <= 0:
-                    break
-                out.append(self._evict(c, REASON_PRESSURE))
-                excess -= c.movable
+            cands = self._eviction_candidates(dev, self._queue(dev, self._clock))
+            out += self._evict_for(cands, excess, REASON_PRESSURE)
         return out
 
     def _admit(self, dev: DeviceState) -> list[Decision]:
@@ -620,16 +692,14 @@ class Policy:
                 continue  # behind a blocked waiter that does not reserve yet: free room only
             cands = self._eviction_candidates(dev, queue[i + 1 :])
             short = need - free
-            if short <= incoming + sum(c.movable for c in cands):
+            if short <= incoming + sum(c.evictable for c in cands):
                 # Fits once idle memory leaves: claim in-flight room first, then evict LRU.
                 use = min(short, incoming)
                 incoming -= use
                 short -= use
-                for c in cands:
-                    if short <= 0:
-                        break
-                    out.append(self._evict(c, f"room for {w.id}"))
-                    short -= c.movable
+                moves = self._evict_for(cands, short, f"room for {w.id}")
+                out += moves
+                short -= sum(self._clients[d.client].evict_asked for d in moves)
                 incoming += max(0, -short)
                 free = 0
                 continue
@@ -654,7 +724,7 @@ class Policy:
         handoff moves memory in parallel yet never moves what the revocations already free.
         """
         out: list[Decision] = []
-        deficit = short - sum(c.movable for c in cands)  # what only running holders can give
+        deficit = short - sum(c.evictable for c in cands)  # what only running holders can give
         freed = 0
         running = sorted(
             (c for c in dev.clients.values() if c.holding == "running"),
@@ -662,28 +732,24 @@ class Policy:
         )
         for h in (c for c in running if c.idle):
             evict = deficit > 0
-            out.append(self._revoke(h, evict, REASON_IDLE))
+            out.append(self._revoke(h, evict, REASON_IDLE, deficit))
             if evict:
-                deficit -= h.movable
-                freed += h.movable
+                deficit -= h.revoke_bytes
+                freed += h.revoke_bytes
         for h in (c for c in running if not c.idle and self._expired(dev, c)):
             if deficit <= 0:
                 break
-            out.append(self._revoke(h, True, REASON_QUANTUM))
-            deficit -= h.movable
-            freed += h.movable
+            if self.config.cost_aware and not worth_evicting(dev, h, ask(h, deficit), self._clock):
+                continue  # its cell is expected to end sooner than the move would take
+            out.append(self._revoke(h, True, REASON_QUANTUM, deficit))
+            deficit -= h.revoke_bytes
+            freed += h.revoke_bytes
         if deficit <= 0:
-            rest = short - freed
-            for c in cands:
-                if rest <= 0:
-                    break
-                out.append(self._evict(c, f"room for {w.id}"))
-                rest -= c.movable
-            return out
+            return out + self._evict_for(cands, short - freed, f"room for {w.id}")
         if any(c.holding is not None for c in dev.clients.values()):
             return out  # wait for the holders' quanta (a Tick) or their answers
         # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
-        if cands:
+        if cands:  # everything that can move moves: w does not fit even so
             out += [self._evict(c, f"room for {w.id}") for c in cands]
         elif not any(c.evict_pending for c in dev.clients.values()):
             out.append(self._grant(w))
@@ -715,54 +781,3 @@ class Policy:
         """Pause (revoke, no eviction: the memory stays) what the ordering says to pause."""
         paused = self._order.to_pause(self._busy_holders(dev), self._clock)
         return [self._revoke(c, False, REASON_ORDER) for c in paused]
-
-    # ----------------------------------------------------------------------------------------
-    # The fixed-quantum lock (PolicyConfig.policy = "fixed-quantum"): a baseline to compare with
-
-    def _admit_fixed(self, dev: DeviceState) -> list[Decision]:
-        """An exclusive lock, first come first served, with a fixed time quantum.
-
-        One holder at a time. While others wait, the holder keeps the device for
-        ``fixed_quantum`` seconds unless the timer (every ``idle_check_interval`` seconds from
-        its grant) finds it idle; Jupyter's cell-end signal is not used at once. Memory moves as
-        under the gpushare policy (the holder is evicted when the next one needs the room; idle
-        clients are evicted least recently used first), so the comparison isolates the policy.
-        """
-        queue = sorted(
-            (c for c in dev.clients.values() if c.waiting_since is not None),
-            key=lambda c: (c.waiting_since, c.seq),
-        )
-        dev.turns = False
-        if not queue:
-            return []
-        w = queue[0]
-        need = w.used - w.on_gpu
-        free = dev.pool_bytes - dev.resident_bytes
-        holders = [c for c in dev.clients.values() if c.holding is not None]
-        if holders:
-            dev.turns = True
-            out: list[Decision] = []
-            for h in holders:
-                if h.holding != "running":
-                    continue
-                if found_idle(h, self._clock, self.config.idle_check_interval):
-                    out.append(self._revoke(h, need > free, REASON_IDLE))
-                elif self._clock >= h.run_start + self.config.fixed_quantum:
-                    out.append(self._revoke(h, need > free, REASON_QUANTUM))
-            return out
-        if w.evict_pending:
-            return []  # its own eviction is in flight: grant it (with restore) after Evicted
-        if need <= free:
-            return [self._grant(w)]
-        short = need - free - dev.incoming_bytes
-        if short <= 0:
-            return []  # the evictions in flight make the room
-        out = []
-        for c in self._eviction_candidates(dev, queue[1:]):
-            if short <= 0:
-                break
-            out.append(self._evict(c, f"room for {w.id}"))
-            short -= c.movable
-        if not out and not any(c.evict_pending for c in dev.clients.values()):
-            out.append(self._grant(w))  # nothing left to evict: run it alone (rule 5)
-        return out

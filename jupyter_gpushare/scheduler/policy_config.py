@@ -37,6 +37,12 @@ class PolicyConfig:
     # pre-copied clients before anyone waits (see .room). Off in the bare core, like pre-copy;
     # the scheduler sets it from c.GPUShareScheduler.keep_free. Only the gpushare policy keeps it.
     keep_free: KeepFree = field(default_factory=KeepFree)
+    # Issue 21's memory rules (.policy_moves), each switchable so the simulator can show what it
+    # adds: evict only the bytes missing (partial eviction), and never evict a busy kernel whose
+    # cell is expected to end sooner than the move, taking the longest cells' memory first
+    # (cost-aware).
+    partial_eviction: bool = True
+    cost_aware: bool = True
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

@@ -67,6 +67,12 @@ class ClientState:
     room_evicted: bool = False  # its memory left for room and it has not run since
     room_returns: int = 0  # how often it came back after a room eviction (.room's hold)
     revoke_evict: bool = False  # the pending Revoke asked for eviction
+    revoke_bytes: int = 0  # ... of this many bytes (policy_moves.ask)
+    evict_asked: int = 0  # bytes the pending Evict is to free
+    away: int = 0  # movable bytes evicted while the rest stayed (a partial eviction)
+    cell_start: float | None = None  # when its current cell began (Busy, or a Request after idle)
+    turn_s: float = 0.0  # EWMA of its cells' lengths (expected wait, .policy_moves)
+    room: int | None = None  # the room_bytes of its current grant (None: no limit)
     resident: bool = False  # its managed memory is on the GPU (it ran, and was not evicted since)
     restore: bool = False  # its managed memory was evicted: the next grant restores it
     idle: bool = False  # Idle seen since the last Busy/Request
@@ -90,7 +96,16 @@ class ClientState:
     @property
     def on_gpu(self) -> int:
         """Bytes this client occupies on the GPU now (as the policy accounts them)."""
-        return self.used if self.resident else min(self.pinned, self.used)
+        return (
+            self.used - min(self.away, self.movable)
+            if self.resident
+            else min(self.pinned, self.used)
+        )
+
+    @property
+    def evictable(self) -> int:
+        """Bytes an eviction of this client can free on the GPU now."""
+        return max(0, self.movable - self.away) if self.resident else 0
 
     @property
     def state(self) -> str:
@@ -131,8 +146,10 @@ class DeviceState:
         """Room that evictions already asked for will free when their answers come."""
         total = 0
         for c in self.clients.values():
-            if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
-                total += c.movable if c.resident else 0
+            if c.evict_pending:
+                total += min(c.evict_asked, c.evictable)
+            elif c.holding == "revoking" and c.revoke_evict:
+                total += min(c.revoke_bytes, c.evictable)
         return total
 
     def measure(self, direction: str, moved: int, micros: int) -> None:

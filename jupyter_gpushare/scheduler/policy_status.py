@@ -135,11 +135,7 @@ def _explain(
     wait: dict[str, Any] = {"reason": reason, "text": text, "holders": about}
     if reason == "memory":
         # What is on its way to the host now (the wait line says how much).
-        wait["moving_bytes"] = sum(
-            h.movable
-            for h in dev.clients.values()
-            if h.evict_pending or (h.holding == "revoking" and h.revoke_evict)
-        )
+        wait["moving_bytes"] = dev.incoming_bytes  # partial evictions count what they free
     return {"wait": wait}
 
 

@@ -104,8 +104,8 @@ def _evictable(c: ClientState) -> bool:
         and c.resident
         and not c.evict_pending
         and not c.room_tried
-        and c.movable > 0
-        and c.precopied >= c.movable
+        and c.evictable > 0
+        and c.precopied >= c.evictable
     )
 
 
@@ -145,7 +145,7 @@ def room_evictions(
         if short <= 0:
             break
         chosen.append(c)
-        short -= c.movable
+        short -= c.evictable
     return chosen
 
 
@@ -179,7 +179,7 @@ def precopy_candidates(clients: Iterable[ClientState], decided: Iterable[Decisio
         and c.waiting_since is None
         and not c.precopy_asked
         and not c.evict_pending
-        and c.movable > c.precopied
+        and c.evictable > c.precopied
         and c.id not in touched
     ]
     chosen.sort(key=lambda c: (c.last_active, c.seq))

@@ -228,6 +228,8 @@ def shim_event(
     mtype = msg.type
     moved = int(msg.get("bytes_moved") or 0)
     micros = int(msg.get("micros") or 0)
+    # What is on the host now, as the shim says (a partial eviction: the part that left).
+    total = int(msg.get("evicted_bytes") or 0) if "evicted_bytes" in msg else -1
     if mtype == MsgType.REQUEST:
         mem = memory_after(memory, msg, cap)
         return ev.Request(
@@ -245,7 +247,7 @@ def shim_event(
             precopied(msg, mem),
         )
     if mtype == MsgType.RELEASED:
-        return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros)
+        return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros, total)
     if mtype == MsgType.IDLE:
         said = "precopied_bytes" in msg
         return ev.Idle(now, client_id, precopied(msg, memory_after(memory, msg)) if said else -1)
@@ -256,7 +258,9 @@ def shim_event(
     if mtype == MsgType.EVICTED:
         # flag 0: the eviction failed and the memory is still on the GPU; shims before the flag
         # never reported a failure.
-        return ev.Evicted(now, client_id, moved, micros, ok=bool(msg.get("flag", 1)))
+        return ev.Evicted(
+            now, client_id, moved, micros, ok=bool(msg.get("flag", 1)), evicted_bytes=total
+        )
     if mtype == MsgType.RESTORED:
         return ev.Restored(now, client_id, moved, micros)
     if mtype == MsgType.GOODBYE:
@@ -265,14 +269,27 @@ def shim_event(
 
 
 def decision_message(decision: ev.Decision) -> Message:
-    """The frame that carries a policy decision to its shim."""
+    """The frame that carries a policy decision to its shim.
+
+    ``evict_bytes`` (REVOKE with evict, EVICT) and ``room_bytes`` (GRANT) are sent only when
+    they limit something: absent means everything (evict_bytes) and no limit (room_bytes).
+    """
     if isinstance(decision, ev.Grant):
-        return Message(MsgType.GRANT, {"flag": int(decision.restore)})
+        fields: dict[str, Any] = {"flag": int(decision.restore)}
+        if decision.room_bytes is not None:
+            fields["room_bytes"] = max(0, decision.room_bytes)
+        return Message(MsgType.GRANT, fields)
     if isinstance(decision, ev.Revoke):
-        return Message(MsgType.REVOKE, {"flag": int(decision.evict), "reason": decision.reason})
+        fields = {"flag": int(decision.evict), "reason": decision.reason}
+        if decision.evict and decision.evict_bytes > 0:
+            fields["evict_bytes"] = decision.evict_bytes
+        return Message(MsgType.REVOKE, fields)
     if isinstance(decision, ev.Precopy):
         return Message(MsgType.PRECOPY, {})
-    return Message(MsgType.EVICT, {"reason": decision.reason})
+    fields = {"reason": decision.reason}
+    if decision.bytes > 0:
+        fields["evict_bytes"] = decision.bytes
+    return Message(MsgType.EVICT, fields)
 
 
 def encode_status(doc: dict[str, Any]) -> bytes:

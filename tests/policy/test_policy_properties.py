@@ -53,6 +53,9 @@ CONFIG = PolicyConfig(
     evict_bandwidth=100 * MB,  # a full pool moves in 10 s: quanta between 5 and 48 s
     restore_bandwidth=500 * MB,
     usage_half_life=300.0,
+    # The model's shims move all of a client's memory or none (``evicted`` is a flag): partial
+    # eviction, whose asks they would not honour, has its own properties (test_policy_partial).
+    partial_eviction=False,
 )
 MAX_CLIENTS = 7
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
 from jupyter_gpushare.scheduler.events import (
     AdminRelease,
     Busy,
@@ -27,6 +28,11 @@ from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 GB = 10**9
 DEV = "GPU-0"
 POOL = 100 * GB
+
+
+def part(gb: float) -> int:
+    """What a partial eviction asks for ``gb`` missing GB: rounded up to the engine's block."""
+    return -(-int(gb * GB) // BLOCK_BYTES) * BLOCK_BYTES
 
 
 def make_policy(pool: int = POOL, **config: object) -> Policy:
@@ -90,14 +96,19 @@ def test_two_that_do_not_fit_take_turns_with_evict_and_restore():
     deadline = p.next_deadline()
     assert deadline is not None and deadline <= quantum_a
 
-    assert p.handle(Tick(quantum_a)) == [Revoke("a", evict=True, reason="quantum expired")]
+    # Partial eviction: a frees only the 20 GB that b misses (rounded up to a block).
+    assert p.handle(Tick(quantum_a)) == [
+        Revoke("a", evict=True, reason="quantum expired", evict_bytes=part(20))
+    ]
     assert client(p, "a", quantum_a)["state"] == "revoking"
     # a's memory goes to the host; b (never evicted) runs without a restore
     assert p.handle(Released(quantum_a + 2, "a", evicted=True)) == [Grant("b", restore=False)]
     assert request(p, "a", 60, now=quantum_a + 2) == []  # a wants it back: its turn comes next
 
     t = quantum_a + 2 + quantum_a
-    assert p.handle(Tick(t)) == [Revoke("b", evict=True, reason="quantum expired")]
+    assert p.handle(Tick(t)) == [
+        Revoke("b", evict=True, reason="quantum expired", evict_bytes=part(20))
+    ]
     assert p.handle(Released(t + 1, "b", evicted=True)) == [Grant("a", restore=True)]
     assert p.handle(Restored(t + 2, "a", bytes_moved=int(59.5 * GB), micros=1_200_000)) == []
     # The status says what the last restore moved and took (the wait line shows it).
@@ -111,7 +122,9 @@ def test_idle_holder_is_revoked_at_once_for_a_waiter():
     join(p, "b", user="bob")
     request(p, "a", 60)
     assert p.handle(Idle(1, "a")) == []  # nobody waits: an idle holder keeps the device
-    assert request(p, "b", 60, now=2) == [Revoke("a", evict=True, reason="idle")]
+    assert request(p, "b", 60, now=2) == [
+        Revoke("a", evict=True, reason="idle", evict_bytes=part(20))
+    ]
 
 
 def test_idle_holder_is_evicted_only_if_the_waiter_needs_its_room():
@@ -125,13 +138,14 @@ def test_idle_holder_is_evicted_only_if_the_waiter_needs_its_room():
     p.handle(Idle(1, "a2"))
     # b needs 50: 40 are free, a1's eviction frees the rest; a2 is revoked but keeps its memory
     assert request(p, "b", 50, now=2) == [
-        Revoke("a1", evict=True, reason="idle"),
+        Revoke("a1", evict=True, reason="idle", evict_bytes=part(10)),
         Revoke("a2", evict=False, reason="idle"),
     ]
     assert p.handle(Released(3, "a2")) == []
     assert p.handle(Released(3, "a1", evicted=True)) == [Grant("b")]
     assert client(p, "a2", 3)["state"] == "idle"
-    assert device(p, 3)["resident_bytes"] == 30 * GB + int(0.5 * GB) + 50 * GB
+    # a1 keeps what b did not need (partial eviction)
+    assert device(p, 3)["resident_bytes"] == 30 * GB + 50 * GB + (30 * GB - part(10))
 
 
 def test_busy_holder_is_not_revoked_as_idle():
@@ -153,13 +167,14 @@ def test_idle_memory_is_evicted_least_recently_used_first_and_only_when_needed()
     assert p.handle(Released(1, "old")) == []  # memory stays: nobody needs the room
     assert p.handle(Released(2, "new")) == []
     assert device(p, 2)["resident_bytes"] == 80 * GB
-    # w needs 30, 20 are free: evicting one idle client is enough, the least recently used one
-    assert request(p, "w", 30, now=3) == [Evict("old", reason="room for w")]
+    # w needs 30, 20 are free: the missing 10 leave the least recently used idle client
+    # (partial eviction: only what is missing, rounded up to the engine's block)
+    assert request(p, "w", 30, now=3) == [Evict("old", reason="room for w", bytes=part(10))]
     assert client(p, "w", 3)["state"] == "waiting"
     assert client(p, "old", 3)["state"] == "evicting"
     assert p.handle(Evicted(4, "old", bytes_moved=int(39.5 * GB), micros=3_950_000)) == [Grant("w")]
     # old comes back: new (idle, resident) is evicted for it, and old is restored
-    assert request(p, "old", 40, now=5) == [Evict("new", reason="room for old")]
+    assert request(p, "old", 40, now=5) == [Evict("new", reason="room for old", bytes=part(10))]
     assert p.handle(Evicted(6, "new")) == [Grant("old", restore=True)]
 
 
@@ -172,11 +187,11 @@ def test_a_failed_eviction_never_overcommits_the_pool():
         join(p, cid, user=cid)
     request(p, "old", 80)
     assert p.handle(Released(1, "old")) == []
-    assert request(p, "w", 30, now=2) == [Evict("old", reason="room for w")]
+    assert request(p, "w", 30, now=2) == [Evict("old", reason="room for w", bytes=part(10))]
     resident = device(p, 2)["resident_bytes"]
     decisions = p.handle(Evicted(3, "old", bytes_moved=0, micros=0, ok=False))
     assert Grant("w") not in decisions and Grant("w", restore=False) not in decisions
-    assert decisions == [Evict("old", reason="room for w")]  # retried
+    assert decisions == [Evict("old", reason="room for w", bytes=part(10))]  # retried
     assert device(p, 3)["resident_bytes"] == resident  # still counted on the GPU
     assert client(p, "w", 3)["state"] == "waiting"
     assert p.handle(Evicted(4, "old", bytes_moved=80 * GB, micros=1_000_000)) == [Grant("w")]
@@ -220,7 +235,9 @@ def test_fair_share_picks_the_lighter_user():
     assert request(p, "bob1", 90, now=2) == []  # ... but bob has used nothing
     assert device(p, 2)["queue"] == ["bob1", "alice2"]
     assert p.handle(Tick(30)) == []  # hog's quantum is 4 * (89.5/10 + 89.5/50) = 42.96 s
-    assert p.handle(Tick(43)) == [Revoke("hog", evict=True, reason="quantum expired")]
+    assert p.handle(Tick(43)) == [
+        Revoke("hog", evict=True, reason="quantum expired", evict_bytes=part(80.5))
+    ]
     assert p.handle(Released(44, "hog", evicted=True)) == [Grant("bob1")]
 
 
@@ -231,10 +248,17 @@ def test_fair_share_respects_weights():
     join(p, "b", user="bob")
     assert request(p, "a", 90, now=0) == [Grant("a")]  # alice uses the GPU for 10 s ...
     assert p.handle(Released(10, "a")) == []
-    assert request(p, "b", 90, now=10) == [Evict("a", reason="room for b")]
+    assert request(p, "b", 90, now=10) == [Evict("a", reason="room for b", bytes=part(80))]
     assert p.handle(Evicted(10, "a")) == [Grant("b")]  # ... and bob for 10 s
-    assert request(p, "x", 90, now=20) == []
-    assert p.handle(Released(20, "b")) == [Evict("b", reason="room for x")]
+    # x's context (0.5 GB) appears with its request: a's last part pays for it ...
+    assert request(p, "x", 90, now=20) == [Evict("a", reason="memory pressure", bytes=part(0.5))]
+    assert p.handle(Evicted(20, "a")) == []
+    # ... and once b is done, a's rest (least recently used) and as much of b as x misses go
+    assert p.handle(Released(20, "b")) == [
+        Evict("a", reason="room for x"),
+        Evict("b", reason="room for x", bytes=part(80.5)),
+    ]
+    assert p.handle(Evicted(20, "a")) == []
     assert p.handle(Evicted(20, "b")) == [Grant("x")]
     request(p, "b", 90, now=21)
     request(p, "a", 90, now=22)
@@ -285,7 +309,7 @@ def test_a_large_waiter_is_not_starved_by_small_ones():
     assert p.handle(Tick(7)) == []
     # s1's quantum expired at 5 but nothing was needed before 7; now both go for big's sake
     out = p.handle(Released(8, "s1", evicted=True))
-    assert out == [Evict("s2", reason="room for big")]
+    assert out == [Evict("s2", reason="room for big", bytes=part(0.5))]
     assert p.handle(Evicted(9, "s2")) == [Grant("big")]
 
 
@@ -298,7 +322,9 @@ def test_holders_that_grow_past_the_pool_are_separated():
     used = 70 * GB
     out = p.handle(Memory(2, "b", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0))
     # b's new allocation is what no longer fits: b waits, a (busy with its own work) keeps going
-    assert out == [Revoke("b", evict=True, reason="memory grew past the pool")]
+    assert out == [
+        Revoke("b", evict=True, reason="memory grew past the pool", evict_bytes=part(10))
+    ]
 
 
 def test_an_idle_holder_gives_way_before_a_busy_grower():
@@ -312,7 +338,9 @@ def test_an_idle_holder_gives_way_before_a_busy_grower():
     p.handle(Idle(2, "b"))
     used = 70 * GB
     out = p.handle(Memory(3, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0))
-    assert out == [Revoke("b", evict=True, reason="memory grew past the pool")]
+    assert out == [
+        Revoke("b", evict=True, reason="memory grew past the pool", evict_bytes=part(10))
+    ]
 
 
 def test_a_client_alone_may_exceed_the_pool():
@@ -411,13 +439,15 @@ def test_a_late_answer_to_a_revoke_does_not_drop_a_new_request():
     join(p, "b", user="bob")
     request(p, "a", 60)
     request(p, "b", 60, now=1)
-    assert p.handle(Tick(30)) == [Revoke("a", evict=True, reason="quantum expired")]
+    assert p.handle(Tick(30)) == [
+        Revoke("a", evict=True, reason="quantum expired", evict_bytes=part(20))
+    ]
     # a released on its own before the Revoke reached it (counted as the answer) ...
-    assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b")]
+    assert p.handle(Released(30, "a")) == [Evict("a", reason="room for b", bytes=part(20))]
     # meanwhile b waits for a's memory, and is told how much is on its way to the host
     wait = client(p, "b", 30.5)["wait"]
     assert wait["reason"] == "memory"
-    assert wait["moving_bytes"] == client(p, "a", 30.5)["managed_bytes"] > 0
+    assert wait["moving_bytes"] == part(20)  # what b misses, not all of a
     assert p.handle(Evicted(31, "a")) == [Grant("b")]
     assert request(p, "a", 60, now=32) == []
     # ... and its answer to the Revoke comes now, while it waits: it keeps waiting

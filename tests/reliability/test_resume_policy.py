@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
 from jupyter_gpushare.scheduler.events import Grant, Join, Released, Request, Revoke, Tick
 from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
 
 GB = 10**9
+#: What w1 misses of the 100 GB pool beside h's 70 (partial eviction asks whole blocks).
+W1_MISSES = -(-40 * GB // BLOCK_BYTES) * BLOCK_BYTES
 DEV = "GPU-0"
 
 
@@ -66,7 +69,7 @@ def test_resumed_holder_keeps_its_turn_and_waiters_their_order():
     assert st["w1"]["wait"]["reason"] == "recovering"
     # After the window the old turn is long over: h is revoked for w1.
     out = p.handle(Tick(103.0))
-    assert out == [Revoke("h", evict=True, reason="quantum expired")]
+    assert out == [Revoke("h", evict=True, reason="quantum expired", evict_bytes=W1_MISSES)]
     assert p.handle(Released(103.1, "h", evicted=True))[0] == Grant("w1")
 
 
@@ -133,7 +136,9 @@ def test_waiters_are_told_why_they_wait():
     assert "wait" not in st["h"] and st["h"]["quantum_seconds"] == 60.0
     # At the quantum, h is revoked; a cell that keeps the GPU busy answers only at its next
     # kernel boundary: meanwhile the waiters see how long it has been asked.
-    assert p.handle(Tick(60.0)) == [Revoke("h", evict=True, reason="quantum expired")]
+    assert p.handle(Tick(60.0)) == [
+        Revoke("h", evict=True, reason="quantum expired", evict_bytes=W1_MISSES)
+    ]
     st = status(p, 300.0)
     w = st["w1"]["wait"]
     assert w["reason"] == "releasing", w

@@ -1,0 +1,261 @@
+"""The simulator on the notebook-shaped trace (issue 21): memory that does not fit, before/after.
+
+    python -m bench.nbmix OUT_DIR [--seeds 20] [--users 8,16,32] [--horizon 3600]
+
+writes ``OUT_DIR/nbmix.json``: for each user count and variant, the p95 (and p50) slowdown of
+each seed, their mean and 95% confidence half-width, and the users per GPU whose mean p95 meets
+2x, for the nbmix trace and today's (uniform, at real time). Variants:
+
+- ``before``: the simulator and policy as they were (one 10 GB/s eviction, no pre-copy model,
+  whole kernels moved, no cost-aware choice);
+- ``engine``: the engine's measured costs (:mod:`jupyter_gpushare.scheduler.costs`: staged and
+  cold eviction, restore, pre-copy, unmap, keep_free as the daemon runs them), the old rules;
+- ``after``: the measured costs and issue 21's rules (partial eviction, cost-aware choice);
+- ``after-no-keep-free``: the same without keep_free (what room kept ahead costs here);
+- ``fits``: the same cells on a pool that holds every working set (the memory-free floor).
+
+No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .capacity import mean_ci
+from .common import GiB, percentile, record, write_json
+from .simulator import SimConfig, Simulation, legacy, policy_config, summarize
+from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
+
+VARIANTS = ("before", "engine", "after", "after-no-keep-free", "fits")
+#: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
+TARGETS = {8: 3.0, 16: 6.0}
+WARMUP = 300.0
+#: Short cells of the training scenario that arrive earlier are left out (allocation transient).
+TRAIN_WARMUP = 30.0
+
+
+def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
+    """The simulator's and the policy's configuration of a variant."""
+    old_rules = {"partial_eviction": False, "cost_aware": False}
+    if name == "before":
+        sim = legacy(cfg)
+        return sim, replace(policy_config("gpushare", sim), **old_rules)
+    if name == "engine":
+        return cfg, replace(policy_config("gpushare", cfg), **old_rules)
+    if name == "after-no-keep-free":
+        sim = replace(cfg, keep_free=False)
+        return sim, policy_config("gpushare", sim)
+    if name == "fits":
+        sim = replace(cfg, pool_bytes=10_000 * GiB, total_bytes=10_000 * GiB)
+        return sim, policy_config("gpushare", sim)
+    return cfg, policy_config("gpushare", cfg)
+
+
+def trace(shape: str, users: int, seed: int, horizon: float) -> TraceConfig:
+    tc = TraceConfig(users=users, seed=seed, horizon=horizon, shape=shape)
+    return tc if shape == "nbmix" else scaled(tc, TIME_SCALE, horizon=horizon)
+
+
+def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> dict[str, Any]:
+    """One user count and variant over ``seeds`` seeded traces."""
+    cfg, pcfg = variant_configs(variant, SimConfig())
+    p95, p50 = [], []
+    for s in range(seeds):
+        tc = trace(shape, users, 1 + 1000 * s, horizon)
+        cells = Simulation(generate(tc), "gpushare", horizon, cfg, pcfg).run()
+        summary = summarize(cells, horizon, warmup=WARMUP)
+        p95.append(summary["slowdown_p95"])
+        p50.append(summary["slowdown_p50"])
+    ci = mean_ci(p95)
+    return {
+        "trace": shape,
+        "users": users,
+        "variant": variant,
+        "seeds": seeds,
+        "slowdown_p95_mean": ci["mean"],
+        "slowdown_p95_ci": ci["ci"],
+        "slowdown_p50_mean": mean_ci(p50)["mean"],
+        "slowdown_p95": p95,
+        "target": TARGETS.get(users) if shape == "nbmix" else None,
+    }
+
+
+def training_users(
+    duration: float, seed: int, trainer_gpu: float | None = None, start: float = 0.0
+) -> list[User]:
+    """One trainer (24 GiB, one cell: ``trainer_gpu`` solo seconds, default longer than the run,
+    from ``start``) and three users (8 GiB) running 0.3 s cells every 2-4 s: issue 21's
+    training-beside-interactive scenario (bench/train_beside.py plays it on the GPU)."""
+    rng = random.Random(seed)
+    gpu = 10 * duration if trainer_gpu is None else trainer_gpu
+    users = [User("trainer", 24 * GiB, [{"think": start, "gpu": gpu}])]
+    for i in range(3):
+        cells, t = [], 0.0
+        while t <= duration:
+            think = rng.uniform(2.0, 4.0)
+            cells.append({"think": round(think, 6), "gpu": 0.3})
+            t += think + 0.3
+        users.append(User(f"u{i}", 8 * GiB, cells))
+    return users
+
+
+def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, Any]]:
+    """Short cells' latency vs solo and the trainer's throughput vs solo, per ordering and
+    without a pool (pool 80 GiB: everything fits), before and after issue 21's rules."""
+    rows = []
+    for label, mode, pool, variant in (
+        ("gpushare", "gpushare", 40, "after"),
+        ("fair", "gpushare-fair", 40, "after"),
+        ("gpushare, before", "gpushare", 40, "engine"),
+        ("fair, before", "gpushare-fair", 40, "engine"),
+        ("no pool", "gpushare", 80, "after"),
+    ):
+        cfg, pcfg = variant_configs(variant, SimConfig(pool_bytes=pool * GiB))
+        pcfg = (
+            policy_config(mode, cfg)
+            if variant == "after"
+            else replace(policy_config(mode, cfg), partial_eviction=False, cost_aware=False)
+        )
+        short, done, spent = [], 0.0, 0.0
+        for s in range(seeds):
+            sim = Simulation(training_users(duration, s + 1), mode, duration, cfg, pcfg)
+            cells = sim.run()
+            short += [
+                (c["end"] - c["arrival"], c["solo"])
+                for c in cells
+                if c["user"] != "trainer"
+                and c["end"] is not None
+                and c["arrival"] >= TRAIN_WARMUP  # the first seconds: allocation (cold staging)
+            ]
+            trainer = sim.users["trainer"]  # its one cell outlasts the run: the work it did
+            done += trainer.solo - trainer.work
+            spent += sim.now - trainer.arrival
+        solo = short[0][1] if short else math.nan
+        lats = [lat for lat, _ in short]
+        rows.append(
+            {
+                "scenario": label,
+                "pool_gib": pool,
+                "short_solo_s": solo,
+                "short_p50_x": percentile(lats, 50) / solo,
+                "short_p95_x": percentile(lats, 95) / solo,
+                "trainer_throughput": done / spent if spent > 0 else math.nan,
+            }
+        )
+    return rows
+
+
+def users_at(shape: str, variant: str, limit: float, seeds: int, horizon: float) -> int:
+    """The most users per GPU whose mean p95 slowdown is at most ``limit`` (upward grid)."""
+    best = 0
+    for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32):
+        p95 = point(shape, n, variant, seeds, horizon)["slowdown_p95_mean"]
+        if p95 > limit:  # NaN (no cells after the warm-up) counts as met
+            break
+        best = n
+    return best
+
+
+def merge(out: Path, parts: list[Path]) -> int:
+    """One record from parts run side by side (``--users 8``, ``--users 32 --variants ...``):
+    their rows, capacity and training rows together; the parts' commands kept."""
+    docs = [json.loads(p.read_text()) for p in parts]
+    best: dict[tuple[int, str], dict[str, Any]] = {}  # a point run twice: the most seeds wins
+    for r in (r for d in docs for r in d["rows"]):
+        key = (r["users"], r["variant"])
+        if key not in best or r["seeds"] > best[key]["seeds"]:
+            best[key] = r
+    doc = record(
+        "nbmix",
+        horizon_s=docs[0]["horizon_s"],
+        warmup_s=docs[0]["warmup_s"],
+        pool_gib=docs[0]["pool_gib"],
+        rows=list(best.values()),
+        users_per_gpu_p95_2x=[c for d in docs for c in d["users_per_gpu_p95_2x"]],
+        targets=TARGETS,
+        training_beside=[t for d in docs for t in d["training_beside"]],
+        duration_s=sum(d["duration_s"] for d in docs),
+        parts=[d["meta"] for d in docs],
+    )
+    write_json(out / "nbmix.json", doc)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--users", default="8,16,32")
+    ap.add_argument("--horizon", type=float, default=3600.0)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--capacity-seeds", type=int, default=5, help="seeds per users-per-GPU point")
+    ap.add_argument("--train-duration", type=float, default=300.0, help="trainer cell (s)")
+    ap.add_argument("--train-seeds", type=int, default=5)
+    ap.add_argument(
+        "--merge",
+        nargs="*",
+        type=Path,
+        help="instead of running: merge these nbmix.json files (parts run in parallel) into one",
+    )
+    args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.out, args.merge)
+    started = time.monotonic()
+    variants = args.variants.split(",")
+    rows = [
+        point("nbmix", int(n), v, args.seeds, args.horizon)
+        for n in args.users.split(",")
+        for v in variants
+    ]
+    capacity = (
+        []
+        if args.capacity_seeds <= 0
+        else [
+            {
+                "trace": shape,
+                "variant": v,
+                "limit": 2.0,
+                "users": users_at(shape, v, 2.0, args.capacity_seeds, args.horizon),
+            }
+            for shape in ("nbmix", "uniform")
+            for v in ("before", "after")
+        ]
+    )
+    doc = record(
+        "nbmix",
+        horizon_s=args.horizon,
+        warmup_s=WARMUP,
+        pool_gib=SimConfig().pool_bytes / GiB,
+        rows=rows,
+        users_per_gpu_p95_2x=capacity,
+        training_beside=(
+            training_beside(args.train_duration, args.train_seeds) if args.train_seeds > 0 else []
+        ),
+        targets=TARGETS,
+        duration_s=time.monotonic() - started,
+    )
+    write_json(args.out / "nbmix.json", doc)
+    for r in rows:
+        print(
+            f"{r['users']:>3} {r['variant']:<20} p95 {r['slowdown_p95_mean']:.2f} "
+            f"± {r['slowdown_p95_ci']:.2f}  p50 {r['slowdown_p50_mean']:.2f}"
+        )
+    for c in capacity:
+        print(f"users/GPU at p95 <= 2x: {c['trace']} {c['variant']}: {c['users']}")
+    for t in doc["training_beside"]:
+        print(
+            f"training beside: {t['scenario']:<18} short p50 {t['short_p50_x']:.2f}x "
+            f"p95 {t['short_p95_x']:.2f}x trainer {t['trainer_throughput']:.0%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""What moving a kernel's memory costs, as measured on the GPU: one module for the policy and
+the simulator.
+
+Every constant is a committed measurement; its source is named beside it (a result file of a
+GPU campaign under docs/perf-runs/, with the commit that produced it, or a row of the GPU
+facts table that the campaigns' logs under docs/gpu-runs/ back). The policy's initial bandwidth
+estimates (:class:`~.policy_config.PolicyConfig`) and the simulator's engine model
+(:class:`bench.simulator.SimConfig`) both start from these; the policy then follows what the
+shims report (an EWMA of each move).
+
+The model (:func:`evict_seconds`, :func:`restore_seconds`):
+
+- **staged eviction**: the kernel's host staging is ready (registered host memory): device to
+  host at :data:`EVICT_STAGED_BPS`;
+- **pre-copied eviction**: the bytes that have a current host copy (a PRECOPY's result) only
+  need an unmap: :data:`UNMAP_S_PER_GIB`;
+- **cold eviction**: staging is not ready yet (an eviction within :func:`staging_ready_after`
+  of the kernel's allocation): :data:`EVICT_COLD_BPS`;
+- **restore**: host to device at :data:`RESTORE_BPS`, only the bytes that were evicted;
+- **pre-copy**: in the background at :data:`PRECOPY_BPS` while the kernel stays resident;
+- **drain**: after a revoke the holder's launched work runs on for :data:`DRAIN_S`;
+- **grant**: a handoff without memory to move takes :data:`HANDOFF_S`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BLOCK_BYTES",
+    "DRAIN_S",
+    "EVICT_COLD_BPS",
+    "EVICT_STAGED_BPS",
+    "HANDOFF_S",
+    "PRECOPY_BPS",
+    "RESTORE_BPS",
+    "SOURCES",
+    "STAGING_PAUSE_S",
+    "STAGING_S_PER_GIB",
+    "UNMAP_S_PER_GIB",
+    "evict_seconds",
+    "restore_seconds",
+    "staging_ready_after",
+]
+
+GiB = 1 << 30
+
+_MEMORY = "docs/perf-runs/2026-11-24-h100-b/memory.json (commit 0c1c510, H100)"
+_HANDOFF = "docs/perf-runs/2026-11-24-h100-b/handoff.json (commit 0c1c510, H100)"
+_FACTS = "/work/shared/DESIGN.md GPU facts, 'engine v2' rows (H100/H200, e7a0020, 2026-11-27)"
+
+#: Device to host into ready (registered) staging: memory.json shim.evict_warm.median.
+EVICT_STAGED_BPS = 50_268_811_985.0
+#: Host to device: memory.json shim.restore.median.
+RESTORE_BPS = 47_484_799_419.5
+#: Unmapping pre-copied memory: memory.json precopied_arrival: 12 GiB evicted in 8.2 ms.
+UNMAP_S_PER_GIB = 0.0082 / 12
+#: A pre-copy in the background: memory.json precopied_arrival: 3 idle kernels of 12 GiB each
+#: copied in 5.67 s (precopy_seconds).
+PRECOPY_BPS = 3 * 12 * GiB / 5.672817891999983
+#: Eviction before staging is ready: the facts' 'staging NOT ready' row: 20 GiB in 12.1 s.
+EVICT_COLD_BPS = 20 * GiB / 12.1
+#: Staging is populated at ~0.25 s/GiB and registered at ~0.11 s/GiB (the same row) ...
+STAGING_S_PER_GIB = 0.25 + 0.11
+#: ... after a pause of 0.5-5 s (the same row): the worst case is modelled.
+STAGING_PAUSE_S = 5.0
+#: After a revoke the launched work drains: 12.5 ms on average (half a step of bench/worker.py,
+#: which synchronises every 16 matmuls of ~1.6 ms; docs/performance.md, "drain").
+DRAIN_S = 0.0125
+#: A grant without memory to move: handoff.json no_memory.p50_ms.
+HANDOFF_S = 0.0016544630000012717
+#: The engine's eviction granule: it frees whole blocks, so a partial eviction frees at most this
+#: much beyond what was asked (the staging is populated in pieces of this size, same row).
+BLOCK_BYTES = 32 << 20
+
+#: Each constant's source, for the report and the tests.
+SOURCES: dict[str, str] = {
+    "EVICT_STAGED_BPS": _MEMORY + " shim.evict_warm.median",
+    "RESTORE_BPS": _MEMORY + " shim.restore.median",
+    "UNMAP_S_PER_GIB": _MEMORY + " precopied_arrival.evictions[0].seconds / 12 GiB",
+    "PRECOPY_BPS": _MEMORY + " precopied_arrival: 3 x 12 GiB / precopy_seconds",
+    "EVICT_COLD_BPS": _FACTS + ": 20 GiB in 12.1 s at +6 s",
+    "STAGING_S_PER_GIB": _FACTS + ": populate ~0.25 s/GiB + register ~0.11 s/GiB",
+    "STAGING_PAUSE_S": _FACTS + ": after a 0.5-5 s pause",
+    "DRAIN_S": "docs/performance.md (the replay workers' half step)",
+    "HANDOFF_S": _HANDOFF + " no_memory.p50_ms",
+    "BLOCK_BYTES": _FACTS + ": staging populated one 32 MiB piece at a time",
+}
+
+
+def staging_ready_after(nbytes: int) -> float:
+    """Seconds after an allocation of ``nbytes`` until its host staging is ready."""
+    return STAGING_PAUSE_S + nbytes / GiB * STAGING_S_PER_GIB
+
+
+def evict_seconds(
+    nbytes: int,
+    precopied: int = 0,
+    staged: bool = True,
+    *,
+    staged_bps: float = EVICT_STAGED_BPS,
+    cold_bps: float = EVICT_COLD_BPS,
+    unmap_s_per_gib: float = UNMAP_S_PER_GIB,
+) -> float:
+    """Seconds to free ``nbytes`` of which ``precopied`` have a current host copy (unmapped
+    first); the rest is copied at the staged or the cold bandwidth."""
+    nbytes = max(0, nbytes)
+    unmap = min(nbytes, max(0, precopied))
+    rest = nbytes - unmap
+    return unmap / GiB * unmap_s_per_gib + rest / (staged_bps if staged else cold_bps)
+
+
+def restore_seconds(nbytes: int, bps: float = RESTORE_BPS) -> float:
+    """Seconds to bring ``nbytes`` back onto the GPU."""
+    return max(0, nbytes) / bps

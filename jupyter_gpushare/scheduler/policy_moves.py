@@ -1,0 +1,108 @@
+"""What the policy moves, and what moving it costs: partial eviction, cost-aware choice and the
+room a grant may use. Pure rules beside :mod:`.policy` (client records in, numbers out).
+
+**Partial eviction.** To make room for X bytes the policy evicts X, not whole kernels: each
+candidate in turn is asked for ``min(still missing, what it has on the GPU)`` (:func:`ask`),
+rounded up to the engine's block (:data:`~.costs.BLOCK_BYTES`), so the room asked for is at
+least what is missing and at most one block more. The shim frees pre-copied blocks first, then
+the least recently used ones, and a later grant restores only what left.
+
+**Candidates, cheapest first** (:func:`order_candidates`): idle kernels whose memory is
+pre-copied (an unmap), then other idle kernels, least recently used first, then the paused
+kernels behind the waiter being served, least recently run first.
+
+**Cost-aware choice** (:func:`worth_evicting`): a busy holder is evicted for a waiter only when
+the cell it runs is expected to last longer than the move would take (evicting the bytes and
+restoring them): otherwise the waiter waits for the cell. The expected remaining time comes from
+what the policy saw: the EWMA of the kernel's past cells (``turn_s``) less what the current one
+has run, or, once the current cell has outlived that (or with no history), as long again as it
+has run (a cell that has run long tends to run long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .costs import BLOCK_BYTES, restore_seconds
+from .policy_state import ClientState, DeviceState
+
+__all__ = ["ask", "expected_left", "move_seconds", "order_candidates", "room_for", "worth_evicting"]
+
+#: Weight of a finished cell in a kernel's typical cell length.
+TURN_ALPHA = 0.3
+
+
+def ask(c: ClientState, short: int) -> int:
+    """Bytes to ask ``c`` to free for ``short`` missing bytes (its whole part when less)."""
+    have = c.evictable
+    if short >= have:
+        return have
+    blocks = -(-max(0, short) // BLOCK_BYTES)
+    return min(have, blocks * BLOCK_BYTES)
+
+
+def order_candidates(
+    idle: list[ClientState], paused: Iterable[ClientState], now: float | None = None
+) -> list[ClientState]:
+    """Idle pre-copied first, then idle least recently used, then ``paused`` as given.
+
+    With ``now`` (cost-aware), by the harm a byte's move does instead: a byte moved out comes
+    back before the kernel's next run, so the move weighs least on the longest cell. Kernels
+    whose cell is expected to last longest give first (a paused kernel: its expected rest,
+    :func:`expected_left`; an idle one: its typical cell, unknown counting as the shortest),
+    then the order above.
+    """
+    idle = sorted(idle, key=lambda c: (c.precopied < c.evictable, c.last_active, c.seq))
+    ordered = idle + list(paused)
+    if now is None:
+        return ordered
+    rank = {c.id: i for i, c in enumerate(ordered)}
+
+    def length(c: ClientState) -> float:
+        if c.waiting_since is not None and c.cell_start is not None:
+            return expected_left(c, now)
+        return c.turn_s
+
+    return sorted(ordered, key=lambda c: (-length(c), rank[c.id]))
+
+
+def note_cell_end(c: ClientState, now: float) -> None:
+    """A cell ended: fold its length into the kernel's typical cell length."""
+    if c.cell_start is None:
+        return
+    length = max(0.0, now - c.cell_start)
+    c.turn_s = length if c.turn_s <= 0 else c.turn_s + TURN_ALPHA * (length - c.turn_s)
+    c.cell_start = None
+
+
+def expected_left(c: ClientState, now: float) -> float:
+    """Seconds the current cell of ``c`` is expected to run on (see the module docstring)."""
+    start = c.run_start if c.cell_start is None else max(c.cell_start, c.run_start)
+    ran = max(0.0, now - start)
+    if c.turn_s > ran:
+        return c.turn_s - ran
+    return ran
+
+
+def move_seconds(dev: DeviceState, nbytes: int) -> float:
+    """Evicting ``nbytes`` now and restoring them later, at the device's estimated bandwidths."""
+    return nbytes / dev.evict_bw + restore_seconds(nbytes, dev.restore_bw)
+
+
+def worth_evicting(dev: DeviceState, h: ClientState, nbytes: int, now: float) -> bool:
+    """Whether evicting ``nbytes`` of the busy holder ``h`` beats waiting for its cell."""
+    return expected_left(h, now) > move_seconds(dev, nbytes)
+
+
+def room_for(dev: DeviceState, c: ClientState) -> int:
+    """The most device memory ``c`` may hold backed without evicting a busy kernel.
+
+    Everything but what other kernels that are not idle hold on the GPU (idle kernels' memory can
+    leave for it).
+    """
+    busy = sum(
+        o.on_gpu
+        for o in dev.clients.values()
+        if o is not c and not (o.idle and o.waiting_since is None)
+    )
+    return dev.pool_bytes - busy
