@@ -155,6 +155,8 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     42: ("resume_secret", FieldType.STR),
     # The memory engine (docs/protocol.md, "Pre-copy").
     43: ("precopied_bytes", FieldType.U64),
+    44: ("evict_bytes", FieldType.U64),
+    45: ("room_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}
