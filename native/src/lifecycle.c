@@ -185,10 +185,15 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
+        /* evict_bytes: a partial eviction (absent or 0: everything, as before the field). */
+        gs_mem_set_evict_target(s->devs.dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
         gs_life_release(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, text, 1);
+        gs_mem_set_evict_target(s->devs.dev, 0); /* used, or not evicted: no later one has it */
         break;
     case GS_MSG_EVICT:
+        gs_mem_set_evict_target(s->devs.dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
         handle_evict(s);
+        gs_mem_set_evict_target(s->devs.dev, 0);
         break;
     case GS_MSG_PRECOPY:
         handle_precopy(s);
