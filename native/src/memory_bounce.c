@@ -77,7 +77,7 @@ static int queue_slot(unsigned k, CUdeviceptr src, uint64_t off, uint64_t size, 
     return gs_vmm_drv.event_record(ev, s) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s)
+int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s, int (*stop)(void))
 {
     pthread_mutex_lock(&ring_mu);
     if (!ring) {
@@ -91,8 +91,13 @@ int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s)
     uint64_t chunks = (size + slot_bytes - 1) / slot_bytes;
     for (uint64_t c = 0; c < chunks && c < SLOTS && !failed; c++)
         failed = queue_slot((unsigned)c, src, c * slot_bytes, size, s, ev[c]) != 0;
+    int stopped = 0;
     for (uint64_t c = 0; c < chunks && !failed; c++) {
         unsigned k = (unsigned)(c % SLOTS);
+        if (c > 0 && stop && stop()) {
+            stopped = 1;
+            break;
+        }
         if (gs_vmm_drv.event_sync(ev[k]) != CUDA_SUCCESS) {
             failed = 1;
             break;
@@ -106,15 +111,15 @@ int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s)
         if (c + SLOTS < chunks) /* the slot is free again: the copy engine refills it */
             failed = queue_slot(k, src, (c + SLOTS) * slot_bytes, size, s, ev[k]) != 0;
     }
-    if (failed) /* nothing of ours may still be writing the ring when the next user takes it */
+    if (failed || stopped) /* nothing of ours may still write the ring when the next user takes it */
         gs_vmm_drv.stream_sync(s);
     for (unsigned k = 0; k < SLOTS; k++)
         if (ev[k])
             gs_vmm_drv.event_destroy(ev[k]);
-    if (!failed)
+    if (!failed && !stopped)
         bounced_bytes += size;
     pthread_mutex_unlock(&ring_mu);
-    return failed ? -1 : 0;
+    return failed ? -1 : stopped ? 2 : 0;
 }
 
 uint64_t gs_bounce_total(void)

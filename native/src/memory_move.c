@@ -108,6 +108,23 @@ static void batch_close(struct batch *b)
     free(b->copied);
 }
 
+/* Set by the shim's thread around the eviction a scheduler's message asked for (lifecycle.c):
+ * only that thread evicts then, and only it reads these. */
+static int (*evict_stop)(void *, uint64_t);
+static void *evict_stop_arg;
+static uint64_t evict_freed; /* what the eviction in progress has freed */
+
+void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg)
+{
+    evict_stop = stop;
+    evict_stop_arg = arg;
+}
+
+static int evict_unneeded(void)
+{
+    return evict_stop && evict_stop(evict_stop_arg, evict_freed);
+}
+
 /* The order an eviction takes device dev's blocks in: those whose pre-copy is valid first (an
  * unmap each), then the least recently used (the smallest last_use). */
 static int evict_before(const struct block *a, const struct block *b, uint64_t calls)
@@ -147,7 +164,7 @@ static int copy_out_bounced(struct block *b, CUstream s)
 {
     if (!b->staging.host && gs_staging_get_pageable(&b->staging, b->size) != 0)
         return -1;
-    int r = gs_bounce_copy_out(b->staging.host, b->va, b->size, s);
+    int r = gs_bounce_copy_out(b->staging.host, b->va, b->size, s, evict_unneeded);
     if (r == 1) { /* no ring: straight into pageable memory, the driver's slow path */
         if (gs_vmm_drv.d2h(b->staging.host, b->va, b->size, s) != CUDA_SUCCESS)
             return -1;
@@ -165,6 +182,7 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
     pthread_mutex_lock(&gs_vmm_mu);
     gs_vmm_wait_copies_locked(NULL); /* a pre-copy in flight: its blocks then need no copy */
     uint64_t freed = 0, copied = 0, bounced = 0, calls = gs_total_gated_calls();
+    int stopped = 0;
     struct batch bt;
     int failed = batch_open(&bt, 0) != 0;
     if (!failed && bt.stream) {
@@ -184,7 +202,9 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
                 failed = 1;
             }
         }
-        for (size_t k = 0; k < n; k++) {
+        evict_freed = 0;
+        size_t k = 0;
+        for (; k < n && !(stopped = k > 0 && evict_unneeded()); k++) {
             struct block *b = bt.list[k];
             if (!b)
                 continue;
@@ -195,6 +215,11 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
                 r = copy_out_bounced(b, bt.stream);
                 bounced += r == 0 ? b->size : 0;
             }
+            if (r == 2) { /* stopped inside a bounced block: it stays resident, intact */
+                stopped = 1;
+                k++;
+                break;
+            }
             if (r != 0) {
                 failed = 1; /* the copy failed: the block stays resident, its data intact */
                 continue;
@@ -204,6 +229,13 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
             copied += clean ? 0 : b->size;
             b->precopied = 0;
             freed += b->size;
+            evict_freed = freed;
+        }
+        if (stopped) { /* the blocks left: their queued copies finish, nothing else happens */
+            gs_vmm_drv.stream_sync(bt.stream);
+            for (; k < n; k++)
+                if (bt.list[k] && bt.copied[k] && bt.events[k])
+                    gs_vmm_drv.event_destroy(bt.events[k]);
         }
     }
     batch_close(&bt);
@@ -211,6 +243,11 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
     pthread_mutex_unlock(&gs_vmm_mu);
     *bytes_moved = copied;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
+    if (stopped) {
+        char a[32];
+        GS_INFO("eviction stopped, no longer needed: %s moved off the device stays off it",
+                gs_format_size(freed, a, sizeof a));
+    }
     if (bounced) {
         char a[32];
         GS_INFO("evicted %s through the bounce ring (staging not ready)",

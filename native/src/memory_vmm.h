@@ -143,9 +143,10 @@ void gs_vmm_copies_end_locked(size_t n);
 /* memory_bounce.c: the pinned ring an eviction copies through when a block's staging is not
  * ready. gs_bounce_prepare makes it (a context current); gs_bounce_copy_out copies size bytes at
  * src into dst (pageable) on stream s and returns 0 once they are there, 1 when there is no ring
- * (nothing done), -1 when a copy failed. */
+ * (nothing done), 2 when stop() said 1 between slots (the copy is incomplete), -1 when a copy
+ * failed. */
 void gs_bounce_prepare(void);
-int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s);
+int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s, int (*stop)(void));
 uint64_t gs_bounce_total(void);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */

@@ -295,6 +295,9 @@ uint64_t gs_mem_generation(void);
 /* The next gs_mem_evict of `dev` frees at least `bytes` (0: everything; the scheduler's
  * evict_bytes), then the target is forgotten. */
 void gs_mem_set_evict_target(CUdevice dev, uint64_t bytes);
+/* While set, an eviction asks stop(arg, bytes freed so far) between blocks (and between a
+ * bounced block's slots): 1 = no longer needed, stop, keeping what was moved (memory_move.c). */
+void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg);
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 /* Copy device `dev`'s resident explicit memory to the host at low priority, leaving it resident

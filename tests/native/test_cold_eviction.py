@@ -9,7 +9,17 @@ from __future__ import annotations
 import socket
 import threading
 
-from tests.native.wire import StandInScheduler, c_tags, evict_while_idle, field_u64, u64
+from jupyter_gpushare.protocol import MsgType
+from tests.native.wire import (
+    StandInScheduler,
+    c_tags,
+    evict_while_idle,
+    expect,
+    field_u64,
+    frame,
+    u64,
+    until_closed,
+)
 
 MiB = 1 << 20
 BLOCK = 64 * MiB
@@ -62,4 +72,47 @@ def test_an_eviction_before_staging_is_ready_goes_through_the_bounce_ring(harnes
     # Every byte left the device through pinned memory (the ring), none through pageable.
     assert run.stats["copy_to_host_pinned_bytes"] >= 2 * BLOCK, run.stats
     assert run.stats["async_copies_lost"] == 0, run.stats
+    assert run.event("blocks_end")["data_ok"], run.stderr
+
+
+def test_an_eviction_no_longer_needed_stops_and_keeps_what_it_moved(harness):
+    """A GRANT for this client behind the REVOKE on the socket (the waiter it made room for left,
+    or now fits): the eviction stops after the block in progress instead of copying the rest
+    (issue 21: an eviction in flight went on after the third kernel could have run beside it).
+    The block moved stays off the device and counted, and comes back before the gate opens
+    (the GRANT's restore flag was sent before the scheduler knew of it), its data exact."""
+    seen: dict[str, int] = {}
+    idle = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        expect(conn, MsgType.HELLO)
+        conn.sendall(frame(MsgType.WELCOME, []))
+        expect(conn, MsgType.REQUEST)
+        conn.sendall(frame(MsgType.GRANT, [(FLAG, u64(0))]))
+        assert idle.wait(30), "the program did not go idle"
+        conn.sendall(
+            frame(MsgType.REVOKE, [(FLAG, u64(1))]) + frame(MsgType.GRANT, [(FLAG, u64(0))])
+        )
+        seen["evicted"] = field_u64(expect(conn, MsgType.RELEASED), TAGS["EVICTED_BYTES"])
+        seen["restored"] = field_u64(expect(conn, MsgType.RESTORED), MOVED)
+        until_closed(conn)
+
+    sched = StandInScheduler(harness.socket_path, script)
+    proc = harness.spawn(
+        "blocks",
+        4,
+        BLOCK,
+        1.0,
+        idle_seconds=5,
+        context_bytes=64 * MiB,
+        extra={"GPUSHARE_FAKE_COPY_GBPS": "0.2", "GPUSHARE_FAKE_ASYNC_COPIES": "1"},
+    )
+    proc.wait_event("idle_start", 30)
+    idle.set()
+    run = proc.finish(60).ok()
+    sched.join()
+    # One block (64 MiB at the stand-in's 0.2 GB/s: ~0.3 s) was moved before the check saw the
+    # GRANT; the other three never left the device.
+    assert seen == {"evicted": BLOCK, "restored": BLOCK}, (seen, run.stderr)
+    assert "eviction stopped, no longer needed" in run.stderr, run.stderr
     assert run.event("blocks_end")["data_ok"], run.stderr
