@@ -113,7 +113,12 @@ def test_a_temporary_freed_while_its_staging_is_made_releases_the_staging(harnes
     temporary while that thread still registers it (on an H100, 16 GiB take ~1.8 s) must not keep
     the staging: before the fix it stayed populated, registered and counted for good."""
     harness.scheduler(pool="1GiB", quantum=1.0)
-    slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "400", "GPUSHARE_STAGING_QUIET": "0.5"}
+    # No bounce ring (it is registered too, and kept for the process's life): only staging.
+    slow_register = {
+        "GPUSHARE_FAKE_HOST_REGISTER_MS": "400",
+        "GPUSHARE_STAGING_QUIET": "0.5",
+        "GPUSHARE_BOUNCE_BYTES": "0",
+    }
     # The preparer starts once allocations have paused for 0.5 s (GPUSHARE_STAGING_QUIET): freed
     # 0.7 s after its allocation (mid-registration), looked at 1.5 s later.
     run = harness.run("temporary", BIG, 0.7, 1.5, extra=slow_register, **common()).ok()
@@ -131,11 +136,12 @@ def test_staging_waits_until_the_programs_allocations_pause_when_asked(harness):
     allocations, so a temporary freed within it never gets staging at all, and one kept past it
     does. (The default, 0, prepares at once: tests/native/test_cold_eviction.py.)"""
     harness.scheduler(pool="1GiB", quantum=1.0)
-    quick = harness.run("temporary", BIG, 0.1, 1.0, **common(staging_quiet=0.5)).ok()
+    no_ring = {"staging_quiet": 0.5, "bounce_bytes": 0}  # the ring is registered too
+    quick = harness.run("temporary", BIG, 0.1, 1.0, **common(**no_ring)).ok()
     assert quick.calls("cuMemHostRegister_v2") == 0, quick.stats["calls"]
     st = quick.event("temporary")["status"]
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
-    kept = harness.run("temporary", BIG, 1.5, 0.5, **common(staging_quiet=0.5)).ok()
+    kept = harness.run("temporary", BIG, 1.5, 0.5, **common(**no_ring)).ok()
     assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
 
 
@@ -174,7 +180,8 @@ def test_a_release_does_not_wait_for_staging_being_made(harness):
     slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "1500"}
     a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow_register, **common(client_id="A"))
     a.wait_event("first_launch", 30)
-    # The staging is made once allocations have paused 0.5 s, and takes 1.5 s: release in it.
+    # The bounce ring, then the staging, are made at once, each registration taking 1.5 s:
+    # release in them.
     time.sleep(1.0)
     SchedulerClient(str(sched.socket_path)).control_sync("release", client="A")
     run = a.finish(60).ok()
