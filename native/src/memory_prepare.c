@@ -176,10 +176,24 @@ static void *preparer(void *arg)
         } else if (have && nb && st.pinned && !nb->staging.pinned && !nb->copying) {
             /* An eviction before this staging was ready copied the block into pageable memory
              * (memory_bounce.c): registered staging takes its place, so that the restore and
-             * every later eviction run at the bus's speed. The contents move along while they
-             * matter (the block is evicted, or its pre-copy is valid). */
-            if (!nb->resident || nb->precopied)
+             * every later eviction run at the bus's speed. An evicted block's contents move
+             * along, copied without the engine's lock (20 GiB take seconds): the block is marked
+             * copying meanwhile, so it is neither freed nor evicted; a restore only reads the
+             * pageable copy, which stays until the swap. A resident block's pre-copy is given
+             * up instead (cheap to make again). */
+            if (!nb->resident) {
+                nb->copying = 1;
+                gs_vmm_copies_begin_locked(1);
+                pthread_mutex_unlock(&gs_vmm_mu);
                 gs_staging_copy(&st, &nb->staging);
+                pthread_mutex_lock(&gs_vmm_mu);
+                nb->copying = nb->copy_spoiled = 0;
+                gs_vmm_copies_end_locked(1);
+            }
+            nb->precopied = 0;
+            char a[32];
+            GS_INFO("registered staging replaced the pageable copy of %s (%s)",
+                    gs_format_size(size, a, sizeof a), nb->resident ? "resident" : "evicted");
             struct gs_staging old = nb->staging;
             nb->staging = st;
             st = old; /* the pageable one is released below */

@@ -116,3 +116,34 @@ def test_an_eviction_no_longer_needed_stops_and_keeps_what_it_moved(harness):
     assert seen == {"evicted": BLOCK, "restored": BLOCK}, (seen, run.stderr)
     assert "eviction stopped, no longer needed" in run.stderr, run.stderr
     assert run.event("blocks_end")["data_ok"], run.stderr
+
+
+def test_registered_staging_replaces_a_bounced_copy_and_the_restore_reads_it(harness):
+    """An eviction that went through the ring left the blocks in pageable memory; when their
+    registered staging is ready it takes the pageable copy's place, contents and all (copied
+    without the engine's lock, the block marked as being copied), so the restore runs from
+    pinned memory at the bus's speed, with every byte intact."""
+    idle = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        evict_while_idle(conn, idle, [(FLAG, u64(1))])
+
+    sched = StandInScheduler(harness.socket_path, script)
+    proc = harness.spawn(
+        "blocks",
+        2,
+        BLOCK,
+        7.0,  # idle long enough for the staging to be made after the eviction
+        idle_seconds=5,
+        context_bytes=64 * MiB,
+        staging_quiet=2.0,  # the ring at once, the staging 2 s after the allocations
+        extra={"GPUSHARE_FAKE_ASYNC_COPIES": "1"},
+    )
+    proc.wait_event("idle_start", 30)
+    idle.set()
+    run = proc.finish(60).ok()
+    sched.join()
+    assert "through the bounce ring" in run.stderr, run.stderr
+    assert run.stderr.count("replaced the pageable copy of 64.00 MiB (evicted)") == 2, run.stderr
+    assert run.stats["copy_to_device_pinned_bytes"] >= 2 * BLOCK, run.stats
+    assert run.event("blocks_end")["data_ok"], run.stderr
