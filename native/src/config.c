@@ -135,6 +135,22 @@ static void env_seconds(const char *name, double *out, const char *expected)
         GS_WARN("ignoring %s=%s: expected %s", name, v, expected);
 }
 
+/* A whole number lo..hi from the environment: 1 when set and valid (a bad value is said). */
+static int env_long(const char *name, long lo, long hi, long *out)
+{
+    const char *v = env(name);
+    if (!v)
+        return 0;
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (end != v && !*end && n >= lo && n <= hi) {
+        *out = n;
+        return 1;
+    }
+    GS_WARN("ignoring %s=%s: expected %ld to %ld", name, v, lo, hi);
+    return 0;
+}
+
 static void load_config(void)
 {
     struct gs_config *c = &g_config;
@@ -147,6 +163,11 @@ static void load_config(void)
     c->reconnect_wait = 10.0;
     c->capture_wait = 10.0;
     c->real_libcuda = "libcuda.so.1";
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    c->staging_threads = cpus >= 16 ? 8 : cpus >= 2 ? (unsigned)cpus / 2 : 1;
+    c->staging_quiet = 0;
+    c->staging_nice = 0;
+    c->bounce_bytes = 256ull << 20;
 
     const char *v;
     if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
@@ -194,6 +215,16 @@ static void load_config(void)
     env_seconds("GPUSHARE_CAPTURE_WAIT", &c->capture_wait, "seconds");
     if ((v = env("GPUSHARE_REAL_LIBCUDA")))
         c->real_libcuda = v;
+    env_seconds("GPUSHARE_STAGING_QUIET", &c->staging_quiet, "seconds (0 = at once)");
+    long n;
+    if (env_long("GPUSHARE_STAGING_THREADS", 1, 64, &n))
+        c->staging_threads = (unsigned)n;
+    if (env_long("GPUSHARE_STAGING_NICE", 0, 19, &n))
+        c->staging_nice = (int)n;
+    if ((v = env("GPUSHARE_BOUNCE_BYTES")) && gs_parse_size(v, &c->bounce_bytes) != 0) {
+        c->bounce_bytes = 256ull << 20;
+        GS_WARN("ignoring GPUSHARE_BOUNCE_BYTES=%s: expected bytes or a size (0 = no ring)", v);
+    }
 }
 
 const struct gs_config *gs_config(void)

@@ -4,7 +4,9 @@
  * moves and reports that device's memory (a later device's link does the same for its own).
  */
 #include <ctype.h>
+#include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include "gpushare.h"
 #include "session.h"
@@ -80,8 +82,43 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
         gs_conn_send_request(s);
 }
 
+/* An eviction this thread runs for a REVOKE or EVICT stops when it is no longer needed: a GRANT
+ * for this client is already behind it on the socket (the waiter it made room for left, or now
+ * fits). This thread does not read the socket while it evicts, so the check reads what has
+ * arrived (without blocking) into the receive buffer, behind the frame being handled, where
+ * gs_life_drain finds it next. What was moved stays off the device; the GRANT restores it. */
+static int eviction_cut;
+
+static int eviction_unneeded(void *arg, uint64_t freed)
+{
+    (void)freed;
+    struct gs_session *s = arg;
+    struct pollfd p = {.fd = s->conn.fd, .events = POLLIN};
+    if (s->conn.rx_len < sizeof s->conn.rx && poll(&p, 1, 0) == 1 && (p.revents & POLLIN)) {
+        ssize_t r = recv(s->conn.fd, s->conn.rx + s->conn.rx_len,
+                         sizeof s->conn.rx - s->conn.rx_len, MSG_DONTWAIT);
+        if (r > 0) /* an end or error is left to the thread's loop, which polls again */
+            s->conn.rx_len += (size_t)r;
+    }
+    size_t off = 0;
+    for (int first = 1; off < s->conn.rx_len; first = 0) {
+        struct gs_msg m;
+        size_t flen;
+        if (gs_parse(s->conn.rx + off, s->conn.rx_len - off, &m, &flen) != GS_PARSE_OK)
+            break;
+        if (!first && m.type == GS_MSG_GRANT) /* the first frame is the one being handled */
+            return eviction_cut = 1;
+        off += flen;
+    }
+    return 0;
+}
+
 static void handle_grant(struct gs_session *s, int restore, const struct gs_msg *m)
 {
+    /* An eviction cut short left memory off the device that this grant's sender may not have
+     * known of yet: it comes back before the gate opens, whatever the flag says. */
+    restore = restore || eviction_cut;
+    eviction_cut = 0;
     double t0 = gs_now();
     char secret[GS_RESUME_SECRET_LEN + 2];
     if (gs_msg_str(m, GS_TAG_RESUME_SECRET, secret, sizeof secret)) {
@@ -185,10 +222,19 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
+        /* evict_bytes: a partial eviction (absent or 0: everything, as before the field). */
+        gs_mem_set_evict_target(s->devs.dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
+        gs_mem_set_evict_check(eviction_unneeded, s);
         gs_life_release(s, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, text, 1);
+        gs_mem_set_evict_check(NULL, NULL);
+        gs_mem_set_evict_target(s->devs.dev, 0); /* used, or not evicted: no later one has it */
         break;
     case GS_MSG_EVICT:
+        gs_mem_set_evict_target(s->devs.dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
+        gs_mem_set_evict_check(eviction_unneeded, s);
         handle_evict(s);
+        gs_mem_set_evict_check(NULL, NULL);
+        gs_mem_set_evict_target(s->devs.dev, 0);
         break;
     case GS_MSG_PRECOPY:
         handle_precopy(s);

@@ -312,11 +312,15 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
+        gs_mem_set_evict_target(dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0)); /* 0: everything */
         release(s, dev, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, text[0] ? text : "no reason");
+        gs_mem_set_evict_target(dev, 0);
         break;
     case GS_MSG_EVICT:
     case GS_MSG_PRECOPY:
+        gs_mem_set_evict_target(dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
         evict_or_precopy(s, dev, m->type == GS_MSG_EVICT);
+        gs_mem_set_evict_target(dev, 0);
         break;
     case GS_MSG_SET_QUOTA:
         gs_mem_set_quota(dev, gs_msg_u64(m, GS_TAG_QUOTA, 0)); /* this device's registration's */

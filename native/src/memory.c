@@ -328,13 +328,36 @@ static int move_all(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *
     return sr == CUDA_SUCCESS ? 0 : -1;
 }
 
+/* What the next eviction of each device is to free (0: everything), set from the scheduler's
+ * evict_bytes and used once. Only the shim's own thread sets and reads it. */
+static uint64_t evict_target[GS_MEM_DEVICES];
+
+void gs_mem_set_evict_target(CUdevice dev, uint64_t bytes)
+{
+    evict_target[gs_mem_slot(dev)] = bytes;
+}
+
 /* Both kinds of movable memory of device `dev`: the engine's explicit blocks, then the program's
- * own managed memory (and cuMemAlloc made managed under GPUSHARE_MEMORY=managed) by prefetch. */
+ * own managed memory (and cuMemAlloc made managed under GPUSHARE_MEMORY=managed) by prefetch.
+ * A partial eviction moves managed memory only when the blocks did not free enough. */
 static int move_everything(int to_host, CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    uint64_t b1 = 0, u1 = 0, b2 = 0, u2 = 0;
-    int r1 = to_host ? gs_vmm_evict(dev, &b1, &u1) : gs_vmm_restore(dev, &b1, &u1);
-    int r2 = move_all(to_host, dev, &b2, &u2);
+    uint64_t b1 = 0, u1 = 0, b2 = 0, u2 = 0, target = 0;
+    int r1, r2 = 0;
+    if (to_host) {
+        target = evict_target[gs_mem_slot(dev)];
+        evict_target[gs_mem_slot(dev)] = 0;
+        struct gs_vmm_totals before, after;
+        gs_vmm_totals(dev, &before);
+        r1 = gs_vmm_evict(dev, target, &b1, &u1);
+        gs_vmm_totals(dev, &after);
+        uint64_t freed = after.evicted - before.evicted;
+        if (!target || freed < target)
+            r2 = move_all(1, dev, &b2, &u2);
+    } else {
+        r1 = gs_vmm_restore(dev, &b1, &u1);
+        r2 = move_all(0, dev, &b2, &u2);
+    }
     *bytes_moved = b1 + b2;
     *micros = u1 + u2;
     return r1 == 0 && r2 == 0 ? 0 : -1;
@@ -409,6 +432,8 @@ void gs_mem_after_fork_child(void)
     gs_vmm_after_fork_child();
     gs_vmm_prepare_after_fork_child();
     gs_staging_after_fork_child();
+    gs_bounce_after_fork_child();
+    memset(evict_target, 0, sizeof evict_target);
     gs_reserves_after_fork_child();
     gs_graphs_after_fork_child();
     memset(prefetch_streams, 0, sizeof prefetch_streams);

@@ -149,12 +149,28 @@ struct gs_staging {
 /* Prepare host memory for `size` bytes: registered while the budget lasts, else pageable (said
  * once in the log and counted). Returns 0, or -1 when the host has no memory at all. */
 int gs_staging_get(struct gs_staging *s, uint64_t size);
+/* Host memory for `size` bytes at once: mapped, neither populated nor registered (counted as
+ * pageable); what an eviction copies into through the bounce ring when a block's staging is not
+ * ready. */
+int gs_staging_get_pageable(struct gs_staging *s, uint64_t size);
+/* Copy src's contents into dst (same size) on the engine's CPU workers. */
+void gs_staging_copy(struct gs_staging *dst, const struct gs_staging *src);
 void gs_staging_put(struct gs_staging *s);
 struct gs_staging_totals {
     uint64_t pinned_bytes, pageable_bytes, budget, fallbacks;
 };
 void gs_staging_totals(struct gs_staging_totals *out);
 void gs_staging_after_fork_child(void);
+
+/* ---- memory_workers.c: CPU threads for bulk host work ---- */
+
+/* Run fn(arg, i) for i in [0, n) on the workers and the calling thread; returns when all ran. */
+void gs_workers_run(void (*fn)(void *, unsigned), void *arg, unsigned n);
+/* How many threads a batch runs on (GPUSHARE_STAGING_THREADS, the caller included). */
+unsigned gs_workers_count(void);
+void gs_workers_after_fork_child(void);
+/* memory_bounce.c (its interface is the engine's own, in memory_vmm.h) */
+void gs_bounce_after_fork_child(void);
 
 /* ---- memory_vmm.c: the explicit engine ---- */
 
@@ -166,9 +182,11 @@ CUresult gs_vmm_alloc(CUdeviceptr *dptr, size_t bytes);
 int gs_vmm_free(CUdeviceptr dptr, CUresult *r);
 /* The allocation containing p, as cuMemGetAddressRange answers. 1 when p is the engine's. */
 int gs_vmm_range(CUdeviceptr p, CUdeviceptr *base, size_t *size);
-/* Copy out and unmap / map and copy back every block of device `dev` (its own physical memory,
- * at its own address). A context of `dev` must be current. */
-int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
+/* Copy out and unmap blocks of device `dev` until `target` bytes are off the device (0: every
+ * block; pre-copied blocks first, then the least recently used) / map and copy back every evicted
+ * block (its own physical memory, at its own address). A context of `dev` must be current.
+ * *bytes_moved: what was copied (an unmap of a pre-copied block copies nothing). */
+int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t *micros);
 int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 /* Copy device `dev`'s resident blocks to staging at low priority, leaving them resident; valid
  * until the next gated call. */

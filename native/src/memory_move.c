@@ -108,7 +108,72 @@ static void batch_close(struct batch *b)
     free(b->copied);
 }
 
-int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
+/* Set by the shim's thread around the eviction a scheduler's message asked for (lifecycle.c):
+ * only that thread evicts then, and only it reads these. */
+static int (*evict_stop)(void *, uint64_t);
+static void *evict_stop_arg;
+static uint64_t evict_freed; /* what the eviction in progress has freed */
+
+void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg)
+{
+    evict_stop = stop;
+    evict_stop_arg = arg;
+}
+
+static int evict_unneeded(void)
+{
+    return evict_stop && evict_stop(evict_stop_arg, evict_freed);
+}
+
+/* The order an eviction takes device dev's blocks in: those whose pre-copy is valid first (an
+ * unmap each), then the least recently used (the smallest last_use). */
+static int evict_before(const struct block *a, const struct block *b, uint64_t calls)
+{
+    int ca = precopy_valid(a, calls), cb = precopy_valid(b, calls);
+    if (ca != cb)
+        return ca > cb;
+    return a->last_use < b->last_use;
+}
+
+/* Device dev's evictable blocks in eviction order, as many as free `target` bytes (0: all).
+ * Returns the count. */
+static size_t pick_victims(CUdevice dev, uint64_t target, uint64_t calls, struct block **out)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < gs_vmm_nblocks; i++) {
+        struct block *b = gs_vmm_blocks[i];
+        if (!gs_vmm_on(b, dev) || !b->resident || b->ipc_pinned)
+            continue; /* a pinned block is mapped by a peer process: never pulled from under it */
+        size_t k = n++; /* insertion sort: a process has tens of blocks, not thousands */
+        while (k > 0 && evict_before(b, out[k - 1], calls)) {
+            out[k] = out[k - 1];
+            k--;
+        }
+        out[k] = b;
+    }
+    uint64_t sum = 0;
+    for (size_t k = 0; k < n && target; k++)
+        if ((sum += out[k]->size) >= target)
+            return k + 1;
+    return n;
+}
+
+/* Copy block b out through the bounce ring into pageable staging (made now if it has none):
+ * its staging was not ready, or is pageable past the host budget. Synchronous. */
+static int copy_out_bounced(struct block *b, CUstream s)
+{
+    if (!b->staging.host && gs_staging_get_pageable(&b->staging, b->size) != 0)
+        return -1;
+    int r = gs_bounce_copy_out(b->staging.host, b->va, b->size, s, evict_unneeded);
+    if (r == 1) { /* no ring: straight into pageable memory, the driver's slow path */
+        if (gs_vmm_drv.d2h(b->staging.host, b->va, b->size, s) != CUDA_SUCCESS)
+            return -1;
+        r = gs_vmm_drv.stream_sync(s) == CUDA_SUCCESS ? 0 : -1;
+    }
+    return r;
+}
+
+int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t *micros)
 {
     double t0 = gs_now();
     *bytes_moved = *micros = 0;
@@ -116,28 +181,78 @@ int gs_vmm_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
     gs_vmm_wait_copies_locked(NULL); /* a pre-copy in flight: its blocks then need no copy */
-    uint64_t moved = 0, calls = gs_total_gated_calls();
+    uint64_t freed = 0, copied = 0, bounced = 0, calls = gs_total_gated_calls();
+    int stopped = 0;
     struct batch bt;
     int failed = batch_open(&bt, 0) != 0;
     if (!failed && bt.stream) {
-        size_t n = queue_copies_out(dev, bt.stream, bt.list, bt.events, 1, calls, &failed);
+        size_t n = pick_victims(dev, target, calls, bt.list);
+        if (target) {
+            char a[32];
+            GS_INFO("partial eviction: %s asked, %zu block(s) picked",
+                    gs_format_size(target, a, sizeof a), n);
+        }
+        /* Blocks with registered staging: every copy queued now, each with its event, so the
+         * copy engine never idles between blocks while earlier ones are unmapped. */
         for (size_t k = 0; k < n; k++) {
             struct block *b = bt.list[k];
-            int clean = precopy_valid(b, calls);
-            if (!clean && wait_copy(bt.events[k], bt.stream) != CUDA_SUCCESS) {
+            bt.copied[k] = !precopy_valid(b, calls) && b->staging.pinned;
+            if (bt.copied[k] && queue_copy_out(b, bt.stream, &bt.events[k]) != 0) {
+                bt.list[k] = NULL; /* refused: the block stays resident, its data intact */
+                failed = 1;
+            }
+        }
+        evict_freed = 0;
+        size_t k = 0;
+        for (; k < n && !(stopped = k > 0 && evict_unneeded()); k++) {
+            struct block *b = bt.list[k];
+            if (!b)
+                continue;
+            int r = 0, clean = precopy_valid(b, calls);
+            if (bt.copied[k])
+                r = wait_copy(bt.events[k], bt.stream) == CUDA_SUCCESS ? 0 : -1;
+            else if (!clean) {
+                r = copy_out_bounced(b, bt.stream);
+                bounced += r == 0 ? b->size : 0;
+            }
+            if (r == 2) { /* stopped inside a bounced block: it stays resident, intact */
+                stopped = 1;
+                k++;
+                break;
+            }
+            if (r != 0) {
                 failed = 1; /* the copy failed: the block stays resident, its data intact */
                 continue;
             }
+            /* Only now, the copy complete: unmapping first loses what the copy had not read. */
             gs_vmm_unback(b);
+            copied += clean ? 0 : b->size;
             b->precopied = 0;
-            moved += b->size;
+            freed += b->size;
+            evict_freed = freed;
+        }
+        if (stopped) { /* the blocks left: their queued copies finish, nothing else happens */
+            gs_vmm_drv.stream_sync(bt.stream);
+            for (; k < n; k++)
+                if (bt.list[k] && bt.copied[k] && bt.events[k])
+                    gs_vmm_drv.event_destroy(bt.events[k]);
         }
     }
     batch_close(&bt);
-    gs_mem_engine_account(dev, 0, 0, (int64_t)moved);
+    gs_mem_engine_account(dev, 0, 0, (int64_t)freed);
     pthread_mutex_unlock(&gs_vmm_mu);
-    *bytes_moved = moved;
+    *bytes_moved = copied;
     *micros = (uint64_t)((gs_now() - t0) * 1e6);
+    if (stopped) {
+        char a[32];
+        GS_INFO("eviction stopped, no longer needed: %s moved off the device stays off it",
+                gs_format_size(freed, a, sizeof a));
+    }
+    if (bounced) {
+        char a[32];
+        GS_INFO("evicted %s through the bounce ring (staging not ready)",
+                gs_format_size(bounced, a, sizeof a));
+    }
     if (failed)
         GS_WARN("eviction incomplete: some device memory could not be copied out and stays on "
                 "the device");
@@ -176,6 +291,7 @@ int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
             failed = 1;
             break;
         }
+        b->last_use = ++gs_vmm_use_clock; /* restored for this turn: the most recently used */
         if (b->unbacked) {
             b->unbacked = 0; /* never written: nothing to copy back */
             backed += b->size;
@@ -247,6 +363,7 @@ void gs_vmm_back_deferred(CUdevice dev)
             continue;
         }
         b->unbacked = 0;
+        b->last_use = ++gs_vmm_use_clock;
         backed += b->size;
         gs_mem_engine_account(b->dev, 0, 0, -(int64_t)b->size);
     }

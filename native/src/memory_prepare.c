@@ -40,55 +40,84 @@ static void hold_off_captures(void)
 
 /* Populating and registering host memory holds the process's memory-map lock, which the
  * program's own cudaMalloc and cudaFree need: on an H100, 40 blocks of 1 GiB allocated in a burst
- * took 25 s under the shim (0.015 s without) while their staging was made beside them. So the
- * preparer starts only once the program has made or freed no block for PREPARE_QUIET seconds; a
- * program that never pauses gets its staging anyway after PREPARE_MAX_DEFER seconds. A block
- * freed within the pause (a temporary) then needs no staging at all. */
-#define PREPARE_QUIET 0.5
+ * took 25 s under the shim (0.015 s without) while their staging was made one 4 KiB page at a time
+ * beside them. GPUSHARE_STAGING_QUIET (seconds, default 0) makes the preparer wait until the
+ * program has made or freed no block for that long (at most max(5 s, it) in all), so that a
+ * temporary freed within the pause needs no staging at all. The default prepares at once: an
+ * eviction 0.5 s after a large allocation must find staging under way, and staging is now
+ * populated in huge pages by several threads, a batch at a time (memory_staging.c). */
 #define PREPARE_MAX_DEFER 5.0
 
 /* With gs_vmm_mu held; lets it go while it waits. 1: it waited (look again). */
 static int wait_for_a_pause(double *deferring_since)
 {
+    double quiet_for = gs_config()->staging_quiet;
     double now = gs_now(), quiet = now - gs_vmm_last_change;
-    if (quiet >= PREPARE_QUIET) {
+    if (quiet >= quiet_for) {
         *deferring_since = 0;
         return 0;
     }
     if (*deferring_since == 0)
         *deferring_since = now;
-    if (now - *deferring_since >= PREPARE_MAX_DEFER)
+    if (now - *deferring_since >= (quiet_for > PREPARE_MAX_DEFER ? quiet_for : PREPARE_MAX_DEFER))
         return 0;
     /* On the condition, not a plain sleep: a pre-copy the scheduler asks for meanwhile (an idle
      * kernel, whose next cell may come soon) must start at once, not after the pause. */
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until); /* the condition's clock */
-    long ns = until.tv_nsec + (long)((PREPARE_QUIET - quiet) * 1e9);
+    long ns = until.tv_nsec + (long)((quiet_for - quiet) * 1e9);
     until.tv_sec += ns / 1000000000L;
     until.tv_nsec = ns % 1000000000L;
     pthread_cond_timedwait(&gs_vmm_prepare_cv, &gs_vmm_mu, &until);
     return 1;
 }
 
+/* A block whose staging the preparer makes: none yet, or pageable (made by an eviction before
+ * the preparer got to it) and not yet tried. */
+static int wants_staging(const struct block *b)
+{
+    if (b->preparing)
+        return 0;
+    return !b->staging.host || (!b->staging.pinned && !b->staging_tried);
+}
+
 static void *preparer(void *arg)
 {
     (void)arg;
-    /* Populating host memory is CPU work the program did not ask for: the lowest priority, so
-     * it never takes a core from the program (Linux: a thread's own nice value). */
-    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) != 0)
+    /* Populating host memory is CPU work the program did not ask for: GPUSHARE_STAGING_NICE
+     * lowers its priority (Linux: a thread's own nice value). Not by default: at nice 19 beside
+     * a busy program, 20 GiB of staging was not ready for many seconds, and every eviction
+     * meanwhile ran at the pageable path's 1.4-2.4 GB/s. */
+    int nice_value = gs_config()->staging_nice;
+    if (nice_value && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), nice_value) != 0)
         GS_DEBUG("the staging thread keeps the process's priority");
     typedef CUresult (*set_ctx_fn)(CUcontext);
     set_ctx_fn set_ctx = (set_ctx_fn)gs_driver_sym("cuCtxSetCurrent");
     double deferring_since = 0;
+    int ring_made = 0;
     pthread_mutex_lock(&gs_vmm_mu);
     for (;;) {
         while (!gs_vmm_prepare_pending)
             pthread_cond_wait(&gs_vmm_prepare_cv, &gs_vmm_mu);
+        if (!ring_made && gs_vmm_nblocks) {
+            /* First of all, before any pause: the ring an eviction copies through until the
+             * blocks' staging is ready, registered in the first block's context. */
+            CUcontext ctx = gs_vmm_blocks[0]->ctx;
+            ring_made = 1;
+            pthread_mutex_unlock(&gs_vmm_mu);
+            if (set_ctx && set_ctx(ctx) == CUDA_SUCCESS) {
+                hold_off_captures();
+                gs_bounce_prepare();
+                gs_capture_unlock();
+            }
+            pthread_mutex_lock(&gs_vmm_mu);
+            continue;
+        }
         if (!gs_vmm_precopy_wanted && wait_for_a_pause(&deferring_since))
             continue;
         struct block *b = NULL;
         for (size_t i = 0; i < gs_vmm_nblocks && !b; i++)
-            if (!gs_vmm_blocks[i]->staging.host && !gs_vmm_blocks[i]->preparing)
+            if (wants_staging(gs_vmm_blocks[i]))
                 b = gs_vmm_blocks[i];
         if (!b && gs_vmm_precopy_wanted) {
             /* Every block has its staging: the pre-copy the scheduler asked for runs here, so
@@ -116,6 +145,7 @@ static void *preparer(void *arg)
         }
         b->preparing = 1;
         uint64_t id = b->id, size = b->size;
+        double made_at = b->made_at;
         CUcontext ctx = b->ctx;
         pthread_mutex_unlock(&gs_vmm_mu);
 
@@ -129,17 +159,44 @@ static void *preparer(void *arg)
         gs_capture_unlock();
         if (have) {
             char a[32];
-            GS_DEBUG("host staging of %s made in %.1f ms", gs_format_size(size, a, sizeof a),
-                     (gs_now() - made_from) * 1e3);
+            GS_INFO("host staging of %s (%s) ready %.3f s after its allocation, made in %.1f ms",
+                    gs_format_size(size, a, sizeof a), st.pinned ? "registered" : "pageable",
+                    gs_now() - made_at, (gs_now() - made_from) * 1e3);
         }
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);
         if (nb)
             nb->preparing = 0;
+        if (nb)
+            nb->staging_tried = 1;
         if (have && nb && !nb->staging.host) {
             nb->staging = st;
             have = 0;
+        } else if (have && nb && st.pinned && !nb->staging.pinned && !nb->copying) {
+            /* An eviction before this staging was ready copied the block into pageable memory
+             * (memory_bounce.c): registered staging takes its place, so that the restore and
+             * every later eviction run at the bus's speed. An evicted block's contents move
+             * along, copied without the engine's lock (20 GiB take seconds): the block is marked
+             * copying meanwhile, so it is neither freed nor evicted; a restore only reads the
+             * pageable copy, which stays until the swap. A resident block's pre-copy is given
+             * up instead (cheap to make again). */
+            if (!nb->resident) {
+                nb->copying = 1;
+                gs_vmm_copies_begin_locked(1);
+                pthread_mutex_unlock(&gs_vmm_mu);
+                gs_staging_copy(&st, &nb->staging);
+                pthread_mutex_lock(&gs_vmm_mu);
+                nb->copying = nb->copy_spoiled = 0;
+                gs_vmm_copies_end_locked(1);
+            }
+            nb->precopied = 0;
+            char a[32];
+            GS_INFO("registered staging replaced the pageable copy of %s (%s)",
+                    gs_format_size(size, a, sizeof a), nb->resident ? "resident" : "evicted");
+            struct gs_staging old = nb->staging;
+            nb->staging = st;
+            st = old; /* the pageable one is released below */
         }
         if (!have)
             continue;

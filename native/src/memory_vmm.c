@@ -37,6 +37,7 @@ void gs_vmm_wake_preparer_locked(void)
 }
 struct block **gs_vmm_blocks;
 size_t gs_vmm_nblocks;
+uint64_t gs_vmm_use_clock;
 static size_t capblocks;
 static uint64_t granularity;
 
@@ -265,6 +266,8 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
     }
     static uint64_t next_id;
     b->id = ++next_id;
+    b->last_use = ++gs_vmm_use_clock;
+    b->made_at = gs_now();
     /* An unbacked block counts as on the host: the scheduler never sees it resident. */
     gs_mem_engine_account(dev, size, (int64_t)size, b->unbacked ? (int64_t)size : 0);
     gs_vmm_last_change = gs_now(); /* the preparer waits until allocations pause */

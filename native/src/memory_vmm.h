@@ -26,8 +26,12 @@ struct block {
     int resident;
     int precopied;         /* staging holds the contents as of precopy_mark */
     int preparing;         /* memory_prepare.c is making its staging */
+    int staging_tried;     /* memory_prepare.c made (or failed to make) staging for it once */
+    double made_at;        /* gs_now() when it was made (the log says how long staging took) */
     uint64_t id;           /* unique for the process's life: found again after the lock was let go */
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
+    uint64_t last_use;     /* gs_vmm_use_clock when it was made, restored or backed: a partial
+                            * eviction takes the smallest first (memory_move.c) */
     int copying;           /* a pre-copy reads it, gs_vmm_mu let go: not freed or unmapped */
     int copy_spoiled;      /* an allocation was carved into it meanwhile: that copy is not whole */
     struct gs_staging staging;
@@ -91,6 +95,8 @@ extern struct gs_vmm_driver gs_vmm_drv;
 extern pthread_mutex_t gs_vmm_mu;
 extern struct block **gs_vmm_blocks; /* sorted by va */
 extern size_t gs_vmm_nblocks;
+/* Ticks at each block made, restored or backed (under gs_vmm_mu): the blocks' recency. */
+extern uint64_t gs_vmm_use_clock;
 
 CUresult gs_vmm_back(struct block *b);
 /* The block containing p, or NULL (under gs_vmm_mu). */
@@ -133,5 +139,14 @@ void gs_vmm_wait_copies_locked(const struct block *b);
 /* The pre-copy marked n blocks copying / cleared them (wakes the waiters). */
 void gs_vmm_copies_begin_locked(size_t n);
 void gs_vmm_copies_end_locked(size_t n);
+
+/* memory_bounce.c: the pinned ring an eviction copies through when a block's staging is not
+ * ready. gs_bounce_prepare makes it (a context current); gs_bounce_copy_out copies size bytes at
+ * src into dst (pageable) on stream s and returns 0 once they are there, 1 when there is no ring
+ * (nothing done), 2 when stop() said 1 between slots (the copy is incomplete), -1 when a copy
+ * failed. */
+void gs_bounce_prepare(void);
+int gs_bounce_copy_out(void *dst, CUdeviceptr src, uint64_t size, CUstream s, int (*stop)(void));
+uint64_t gs_bounce_total(void);
 
 #endif /* GPUSHARE_MEMORY_VMM_H */

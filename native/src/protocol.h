@@ -79,7 +79,11 @@ enum gs_tag {
     GS_TAG_RESUME_SECRET = 42,
     /* The memory engine (docs/protocol.md, "Pre-copy"). */
     GS_TAG_PRECOPIED_BYTES = 43,
-    GS_TAG_MAX = 43
+    /* REVOKE (with evict) and EVICT: the bytes to free on the device (0 or absent: everything). */
+    GS_TAG_EVICT_BYTES = 44,
+    /* GRANT: the most device memory the client may hold backed during this grant. */
+    GS_TAG_ROOM_BYTES = 45,
+    GS_TAG_MAX = 45
 };
 
 /* ---- encoding ---- */

@@ -104,6 +104,13 @@ struct gs_config {
     double capture_wait;    /* GPUSHARE_CAPTURE_WAIT: seconds a release (eviction, restore)
                                waits for a stream capture to end before it gives up */
     const char *real_libcuda;
+    /* The memory engine's host side (memory_prepare.c, memory_staging.c, memory_bounce.c). */
+    unsigned staging_threads; /* GPUSHARE_STAGING_THREADS: CPU threads that populate staging
+                                 and copy out of the bounce ring */
+    double staging_quiet;     /* GPUSHARE_STAGING_QUIET: seconds without a new or freed block
+                                 before staging is prepared (0 = at once) */
+    int staging_nice;         /* GPUSHARE_STAGING_NICE: those threads' nice value */
+    uint64_t bounce_bytes;    /* GPUSHARE_BOUNCE_BYTES: the pinned ring, 0 = none */
 };
 
 const struct gs_config *gs_config(void);
@@ -285,6 +292,12 @@ void gs_mem_count_context(CUdevice dev);
 uint64_t gs_mem_generation(void);
 /* Move device `dev`'s movable memory to the host / back to `dev` (each allocation to the device
  * it was made on). A context of `dev` must be current on the calling thread. */
+/* The next gs_mem_evict of `dev` frees at least `bytes` (0: everything; the scheduler's
+ * evict_bytes), then the target is forgotten. */
+void gs_mem_set_evict_target(CUdevice dev, uint64_t bytes);
+/* While set, an eviction asks stop(arg, bytes freed so far) between blocks (and between a
+ * bounced block's slots): 1 = no longer needed, stop, keeping what was moved (memory_move.c). */
+void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg);
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 /* Copy device `dev`'s resident explicit memory to the host at low priority, leaving it resident

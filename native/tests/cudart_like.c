@@ -1192,6 +1192,49 @@ static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, doub
     return patterned_free(&p, ok);
 }
 
+/* Several blocks, each its own pattern (tests/native/test_partial_eviction.py): allocated in
+ * order, used, then idle while the scheduler evicts part of them; every block's data is checked
+ * after the next grant. */
+static int scenario_blocks(int k, size_t bytes, double idle) {
+    CUdeviceptr d[16];
+    unsigned char *h = malloc(4u << 20), *g = malloc(4u << 20);
+    size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
+    long launches = 0;
+    if (k < 1 || k > 16 || !h || !g) return 1;
+    for (int i = 0; i < k; i++) CHECK(p_cuMemAlloc(&d[i], bytes));
+    emit_status("allocated"); /* before the first gated call: it may wait for the device */
+    for (int i = 0; i < k; i++) CHECK(write_pattern(d[i], bytes, h, n, (unsigned)i + 1));
+    if (hold(0.3, 20000, &launches, 1)) return 1;
+    idle_ticking("idle_start", idle, launches);
+    int ok = 1;
+    for (int i = 0; i < k; i++) {
+        fill_pattern(h, n, (unsigned)i + 1);
+        ok &= pattern_ok(d[i], bytes, h, g, n, (unsigned)i + 1);
+    }
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("blocks_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
+    for (int i = 0; i < k; i++) CHECK(p_cuMemFree(d[i]));
+    free(h);
+    free(g);
+    return !ok;
+}
+
+/* A burst of allocations (tests/native/test_cold_eviction.py): k blocks, one every `every`
+ * seconds, no GPU call between them; the status at the burst's end says how much staging is
+ * ready. */
+static int scenario_burst(int k, size_t bytes, double every) {
+    CUdeviceptr d[64];
+    if (k < 1 || k > 64) return 1;
+    for (int i = 0; i < k; i++) {
+        CHECK(p_cuMemAlloc(&d[i], bytes));
+        sleep_s(every);
+    }
+    emit_status("burst_end");
+    for (int i = 0; i < k; i++) CHECK(p_cuMemFree(d[i]));
+    return 0;
+}
+
 /* Deep idle (tests/native/test_deep_idle.py): the first call after a long idle wakes the
  * process; the data written before must be intact. */
 static int scenario_deep_idle(size_t bytes, double idle) {
@@ -1509,6 +1552,10 @@ int main(int argc, char **argv) {
         rc = scenario_ipc_import(argv[i], arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "ctx_teardown") == 0) {
         rc = scenario_ctx_teardown(arg_bytes(argc, argv, i, 1u << 20));
+    } else if (strcmp(scenario, "burst") == 0 && i + 2 < argc) {
+        rc = scenario_burst(atoi(argv[i]), arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
+    } else if (strcmp(scenario, "blocks") == 0 && i + 2 < argc) {
+        rc = scenario_blocks(atoi(argv[i]), arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
         rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
                                     atof(argv[i + 2]), atof(argv[i + 3]));

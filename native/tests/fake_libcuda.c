@@ -55,6 +55,8 @@
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed),
  * fakecuda_call_count(name) and fakecuda_process_device_bytes(pid) (fake_checkpoint.c: the process
  * checkpoint API across processes, GPUSHARE_FAKE_CHECKPOINT_DIR, GPUSHARE_FAKE_CONTEXT_BYTES).
+ * GPUSHARE_FAKE_ASYNC_COPIES=1: asynchronous copies complete at a later synchronisation, and one
+ * whose device memory is unmapped first is lost (fake_async.c).
  */
 #include "cuda_abi.h"
 
@@ -300,6 +302,8 @@ static uint64_t g_device_busy_until;
 struct CUevent_st {
     uint32_t magic;
     uint64_t at;
+    struct CUstream_st *s; /* where it was recorded, and the copies queued there before it */
+    uint64_t seq;
 };
 
 /* Kernels */
@@ -535,11 +539,14 @@ static uint64_t stream_busy_until(struct CUstream_st *s) {
     return t;
 }
 
+#include "fake_async.c"
+
 static void wait_device(void) {
     pthread_mutex_lock(&g_lock);
     uint64_t t = g_device_busy_until;
     pthread_mutex_unlock(&g_lock);
     sleep_until_ns(t);
+    fk_async_complete(NULL, UINT64_MAX);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -862,6 +869,7 @@ CUresult cuCtxSynchronize(void) {
     uint64_t until = g_device_busy_until, ctx_until = cur_ctx()->busy_until;
     pthread_mutex_unlock(&g_lock);
     sleep_until_ns(ctx_until); /* a context waits for its own work only */
+    fk_async_complete(NULL, UINT64_MAX);
     FILE *f = trace_file();
     if (f) {
         char name[32] = "";
@@ -926,7 +934,9 @@ static CUresult stream_query(CUstream h, int per_thread) {
     CUresult r = get_stream(h, per_thread, &s);
     if (r) return r;
     if (fk_capture_unsafe_call()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    return now_ns() < stream_busy_until(s) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+    if (now_ns() < stream_busy_until(s)) return CUDA_ERROR_NOT_READY;
+    fk_async_complete(s == &g_legacy_stream ? NULL : s, UINT64_MAX);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuStreamQuery(CUstream hStream) {
@@ -948,6 +958,7 @@ static CUresult stream_sync(CUstream h, int per_thread) {
         wait_device(); /* the legacy stream synchronises with every blocking stream */
     else
         sleep_until_ns(stream_busy_until(s));
+    fk_async_complete(s == &g_legacy_stream ? NULL : s, UINT64_MAX);
     return CUDA_SUCCESS;
 }
 
@@ -978,6 +989,8 @@ static CUresult event_record(CUevent e, CUstream h, int per_thread) {
     if (r) return r;
     if (!e || e->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     e->at = stream_busy_until(s);
+    e->s = s == &g_legacy_stream ? NULL : s;
+    e->seq = fk_async_mark();
     if (s == &g_legacy_stream) { /* the legacy stream waits for every blocking stream */
         pthread_mutex_lock(&g_lock);
         if (g_device_busy_until > e->at) e->at = g_device_busy_until;
@@ -1000,7 +1013,9 @@ CUresult cuEventQuery(CUevent hEvent) {
     COUNT();
     NEED_INIT();
     if (!hEvent || hEvent->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    return now_ns() < hEvent->at ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+    if (now_ns() < hEvent->at) return CUDA_ERROR_NOT_READY;
+    fk_async_complete(hEvent->s, hEvent->seq);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuEventSynchronize(CUevent hEvent) {
@@ -1008,6 +1023,7 @@ CUresult cuEventSynchronize(CUevent hEvent) {
     NEED_INIT();
     if (!hEvent || hEvent->magic != EVENT_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     sleep_until_ns(hEvent->at);
+    fk_async_complete(hEvent->s, hEvent->seq);
     return CUDA_SUCCESS;
 }
 
@@ -1372,6 +1388,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
         if (g_maps[i].base != (uintptr_t)ptr || g_maps[i].size != size) continue;
         unsigned long long hid = g_maps[i].handle;
         g_maps[i] = g_maps[--g_nmaps];
+        fk_async_unmapped_locked((uintptr_t)ptr, size);
         mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED |
              MAP_NORESERVE, -1, 0);
         struct fk_handle *h = find_handle_locked(hid);
@@ -1579,6 +1596,7 @@ static CUresult launch_now(CUfunction f, unsigned int gx, unsigned int gy, unsig
         return CUDA_ERROR_INVALID_VALUE;
     if (extra && !params) return CUDA_ERROR_NOT_SUPPORTED;
     if (fk_stream_captured(s)) return CUDA_SUCCESS;
+    fk_async_complete(s == &g_legacy_stream ? NULL : s, UINT64_MAX); /* stream order */
     switch (f->kind) {
     case K_SLEEP: {
         if (!params || !params[0]) return CUDA_ERROR_INVALID_VALUE;
@@ -1724,7 +1742,7 @@ static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_
     if (dst_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)dst, n)) return CUDA_ERROR_INVALID_VALUE;
     if (src_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (!is_async) wait_device();
-    memmove(dst, src, n);
+    if (!is_async || !fk_async_queue(dst, src, n, s)) memmove(dst, src, n);
     fk_note_copy(dst, src, n, dst_dev, src_dev, s);
     return CUDA_SUCCESS;
 }
@@ -2482,6 +2500,7 @@ int fakecuda_stats_json(char *buf, size_t n) {
            g_prefetch_to_host_bytes, g_prefetch_to_device_bytes, g_prefetch_to_host_calls,
            g_prefetch_to_device_calls, g_fault_to_device_bytes);
     FK_VMM_STATS(APPEND);
+    FK_ASYNC_STATS(APPEND);
     FK_GRAPH_STATS(APPEND);
     APPEND("\"live_device_bytes\":%llu,\"live_managed_bytes\":%llu,\"managed_on_host_bytes\":%llu,"
            "\"peak_device_bytes\":%llu,\"device_total\":%llu,\"live_handles\":%zu,\"live_maps\":%zu,"

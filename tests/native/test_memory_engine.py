@@ -26,9 +26,11 @@ def common(**extra):
     return {"context_bytes": CONTEXT, "idle_seconds": 0.3, "log": "info", **extra}
 
 
-def evictions_ms(log: str, client: str) -> list[float]:
+def evictions(log: str, client: str) -> list[tuple[int, float]]:
+    """(bytes copied, ms) of each eviction of ``client``: an unmap of pre-copied blocks copies
+    nothing (bytes_moved counts what an eviction copied)."""
     pattern = rf"evicted client={re.escape(client)} bytes=(\d+) \([^)]*\) ms=([\d.]+)"
-    return [float(ms) for n, ms in re.findall(pattern, log) if int(n) >= BIG]
+    return [(int(n), float(ms)) for n, ms in re.findall(pattern, log)]
 
 
 def test_an_idle_process_is_precopied_and_its_eviction_is_an_unmap(harness):
@@ -44,9 +46,10 @@ def test_an_idle_process_is_precopied_and_its_eviction_is_an_unmap(harness):
     rb, ra = b.finish(60).ok(), a.finish(60).ok()
     assert rb.event("hold_end")["data_ok"]
     assert ra.event("cycle_end")["data_ok"], "data did not survive pre-copy, eviction, restore"
-    evicts = evictions_ms(sched.log, "A")
+    evicts = evictions(sched.log, "A")
     assert evicts, sched.log
-    assert evicts[0] < COPY_MS / 3, f"a clean pre-copied eviction must be an unmap: {evicts}"
+    assert evicts[0][0] == 0, f"a clean pre-copied eviction must copy nothing: {evicts}"
+    assert evicts[0][1] < COPY_MS / 3, f"a clean pre-copied eviction must be an unmap: {evicts}"
     # The first copy out was the pre-copy; the eviction copied nothing more before B ran.
     first_grant_b = sched.log.index("grant client=B ")
     assert "precopied client=A" in sched.log[:first_grant_b]
@@ -65,8 +68,8 @@ def test_a_gpu_call_after_the_precopy_makes_it_stale(harness):
     assert rb.event("hold_end")["data_ok"]
     end = ra.event("cycle_end")
     assert end["data_ok"], "a stale pre-copy was restored: the data written after it is lost"
-    evicts = evictions_ms(sched.log, "A")
-    assert evicts and evicts[0] >= COPY_MS * 0.7, f"the eviction did not copy: {evicts}"
+    evicts = [e for e in evictions(sched.log, "A") if e[0] >= BIG]
+    assert evicts and evicts[0][1] >= COPY_MS * 0.7, f"the eviction did not copy: {evicts}"
     assert ra.stats["copy_to_host_bytes"] >= 2 * BIG, ra.stats
 
 
@@ -110,9 +113,14 @@ def test_a_temporary_freed_while_its_staging_is_made_releases_the_staging(harnes
     temporary while that thread still registers it (on an H100, 16 GiB take ~1.8 s) must not keep
     the staging: before the fix it stayed populated, registered and counted for good."""
     harness.scheduler(pool="1GiB", quantum=1.0)
-    slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "400"}
-    # The preparer starts once allocations have paused for 0.5 s (memory_prepare.c): freed 0.7 s
-    # after its allocation (mid-registration), looked at 1.5 s later.
+    # No bounce ring (it is registered too, and kept for the process's life): only staging.
+    slow_register = {
+        "GPUSHARE_FAKE_HOST_REGISTER_MS": "400",
+        "GPUSHARE_STAGING_QUIET": "0.5",
+        "GPUSHARE_BOUNCE_BYTES": "0",
+    }
+    # The preparer starts once allocations have paused for 0.5 s (GPUSHARE_STAGING_QUIET): freed
+    # 0.7 s after its allocation (mid-registration), looked at 1.5 s later.
     run = harness.run("temporary", BIG, 0.7, 1.5, extra=slow_register, **common()).ok()
     st = run.event("temporary")["status"]
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
@@ -121,17 +129,19 @@ def test_a_temporary_freed_while_its_staging_is_made_releases_the_staging(harnes
     assert run.calls("cuMemHostUnregister") == registered, run.stats["calls"]
 
 
-def test_staging_waits_until_the_programs_allocations_pause(harness):
+def test_staging_waits_until_the_programs_allocations_pause_when_asked(harness):
     """Populating and registering staging holds the process's memory-map lock, which the
     program's cudaMalloc needs (on an H100, a burst of 40 blocks of 1 GiB took 25 s beside it
-    instead of 0.015 s): the preparer waits for a 0.5 s pause in allocations, so a temporary freed
-    within it never gets staging at all, and one kept past it does."""
+    instead of 0.015 s): with GPUSHARE_STAGING_QUIET=0.5 the preparer waits for a 0.5 s pause in
+    allocations, so a temporary freed within it never gets staging at all, and one kept past it
+    does. (The default, 0, prepares at once: tests/native/test_cold_eviction.py.)"""
     harness.scheduler(pool="1GiB", quantum=1.0)
-    quick = harness.run("temporary", BIG, 0.1, 1.0, **common()).ok()
+    no_ring = {"staging_quiet": 0.5, "bounce_bytes": 0}  # the ring is registered too
+    quick = harness.run("temporary", BIG, 0.1, 1.0, **common(**no_ring)).ok()
     assert quick.calls("cuMemHostRegister_v2") == 0, quick.stats["calls"]
     st = quick.event("temporary")["status"]
     assert st["staging_pinned_bytes"] == 0 and st["staging_pageable_bytes"] == 0, st
-    kept = harness.run("temporary", BIG, 1.5, 0.5, **common()).ok()
+    kept = harness.run("temporary", BIG, 1.5, 0.5, **common(**no_ring)).ok()
     assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
 
 
@@ -170,7 +180,8 @@ def test_a_release_does_not_wait_for_staging_being_made(harness):
     slow_register = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "1500"}
     a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow_register, **common(client_id="A"))
     a.wait_event("first_launch", 30)
-    # The staging is made once allocations have paused 0.5 s, and takes 1.5 s: release in it.
+    # The bounce ring, then the staging, are made at once, each registration taking 1.5 s:
+    # release in them.
     time.sleep(1.0)
     SchedulerClient(str(sched.socket_path)).control_sync("release", client="A")
     run = a.finish(60).ok()

@@ -6,59 +6,14 @@ sees the bytes the shim sends whatever the Python side's field table holds."""
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
-from pathlib import Path
 
-from jupyter_gpushare.protocol import FIELD_HEADER, HEADER, MAGIC, U64, VERSION, MsgType
+from jupyter_gpushare.protocol import U64, MsgType
 from tests.native.probe import spawn_probe
+from tests.native.wire import c_tags, expect, frame, read_frame, u64
 
-ROOT = Path(__file__).resolve().parents[2]
 TAG_FLAG, TAG_RESUME, TAG_SECRET = 14, 39, 42
-
-
-def c_tags() -> dict[str, int]:
-    text = (ROOT / "native" / "src" / "protocol.h").read_text()
-    return {m[0]: int(m[1]) for m in re.findall(r"GS_TAG_(\w+) = (\d+)", text) if m[0] != "MAX"}
-
-
-def frame(mtype: int, fields: list[tuple[int, bytes]]) -> bytes:
-    payload = b"".join(FIELD_HEADER.pack(tag, len(raw)) + raw for tag, raw in fields)
-    return HEADER.pack(MAGIC, VERSION, mtype, 0, len(payload)) + payload
-
-
-def read_frame(conn: socket.socket) -> tuple[int, dict[int, bytes]]:
-    def exactly(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = conn.recv(n - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return buf
-
-    _magic, _version, mtype, _reserved, length = HEADER.unpack(exactly(HEADER.size))
-    payload = exactly(length)
-    fields: dict[int, bytes] = {}
-    pos = 0
-    while pos < len(payload):
-        tag, flen = FIELD_HEADER.unpack_from(payload, pos)
-        pos += FIELD_HEADER.size
-        fields[tag] = payload[pos : pos + flen]
-        pos += flen
-    return mtype, fields
-
-
-def expect(conn: socket.socket, mtype: int) -> dict[int, bytes]:
-    while True:
-        got, fields = read_frame(conn)
-        if got == mtype:
-            return fields
-
-
-def u64(v: int) -> bytes:
-    return U64.pack(v)
 
 
 def test_the_latest_grant_secret_goes_back_in_a_resuming_hello(harness, shim_probe):
