@@ -165,7 +165,7 @@ static void load_config(void)
     c->real_libcuda = "libcuda.so.1";
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     c->staging_threads = cpus >= 16 ? 8 : cpus >= 2 ? (unsigned)cpus / 2 : 1;
-    c->staging_quiet = 0;
+    c->staging_quiet = 0.1;
     c->staging_nice = 0;
     c->bounce_bytes = 256ull << 20;
 

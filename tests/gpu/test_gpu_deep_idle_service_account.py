@@ -46,6 +46,13 @@ from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def pythonpath(*dirs: Path) -> str:
+    """``dirs`` first, then this run's own PYTHONPATH: where the machine's packages (the
+    scheduler's traitlets, the carried wheels of a GPU campaign) were put for every user."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([*(str(d) for d in dirs), *inherited])
+
+
 def _ask(sock_path: str, msg: Message) -> Message:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
@@ -118,9 +125,9 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         for path in (src, tmp / "workloads", *src.rglob("*"), *(tmp / "workloads").rglob("*")):
             path.chmod(0o755)
         probe = subprocess.run(
-            [sys.executable, "-c", "import torch, jupyter_gpushare"],
+            [sys.executable, "-c", "import torch, traitlets, jupyter_gpushare"],
             cwd=str(tmp),
-            env={**os.environ, "PYTHONPATH": str(src)},
+            env={**os.environ, "PYTHONPATH": pythonpath(src)},
             capture_output=True,
             text=True,
             **as_user(alice),
@@ -132,7 +139,7 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
                 pytrace=False,
             )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-        env["PYTHONPATH"] = str(src)
+        env["PYTHONPATH"] = pythonpath(src)
         log_path = logs / "scheduler.log"
         sched = start_scheduler(
             Path(sock),
@@ -158,7 +165,7 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         kenv = shimmed_env(
             Path(sock), {"GPUSHARE_CLIENT_ID": "sleepy", "GPUSHARE_IDLE_SECONDS": "0.5"}
         )
-        kenv["PYTHONPATH"] = os.pathsep.join([str(tmp / "workloads"), str(src)])
+        kenv["PYTHONPATH"] = pythonpath(tmp / "workloads", src)
         kenv["GPUSHARE_SERVICE_USER"] = svc.pw_name  # the account the socket may belong to
         kenv.pop("LD_PRELOAD")  # the agent itself runs without the shim; it preloads the copy's
         # shim into the kernel (shim_environment of the package it runs from)
