@@ -435,6 +435,10 @@ class Policy(FixedQuantumLock):
             c.evicted = c.away
             c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
             c.restore = c.restore or c.away > 0
+            if nbytes == 0 or gone < nbytes:
+                # It moved less than asked: the rest cannot move now. Asking again at once
+                # would answer the same, on every event (an EVICT storm on the H100).
+                c.stuck = max(0, c.movable - c.away)
             return
         if total >= 0:
             nbytes = 0  # all of it
@@ -491,6 +495,7 @@ class Policy(FixedQuantumLock):
         c.waiting_since = None
         c.resident = True
         c.away = 0  # the grant restores what left (only that: the shim knows which blocks)
+        c.stuck = 0
         c.idle = False
         room = None
         if self.config.policy == "gpushare":  # never less than it holds (a grant alone, rule 5)

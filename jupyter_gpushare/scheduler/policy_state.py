@@ -70,6 +70,9 @@ class ClientState:
     revoke_bytes: int = 0  # ... of this many bytes (policy_moves.ask)
     evict_asked: int = 0  # bytes the pending Evict is to free
     away: int = 0  # movable bytes evicted while the rest stayed (a partial eviction)
+    # Movable bytes the shim did not move when asked (say, memory its engine cannot move): they
+    # stay counted on the GPU and are not asked for again before the client's next grant.
+    stuck: int = 0
     cell_start: float | None = None  # when its current cell began (Busy, or a Request after idle)
     turn_s: float = 0.0  # EWMA of its cells' lengths (expected wait, .policy_moves)
     room: int | None = None  # the room_bytes of its current grant (None: no limit)
@@ -105,7 +108,7 @@ class ClientState:
     @property
     def evictable(self) -> int:
         """Bytes an eviction of this client can free on the GPU now."""
-        return max(0, self.movable - self.away) if self.resident else 0
+        return max(0, self.movable - self.away - self.stuck) if self.resident else 0
 
     @property
     def state(self) -> str:

@@ -179,3 +179,30 @@ def test_what_the_shim_says_left_stands_for_the_ask():
     request(p2, "b", 60, now=2)
     p2.handle(Released(3, "a", evicted=True, evicted_bytes=part(20) + BLOCK_BYTES))
     assert p2._clients["a"].on_gpu == 60 * GB - part(20) - BLOCK_BYTES
+
+
+def test_memory_the_shim_could_not_move_is_not_asked_for_again():
+    """Seen on an H100 (tests/gpu/test_gpu_captures.py, 2026-11-27): a kernel whose shim could
+    move less than the policy counted as movable (its context, say) was asked to evict again on
+    every event, hundreds of EVICTs a millisecond. What an eviction left behind stays on the GPU,
+    counted there, and is not asked for again before the kernel's next turn."""
+    p = make_policy()
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 60)
+    p.handle(Idle(1, "a"))
+    p.handle(Released(2, "a"))  # idle, resident, not holding
+    assert request(p, "b", 60, now=3) == [Evict("a", reason="room for b", bytes=part(20))]
+    # the shim could move only 5 GB of the 20 asked
+    after = p.handle(Evicted(4, "a", bytes_moved=5 * GB, micros=100_000, evicted_bytes=5 * GB))
+    again = after + p.handle(Tick(5)) + p.handle(Tick(6))
+    assert not [d for d in again if isinstance(d, Evict) and d.client == "a"], again
+    a = p._clients["a"]
+    assert a.on_gpu == 55 * GB and a.evictable == 0
+    # what cannot move is the device's own floor (rule 5): b gets its turn beside it, once
+    assert [d for d in again if isinstance(d, Grant)] == [Grant("b")], again
+    # a's next grant brings back what left, and all of its memory is movable again
+    p.handle(Idle(8, "b"))
+    p.handle(Released(9, "b", evicted=True, evicted_bytes=60 * GB))
+    assert request(p, "a", 60, now=10) == [Grant("a", restore=True)]
+    assert p._clients["a"].stuck == 0 and p._clients["a"].on_gpu == 60 * GB
