@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import grp
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import paths
 from ..protocol import (
     ErrorCode,
     FrameDecoder,
@@ -327,6 +329,8 @@ class SocketFile:
     group: str = ""
     #: (st_dev, st_ino) of the socket this scheduler published: it removes only its own.
     published: tuple[int, int] | None = None
+    #: The socket's directory, opened and checked (:meth:`prepare_directory`).
+    _dir_fd: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def directory(self) -> str:
@@ -347,39 +351,42 @@ class SocketFile:
     def prepare_directory(self, log: Log) -> bool:
         """Create the socket's directory; remove a stale socket; refuse a live or foreign one.
 
-        Returns whether the last scheduler here left clients behind (a stale socket: it crashed;
-        or its resume marker: it stopped with clients connected).
+        The directory is opened without following a link and checked on that fd
+        (:func:`paths.open_own_directory`); every later step (the stale socket, the bind, the
+        rename) goes through the fd, so a link flipped since the check cannot put the socket in
+        another user's directory (issue 22, item 1). Returns whether the last scheduler here left
+        clients behind (a stale socket: it crashed; or its resume marker: it stopped with clients
+        connected).
         """
         directory = self.directory
         uid = os.getuid()
-        if not os.path.isdir(directory):
+        if not os.path.lexists(directory):
             mode = self.dir_mode
             if mode is None:
                 per_user = os.path.basename(directory) == f"gpushare-{uid}" and uid != 0
                 mode = 0o700 if per_user else 0o755
             os.makedirs(directory, mode=mode, exist_ok=True)
-            os.chmod(directory, mode)  # makedirs' mode is filtered by the umask
+            os.chmod(directory, mode, follow_symlinks=False)  # makedirs' mode: under the umask
             if self.group:
-                os.chown(directory, -1, group_id(self.group))
-        st = os.stat(directory)
-        if st.st_uid not in (uid, 0):
-            # Another user made it (first, in /tmp): they could swap the socket for theirs.
+                os.chown(directory, -1, group_id(self.group), follow_symlinks=False)
+        self.close_directory()
+        try:
+            fd = paths.open_own_directory(directory, uid)
+        except paths.SocketDistrusted as exc:
+            # Another user made it (first, in /tmp), or a link: they could swap the socket.
             raise SchedulerConfigError(
-                f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
-                "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
-            )
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            who = "everyone" if st.st_mode & stat.S_IWOTH else "its group"
-            raise SchedulerConfigError(
-                f"refusing to put the socket in {directory}: it is writable by {who}, who could "
-                "replace the socket with their own (use a directory only its owner may write)"
-            )
+                f"refusing to put the socket in {directory}: "
+                f"{str(exc).removeprefix('refusing the socket: ')} "
+                "(set GPUSHARE_SOCKET or socket_path to a directory you own)"
+            ) from None
+        self._dir_fd = fd
+        name = self.name
         stale = False
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.resume_marker)
+            os.unlink(os.path.basename(self.resume_marker), dir_fd=fd)
             stale = True
         try:
-            st = os.lstat(self.path)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             return stale
         if not stat.S_ISSOCK(st.st_mode):
@@ -389,11 +396,11 @@ class SocketFile:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
-            probe.connect(self.path)
+            probe.connect(paths.via_directory(fd, self.path))
         except (ConnectionRefusedError, FileNotFoundError):
             log.info("removing the stale socket %s", self.path)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(name, dir_fd=fd)
             return True
         except OSError as exc:
             raise SchedulerStartError(
@@ -403,50 +410,80 @@ class SocketFile:
             probe.close()
         raise SchedulerStartError(f"another gpushare scheduler is already listening on {self.path}")
 
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def _fd(self) -> int:
+        if self._dir_fd is None:
+            raise SchedulerStartError(f"{self.directory}: not prepared (prepare_directory)")
+        return self._dir_fd
+
     def bind(self) -> tuple[socket.socket, str]:
-        """Bind and listen under a temporary name in the socket's directory.
+        """Bind and listen under a temporary name in the socket's directory (through its fd).
 
         :meth:`publish` renames it into place once the server accepts, so the path appears only
-        when connecting to it works (shims and tests poll for the file).
+        when connecting to it works (shims and tests poll for the file). Returns the socket and
+        the temporary name (in the directory). The name is unique to this socket, and so is the
+        address that ``getsockname`` gives its connections.
         """
-        tmp = os.path.join(self.directory, f".gpushare-{os.getpid()}.sock")
-        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
-            tmp = self.path
-        elif os.path.lexists(tmp):
-            os.unlink(tmp)
+        fd = self._fd()
+        tmp = f".gpushare-{os.getpid()}-{secrets.token_hex(4)}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(tmp)
-            os.chmod(tmp, self.mode)
+            sock.bind(paths.via_directory(fd, os.path.join(self.directory, tmp)))
+            os.chmod(tmp, self.mode, dir_fd=fd)
             if self.group:
-                os.chown(tmp, -1, group_id(self.group))
+                os.chown(tmp, -1, group_id(self.group), dir_fd=fd, follow_symlinks=False)
             sock.listen(128)
         except BaseException:
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            self.discard(tmp)
             raise
         return sock, tmp
 
+    def discard(self, tmp: str) -> None:
+        """Remove the temporary name of a socket that was not published."""
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir_fd)
+
     def publish(self, tmp: str) -> None:
-        if tmp != self.path:
-            os.rename(tmp, self.path)
-        st = os.stat(self.path)
+        fd = self._fd()
+        os.rename(tmp, self.name, src_dir_fd=fd, dst_dir_fd=fd)
+        st = os.stat(self.name, dir_fd=fd, follow_symlinks=False)
         self.published = (st.st_dev, st.st_ino)
 
     def write_resume_marker(self) -> None:
-        with contextlib.suppress(OSError), open(self.resume_marker, "w") as f:
-            f.write(f"{os.getpid()}\n")
+        if self._dir_fd is None:
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.basename(self.resume_marker), flags, 0o644, dir_fd=self._dir_fd)
+            with open(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
 
     def remove(self) -> None:
-        """Remove the socket file if it is still the one this scheduler published."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+        """Remove the socket file if it is still the one this scheduler published; let go of
+        the directory."""
+        fd = self._dir_fd
+        if fd is None:
             return
-        if self.published == (st.st_dev, st.st_ino):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        try:
+            st = os.stat(self.name, dir_fd=fd, follow_symlinks=False)
+            if self.published == (st.st_dev, st.st_ino):
+                os.unlink(self.name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            self.close_directory()
+
+    def close_directory(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 async def listen(
@@ -463,9 +500,11 @@ async def listen(
         left_clients = await loop.run_in_executor(None, sock_file.prepare_directory, log)
         sock, tmp = await loop.run_in_executor(None, sock_file.bind)
     except SchedulerStartError:
+        sock_file.close_directory()
         raise
     except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
         # A directory that cannot be made or written (or a file in its way): one clear line.
+        sock_file.close_directory()
         raise SchedulerConfigError(
             f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
             "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
@@ -478,7 +517,7 @@ async def listen(
         if server is not None:
             server.close()
         sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        sock_file.discard(tmp)
+        sock_file.close_directory()
         raise
     return server, left_clients
