@@ -25,6 +25,7 @@ __all__ = [
     "ProcessMemory",
     "corrected",
     "observed",
+    "on_device",
     "pids_comparable",
     "under_claim",
 ]
@@ -92,15 +93,31 @@ def observed(claims: Iterable[ClientClaim], processes: Iterable[ProcessMemory]) 
     return out
 
 
-def corrected(memory: Mapping[str, int], seen: int) -> dict[str, int]:
+def corrected(memory: Mapping[str, int], seen: int, residency: bool = True) -> dict[str, int]:
     """``memory`` (a bounded claim: used, managed, pinned, evicted) counted as at least ``seen``
-    bytes used; what the claim leaves out of ``seen`` is pinned."""
-    out = dict(memory)
-    missing = seen - out.get("used", 0)
+    bytes used; what the claim leaves out of ``seen`` is pinned.
+
+    ``residency``: the reading was taken after the client's last eviction or restore, so it
+    checks the claim's residency too. What the claim says is on the device (``used`` less
+    ``evicted``) is then at least ``seen``: memory claimed as evicted that NVML still sees on
+    the card (A14d) is not evicted, and counts as pinned (no eviction the scheduler asks for
+    moves it), so the client's footprint off its turn is NVML's figure."""
+    out = {"used": 0, "managed": 0, "pinned": 0, "evicted": 0, **memory}
+    missing = seen - out["used"]
     if missing > 0:
         out["used"] = seen
-        out["pinned"] = out.get("pinned", 0) + missing
+        out["pinned"] += missing
+    if residency:
+        hidden = min(out["evicted"], seen - on_device(out))
+        if hidden > 0:
+            out["evicted"] -= hidden
+            out["pinned"] = min(out["used"], out["pinned"] + hidden)
     return out
+
+
+def on_device(memory: Mapping[str, int]) -> int:
+    """What a claim says is on the device: what it uses less what it says is on the host."""
+    return max(0, memory.get("used", 0) - memory.get("evicted", 0))
 
 
 def under_claim(claimed: int, seen: int, context_estimate: int) -> int:

@@ -374,9 +374,10 @@ class GPUShareScheduler(
             while not self._stopping:
                 self._utilization = await loop.run_in_executor(None, sampler.sample, uuids)
                 if check:
+                    taken = time.monotonic()
                     processes = await loop.run_in_executor(None, sampler.processes, uuids)
                     if not self._stopping:
-                        self._cross_check_memory(processes)
+                        self._cross_check_memory(processes, taken)
                 await asyncio.sleep(self.utilization_interval)
         finally:
             await loop.run_in_executor(None, sampler.close)

@@ -305,10 +305,14 @@ class ShimSessions:
             self._shim_gone(conn, "goodbye")
             return
         conn.memory.update(tr.memory_after(conn.memory, msg, cap))
+        if isinstance(event, ev.Released | ev.Evicted | ev.Restored):
+            conn.moved_at = now  # NVML's readings before now say nothing of its residency
         if conn.observed and isinstance(event, ev.Request | ev.Memory):
             # Never less than NVML last saw its process hold (.nvml_check).
-            mem = nc.corrected(conn.memory, conn.observed)
-            event = dataclasses.replace(event, used=mem["used"], pinned=mem["pinned"])
+            mem = nc.corrected(conn.memory, conn.observed, conn.observed_at > conn.moved_at)
+            event = dataclasses.replace(
+                event, used=mem["used"], pinned=mem["pinned"], evicted=mem["evicted"]
+            )
         if isinstance(event, ev.Request):
             if conn.requested_at is None:
                 conn.requested_at = now
@@ -365,9 +369,12 @@ class ShimSessions:
                 self.metrics.moved(conn.device or "", direction, event.bytes_moved)
         self._handle(event)
 
-    def _cross_check_memory(self, processes: list[nc.ProcessMemory]) -> None:
+    def _cross_check_memory(
+        self, processes: list[nc.ProcessMemory], taken: float | None = None
+    ) -> None:
         """Count each client as using at least what NVML sees its process hold on its device
-        (:mod:`.nvml_check`); called with each NVML sample, on the loop."""
+        (:mod:`.nvml_check`); called with each NVML sample (``taken``: when its reading
+        started, monotonic), on the loop."""
         shims = [c for c in self._shims.values() if c.client_id and c.device and not c.left]
         claims = [
             nc.ClientClaim(
@@ -381,14 +388,17 @@ class ShimSessions:
         ]
         seen = nc.observed(claims, processes)
         now = time.monotonic()
+        taken = now if taken is None else taken
         for conn in shims:
             client_id = conn.client_id or ""
-            before = nc.corrected(conn.memory, conn.observed)
-            conn.observed = seen.get(client_id, 0)
-            after = nc.corrected(conn.memory, conn.observed)
+            before = nc.corrected(conn.memory, conn.observed, conn.observed_at > conn.moved_at)
+            conn.observed, conn.observed_at = seen.get(client_id, 0), taken
+            residency = taken > conn.moved_at
+            after = nc.corrected(conn.memory, conn.observed, residency)
             if after == before:
                 continue
-            level = nc.under_claim(conn.memory["used"], conn.observed, conn.context_bytes)
+            claimed = nc.on_device(conn.memory) if residency else conn.memory["used"]
+            level = nc.under_claim(claimed, conn.observed, conn.context_bytes)
             if level > conn.claim_logged:  # once per client and level
                 conn.claim_logged = level
                 # A warning (within its uid's budget) when the context cannot explain it.
@@ -399,7 +409,7 @@ class ShimSessions:
                     client_id,
                     conn.peer.uid,
                     conn.peer.pid,
-                    conn.memory["used"],
+                    claimed,
                     conn.observed,
                     format_size(after["used"]),
                 )

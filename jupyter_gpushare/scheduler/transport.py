@@ -180,6 +180,8 @@ class Connection:
     ceiling: int = 0
     #: Bytes NVML last saw this client's process hold on its device (.nvml_check); 0: none seen.
     observed: int = 0
+    observed_at: float = 0.0  # when that NVML reading was taken (monotonic)
+    moved_at: float = 0.0  # its last eviction or restore (monotonic): older readings predate it
     context_bytes: int = 0  # its shim's estimate of its CUDA context (HELLO)
     claim_logged: int = 0  # the level of its under-claim logged already (.nvml_check.under_claim)
 

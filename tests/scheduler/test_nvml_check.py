@@ -81,3 +81,19 @@ def test_an_under_claim_the_context_explains_is_told_from_a_lie() -> None:
     assert under_claim(2 * GiB, GiB, estimate) == 0  # evicted: NVML sees less
     assert under_claim(2 * GiB, 2 * GiB + (88 << 20), estimate) == 1  # a 600 MiB context
     assert under_claim(0, 3 * GiB, estimate) == 2  # used = 0 with 3 GiB on the GPU
+
+
+def test_memory_claimed_evicted_that_nvml_sees_on_the_device_is_pinned() -> None:
+    # A14d: all 3 GiB "on the host", NVML sees 3 GiB on the card: off its turn it counts 3 GiB.
+    claim = {"used": 3 * GiB, "managed": 3 * GiB, "pinned": 0, "evicted": 3 * GiB}
+    assert corrected(claim, 3 * GiB) == {
+        "used": 3 * GiB,
+        "managed": 3 * GiB,
+        "pinned": 3 * GiB,
+        "evicted": 0,
+    }
+    # Honest: evicted, NVML sees its context and pinned part only; the claim stands.
+    honest = {"used": 4 * GiB, "managed": 3 * GiB, "pinned": GiB // 2, "evicted": 3 * GiB}
+    assert corrected(honest, GiB) == honest
+    # A reading taken before its eviction says nothing of its residency: only "used" is checked.
+    assert corrected(claim, 3 * GiB, residency=False) == claim
