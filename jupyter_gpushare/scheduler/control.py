@@ -46,6 +46,7 @@ class ControlActions:
     _shims: dict[str, Connection]
     _devices: dict[str, str]
     _utilization: dict[str, int]
+    unmanaged_bytes: dict[str, int]
     _mps: MPSManager | None
     _reservations: Reservations
     _handle: Callable[[ev.Event], None]
@@ -91,6 +92,7 @@ class ControlActions:
         for dev in devices:
             dev["index"] = self._device_index(str(dev.get("uuid")))
             dev["utilization_percent"] = self._utilization.get(str(dev.get("uuid")))
+            dev["unmanaged_bytes"] = self.unmanaged_bytes.get(str(dev.get("uuid")).lower(), 0)
             for client in dev.get("clients", []):
                 # The policy's clock is monotonic; readers want a wall-clock (Unix) time.
                 since = client.get("waiting_since")

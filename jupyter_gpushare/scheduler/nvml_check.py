@@ -28,6 +28,7 @@ __all__ = [
     "on_device",
     "pids_comparable",
     "under_claim",
+    "unmanaged",
 ]
 
 
@@ -128,3 +129,17 @@ def under_claim(claimed: int, seen: int, context_estimate: int) -> int:
     if missing <= 0:
         return 0
     return 1 if missing <= context_estimate else 2
+
+
+def unmanaged(
+    claims: Iterable[ClientClaim], processes: Iterable[ProcessMemory]
+) -> dict[str, list[ProcessMemory]]:
+    """The processes NVML lists that are no client's, by device: neither the pid of a client
+    on that device nor, when it is, of the client's uid (a pid reused by another user). Their
+    memory is on the card and no scheduling moves it (issue 22, item 8)."""
+    clients = {(c.device, c.pid, c.uid) for c in claims if c.pid > 0}
+    out: dict[str, list[ProcessMemory]] = {}
+    for proc in processes:
+        if proc.used > 0 and (proc.device, proc.pid, proc.uid) not in clients:
+            out.setdefault(proc.device, []).append(proc)
+    return out

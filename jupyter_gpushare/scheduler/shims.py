@@ -74,6 +74,24 @@ class ShimSessions:
     _device_snapshot: Callable[[str], dict[str, Any] | None]
     limits_for: Callable[[Identity], Limits]
     identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
+    policy: Any
+    own_uid: int
+    unmanaged_memory: str
+    _devices: dict[str, str]
+    pool_for: Callable[[int], int]
+
+    @property
+    def unmanaged_bytes(self) -> dict[str, int]:
+        """Lower-case device uuid -> bytes NVML sees held by processes of no client."""
+        return self.__dict__.setdefault("_unmanaged_bytes", {})
+
+    @property
+    def _unmanaged_seen(self) -> set[tuple[str, int]]:
+        return self.__dict__.setdefault("_unmanaged_logged", set())
+
+    @_unmanaged_seen.setter
+    def _unmanaged_seen(self, value: set[tuple[str, int]]) -> None:
+        self.__dict__["_unmanaged_logged"] = value
 
     def _peer_processes(self) -> dict[int, PeerProcess]:
         """Connection serial -> the pidfd of its peer process, taken at HELLO (revoke_signal)."""
@@ -387,6 +405,7 @@ class ShimSessions:
             for c in shims
         ]
         seen = nc.observed(claims, processes)
+        self._count_unmanaged(nc.unmanaged(claims, processes))
         now = time.monotonic()
         taken = now if taken is None else taken
         for conn in shims:
@@ -415,6 +434,51 @@ class ShimSessions:
                 )
             used, managed, pinned, evicted = (after[k] for k in nc.MEMORY_KEYS)
             self._handle(ev.Memory(now, client_id, used, managed, pinned, evicted))
+
+    def _count_unmanaged(self, found: dict[str, list[nc.ProcessMemory]]) -> None:
+        """GPU processes that never registered (``unmanaged_memory``): shown in the status,
+        logged once each, and with "count" taken off their device's pool while NVML sees them."""
+        # Under MPS, the control daemon the scheduler started is no one's client.
+        mps_uid = self.own_uid if self._mps is not None else None
+        totals: dict[str, int] = {}
+        for device, procs in found.items():
+            if device not in self._devices:
+                continue
+            procs = [p for p in procs if p.uid != mps_uid or mps_uid is None]
+            totals[device] = sum(p.used for p in procs)
+            for proc in procs:
+                if self.unmanaged_memory == "ignore" or (device, proc.pid) in self._unmanaged_seen:
+                    continue
+                self._unmanaged_seen.add((device, proc.pid))
+                self._log_limit.log_for(proc.uid).warning(
+                    "unmanaged GPU process pid=%d uid=%d on %s holds %s (%s)",
+                    proc.pid,
+                    proc.uid,
+                    self._devices[device],
+                    format_size(proc.used),
+                    "counted against the pool"
+                    if self.unmanaged_memory == "count"
+                    else "not counted",
+                )
+        self._unmanaged_seen &= {(d, p.pid) for d, procs in found.items() for p in procs}
+        changed = False
+        for device in set(totals) | set(self.unmanaged_bytes):
+            now_bytes = totals.get(device, 0)
+            if self.unmanaged_bytes.get(device, 0) == now_bytes:
+                continue
+            if now_bytes:
+                self.unmanaged_bytes[device] = now_bytes
+            else:
+                self.unmanaged_bytes.pop(device, None)
+            changed |= self.unmanaged_memory == "count"
+        if changed:
+            for device, uuid in self._devices.items():
+                total = self._device_totals.get(device, 0)
+                pool = self.pool_for(total)
+                if self.unmanaged_memory == "count":
+                    pool = max(0, pool - self.unmanaged_bytes.get(device, 0))
+                self.policy.add_device(uuid, total_bytes=total, pool_bytes=pool)
+            self._handle(ev.Tick(time.monotonic()))  # a pool that grew lets waiters in
 
     def _set_quota(self, conn: Connection, quota: int, now: float) -> None:
         """Tell the shim and the policy a client's effective quota."""

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from local_users import clients_of as _clients
 from local_users import kill, spawn_as
+from local_users import shim as _shim
 from local_users import until as _until
 from test_utilization import UUID as NVML_UUID
 from test_utilization import FakeNVMLProcesses
@@ -79,3 +80,62 @@ async def test_a14d_memory_claimed_evicted_that_nvml_sees_on_the_card_counts(
         open(stop, "w").close()
         kill(pid)
         os.close(rfd)
+
+
+def _running(node: Any) -> list[dict[str, Any]]:
+    return [c for c in _clients(node).values() if c["state"] == "running"]
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("policy", ["count", "warn"])
+async def test_memory_of_gpu_processes_that_never_registered_is_counted(
+    local_users: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    policy: str,
+) -> None:
+    """carol runs a GPU program without the shim (NVML lists it with 3 GiB); alice's and bob's
+    2 GiB kernels would fit the 4 GiB pool together, but not beside carol's 3 GiB. Before, the
+    scheduler ran them side by side on a card that did not have the room."""
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    nvml = FakeNVMLProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    carol, alice, bob = local_users("carol"), local_users("alice"), local_users("bob")
+    node = await make_scheduler(
+        use_nvml=True, utilization_interval=0.05, pool_size="4GiB", unmanaged_memory=policy
+    )
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
+    pid_c, rfd_c = spawn_as(carol, _sleep, 30.0)
+    await _until(lambda: os.stat(f"/proc/{pid_c}").st_uid == carol.uid)  # it became carol
+    nvml.processes[pid_c] = 3 * GIB
+    kernels: list[tuple[int, int]] = []
+    try:
+        await _until(lambda: node.status_document()["devices"][0]["unmanaged_bytes"] == 3 * GIB)
+        for user, name in ((alice, "a"), (bob, "b")):
+            kernels.append(spawn_as(user, _shim, path, {**gpu, "client_id": name}, 2 * GIB, 30.0))
+        await _until(lambda: {"a", "b"} <= set(_clients(node)))
+        counted = policy == "count"
+        want = 1 if counted else 2
+        await _until(lambda: len(_running(node)) == want)
+        (dev,) = node.status_document()["devices"]
+        assert dev["pool_bytes"] == (GIB if counted else 4 * GIB), dev
+        for _ in range(10):  # a half second of NVML readings
+            assert len(_running(node)) == want, _running(node)
+            await asyncio.sleep(0.05)
+        logged = [r for r in caplog.records if "unmanaged GPU process" in r.getMessage()]
+        assert len(logged) == 1 and f"uid={carol.uid}" in logged[0].getMessage(), logged
+        # carol's program ends: the pool is whole again and both kernels run side by side.
+        del nvml.processes[pid_c]
+        await _until(lambda: len(_running(node)) == 2)
+        assert node.status_document()["devices"][0]["pool_bytes"] == 4 * GIB
+    finally:
+        for pid, rfd in ((pid_c, rfd_c), *kernels):
+            kill(pid)
+            os.close(rfd)

@@ -9,6 +9,7 @@ from jupyter_gpushare.scheduler.nvml_check import (
     observed,
     pids_comparable,
     under_claim,
+    unmanaged,
 )
 
 GiB = 1 << 30
@@ -97,3 +98,19 @@ def test_memory_claimed_evicted_that_nvml_sees_on_the_device_is_pinned() -> None
     assert corrected(honest, GiB) == honest
     # A reading taken before its eviction says nothing of its residency: only "used" is checked.
     assert corrected(claim, 3 * GiB, residency=False) == claim
+
+
+def test_processes_of_no_client_are_unmanaged() -> None:
+    claims = [_claim("k", 42, GiB)]
+    procs = [
+        ProcessMemory(DEV, 42, GiB, 1001),  # the client's
+        ProcessMemory(DEV, 43, 3 * GiB, 1002),  # never registered
+        ProcessMemory(DEV, 42, GiB, 1002),  # not possible twice, but: another uid is not it
+        ProcessMemory("gpu-bbbb", 42, 2 * GiB, 1001),  # the client's process on another GPU
+        ProcessMemory(DEV, 44, 0, 1002),  # nothing held
+    ]
+    got = unmanaged(claims, procs)
+    assert {d: [(p.pid, p.uid) for p in ps] for d, ps in got.items()} == {
+        DEV: [(43, 1002), (42, 1002)],
+        "gpu-bbbb": [(42, 1001)],
+    }
