@@ -274,8 +274,10 @@ class ControlActions:
         need: int | None = None,
         device: str | int | None = None,
         reachable: list[str] | None = None,
+        owner: str = "",
     ) -> dict[str, Any]:
-        """Choose the GPU of a kernel about to start and reserve room there until it connects.
+        """Choose the GPU of a kernel about to start and reserve room there until it connects
+        (``owner``: the user placing it, whose pending reservations are bounded).
 
         Raises PlacementError (no device known, or a pin naming none).
         """
@@ -291,6 +293,7 @@ class ControlActions:
             self.placement_timeout,
             device,
             reachable,
+            owner,
         )
 
     def _on_place(self, conn: Connection, body: dict[str, Any], who: Identity) -> None:
@@ -307,7 +310,9 @@ class ControlActions:
         if owner is None or owner == who.user:
             self._remember_owner(request.client_id, who.user)
         try:
-            answer = self.place(request.client_id, request.need, request.device, request.reachable)
+            answer = self.place(
+                request.client_id, request.need, request.device, request.reachable, who.user
+            )
         except PlacementError as exc:
             # No device at all (no NVML, nothing connected yet): not_found, the caller goes on
             # without placement. A pin naming no device: bad_request, the caller's mistake.
