@@ -176,7 +176,8 @@ class ControlActions:
             )
             conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
-        log = self.log.debug if action == "kernel_state" else self.log.info
+        limited = self._log_limit.log_for(conn.peer.uid)
+        log = limited.debug if action == "kernel_state" else limited.info
         log("control %s client=%s by %s %s", action, client_id, who.describe(), body)
         now = time.monotonic()
         if action == "set_quota":

@@ -97,6 +97,10 @@ class ShimSessions:
         """Connection serial -> the pidfd of its peer process, taken at HELLO (revoke_signal)."""
         return self.__dict__.setdefault("_peer_process_table", {})
 
+    def _info(self, conn: Connection, msg: str, *args: Any) -> None:
+        """An info line a peer's message caused: within its uid's budget (A11)."""
+        self._log_limit.info(conn.peer.uid, msg, *args)
+
     def _send(self, conn: Connection, msg: Message) -> bool:
         return conn.send(msg, self.log)
 
@@ -117,7 +121,8 @@ class ShimSessions:
         if self._stopping:
             return
         held = None if conn.granted_at is None else now - conn.granted_at
-        self.log.info(
+        self._info(
+            conn,
             "leave client=%s (%s) %s held_ms=%s",
             conn.client_id,
             why,
@@ -195,13 +200,14 @@ class ShimSessions:
         if existing is None:
             return requested
         if existing.peer.pid > 0 and existing.peer == conn.peer:
-            self.log.info("client %s reconnected: the old connection leaves", requested)
+            self._info(conn, "client %s reconnected: the old connection leaves", requested)
             self._shim_gone(existing, "replaced by a reconnection")
             if existing.writer is not None:
                 existing.writer.close()
             return requested
         client_id = tr.free_client_id(requested, conn.peer.pid, self._shims)
-        self.log.info(
+        self._info(
+            conn,
             "client id %s is taken by %s: the new client (pid %d) is %s",
             requested,
             existing.name,
@@ -248,7 +254,8 @@ class ShimSessions:
         conn.context_bytes = hello.context_bytes
         quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
-            self.log.info(
+            self._info(
+                conn,
                 "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
                 client_id,
                 ident.user,
@@ -263,7 +270,8 @@ class ShimSessions:
             memory = tr.bounded_memory(hello.memory, self._memory_cap(conn))
             conn.memory.update(memory)
             join = dataclasses.replace(join, **memory)
-        self.log.info(
+        self._info(
+            conn,
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
             client_id,
             device,
@@ -286,7 +294,7 @@ class ShimSessions:
             )
             join = dataclasses.replace(join, resume="waiting")
         if hello.resume:
-            self.log.info("resume client=%s %s", client_id, hello.resume)
+            self._info(conn, "resume client=%s %s", client_id, hello.resume)
         rest: list[ev.Decision] = []
         resumed = 0
         for decision in self._decide(join):
@@ -294,7 +302,7 @@ class ShimSessions:
                 # A resumed grant: the WELCOME says so (resume = 1); no GRANT follows.
                 resumed = 1
                 conn.granted_at = time.monotonic()
-                self.log.info("grant client=%s resumed", client_id)
+                self._info(conn, "grant client=%s resumed", client_id)
             else:
                 rest.append(decision)
         dev = self._device_snapshot(device)
@@ -338,7 +346,8 @@ class ShimSessions:
         elif isinstance(event, ev.Released):
             moved, ms = event.bytes_moved, event.micros / 1000.0
             held = None if conn.granted_at is None else now - conn.granted_at
-            self.log.info(
+            self._info(
+                conn,
                 "release client=%s evicted=%d %s ms=%.1f held_ms=%s",
                 client_id,
                 int(event.evicted),
@@ -347,8 +356,8 @@ class ShimSessions:
                 _ms(held),
             )
             if event.evicted:
-                self.log.info(
-                    "evicted client=%s %s ms=%.1f (on release)", client_id, _bytes(moved), ms
+                self._info(
+                    conn, "evicted client=%s %s ms=%.1f (on release)", client_id, _bytes(moved), ms
                 )
             self._metrics_feed.account(conn, now)
             if self.metrics is not None:
@@ -360,7 +369,8 @@ class ShimSessions:
         elif isinstance(event, ev.Idle):
             self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
         elif isinstance(event, ev.Precopied):
-            self.log.info(
+            self._info(
+                conn,
                 "precopied client=%s %s ms=%.1f valid=%s",
                 client_id,
                 _bytes(event.bytes_moved),
@@ -379,8 +389,8 @@ class ShimSessions:
                     "eviction failed client=%s: its memory stays counted on the device", client_id
                 )
             else:
-                self.log.info(
-                    "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
+                self._info(
+                    conn, "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
                 )
             if self.metrics is not None:
                 direction = "evict" if evict else "restore"
@@ -485,8 +495,11 @@ class ShimSessions:
         if conn.client_id is None:
             return
         conn.quota = quota = cap_quota(quota, conn.ceiling)  # not even an admin lifts it
-        self.log.info(
-            "quota client=%s quota=%s", conn.client_id, format_size(quota) if quota else "none"
+        self._info(
+            conn,
+            "quota client=%s quota=%s",
+            conn.client_id,
+            format_size(quota) if quota else "none",
         )
         self._send(conn, Message(MsgType.SET_QUOTA, {"quota": quota}))
         self._handle(ev.SetQuota(now, conn.client_id, quota))
@@ -504,7 +517,8 @@ class ShimSessions:
             if isinstance(decision, ev.Grant):
                 waited = None if conn.requested_at is None else now - conn.requested_at
                 moving = mem["evicted"] if decision.restore else mem["used"]
-                self.log.info(
+                self._info(
+                    conn,
                     "grant client=%s restore=%d %s waited_ms=%s",
                     decision.client,
                     int(decision.restore),
@@ -517,7 +531,8 @@ class ShimSessions:
                     self.metrics.granted(conn.device or "", waited)
             elif isinstance(decision, ev.Revoke):
                 held = None if conn.granted_at is None else now - conn.granted_at
-                self.log.info(
+                self._info(
+                    conn,
                     "revoke client=%s evict=%d %s held_ms=%s reason=%r",
                     decision.client,
                     int(decision.evict),
@@ -528,9 +543,10 @@ class ShimSessions:
                 conn.revoking, conn.overdue = True, False
                 self._watch_revoke(conn, now)
             elif isinstance(decision, ev.Precopy):
-                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
+                self._info(conn, "precopy client=%s %s", decision.client, _bytes(mem["managed"]))
             else:
-                self.log.info(
+                self._info(
+                    conn,
                     "evict client=%s %s reason=%r",
                     decision.client,
                     _bytes(mem["managed"]),

@@ -68,45 +68,62 @@ class SchedulerConfigError(SchedulerStartError):
 
 
 class LogLimiter:
-    """Warnings about peers, at most ``burst`` per uid and ``period`` seconds.
+    """Lines about peers, at most ``burst`` warnings and ``info_burst`` info lines per uid and
+    ``period`` seconds.
 
-    A peer that opens a thousand bad connections must not grow the log by megabytes a second
-    (nor push everyone else's lines out of it): past its budget its lines are counted, and the
-    count is logged when its next period starts.
+    A peer that opens a thousand bad connections, or cycles REQUEST and RELEASE as fast as its
+    frame budget lets it, must not grow the log by megabytes a second (nor push everyone else's
+    lines out of it): past its budget its lines are counted, and the count is logged when its
+    next period starts. Warnings and info lines have budgets of their own, so a flood of info
+    lines never hides a warning.
     """
 
-    def __init__(self, log: Log, burst: int = 20, period: float = 60.0) -> None:
+    def __init__(
+        self, log: Log, burst: int = 20, period: float = 60.0, info_burst: int = 300
+    ) -> None:
         self.log = log
         self.burst = burst
+        self.info_burst = info_burst
         self.period = period
-        self._budget: dict[int, tuple[float, int, int]] = {}  # uid -> (period start, used, held)
+        # level -> uid -> (period start, used, held)
+        self._budgets: dict[str, dict[int, tuple[float, int, int]]] = {"warning": {}, "info": {}}
 
-    def allow(self, uid: int) -> bool:
+    def allow(self, uid: int, level: str = "warning") -> bool:
+        budget = self._budgets[level]
+        burst = self.burst if level == "warning" else self.info_burst
         now = time.monotonic()
-        start, used, held = self._budget.get(uid, (now, 0, 0))
+        start, used, held = budget.get(uid, (now, 0, 0))
         if now - start >= self.period:
             if held:
-                self.log.warning("uid %d: %d more warning(s) about it were not logged", uid, held)
+                what = "warning(s)" if level == "warning" else "info line(s)"
+                getattr(self.log, level)(
+                    "uid %d: %d more %s about it were not logged", uid, held, what
+                )
             start, used, held = now, 0, 0
-        if used < self.burst:
-            self._budget[uid] = (start, used + 1, held)
+        if used < burst:
+            budget[uid] = (start, used + 1, held)
             return True
-        self._budget[uid] = (start, used, held + 1)
-        if len(self._budget) > 4096:  # bounded: forget the oldest periods
-            for key in sorted(self._budget, key=lambda k: self._budget[k][0])[:1024]:
-                del self._budget[key]
+        budget[uid] = (start, used, held + 1)
+        if len(budget) > 4096:  # bounded: forget the oldest periods
+            for key in sorted(budget, key=lambda k: budget[k][0])[:1024]:
+                del budget[key]
         return False
 
     def warning(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.warning(msg, *args)
 
+    def info(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid, "info"):
+            self.log.info(msg, *args)
+
     def exception(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.exception(msg, *args)
 
     def log_for(self, uid: int) -> _LimitedLog:
-        """A logger whose warnings about ``uid`` go through the limit (debug lines do not)."""
+        """A logger whose warnings and info lines about ``uid`` go through the limit (debug
+        lines do not)."""
         return _LimitedLog(self, uid)
 
 
@@ -116,6 +133,9 @@ class _LimitedLog:
 
     def warning(self, msg: str, *args: Any) -> None:
         self._limiter.warning(self._uid, msg, *args)
+
+    def info(self, msg: str, *args: Any) -> None:
+        self._limiter.info(self._uid, msg, *args)
 
     def debug(self, msg: str, *args: Any) -> None:
         self._limiter.log.debug(msg, *args)
