@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from local_users import clients_of as _clients
-from local_users import kill, spawn_as
+from local_users import kill, run_as, spawn_as
 from local_users import shim as _shim
 from local_users import until as _until
 from test_utilization import UUID as NVML_UUID
@@ -139,3 +139,41 @@ async def test_memory_of_gpu_processes_that_never_registered_is_counted(
         for pid, rfd in ((pid_c, rfd_c), *kernels):
             kill(pid)
             os.close(rfd)
+
+
+class _NoNVML:
+    """pynvml on a node without NVML: every call fails."""
+
+    def nvmlInit(self) -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+
+A13B_UUID = "GPU-a13b0000-0000-0000-0000-000000000001"
+
+
+async def test_a13b_without_nvml_the_driver_sizes_the_gpu_not_a_hello(
+    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch, native_build: Any
+) -> None:
+    """No NVML on the node: mallory's kernel says first that the GPU holds 4.3e9 GiB. Before,
+    that became everyone's pool. Now the scheduler asks the CUDA driver itself (in a child
+    process) for its GPUs and their sizes; a HELLO neither adds a GPU nor sizes one."""
+    monkeypatch.setitem(sys.modules, "pynvml", _NoNVML())
+    monkeypatch.setenv("GPUSHARE_REAL_LIBCUDA", str(native_build.fake_dir / "libcuda.so.1"))
+    monkeypatch.setenv("GPUSHARE_FAKE_UUID", A13B_UUID)
+    monkeypatch.setenv("GPUSHARE_FAKE_DEVICE_TOTAL", "8GiB")
+    mallory = local_users("mallory")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0)
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    huge = 4_300_000_000 * GIB
+    lie = {"client_id": "liar", "device_uuid": A13B_UUID, "device_total": huge}
+    answers = await run_as(mallory, _shim, node.socket_path, lie, 0, 0.1)
+    assert answers[0][0] == MsgType.WELCOME, answers
+    (dev,) = node.status_document()["devices"]
+    assert dev["uuid"] == A13B_UUID and dev["total_bytes"] == 8 * GIB, dev
+    assert dev["index"] == 0
+    # A made-up GPU is not added.
+    other = {**lie, "client_id": "liar2", "device_uuid": "GPU-made-up"}
+    answers = await run_as(mallory, _shim, node.socket_path, other, 0, 0.1)
+    assert answers[0][0] == MsgType.ERROR, answers
+    assert len(node.status_document()["devices"]) == 1
