@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = [
     "UtilizationSampler",
     "discover_devices",
     "discover_devices_async",
+    "discovery_warning",
+    "find_devices",
     "nvml_pids_comparable",
     "probe_cuda_devices",
 ]
@@ -145,6 +148,39 @@ def probe_cuda_devices(library: str | None = None, timeout: float = 30.0) -> Dis
             index, uuid, name, total = json.loads(line)
             devices.append(DeviceInfo(int(index), str(uuid), str(name), int(total)))
     return Discovery(devices)
+
+
+async def find_devices(
+    use_nvml: bool, discover: Callable[[], Awaitable[Discovery]] | None = None
+) -> Discovery:
+    """The node's GPUs: NVML's (``discover``, default :func:`discover_devices_async`); without
+    NVML, the CUDA driver's own list (a HELLO then neither adds nor sizes a GPU, A13b);
+    ``use_nvml`` False: none (learnt from the kernels)."""
+    if not use_nvml:
+        return Discovery([], "disabled (use_nvml = False)")
+    found = await (discover or discover_devices_async)()
+    if found.error is not None:
+        probed = await asyncio.get_running_loop().run_in_executor(None, probe_cuda_devices)
+        if probed.devices:
+            return Discovery(probed.devices, found.error)
+    return found
+
+
+def discovery_warning(found: Discovery) -> str | None:
+    """What the scheduler warns about its devices at start, or None."""
+    if found.error is not None and found.devices:
+        return (
+            f"no NVML ({found.error}): {len(found.devices)} GPU(s) and their sizes from the "
+            "CUDA driver; memory claims are not cross-checked"
+        )
+    if found.error is not None:
+        return (
+            f"no NVIDIA GPU found through NVML ({found.error}): GPUs are learnt from the "
+            "kernels that use one"
+        )
+    if not found.devices:
+        return "no NVIDIA GPU found (NVML sees none): GPUs are learnt from the kernels that use one"
+    return None
 
 
 def nvml_pids_comparable() -> bool:

@@ -48,8 +48,9 @@ from .devices import (
     Discovery,
     UtilizationSampler,
     discover_devices_async,
+    discovery_warning,
+    find_devices,
     nvml_pids_comparable,
-    probe_cuda_devices,
 )
 from .history import History
 from .keep import KeptStateShell
@@ -303,33 +304,9 @@ class GPUShareScheduler(
                 self.base_quantum,
                 self.base_quantum,
             )
-        if self.use_nvml:
-            self.discovery = await discover_devices_async()
-            if self.discovery.error is not None:
-                # No NVML: the driver's own list sizes the GPUs, never a kernel's HELLO (A13b).
-                probed = await asyncio.get_running_loop().run_in_executor(None, probe_cuda_devices)
-                if probed.devices:
-                    self.discovery = Discovery(probed.devices, self.discovery.error)
-        else:
-            self.discovery = Discovery([], "disabled (use_nvml = False)")
-        if self.discovery.error is not None and self.discovery.devices:
-            self.log.warning(
-                "gpushare: no NVML (%s): %d GPU(s) and their sizes from the CUDA driver; memory "
-                "claims are not cross-checked",
-                self.discovery.error,
-                len(self.discovery.devices),
-            )
-        elif self.discovery.error is not None:
-            self.log.warning(
-                "gpushare: no NVIDIA GPU found through NVML (%s): GPUs are learnt from the "
-                "kernels that use one",
-                self.discovery.error,
-            )
-        elif not self.discovery.devices:
-            self.log.warning(
-                "gpushare: no NVIDIA GPU found (NVML sees none): GPUs are learnt from the "
-                "kernels that use one"
-            )
+        self.discovery = await find_devices(self.use_nvml, discover_devices_async)
+        if (why := discovery_warning(self.discovery)) is not None:
+            self.log.warning("gpushare: %s", why)
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._accepting.clear()  # until the recovery window is armed (see the end)
