@@ -33,7 +33,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .identity import ENV_USER, MIN_KEY_BYTES, load_key, user_environment
-from .paths import SYSTEM_SOCKET
+from .paths import ENV_SERVICE_USER, SYSTEM_SOCKET
+
+#: The account deploy/systemd's unit runs the node scheduler as (its ``User=``).
+SYSTEM_SERVICE_USER = "gpushare"
 
 __all__ = [
     "DEFAULT_KEY_FILE",
@@ -107,8 +110,11 @@ class TokenHook:
 
     * ``GPUSHARE_USER`` and ``GPUSHARE_USER_TOKEN`` (always: the hub's word for the user);
     * ``GPUSHARE_SCHEDULER=node`` (the server extension connects to the node scheduler instead of
-      embedding one), ``GPUSHARE_SOCKET=socket`` and ``environment``, unless the spawner's
-      configured environment already sets them.
+      embedding one), ``GPUSHARE_SOCKET=socket``, ``GPUSHARE_SERVICE_USER=service_user`` (the
+      account the node scheduler runs as: ``gpushare`` under deploy/systemd; without it the
+      kernels refuse that account's socket and run unshared; ``""`` leaves it unset, for a
+      scheduler running as root) and ``environment``, unless the spawner's configured
+      environment already sets them.
 
     Setting them at spawn time, not in ``c.Spawner.environment``, keeps them whatever a
     spawner-specific config does (``c.KubeSpawner.environment`` replaces ``c.Spawner``'s).
@@ -125,6 +131,7 @@ class TokenHook:
         *,
         key: str | bytes | None = None,
         socket: str = SYSTEM_SOCKET,
+        service_user: str = SYSTEM_SERVICE_USER,
         environment: Mapping[str, str] | None = None,
         then: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -134,7 +141,13 @@ class TokenHook:
         else:
             self.key_file = _key_file(key_file)
             self._key = _read_key(self.key_file)
-        self.defaults = {SCHEDULER_ENV: "node", "GPUSHARE_SOCKET": socket, **(environment or {})}
+        service = {ENV_SERVICE_USER: service_user} if service_user else {}
+        self.defaults = {
+            SCHEDULER_ENV: "node",
+            "GPUSHARE_SOCKET": socket,
+            **service,
+            **(environment or {}),
+        }
         self.then = then
 
     def __call__(self, spawner: Any) -> Any:
@@ -159,6 +172,7 @@ def configure(
     key_file: str | os.PathLike[str] | None = None,
     key: str | bytes | None = None,
     socket: str = SYSTEM_SOCKET,
+    service_user: str = SYSTEM_SERVICE_USER,
     environment: Mapping[str, str] | None = None,
 ) -> TokenHook:
     """Set up a hub's config ``c`` for a node-wide gpushare scheduler: ``c.Spawner.pre_spawn_hook``
@@ -168,6 +182,13 @@ def configure(
     previous = spawner_config.get("pre_spawn_hook") if "pre_spawn_hook" in spawner_config else None
     if isinstance(previous, TokenHook):
         previous = previous.then
-    hook = TokenHook(key_file, key=key, socket=socket, environment=environment, then=previous)
+    hook = TokenHook(
+        key_file,
+        key=key,
+        socket=socket,
+        service_user=service_user,
+        environment=environment,
+        then=previous,
+    )
     spawner_config.pre_spawn_hook = hook
     return hook

@@ -37,8 +37,11 @@ c.Spawner.default_url = "/lab"
 # embedding its own, and carries GPUSHARE_USER and GPUSHARE_USER_TOKEN: the hub's word for who the
 # user is, which the scheduler checks with the same key. The key is read here, once: a hub that
 # cannot read it does not start. $GPUSHARE_USER_KEY_FILE overrides the path.
+# GPUSHARE_SERVICE_USER names the account the node scheduler runs as (deploy/systemd's unit:
+# gpushare): kernels trust its socket only then, else they run unshared. "" for a root scheduler.
 jupyter_gpushare.hub.configure(
     c,
     key_file=os.environ.get("GPUSHARE_USER_KEY_FILE", "/etc/gpushare/user.key"),
     socket="/run/gpushare/scheduler.sock",
+    service_user="gpushare",
 )

@@ -273,6 +273,15 @@ class SchedulerConfig(LoggingConfigurable):
         NVML (a client counts as using at least what NVML sees its process hold:
         docs/reliability.md, "A hostile local user"). 0 turns the readings off.""",
     ).tag(config=True)
+    unmanaged_memory = Enum(
+        ["count", "warn", "ignore"],
+        default_value="count",
+        help="""GPU processes NVML lists that never registered with the scheduler (no shim: a
+        program run outside Jupyter, or one that bypasses the shim). "count": their memory is
+        taken off the device's pool while NVML sees it, and each is logged once; "warn": only
+        logged (a warning); "ignore": neither. Each device's status shows their bytes as
+        ``unmanaged_bytes`` whatever the choice. Needs NVML readings (utilization_interval).""",
+    ).tag(config=True)
 
     placement_estimate = Union(
         [Int(), Unicode()],

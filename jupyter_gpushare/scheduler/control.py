@@ -46,6 +46,7 @@ class ControlActions:
     _shims: dict[str, Connection]
     _devices: dict[str, str]
     _utilization: dict[str, int]
+    unmanaged_bytes: dict[str, int]
     _mps: MPSManager | None
     _reservations: Reservations
     _handle: Callable[[ev.Event], None]
@@ -94,6 +95,7 @@ class ControlActions:
         for dev in devices:
             dev["index"] = self._device_index(str(dev.get("uuid")))
             dev["utilization_percent"] = self._utilization.get(str(dev.get("uuid")))
+            dev["unmanaged_bytes"] = self.unmanaged_bytes.get(str(dev.get("uuid")).lower(), 0)
             for client in dev.get("clients", []):
                 # The policy's clock is monotonic; readers want a wall-clock (Unix) time.
                 since = client.get("waiting_since")
@@ -179,7 +181,8 @@ class ControlActions:
             )
             conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
-        log = self.log.debug if action == "kernel_state" else self.log.info
+        limited = self._log_limit.log_for(conn.peer.uid)
+        log = limited.debug if action == "kernel_state" else limited.info
         log("control %s client=%s by %s %s", action, client_id, who.describe(), body)
         now = time.monotonic()
         if action == "set_quota":
@@ -281,8 +284,10 @@ class ControlActions:
         need: int | None = None,
         device: str | int | None = None,
         reachable: list[str] | None = None,
+        owner: str = "",
     ) -> dict[str, Any]:
-        """Choose the GPU of a kernel about to start and reserve room there until it connects.
+        """Choose the GPU of a kernel about to start and reserve room there until it connects
+        (``owner``: the user placing it, whose pending reservations are bounded).
 
         Raises PlacementError (no device known, or a pin naming none).
         """
@@ -298,6 +303,7 @@ class ControlActions:
             self.placement_timeout,
             device,
             reachable,
+            owner,
         )
 
     def _on_place(self, conn: Connection, body: dict[str, Any], who: Identity) -> None:
@@ -314,7 +320,9 @@ class ControlActions:
         if owner is None or owner == who.user:
             self._remember_owner(request.client_id, who.user)
         try:
-            answer = self.place(request.client_id, request.need, request.device, request.reachable)
+            answer = self.place(
+                request.client_id, request.need, request.device, request.reachable, who.user
+            )
         except PlacementError as exc:
             # No device at all (no NVML, nothing connected yet): not_found, the caller goes on
             # without placement. A pin naming no device: bad_request, the caller's mistake.

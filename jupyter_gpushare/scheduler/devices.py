@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,10 @@ __all__ = [
     "UtilizationSampler",
     "discover_devices",
     "discover_devices_async",
+    "discovery_warning",
+    "find_devices",
     "nvml_pids_comparable",
+    "probe_cuda_devices",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,6 +91,96 @@ async def discover_devices_async() -> Discovery:
     """:func:`discover_devices` in the default executor, so the event loop never blocks on NVML."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, discover_devices)
+
+
+#: Run in a child (``python -I -c``): the CUDA driver's own list of GPUs, one JSON line each.
+#: A child, so that the scheduler never initialises the driver itself.
+_CUDA_PROBE = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+if lib.cuInit(0) != 0:
+    sys.exit(0)
+count = ctypes.c_int(0)
+lib.cuDeviceGetCount(ctypes.byref(count))
+for i in range(count.value):
+    dev = ctypes.c_int(0)
+    if lib.cuDeviceGet(ctypes.byref(dev), i) != 0:
+        continue
+    name = ctypes.create_string_buffer(256)
+    lib.cuDeviceGetName(name, 256, dev)
+    raw = (ctypes.c_ubyte * 16)()
+    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+    if get_uuid(raw, dev) != 0:
+        continue
+    h = bytes(raw).hex()
+    uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    total = ctypes.c_size_t(0)
+    if lib.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0:
+        continue
+    print(json.dumps([i, uuid, name.value.decode("utf-8", "replace"), total.value]))
+"""
+
+
+def probe_cuda_devices(library: str | None = None, timeout: float = 30.0) -> Discovery:
+    """The GPUs the CUDA driver lists (index in PCI order, uuid, name, total memory), asked in
+    a child process, for a node without NVML: the scheduler's own sizes of its devices, never
+    a client's word (issue 22, A13b). ``library``: ``$GPUSHARE_REAL_LIBCUDA``, else
+    ``libcuda.so.1``. Blocking; never raises."""
+    lib = library or os.environ.get("GPUSHARE_REAL_LIBCUDA") or "libcuda.so.1"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # nvidia-smi's numbering, as NVML's
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _CUDA_PROBE, lib],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Discovery([], f"the CUDA driver could not be asked ({exc})")
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return Discovery([], f"the CUDA driver could not be asked ({why})")
+    devices = []
+    for line in done.stdout.splitlines():
+        with contextlib.suppress(ValueError, TypeError):
+            index, uuid, name, total = json.loads(line)
+            devices.append(DeviceInfo(int(index), str(uuid), str(name), int(total)))
+    return Discovery(devices)
+
+
+async def find_devices(
+    use_nvml: bool, discover: Callable[[], Awaitable[Discovery]] | None = None
+) -> Discovery:
+    """The node's GPUs: NVML's (``discover``, default :func:`discover_devices_async`); without
+    NVML, the CUDA driver's own list (a HELLO then neither adds nor sizes a GPU, A13b);
+    ``use_nvml`` False: none (learnt from the kernels)."""
+    if not use_nvml:
+        return Discovery([], "disabled (use_nvml = False)")
+    found = await (discover or discover_devices_async)()
+    if found.error is not None:
+        probed = await asyncio.get_running_loop().run_in_executor(None, probe_cuda_devices)
+        if probed.devices:
+            return Discovery(probed.devices, found.error)
+    return found
+
+
+def discovery_warning(found: Discovery) -> str | None:
+    """What the scheduler warns about its devices at start, or None."""
+    if found.error is not None and found.devices:
+        return (
+            f"no NVML ({found.error}): {len(found.devices)} GPU(s) and their sizes from the "
+            "CUDA driver; memory claims are not cross-checked"
+        )
+    if found.error is not None:
+        return (
+            f"no NVIDIA GPU found through NVML ({found.error}): GPUs are learnt from the "
+            "kernels that use one"
+        )
+    if not found.devices:
+        return "no NVIDIA GPU found (NVML sees none): GPUs are learnt from the kernels that use one"
+    return None
 
 
 def nvml_pids_comparable() -> bool:

@@ -25,8 +25,10 @@ __all__ = [
     "ProcessMemory",
     "corrected",
     "observed",
+    "on_device",
     "pids_comparable",
     "under_claim",
+    "unmanaged",
 ]
 
 
@@ -92,15 +94,31 @@ def observed(claims: Iterable[ClientClaim], processes: Iterable[ProcessMemory]) 
     return out
 
 
-def corrected(memory: Mapping[str, int], seen: int) -> dict[str, int]:
+def corrected(memory: Mapping[str, int], seen: int, residency: bool = True) -> dict[str, int]:
     """``memory`` (a bounded claim: used, managed, pinned, evicted) counted as at least ``seen``
-    bytes used; what the claim leaves out of ``seen`` is pinned."""
-    out = dict(memory)
-    missing = seen - out.get("used", 0)
+    bytes used; what the claim leaves out of ``seen`` is pinned.
+
+    ``residency``: the reading was taken after the client's last eviction or restore, so it
+    checks the claim's residency too. What the claim says is on the device (``used`` less
+    ``evicted``) is then at least ``seen``: memory claimed as evicted that NVML still sees on
+    the card (A14d) is not evicted, and counts as pinned (no eviction the scheduler asks for
+    moves it), so the client's footprint off its turn is NVML's figure."""
+    out = {"used": 0, "managed": 0, "pinned": 0, "evicted": 0, **memory}
+    missing = seen - out["used"]
     if missing > 0:
         out["used"] = seen
-        out["pinned"] = out.get("pinned", 0) + missing
+        out["pinned"] += missing
+    if residency:
+        hidden = min(out["evicted"], seen - on_device(out))
+        if hidden > 0:
+            out["evicted"] -= hidden
+            out["pinned"] = min(out["used"], out["pinned"] + hidden)
     return out
+
+
+def on_device(memory: Mapping[str, int]) -> int:
+    """What a claim says is on the device: what it uses less what it says is on the host."""
+    return max(0, memory.get("used", 0) - memory.get("evicted", 0))
 
 
 def under_claim(claimed: int, seen: int, context_estimate: int) -> int:
@@ -111,3 +129,17 @@ def under_claim(claimed: int, seen: int, context_estimate: int) -> int:
     if missing <= 0:
         return 0
     return 1 if missing <= context_estimate else 2
+
+
+def unmanaged(
+    claims: Iterable[ClientClaim], processes: Iterable[ProcessMemory]
+) -> dict[str, list[ProcessMemory]]:
+    """The processes NVML lists that are no client's, by device: neither the pid of a client
+    on that device nor, when it is, of the client's uid (a pid reused by another user). Their
+    memory is on the card and no scheduling moves it (issue 22, item 8)."""
+    clients = {(c.device, c.pid, c.uid) for c in claims if c.pid > 0}
+    out: dict[str, list[ProcessMemory]] = {}
+    for proc in processes:
+        if proc.used > 0 and (proc.device, proc.pid, proc.uid) not in clients:
+            out.setdefault(proc.device, []).append(proc)
+    return out

@@ -48,6 +48,8 @@ from .devices import (
     Discovery,
     UtilizationSampler,
     discover_devices_async,
+    discovery_warning,
+    find_devices,
     nvml_pids_comparable,
 )
 from .history import History
@@ -302,21 +304,9 @@ class GPUShareScheduler(
                 self.base_quantum,
                 self.base_quantum,
             )
-        if self.use_nvml:
-            self.discovery = await discover_devices_async()
-        else:
-            self.discovery = Discovery([], "disabled (use_nvml = False)")
-        if self.discovery.error is not None:
-            self.log.warning(
-                "gpushare: no NVIDIA GPU found through NVML (%s): GPUs are learnt from the "
-                "kernels that use one",
-                self.discovery.error,
-            )
-        elif not self.discovery.devices:
-            self.log.warning(
-                "gpushare: no NVIDIA GPU found (NVML sees none): GPUs are learnt from the "
-                "kernels that use one"
-            )
+        self.discovery = await find_devices(self.use_nvml, discover_devices_async)
+        if (why := discovery_warning(self.discovery)) is not None:
+            self.log.warning("gpushare: %s", why)
         for dev in self.discovery.devices:
             self._register_device(dev.uuid, dev.name, dev.total_bytes)
         self._accepting.clear()  # until the recovery window is armed (see the end)
@@ -374,9 +364,10 @@ class GPUShareScheduler(
             while not self._stopping:
                 self._utilization = await loop.run_in_executor(None, sampler.sample, uuids)
                 if check:
+                    taken = time.monotonic()
                     processes = await loop.run_in_executor(None, sampler.processes, uuids)
                     if not self._stopping:
-                        self._cross_check_memory(processes)
+                        self._cross_check_memory(processes, taken)
                 await asyncio.sleep(self.utilization_interval)
         finally:
             await loop.run_in_executor(None, sampler.close)

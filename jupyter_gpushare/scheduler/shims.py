@@ -74,10 +74,32 @@ class ShimSessions:
     _device_snapshot: Callable[[str], dict[str, Any] | None]
     limits_for: Callable[[Identity], Limits]
     identify: Callable[[PeerCred, Message], Awaitable[Identity | str]]
+    policy: Any
+    own_uid: int
+    unmanaged_memory: str
+    _devices: dict[str, str]
+    pool_for: Callable[[int], int]
+
+    @property
+    def unmanaged_bytes(self) -> dict[str, int]:
+        """Lower-case device uuid -> bytes NVML sees held by processes of no client."""
+        return self.__dict__.setdefault("_unmanaged_bytes", {})
+
+    @property
+    def _unmanaged_seen(self) -> set[tuple[str, int]]:
+        return self.__dict__.setdefault("_unmanaged_logged", set())
+
+    @_unmanaged_seen.setter
+    def _unmanaged_seen(self, value: set[tuple[str, int]]) -> None:
+        self.__dict__["_unmanaged_logged"] = value
 
     def _peer_processes(self) -> dict[int, PeerProcess]:
         """Connection serial -> the pidfd of its peer process, taken at HELLO (revoke_signal)."""
         return self.__dict__.setdefault("_peer_process_table", {})
+
+    def _info(self, conn: Connection, msg: str, *args: Any) -> None:
+        """An info line a peer's message caused: within its uid's budget (A11)."""
+        self._log_limit.info(conn.peer.uid, msg, *args)
 
     def _send(self, conn: Connection, msg: Message) -> bool:
         return conn.send(msg, self.log)
@@ -99,7 +121,8 @@ class ShimSessions:
         if self._stopping:
             return
         held = None if conn.granted_at is None else now - conn.granted_at
-        self.log.info(
+        self._info(
+            conn,
             "leave client=%s (%s) %s held_ms=%s",
             conn.client_id,
             why,
@@ -177,13 +200,14 @@ class ShimSessions:
         if existing is None:
             return requested
         if existing.peer.pid > 0 and existing.peer == conn.peer:
-            self.log.info("client %s reconnected: the old connection leaves", requested)
+            self._info(conn, "client %s reconnected: the old connection leaves", requested)
             self._shim_gone(existing, "replaced by a reconnection")
             if existing.writer is not None:
                 existing.writer.close()
             return requested
         client_id = tr.free_client_id(requested, conn.peer.pid, self._shims)
-        self.log.info(
+        self._info(
+            conn,
             "client id %s is taken by %s: the new client (pid %d) is %s",
             requested,
             existing.name,
@@ -230,7 +254,8 @@ class ShimSessions:
         conn.context_bytes = hello.context_bytes
         quota = conn.quota = cap_quota(limits.effective_quota(hello.quota), conn.ceiling)
         if quota != hello.quota:
-            self.log.info(
+            self._info(
+                conn,
                 "quota of client=%s user=%s clamped to its ceiling %s (asked %s)",
                 client_id,
                 ident.user,
@@ -245,7 +270,8 @@ class ShimSessions:
             memory = tr.bounded_memory(hello.memory, self._memory_cap(conn))
             conn.memory.update(memory)
             join = dataclasses.replace(join, **memory)
-        self.log.info(
+        self._info(
+            conn,
             "join client=%s device=%s user=%s uid=%d pid=%d quota=%s weight=%.3g label=%r shim=%s",
             client_id,
             device,
@@ -268,7 +294,7 @@ class ShimSessions:
             )
             join = dataclasses.replace(join, resume="waiting")
         if hello.resume:
-            self.log.info("resume client=%s %s", client_id, hello.resume)
+            self._info(conn, "resume client=%s %s", client_id, hello.resume)
         rest: list[ev.Decision] = []
         resumed = 0
         for decision in self._decide(join):
@@ -276,7 +302,7 @@ class ShimSessions:
                 # A resumed grant: the WELCOME says so (resume = 1); no GRANT follows.
                 resumed = 1
                 conn.granted_at = time.monotonic()
-                self.log.info("grant client=%s resumed", client_id)
+                self._info(conn, "grant client=%s resumed", client_id)
             else:
                 rest.append(decision)
         dev = self._device_snapshot(device)
@@ -305,10 +331,14 @@ class ShimSessions:
             self._shim_gone(conn, "goodbye")
             return
         conn.memory.update(tr.memory_after(conn.memory, msg, cap))
+        if isinstance(event, ev.Released | ev.Evicted | ev.Restored):
+            conn.moved_at = now  # NVML's readings before now say nothing of its residency
         if conn.observed and isinstance(event, ev.Request | ev.Memory):
             # Never less than NVML last saw its process hold (.nvml_check).
-            mem = nc.corrected(conn.memory, conn.observed)
-            event = dataclasses.replace(event, used=mem["used"], pinned=mem["pinned"])
+            mem = nc.corrected(conn.memory, conn.observed, conn.observed_at > conn.moved_at)
+            event = dataclasses.replace(
+                event, used=mem["used"], pinned=mem["pinned"], evicted=mem["evicted"]
+            )
         if isinstance(event, ev.Request):
             if conn.requested_at is None:
                 conn.requested_at = now
@@ -316,7 +346,8 @@ class ShimSessions:
         elif isinstance(event, ev.Released):
             moved, ms = event.bytes_moved, event.micros / 1000.0
             held = None if conn.granted_at is None else now - conn.granted_at
-            self.log.info(
+            self._info(
+                conn,
                 "release client=%s evicted=%d %s ms=%.1f held_ms=%s",
                 client_id,
                 int(event.evicted),
@@ -325,8 +356,8 @@ class ShimSessions:
                 _ms(held),
             )
             if event.evicted:
-                self.log.info(
-                    "evicted client=%s %s ms=%.1f (on release)", client_id, _bytes(moved), ms
+                self._info(
+                    conn, "evicted client=%s %s ms=%.1f (on release)", client_id, _bytes(moved), ms
                 )
             self._metrics_feed.account(conn, now)
             if self.metrics is not None:
@@ -338,7 +369,8 @@ class ShimSessions:
         elif isinstance(event, ev.Idle):
             self.log.debug("idle client=%s idle_ms=%s", client_id, msg.get("idle_ms", 0))
         elif isinstance(event, ev.Precopied):
-            self.log.info(
+            self._info(
+                conn,
                 "precopied client=%s %s ms=%.1f valid=%s",
                 client_id,
                 _bytes(event.bytes_moved),
@@ -357,17 +389,20 @@ class ShimSessions:
                     "eviction failed client=%s: its memory stays counted on the device", client_id
                 )
             else:
-                self.log.info(
-                    "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
+                self._info(
+                    conn, "%s client=%s %s ms=%.1f", done, client_id, _bytes(event.bytes_moved), ms
                 )
             if self.metrics is not None:
                 direction = "evict" if evict else "restore"
                 self.metrics.moved(conn.device or "", direction, event.bytes_moved)
         self._handle(event)
 
-    def _cross_check_memory(self, processes: list[nc.ProcessMemory]) -> None:
+    def _cross_check_memory(
+        self, processes: list[nc.ProcessMemory], taken: float | None = None
+    ) -> None:
         """Count each client as using at least what NVML sees its process hold on its device
-        (:mod:`.nvml_check`); called with each NVML sample, on the loop."""
+        (:mod:`.nvml_check`); called with each NVML sample (``taken``: when its reading
+        started, monotonic), on the loop."""
         shims = [c for c in self._shims.values() if c.client_id and c.device and not c.left]
         claims = [
             nc.ClientClaim(
@@ -380,15 +415,19 @@ class ShimSessions:
             for c in shims
         ]
         seen = nc.observed(claims, processes)
+        self._count_unmanaged(nc.unmanaged(claims, processes))
         now = time.monotonic()
+        taken = now if taken is None else taken
         for conn in shims:
             client_id = conn.client_id or ""
-            before = nc.corrected(conn.memory, conn.observed)
-            conn.observed = seen.get(client_id, 0)
-            after = nc.corrected(conn.memory, conn.observed)
+            before = nc.corrected(conn.memory, conn.observed, conn.observed_at > conn.moved_at)
+            conn.observed, conn.observed_at = seen.get(client_id, 0), taken
+            residency = taken > conn.moved_at
+            after = nc.corrected(conn.memory, conn.observed, residency)
             if after == before:
                 continue
-            level = nc.under_claim(conn.memory["used"], conn.observed, conn.context_bytes)
+            claimed = nc.on_device(conn.memory) if residency else conn.memory["used"]
+            level = nc.under_claim(claimed, conn.observed, conn.context_bytes)
             if level > conn.claim_logged:  # once per client and level
                 conn.claim_logged = level
                 # A warning (within its uid's budget) when the context cannot explain it.
@@ -399,20 +438,68 @@ class ShimSessions:
                     client_id,
                     conn.peer.uid,
                     conn.peer.pid,
-                    conn.memory["used"],
+                    claimed,
                     conn.observed,
                     format_size(after["used"]),
                 )
             used, managed, pinned, evicted = (after[k] for k in nc.MEMORY_KEYS)
             self._handle(ev.Memory(now, client_id, used, managed, pinned, evicted))
 
+    def _count_unmanaged(self, found: dict[str, list[nc.ProcessMemory]]) -> None:
+        """GPU processes that never registered (``unmanaged_memory``): shown in the status,
+        logged once each, and with "count" taken off their device's pool while NVML sees them."""
+        # Under MPS, the control daemon the scheduler started is no one's client.
+        mps_uid = self.own_uid if self._mps is not None else None
+        totals: dict[str, int] = {}
+        for device, procs in found.items():
+            if device not in self._devices:
+                continue
+            procs = [p for p in procs if p.uid != mps_uid or mps_uid is None]
+            totals[device] = sum(p.used for p in procs)
+            for proc in procs:
+                if self.unmanaged_memory == "ignore" or (device, proc.pid) in self._unmanaged_seen:
+                    continue
+                self._unmanaged_seen.add((device, proc.pid))
+                self._log_limit.log_for(proc.uid).warning(
+                    "unmanaged GPU process pid=%d uid=%d on %s holds %s (%s)",
+                    proc.pid,
+                    proc.uid,
+                    self._devices[device],
+                    format_size(proc.used),
+                    "counted against the pool"
+                    if self.unmanaged_memory == "count"
+                    else "not counted",
+                )
+        self._unmanaged_seen &= {(d, p.pid) for d, procs in found.items() for p in procs}
+        changed = False
+        for device in set(totals) | set(self.unmanaged_bytes):
+            now_bytes = totals.get(device, 0)
+            if self.unmanaged_bytes.get(device, 0) == now_bytes:
+                continue
+            if now_bytes:
+                self.unmanaged_bytes[device] = now_bytes
+            else:
+                self.unmanaged_bytes.pop(device, None)
+            changed |= self.unmanaged_memory == "count"
+        if changed:
+            for device, uuid in self._devices.items():
+                total = self._device_totals.get(device, 0)
+                pool = self.pool_for(total)
+                if self.unmanaged_memory == "count":
+                    pool = max(0, pool - self.unmanaged_bytes.get(device, 0))
+                self.policy.add_device(uuid, total_bytes=total, pool_bytes=pool)
+            self._handle(ev.Tick(time.monotonic()))  # a pool that grew lets waiters in
+
     def _set_quota(self, conn: Connection, quota: int, now: float) -> None:
         """Tell the shim and the policy a client's effective quota."""
         if conn.client_id is None:
             return
         conn.quota = quota = cap_quota(quota, conn.ceiling)  # not even an admin lifts it
-        self.log.info(
-            "quota client=%s quota=%s", conn.client_id, format_size(quota) if quota else "none"
+        self._info(
+            conn,
+            "quota client=%s quota=%s",
+            conn.client_id,
+            format_size(quota) if quota else "none",
         )
         self._send(conn, Message(MsgType.SET_QUOTA, {"quota": quota}))
         self._handle(ev.SetQuota(now, conn.client_id, quota))
@@ -430,7 +517,8 @@ class ShimSessions:
             if isinstance(decision, ev.Grant):
                 waited = None if conn.requested_at is None else now - conn.requested_at
                 moving = mem["evicted"] if decision.restore else mem["used"]
-                self.log.info(
+                self._info(
+                    conn,
                     "grant client=%s restore=%d %s waited_ms=%s",
                     decision.client,
                     int(decision.restore),
@@ -443,7 +531,8 @@ class ShimSessions:
                     self.metrics.granted(conn.device or "", waited)
             elif isinstance(decision, ev.Revoke):
                 held = None if conn.granted_at is None else now - conn.granted_at
-                self.log.info(
+                self._info(
+                    conn,
                     "revoke client=%s evict=%d %s held_ms=%s reason=%r",
                     decision.client,
                     int(decision.evict),
@@ -454,9 +543,10 @@ class ShimSessions:
                 conn.revoking, conn.overdue = True, False
                 self._watch_revoke(conn, now)
             elif isinstance(decision, ev.Precopy):
-                self.log.info("precopy client=%s %s", decision.client, _bytes(mem["managed"]))
+                self._info(conn, "precopy client=%s %s", decision.client, _bytes(mem["managed"]))
             else:
-                self.log.info(
+                self._info(
+                    conn,
                     "evict client=%s %s reason=%r",
                     decision.client,
                     _bytes(mem["managed"]),

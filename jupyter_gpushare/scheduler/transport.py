@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import grp
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import paths
 from ..protocol import (
     ErrorCode,
     FrameDecoder,
@@ -66,45 +68,62 @@ class SchedulerConfigError(SchedulerStartError):
 
 
 class LogLimiter:
-    """Warnings about peers, at most ``burst`` per uid and ``period`` seconds.
+    """Lines about peers, at most ``burst`` warnings and ``info_burst`` info lines per uid and
+    ``period`` seconds.
 
-    A peer that opens a thousand bad connections must not grow the log by megabytes a second
-    (nor push everyone else's lines out of it): past its budget its lines are counted, and the
-    count is logged when its next period starts.
+    A peer that opens a thousand bad connections, or cycles REQUEST and RELEASE as fast as its
+    frame budget lets it, must not grow the log by megabytes a second (nor push everyone else's
+    lines out of it): past its budget its lines are counted, and the count is logged when its
+    next period starts. Warnings and info lines have budgets of their own, so a flood of info
+    lines never hides a warning.
     """
 
-    def __init__(self, log: Log, burst: int = 20, period: float = 60.0) -> None:
+    def __init__(
+        self, log: Log, burst: int = 20, period: float = 60.0, info_burst: int = 300
+    ) -> None:
         self.log = log
         self.burst = burst
+        self.info_burst = info_burst
         self.period = period
-        self._budget: dict[int, tuple[float, int, int]] = {}  # uid -> (period start, used, held)
+        # level -> uid -> (period start, used, held)
+        self._budgets: dict[str, dict[int, tuple[float, int, int]]] = {"warning": {}, "info": {}}
 
-    def allow(self, uid: int) -> bool:
+    def allow(self, uid: int, level: str = "warning") -> bool:
+        budget = self._budgets[level]
+        burst = self.burst if level == "warning" else self.info_burst
         now = time.monotonic()
-        start, used, held = self._budget.get(uid, (now, 0, 0))
+        start, used, held = budget.get(uid, (now, 0, 0))
         if now - start >= self.period:
             if held:
-                self.log.warning("uid %d: %d more warning(s) about it were not logged", uid, held)
+                what = "warning(s)" if level == "warning" else "info line(s)"
+                getattr(self.log, level)(
+                    "uid %d: %d more %s about it were not logged", uid, held, what
+                )
             start, used, held = now, 0, 0
-        if used < self.burst:
-            self._budget[uid] = (start, used + 1, held)
+        if used < burst:
+            budget[uid] = (start, used + 1, held)
             return True
-        self._budget[uid] = (start, used, held + 1)
-        if len(self._budget) > 4096:  # bounded: forget the oldest periods
-            for key in sorted(self._budget, key=lambda k: self._budget[k][0])[:1024]:
-                del self._budget[key]
+        budget[uid] = (start, used, held + 1)
+        if len(budget) > 4096:  # bounded: forget the oldest periods
+            for key in sorted(budget, key=lambda k: budget[k][0])[:1024]:
+                del budget[key]
         return False
 
     def warning(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.warning(msg, *args)
 
+    def info(self, uid: int, msg: str, *args: Any) -> None:
+        if self.allow(uid, "info"):
+            self.log.info(msg, *args)
+
     def exception(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.exception(msg, *args)
 
     def log_for(self, uid: int) -> _LimitedLog:
-        """A logger whose warnings about ``uid`` go through the limit (debug lines do not)."""
+        """A logger whose warnings and info lines about ``uid`` go through the limit (debug
+        lines do not)."""
         return _LimitedLog(self, uid)
 
 
@@ -114,6 +133,9 @@ class _LimitedLog:
 
     def warning(self, msg: str, *args: Any) -> None:
         self._limiter.warning(self._uid, msg, *args)
+
+    def info(self, msg: str, *args: Any) -> None:
+        self._limiter.info(self._uid, msg, *args)
 
     def debug(self, msg: str, *args: Any) -> None:
         self._limiter.log.debug(msg, *args)
@@ -178,6 +200,8 @@ class Connection:
     ceiling: int = 0
     #: Bytes NVML last saw this client's process hold on its device (.nvml_check); 0: none seen.
     observed: int = 0
+    observed_at: float = 0.0  # when that NVML reading was taken (monotonic)
+    moved_at: float = 0.0  # its last eviction or restore (monotonic): older readings predate it
     context_bytes: int = 0  # its shim's estimate of its CUDA context (HELLO)
     claim_logged: int = 0  # the level of its under-claim logged already (.nvml_check.under_claim)
 
@@ -327,6 +351,8 @@ class SocketFile:
     group: str = ""
     #: (st_dev, st_ino) of the socket this scheduler published: it removes only its own.
     published: tuple[int, int] | None = None
+    #: The socket's directory, opened and checked (:meth:`prepare_directory`).
+    _dir_fd: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def directory(self) -> str:
@@ -347,39 +373,42 @@ class SocketFile:
     def prepare_directory(self, log: Log) -> bool:
         """Create the socket's directory; remove a stale socket; refuse a live or foreign one.
 
-        Returns whether the last scheduler here left clients behind (a stale socket: it crashed;
-        or its resume marker: it stopped with clients connected).
+        The directory is opened without following a link and checked on that fd
+        (:func:`paths.open_own_directory`); every later step (the stale socket, the bind, the
+        rename) goes through the fd, so a link flipped since the check cannot put the socket in
+        another user's directory (issue 22, item 1). Returns whether the last scheduler here left
+        clients behind (a stale socket: it crashed; or its resume marker: it stopped with clients
+        connected).
         """
         directory = self.directory
         uid = os.getuid()
-        if not os.path.isdir(directory):
+        if not os.path.lexists(directory):
             mode = self.dir_mode
             if mode is None:
                 per_user = os.path.basename(directory) == f"gpushare-{uid}" and uid != 0
                 mode = 0o700 if per_user else 0o755
             os.makedirs(directory, mode=mode, exist_ok=True)
-            os.chmod(directory, mode)  # makedirs' mode is filtered by the umask
+            os.chmod(directory, mode, follow_symlinks=False)  # makedirs' mode: under the umask
             if self.group:
-                os.chown(directory, -1, group_id(self.group))
-        st = os.stat(directory)
-        if st.st_uid not in (uid, 0):
-            # Another user made it (first, in /tmp): they could swap the socket for theirs.
+                os.chown(directory, -1, group_id(self.group), follow_symlinks=False)
+        self.close_directory()
+        try:
+            fd = paths.open_own_directory(directory, uid)
+        except paths.SocketDistrusted as exc:
+            # Another user made it (first, in /tmp), or a link: they could swap the socket.
             raise SchedulerConfigError(
-                f"refusing to put the socket in {directory}: it belongs to uid {st.st_uid}, "
-                "not to this user (set GPUSHARE_SOCKET or socket_path to a directory you own)"
-            )
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            who = "everyone" if st.st_mode & stat.S_IWOTH else "its group"
-            raise SchedulerConfigError(
-                f"refusing to put the socket in {directory}: it is writable by {who}, who could "
-                "replace the socket with their own (use a directory only its owner may write)"
-            )
+                f"refusing to put the socket in {directory}: "
+                f"{str(exc).removeprefix('refusing the socket: ')} "
+                "(set GPUSHARE_SOCKET or socket_path to a directory you own)"
+            ) from None
+        self._dir_fd = fd
+        name = self.name
         stale = False
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.resume_marker)
+            os.unlink(os.path.basename(self.resume_marker), dir_fd=fd)
             stale = True
         try:
-            st = os.lstat(self.path)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             return stale
         if not stat.S_ISSOCK(st.st_mode):
@@ -389,11 +418,11 @@ class SocketFile:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
-            probe.connect(self.path)
+            probe.connect(paths.via_directory(fd, self.path))
         except (ConnectionRefusedError, FileNotFoundError):
             log.info("removing the stale socket %s", self.path)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(name, dir_fd=fd)
             return True
         except OSError as exc:
             raise SchedulerStartError(
@@ -403,50 +432,80 @@ class SocketFile:
             probe.close()
         raise SchedulerStartError(f"another gpushare scheduler is already listening on {self.path}")
 
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def _fd(self) -> int:
+        if self._dir_fd is None:
+            raise SchedulerStartError(f"{self.directory}: not prepared (prepare_directory)")
+        return self._dir_fd
+
     def bind(self) -> tuple[socket.socket, str]:
-        """Bind and listen under a temporary name in the socket's directory.
+        """Bind and listen under a temporary name in the socket's directory (through its fd).
 
         :meth:`publish` renames it into place once the server accepts, so the path appears only
-        when connecting to it works (shims and tests poll for the file).
+        when connecting to it works (shims and tests poll for the file). Returns the socket and
+        the temporary name (in the directory). The name is unique to this socket, and so is the
+        address that ``getsockname`` gives its connections.
         """
-        tmp = os.path.join(self.directory, f".gpushare-{os.getpid()}.sock")
-        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
-            tmp = self.path
-        elif os.path.lexists(tmp):
-            os.unlink(tmp)
+        fd = self._fd()
+        tmp = f".gpushare-{os.getpid()}-{secrets.token_hex(4)}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(tmp)
-            os.chmod(tmp, self.mode)
+            sock.bind(paths.via_directory(fd, os.path.join(self.directory, tmp)))
+            os.chmod(tmp, self.mode, dir_fd=fd)
             if self.group:
-                os.chown(tmp, -1, group_id(self.group))
+                os.chown(tmp, -1, group_id(self.group), dir_fd=fd, follow_symlinks=False)
             sock.listen(128)
         except BaseException:
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            self.discard(tmp)
             raise
         return sock, tmp
 
+    def discard(self, tmp: str) -> None:
+        """Remove the temporary name of a socket that was not published."""
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir_fd)
+
     def publish(self, tmp: str) -> None:
-        if tmp != self.path:
-            os.rename(tmp, self.path)
-        st = os.stat(self.path)
+        fd = self._fd()
+        os.rename(tmp, self.name, src_dir_fd=fd, dst_dir_fd=fd)
+        st = os.stat(self.name, dir_fd=fd, follow_symlinks=False)
         self.published = (st.st_dev, st.st_ino)
 
     def write_resume_marker(self) -> None:
-        with contextlib.suppress(OSError), open(self.resume_marker, "w") as f:
-            f.write(f"{os.getpid()}\n")
+        if self._dir_fd is None:
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.basename(self.resume_marker), flags, 0o644, dir_fd=self._dir_fd)
+            with open(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
 
     def remove(self) -> None:
-        """Remove the socket file if it is still the one this scheduler published."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+        """Remove the socket file if it is still the one this scheduler published; let go of
+        the directory."""
+        fd = self._dir_fd
+        if fd is None:
             return
-        if self.published == (st.st_dev, st.st_ino):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        try:
+            st = os.stat(self.name, dir_fd=fd, follow_symlinks=False)
+            if self.published == (st.st_dev, st.st_ino):
+                os.unlink(self.name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            self.close_directory()
+
+    def close_directory(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 async def listen(
@@ -463,9 +522,11 @@ async def listen(
         left_clients = await loop.run_in_executor(None, sock_file.prepare_directory, log)
         sock, tmp = await loop.run_in_executor(None, sock_file.bind)
     except SchedulerStartError:
+        sock_file.close_directory()
         raise
     except (PermissionError, FileExistsError, NotADirectoryError, FileNotFoundError) as exc:
         # A directory that cannot be made or written (or a file in its way): one clear line.
+        sock_file.close_directory()
         raise SchedulerConfigError(
             f"cannot put the socket at {path}: {exc.strerror} ({exc.filename or path}); "
             "set GPUSHARE_SOCKET or socket_path to a directory this user may write"
@@ -478,7 +539,7 @@ async def listen(
         if server is not None:
             server.close()
         sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        sock_file.discard(tmp)
+        sock_file.close_directory()
         raise
     return server, left_clients

@@ -9,6 +9,7 @@ from jupyter_gpushare.scheduler.nvml_check import (
     observed,
     pids_comparable,
     under_claim,
+    unmanaged,
 )
 
 GiB = 1 << 30
@@ -81,3 +82,35 @@ def test_an_under_claim_the_context_explains_is_told_from_a_lie() -> None:
     assert under_claim(2 * GiB, GiB, estimate) == 0  # evicted: NVML sees less
     assert under_claim(2 * GiB, 2 * GiB + (88 << 20), estimate) == 1  # a 600 MiB context
     assert under_claim(0, 3 * GiB, estimate) == 2  # used = 0 with 3 GiB on the GPU
+
+
+def test_memory_claimed_evicted_that_nvml_sees_on_the_device_is_pinned() -> None:
+    # A14d: all 3 GiB "on the host", NVML sees 3 GiB on the card: off its turn it counts 3 GiB.
+    claim = {"used": 3 * GiB, "managed": 3 * GiB, "pinned": 0, "evicted": 3 * GiB}
+    assert corrected(claim, 3 * GiB) == {
+        "used": 3 * GiB,
+        "managed": 3 * GiB,
+        "pinned": 3 * GiB,
+        "evicted": 0,
+    }
+    # Honest: evicted, NVML sees its context and pinned part only; the claim stands.
+    honest = {"used": 4 * GiB, "managed": 3 * GiB, "pinned": GiB // 2, "evicted": 3 * GiB}
+    assert corrected(honest, GiB) == honest
+    # A reading taken before its eviction says nothing of its residency: only "used" is checked.
+    assert corrected(claim, 3 * GiB, residency=False) == claim
+
+
+def test_processes_of_no_client_are_unmanaged() -> None:
+    claims = [_claim("k", 42, GiB)]
+    procs = [
+        ProcessMemory(DEV, 42, GiB, 1001),  # the client's
+        ProcessMemory(DEV, 43, 3 * GiB, 1002),  # never registered
+        ProcessMemory(DEV, 42, GiB, 1002),  # not possible twice, but: another uid is not it
+        ProcessMemory("gpu-bbbb", 42, 2 * GiB, 1001),  # the client's process on another GPU
+        ProcessMemory(DEV, 44, 0, 1002),  # nothing held
+    ]
+    got = unmanaged(claims, procs)
+    assert {d: [(p.pid, p.uid) for p in ps] for d, ps in got.items()} == {
+        DEV: [(43, 1002), (42, 1002)],
+        "gpu-bbbb": [(42, 1001)],
+    }

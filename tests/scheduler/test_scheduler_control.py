@@ -18,7 +18,7 @@ from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError, S
 
 DEVICE_KEYS = {
     "uuid", "name", "total_bytes", "pool_bytes", "resident_bytes", "mode", "quantum_ms",
-    "holders", "queue", "clients", "utilization_percent", "index",
+    "holders", "queue", "clients", "utilization_percent", "index", "unmanaged_bytes",
 }  # fmt: skip
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "idle", "notebook", "used_bytes", "managed_bytes",
