@@ -125,6 +125,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
     if (restorer) {
       restorer.add(panel, PANEL_ID);
     }
+    // A notebook's kernel that starts or stops is listed (or dropped) at once, with its path,
+    // even before its first GPU call: the scheduler's document alone would not change.
+    app.serviceManager.sessions.runningChanged.connect(() => {
+      if (panel.isVisible) {
+        void panel.refresh();
+      }
+    });
     app.commands.addCommand(COMMAND, {
       label: __('Show the Shared GPU Panel'),
       caption: __('Who holds the GPU, who waits, and memory against quotas'),
