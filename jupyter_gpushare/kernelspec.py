@@ -65,7 +65,28 @@ DISPLAY_SUFFIX = " (GPU shared)"
 #: The variants' logos (the launcher and the notebook's kernel indicator show them), drawn for
 #: gpushare: logo-svg.svg is the source of the two PNGs.
 LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
-RESOURCES = Path(__file__).resolve().parent / "resources"
+#: The package's own kernelspec (jupyter-data/kernels/python3-gpushare in the source tree; the
+#: wheel installs it into share/jupyter/kernels/): the one place the logos are kept.
+SHIPPED_KERNELSPEC = "python3-gpushare"
+SOURCE_KERNELSPEC = (
+    Path(__file__).resolve().parents[1] / "jupyter-data" / "kernels" / SHIPPED_KERNELSPEC
+)
+
+
+def logo_dir() -> Path | None:
+    """Where the logos are: the source tree's kernelspec (a checkout, an editable install), else
+    the installed python3-gpushare kernelspec wherever Jupyter looks for kernelspecs (the wheel
+    ships the logos once, there). None when neither has them (that kernelspec was removed)."""
+    from jupyter_core.paths import jupyter_path
+
+    candidates = [SOURCE_KERNELSPEC]
+    candidates += [Path(d) / SHIPPED_KERNELSPEC for d in jupyter_path("kernels")]
+    for d in candidates:
+        if all((d / logo).is_file() for logo in LOGOS):
+            return d
+    return None
+
+
 #: The mark in a variant's metadata that install-kernelspec made it: remove-kernelspec removes only
 #: such variants unless forced (the package's own python3-gpushare, installed by pip, has none).
 MADE_BY_KEY = "gpushare_made_by"
@@ -272,6 +293,13 @@ class InstallKernelspecApp(_KernelspecBase):
             )
         config = self.provisioner_config()
         ksm = self.kernel_spec_manager
+        logos = logo_dir()
+        if logos is None:
+            self.log.warning(
+                "the %s kernelspec, which has gpushare's logos, is not installed: the variants "
+                "keep their kernelspecs' own logos",
+                SHIPPED_KERNELSPEC,
+            )
         done = 0
         for name, entry in sorted(sources.items()):
             spec = entry["spec"]
@@ -289,8 +317,8 @@ class InstallKernelspecApp(_KernelspecBase):
             destination = ksm._get_destination_dir(
                 variant_name, user=self.user, prefix=self.prefix or None
             )
-            if _same_spec(Path(destination) / "kernel.json", variant) and all(
-                (Path(destination) / logo).is_file() for logo in LOGOS
+            if _same_spec(Path(destination) / "kernel.json", variant) and (
+                logos is None or all((Path(destination) / logo).is_file() for logo in LOGOS)
             ):
                 print(f"unchanged: {variant_name} ({variant['display_name']}) in {destination}")
                 done += 1
@@ -298,8 +326,9 @@ class InstallKernelspecApp(_KernelspecBase):
             with tempfile.TemporaryDirectory(prefix="gpushare-kernelspec-") as tmp:
                 staging = Path(tmp) / variant_name
                 _copy_resources(Path(entry["resource_dir"]), staging)
-                for logo in LOGOS:
-                    shutil.copy2(RESOURCES / logo, staging / logo)
+                if logos is not None:
+                    for logo in LOGOS:
+                        shutil.copy2(logos / logo, staging / logo)
                 (staging / "kernel.json").write_text(json.dumps(variant, indent=1) + "\n")
                 try:
                     path = ksm.install_kernel_spec(

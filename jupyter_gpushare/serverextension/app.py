@@ -179,6 +179,7 @@ class GPUShareExtension(ExtensionApp):
             refresh=self.status_refresh,
             on_change=self._emit_status_event,
             log=self.log,
+            local_kernels=self._local_kernel_ids,
         )
         event_logger = getattr(self.serverapp, "event_logger", None)
         if event_logger is not None:
@@ -221,6 +222,7 @@ class GPUShareExtension(ExtensionApp):
             getattr(self.serverapp, "event_logger", None),
             self._send_kernel_state,
             log=self.log,
+            on_kernels_changed=self.broadcaster.wake,
         )
         self.watcher.start()
         self.broadcaster.start()
@@ -281,6 +283,10 @@ class GPUShareExtension(ExtensionApp):
             return True
         name = getattr(user, "username", None)
         return name is not None and name in admins
+
+    def _local_kernel_ids(self) -> list[str]:
+        km = self.serverapp.kernel_manager if self.serverapp is not None else None
+        return list(km.list_kernel_ids()) if km is not None else []
 
     def is_local_kernel(self, kernel_id: str) -> bool:
         """Is ``kernel_id`` a kernel of this server (so its user owns it)?"""

@@ -106,10 +106,13 @@ class KernelWatcher:
         *,
         log: Any,
         history: int = 256,
+        on_kernels_changed: Callable[[], None] | None = None,
     ) -> None:
         self.kernel_manager = kernel_manager
         self.event_logger = event_logger
         self.send_state = send_state
+        #: Called when a kernel starts, restarts, shuts down or dies (the status push listens).
+        self.on_kernels_changed = on_kernels_changed
         self.log = log
         self.watches: dict[str, _Watch] = {}
         self.transitions: collections.deque[Transition] = collections.deque(maxlen=history)
@@ -169,6 +172,14 @@ class KernelWatcher:
             self._enqueue(kernel_id, "idle", time.time())
         elif action == "shutdown":
             self.unwatch(kernel_id)
+        self._kernels_changed()
+
+    def _kernels_changed(self) -> None:
+        if self.on_kernels_changed is not None:
+            try:
+                self.on_kernels_changed()
+            except Exception as exc:
+                self.log.debug("gpushare: kernels-changed listener failed: %s", exc)
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -200,6 +211,7 @@ class KernelWatcher:
         def on_dead() -> None:
             self.log.debug("gpushare: kernel %s died", kernel_id)
             self.unwatch(kernel_id)
+            self._kernels_changed()
 
         w.on_dead = on_dead
         with contextlib.suppress(Exception):

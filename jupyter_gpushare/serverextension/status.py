@@ -3,7 +3,10 @@
 :func:`enrich` adds Jupyter's view to the scheduler's document (docs/protocol.md): for each client
 that is a kernel of this server its notebook path(s) from the session manager, kernel name and
 execution state; for clients of other users, the notebook path (``label``) is redacted unless the
-viewer is a gpushare admin.
+viewer is a gpushare admin. It also lists this server's GPU-shared kernels that the scheduler does
+not (yet) list, under ``unregistered``: the shim registers a kernel at its first GPU call, so a
+kernel that made none, or runs where there is no GPU, is in no device's ``clients`` (the magic says
+the same of it: ``%gpushare status`` "not registered yet", ``%gpushare release`` "no GPU call yet").
 
 :class:`StatusBroadcaster` pushes the document to subscribers when it changes. With the embedded
 scheduler it is woken by the scheduler itself (no polling at all while nothing happens); with a
@@ -23,11 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..magic import NO_GPU
 from ..protocol import kernel_client_id
 from ..scheduler_client import SchedulerError, SchedulerUnavailable
 from .backend import SchedulerBackend
 
-__all__ = ["StatusBroadcaster", "enrich", "kernel_id_of", "signature"]
+__all__ = ["StatusBroadcaster", "enrich", "kernel_id_of", "signature", "unregistered_kernels"]
 
 #: Client fields that change continuously while a client runs or waits.
 VOLATILE_CLIENT_FIELDS = ("gpu_seconds", "wait_seconds")
@@ -78,6 +82,49 @@ async def _sessions_by_kernel(session_manager: Any) -> dict[str, list[dict[str, 
     return out
 
 
+def is_shared_kernel(km: Any) -> bool:
+    """Does this kernel manager's kernel run under gpushare (launched by its provisioner)?"""
+    from ..provisioner import GPUShareProvisioner
+
+    return isinstance(getattr(km, "provisioner", None), GPUShareProvisioner)
+
+
+def unregistered_kernels(
+    doc: dict[str, Any],
+    kernel_manager: Any,
+    sessions: dict[str, list[dict[str, Any]]],
+    is_shared: Callable[[Any], bool] = is_shared_kernel,
+) -> list[dict[str, Any]]:
+    """This server's GPU-shared kernels that no device of ``doc`` lists, each with why."""
+    if kernel_manager is None:
+        return []
+    listed = {
+        kernel_id_of(str(c.get("id", "")))
+        for dev in doc.get("devices", []) or []
+        for c in dev.get("clients", []) or []
+    }
+    no_gpu = not doc.get("devices") and doc.get("nvml") is not True  # as the magic decides
+    out = []
+    for kid in sorted(kernel_manager.list_kernel_ids()):
+        km = kernel_manager.get_kernel(kid)
+        if kid in listed or not is_shared(km):
+            continue
+        paths = [s["path"] for s in sessions.get(kid, []) if s.get("path")]
+        out.append(
+            {
+                "kernel_id": kid,
+                "kernel_name": getattr(km, "kernel_name", None),
+                "execution_state": getattr(km, "execution_state", None),
+                "paths": paths,
+                "reason": "no-gpu" if no_gpu else "no-gpu-call",
+                "text": NO_GPU
+                if no_gpu
+                else "not registered yet (at its first GPU call); holds no GPU",
+            }
+        )
+    return out
+
+
 async def enrich(
     doc: dict[str, Any],
     *,
@@ -87,6 +134,7 @@ async def enrich(
     admin: bool,
     backend: SchedulerBackend | None = None,
     own_uid: int | None = None,
+    is_shared: Callable[[Any], bool] = is_shared_kernel,
 ) -> dict[str, Any]:
     """A copy of the scheduler's ``doc`` with Jupyter's view added (see the module docstring)."""
     out = copy.deepcopy(doc)
@@ -121,6 +169,7 @@ async def enrich(
             else:
                 client["redacted"] = False
             client["jupyter"] = info
+    out["unregistered"] = unregistered_kernels(out, kernel_manager, sessions, is_shared)
     out["viewer"] = {"name": viewer, "admin": admin}
     if backend is not None:
         out["scheduler"] = backend.describe()
@@ -141,12 +190,17 @@ class StatusBroadcaster:
         refresh: float = 5.0,
         on_change: Callable[[dict[str, Any] | None, str | None], None] | None = None,
         log: Any = None,
+        local_kernels: Callable[[], list[str]] | None = None,
     ) -> None:
         self.backend = backend
         self.interval = interval
         self.refresh = refresh
         self.on_change = on_change
         self.log = log
+        # This server's kernels: enrich() lists the GPU-shared ones the scheduler does not, so
+        # subscribers get a push when they come and go (wake() on each), not only when the
+        # scheduler's document changes.
+        self.local_kernels = local_kernels
         self.subscribers: dict[object, Push] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -168,6 +222,18 @@ class StatusBroadcaster:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    def wake(self) -> None:
+        """Read (and push, if anything changed) now: e.g. a kernel of this server started."""
+        self._wake.set()
+
+    def _local_signature(self) -> str:
+        if self.local_kernels is None:
+            return ""
+        try:
+            return ",".join(sorted(self.local_kernels()))
+        except Exception:
+            return ""
+
     def subscribe(self, key: object, push: Push) -> None:
         self.subscribers[key] = push
         self._wake.set()
@@ -188,6 +254,7 @@ class StatusBroadcaster:
     async def _run(self) -> None:
         await self.backend.ensure_started()
         last_sig: str | None = None
+        last_local: str | None = None
         last_full: str | None = None
         last_push = 0.0
         while self._should_run():
@@ -207,6 +274,7 @@ class StatusBroadcaster:
             full = json.dumps(doc, sort_keys=True, default=str) if doc is not None else sig
             now = time.monotonic()
             changed = sig != last_sig
+            local = self._local_signature()
             stale = full != last_full and now - last_push >= self.refresh
             if changed and self.on_change is not None:
                 try:
@@ -214,10 +282,10 @@ class StatusBroadcaster:
                 except Exception:
                     if self.log is not None:
                         self.log.exception("gpushare: status change listener failed")
-            if (changed or stale) and self.subscribers:
+            if (changed or stale or local != last_local) and self.subscribers:
                 await self._push(doc, error)
                 last_push = now
-            last_sig, last_full = sig, full
+            last_sig, last_full, last_local = sig, full, local
             # At most one read per interval, whatever wakes us.
             await asyncio.sleep(self.interval)
             if not self._should_run():

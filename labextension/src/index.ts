@@ -26,10 +26,12 @@ export { GPUSharePanel } from './panel';
 export * from './model';
 export * from './notify';
 
-const GPU_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
+// A chip with four rows of pins, drawn on the 16 px grid so that it stays crisp at the sidebar's
+// size (tests/ui/test_icon.py renders it at 16 px and checks it).
+const GPU_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 16 16">
 <g class="jp-icon3" fill="#616161">
-<path d="M3 6h15a3 3 0 0 1 3 3v6a3 3 0 0 1-3 3H9v2H7v-2H5v2H3V6zm2 2v8h13a1 1 0 0 0 1-1V9a1 1 0 0 0-1-1H5z"/>
-<circle cx="14" cy="12" r="2.5"/><rect x="7" y="10" width="3" height="4"/>
+<path fill-rule="evenodd" d="M3 3h10v10H3zM5 5v6h6V5z"/>
+<path d="M7 7h2v2H7zM4 1h2v2H4zm3 0h2v2H7zm3 0h2v2h-2zM4 13h2v2H4zm3 0h2v2H7zm3 0h2v2h-2zM1 4h2v2H1zm0 3h2v2H1zm0 3h2v2H1zM13 4h2v2h-2zm0 3h2v2h-2zm0 3h2v2h-2z"/>
 </g></svg>`;
 
 export const gpuIcon = new LabIcon({ name: 'jupyter-gpushare:gpu', svgstr: GPU_SVG });
@@ -125,6 +127,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
     if (restorer) {
       restorer.add(panel, PANEL_ID);
     }
+    // A notebook's kernel that starts or stops is listed (or dropped) at once, with its path,
+    // even before its first GPU call: the scheduler's document alone would not change.
+    app.serviceManager.sessions.runningChanged.connect(() => {
+      if (panel.isVisible) {
+        void panel.refresh();
+      }
+    });
     app.commands.addCommand(COMMAND, {
       label: __('Show the Shared GPU Panel'),
       caption: __('Who holds the GPU, who waits, and memory against quotas'),

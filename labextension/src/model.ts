@@ -4,6 +4,11 @@
  * (panel.ts) renders it and the unit tests (__tests__/model.spec.ts) check it.
  */
 
+import { basename, IUnregisteredKernel, IUnregisteredRow, unregisteredRow } from './unregistered';
+
+export { basename } from './unregistered';
+export type { IUnregisteredKernel, IUnregisteredRow } from './unregistered';
+
 /** Jupyter's view of a scheduler client (added by the server extension). */
 export interface IJupyterView {
   local: boolean;
@@ -104,6 +109,8 @@ export interface IStatus {
   truncated?: boolean;
   devices?: IDeviceStatus[];
   viewer?: { name: string | null; admin: boolean };
+  /** This server's GPU-shared kernels that no device lists (see IUnregisteredKernel). */
+  unregistered?: IUnregisteredKernel[];
   /** With a node scheduler: whom it took this server for (the document is filtered for it). */
   identity?: { user: string; admin: boolean; by: string };
   scheduler?: {
@@ -261,6 +268,8 @@ export interface IViewModel {
   /** A secondary remark (e.g. NVML unavailable but devices learnt from kernels). */
   notice: string | null;
   devices: IDeviceView[];
+  /** This server's GPU-shared kernels that are on no device yet. */
+  unregistered: IUnregisteredRow[];
   warnings: IWarning[];
   viewer: { name: string | null; admin: boolean };
 }
@@ -315,10 +324,6 @@ export function formatPercent(fraction: number | null | undefined): string {
 }
 
 /** The last component of a path. */
-export function basename(path: string): string {
-  const parts = path.split('/').filter(p => p.length > 0);
-  return parts.length ? parts[parts.length - 1] : path;
-}
 
 function num(value: unknown): number {
   return typeof value === 'number' && Number.isFinite(value) ? value : 0;
@@ -692,6 +697,7 @@ export function pastQuantumOf(c: IClientStatus, dev: IDeviceStatus): number | nu
 export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000): IViewModel {
   const empty = {
     devices: [] as IDeviceView[],
+    unregistered: [] as IUnregisteredRow[],
     warnings: [] as IWarning[],
     viewer: { name: null, admin: false },
     notice: null
@@ -746,7 +752,7 @@ export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000
   } else if (!devices.length) {
     state = 'no-gpu';
     message = nvmlProblem
-      ? `No GPU found (${nvmlProblem}). GPUs also appear here when a kernel uses one.`
+      ? `No NVIDIA GPU found (${nvmlProblem}). GPUs also appear here when a kernel uses one.`
       : 'No GPU known yet. GPUs appear here when the scheduler finds them or a kernel uses one.';
   } else {
     if (schedError) {
@@ -758,5 +764,6 @@ export function buildViewModel(fetched: Fetched, now: number = Date.now() / 1000
   if (status.truncated) {
     notice = (notice ? notice + ' ' : '') + 'Too many kernels to list them all.';
   }
-  return { state, message, notice, devices, warnings, viewer };
+  const unregistered = (status.unregistered ?? []).map(unregisteredRow);
+  return { state, message, notice, devices, unregistered, warnings, viewer };
 }

@@ -19,6 +19,7 @@ import {
   formatDuration,
   formatPercent,
   IDeviceView,
+  IUnregisteredRow,
   IKernelRow,
   IPlace,
   IStatus,
@@ -325,13 +326,14 @@ export class GPUSharePanel extends Widget {
         'data-state': this._connection,
         role: 'status',
         'aria-label': `Live updates: ${this._connection}`,
+        // Whether this panel follows the server, not whether a kernel talks to the scheduler.
         title:
           this._connection === 'live'
-            ? 'Live: updates as they happen'
+            ? 'This panel updates as the GPU status changes (kernels are listed below)'
             : this._connection === 'connecting'
               ? 'Reconnecting to live updates…'
               : 'Not following updates (panel hidden)',
-        text: this._connection === 'live' ? 'live' : this._connection
+        text: this._connection === 'live' ? 'live updates' : this._connection
       }),
       el('button', {
         className: 'jp-gpushare-button jp-gpushare-refresh',
@@ -374,6 +376,9 @@ export class GPUSharePanel extends Widget {
     }
     for (const dev of model.devices) {
       body.append(this._renderDevice(dev));
+    }
+    if (model.unregistered.length) {
+      body.append(renderUnregistered(model.unregistered));
     }
 
     this.node.replaceChildren(header, body);
@@ -716,4 +721,35 @@ async function errorMessage(response: Response): Promise<string> {
     /* not JSON */
   }
   return `${response.status} ${response.statusText}`;
+}
+
+/** This server's GPU-shared kernels that are on no GPU yet, in the magic's words. */
+function renderUnregistered(rows: IUnregisteredRow[]): HTMLElement {
+  const list = el('ul', { className: 'jp-gpushare-kernels' });
+  for (const row of rows) {
+    list.append(
+      el(
+        'li',
+        {
+          className: 'jp-gpushare-kernel jp-gpushare-unregistered',
+          'data-mine': true,
+          'data-kernel-id': row.kernelId,
+          'data-reason': row.reason,
+          title: row.title
+        },
+        el(
+          'span',
+          { className: 'jp-gpushare-kernel-text' },
+          el('span', { className: 'jp-gpushare-kernel-name', text: row.name }),
+          el('span', { className: 'jp-gpushare-unregistered-text', text: row.text })
+        )
+      )
+    );
+  }
+  return el(
+    'section',
+    { className: 'jp-gpushare-unregistered-section', 'aria-label': 'Kernels on no GPU yet' },
+    el('h3', { className: 'jp-gpushare-group-title', text: 'GPU-shared kernels on no GPU yet' }),
+    list
+  );
 }

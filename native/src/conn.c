@@ -181,9 +181,11 @@ int gs_conn_connect(struct gs_session *s, char *why, size_t whylen)
     int fd = gs_socket_connect(s->id.socket_path, (int)(GS_CONNECT_TIMEOUT_S * 1000), &refused,
                                why, whylen);
     if (fd < 0 && refused && !s->conn.refused) {
-        /* Loud, once: this is an attack or a misconfiguration, not an outage. */
+        /* Loud, once: this is an attack or a misconfiguration, not an outage. It is also this
+         * episode's warning: gs_conn_unreachable_locked does not say it again. */
         s->conn.refused = 1;
-        gs_log(GS_LOG_QUIET, "%s; running unshared", why);
+        s->conn.warned = 1;
+        gs_log(GS_LOG_QUIET, "%s; running unshared, will keep trying", why);
     }
     return fd;
 }

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 from ipykernel._version import kernel_protocol_version
 
-from jupyter_gpushare.kernelspec import LOGOS, RESOURCES, is_gpushare_spec, make_variant
+from jupyter_gpushare.kernelspec import (
+    LOGOS,
+    SOURCE_KERNELSPEC,
+    is_gpushare_spec,
+    logo_dir,
+    make_variant,
+)
 
 BIN = Path(sys.executable).parent
 
@@ -76,8 +82,11 @@ def test_the_shipped_kernelspec_has_the_logos_and_protocol_version() -> None:
     """jupyter-data/kernels/python3-gpushare (installed with the wheel) is what install-kernelspec
     makes of an ipykernel: the same logos and the protocol this ipykernel speaks."""
     shipped = Path(__file__).resolve().parents[2] / "jupyter-data" / "kernels" / "python3-gpushare"
+    # The one copy of the logos (the wheel ships each file once): install-kernelspec takes them
+    # from here.
+    assert logo_dir() == shipped == SOURCE_KERNELSPEC
     for logo in LOGOS:
-        assert (shipped / logo).read_bytes() == (RESOURCES / logo).read_bytes(), logo
+        assert (shipped / logo).stat().st_size > 0, logo
     spec = json.loads((shipped / "kernel.json").read_text())
     assert spec["kernel_protocol_version"] == kernel_protocol_version
 
@@ -135,7 +144,9 @@ def test_install_in_a_prefix_is_idempotent(jupyter_env: dict[str, str], tmp_path
     }
     # The variants wear gpushare's logo (the launcher and the kernel indicator show it).
     for logo in LOGOS:
-        assert (kernels / "ir-gpushare" / logo).read_bytes() == (RESOURCES / logo).read_bytes()
+        assert (kernels / "ir-gpushare" / logo).read_bytes() == (
+            SOURCE_KERNELSPEC / logo
+        ).read_bytes()
     py = json.loads((kernels / "python3-gpushare" / "kernel.json").read_text())
     assert "ipykernel" in " ".join(py["argv"]) and py["display_name"].endswith("(GPU shared)")
     # A variant says which protocol its kernel speaks (here the source's own, kept).

@@ -25,6 +25,21 @@ def test_a_directory_others_can_write_is_refused(harness):
     assert run.event("status")["status"]["connected"] == 0
 
 
+@pytest.mark.parametrize("log", ["quiet", None])
+def test_one_refusal_is_said_once(harness, log):
+    """One line for one refusal (issue 23: the shim said "refusing the socket: ..." twice, once
+    as the refusal and again inside "scheduler not reachable at ... (...)")."""
+    harness.scheduler()
+    os.chmod(harness.sock_dir, 0o777)
+    try:
+        run = harness.run("status", log=log).ok() if log else harness.run("status").ok()
+    finally:
+        os.chmod(harness.sock_dir, 0o700)
+    said = [line for line in run.shim_lines if "refusing the socket" in line]
+    assert len(said) == 1, run.describe()
+    assert "running unshared" in said[0], said
+
+
 @pytest.fixture
 def other_user():
     if os.geteuid() != 0 or not shutil.which("useradd"):

@@ -153,3 +153,38 @@ def test_auditwheel_calls_the_wheel_manylinux(dists: tuple[Path, Path]) -> None:
     assert "libcuda" not in text
     # RHEL 8/9 and Ubuntu 20.04/22.04 (glibc 2.28-2.35), where most JupyterHubs run, take it.
     assert int(tag.group(1)) <= 28, f"{wheel.name}: is the test extra's ziglang installed?"
+
+
+def test_check_wheel_contents_passes(dists: tuple[Path, Path]) -> None:
+    """check-wheel-contents finds nothing wrong: no file twice (the kernel logos are shipped once,
+    in the python3-gpushare kernelspec), no stray bytecode or build leftovers."""
+    _, wheel = dists
+    res = subprocess.run(
+        [sys.executable, "-m", "check_wheel_contents", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ": OK" in res.stdout, res.stdout
+    with zipfile.ZipFile(wheel) as zf:
+        logos = [n for n in zf.namelist() if Path(n).name == "logo-64x64.png"]
+    kernels = f"jupyter_gpushare-{_version()}.data/data/share/jupyter/kernels"
+    assert logos == [f"{kernels}/python3-gpushare/logo-64x64.png"], logos
+
+
+def test_installed_kernelspec_gives_the_logos(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed from the wheel (no source tree beside the package), install-kernelspec takes the
+    logos from the python3-gpushare kernelspec where Jupyter finds it."""
+    from jupyter_gpushare import kernelspec
+
+    installed = tmp_path / "share" / "jupyter" / "kernels" / kernelspec.SHIPPED_KERNELSPEC
+    shutil.copytree(kernelspec.SOURCE_KERNELSPEC, installed)
+    monkeypatch.setattr(kernelspec, "SOURCE_KERNELSPEC", tmp_path / "no-source-tree")
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    assert kernelspec.logo_dir() == installed
+    (installed / "logo-svg.svg").unlink()
+    found = kernelspec.logo_dir()
+    assert found is None or found != installed

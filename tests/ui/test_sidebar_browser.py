@@ -45,6 +45,7 @@ from ui_helpers import (
     text_colors,
 )
 
+from jupyter_gpushare.magic import NO_GPU
 from jupyter_gpushare.scheduler.users import Identity
 from jupyter_gpushare.scheduler.views import filter_status
 from jupyter_gpushare.serverextension.status import enrich
@@ -100,19 +101,31 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             panel = page.locator("#jupyter-gpushare-sidebar")
             expect(panel).to_be_visible()
             expect(panel).to_have_attribute("aria-label", "Shared GPU")
-            expect(panel.locator(".jp-gpushare-connection")).to_have_text("live", timeout=15_000)
+            expect(panel.locator(".jp-gpushare-connection")).to_have_text(
+                "live updates", timeout=15_000
+            )
             # No shim has connected and NVML is off: the panel says there is no GPU (yet).
             message = panel.locator(".jp-gpushare-message")
-            expect(message).to_contain_text("No GPU found (disabled")
+            expect(message).to_contain_text("No NVIDIA GPU found (disabled")
             expect(message).to_contain_text("GPUs also appear here when a kernel uses one")
 
             ka = lab.session("a.ipynb")
             kb = lab.session("b.ipynb")
+            # GPU-shared kernels that made no GPU call are listed all the same, in the words
+            # of the magic (`%gpushare status` in them says the same).
+            pending = panel.locator(".jp-gpushare-unregistered")
+            expect(pending).to_have_count(2, timeout=15_000)
+            for path in ("a.ipynb", "b.ipynb"):
+                row = pending.filter(has_text=path)
+                expect(row).to_have_count(1, timeout=15_000)
+                expect(row).to_contain_text(NO_GPU)
             kca, kcb = lab.client(ka), lab.client(kb)
             for kc in (kca, kcb):
                 out: dict[str, Any] = {}
                 run_cell(kc, GPU_PRELUDE, out, timeout=60)
                 assert out["status"] == "ok", out
+            # Their first GPU calls registered them: they leave that list for the device's.
+            expect(pending).to_have_count(0, timeout=15_000)
             # A quota that A's footprint comes near: the panel warns.
             lab.request("PUT", f"gpushare/api/kernels/{ka}/quota", {"quota": "768MiB"})
 
@@ -184,7 +197,7 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             expect(connection).to_have_text("offline")
             tab.click()
             expect(panel).to_be_visible()
-            expect(connection).to_have_text("live", timeout=15_000)
+            expect(connection).to_have_text("live updates", timeout=15_000)
             expect(holders.first).to_contain_text("b.ipynb")
 
             # JupyterLab Dark: the panel follows the theme (its colours are the theme's

@@ -86,9 +86,11 @@ while time.time() < deadline and not os.path.exists({str(stop)!r}):
             page.get_by_role("menuitem", name="Show Shared GPU").click()
             expect(panel).to_be_visible()
             expect(panel).to_have_attribute("aria-label", "Shared GPU")
-            expect(panel.locator(".jp-gpushare-connection")).to_have_text("live", timeout=15_000)
+            expect(panel.locator(".jp-gpushare-connection")).to_have_text(
+                "live updates", timeout=15_000
+            )
             message = panel.locator(".jp-gpushare-message")
-            expect(message).to_contain_text("No GPU found (disabled")
+            expect(message).to_contain_text("No NVIDIA GPU found (disabled")
 
             run_cell(kc, GPU_PRELUDE, out, timeout=60)
             assert out["status"] == "ok", out

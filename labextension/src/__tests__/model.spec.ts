@@ -405,11 +405,57 @@ describe('no GPU, no scheduler', () => {
   it('says when there is no GPU (NVML error, no devices)', () => {
     const m = vm(status([], { nvml: 'NVML Shared Library Not Found' }));
     expect(m.state).toBe('no-gpu');
-    expect(m.message).toContain('No GPU found');
+    expect(m.message).toContain('No NVIDIA GPU found');
     expect(m.message).toContain('NVML Shared Library Not Found');
     const none = vm(status([]));
     expect(none.state).toBe('no-gpu');
     expect(none.message).toContain('No GPU known yet');
+  });
+
+  it('lists GPU-shared kernels on no GPU yet, in the words of the magic', () => {
+    const noGpu = vm(
+      status([], {
+        nvml: 'disabled',
+        unregistered: [
+          {
+            kernel_id: 'k-0123456789',
+            kernel_name: 'python3-gpushare',
+            execution_state: 'idle',
+            paths: ['work/a.ipynb'],
+            reason: 'no-gpu',
+            text: 'no NVIDIA GPU found: runs without a GPU'
+          }
+        ]
+      })
+    );
+    expect(noGpu.state).toBe('no-gpu');
+    expect(noGpu.unregistered).toEqual([
+      {
+        kernelId: 'k-0123456789',
+        name: 'a.ipynb',
+        title: 'work/a.ipynb (kernel k-0123456789, python3-gpushare)',
+        reason: 'no-gpu',
+        text: 'no NVIDIA GPU found: runs without a GPU'
+      }
+    ]);
+    // Beside a device whose scheduler does not list it yet (no GPU call so far).
+    const early = vm(
+      status([device([mine('kb', 'b.ipynb')])], {
+        unregistered: [
+          {
+            kernel_id: 'ka-5678901234',
+            reason: 'no-gpu-call',
+            text: 'not registered yet (at its first GPU call); holds no GPU'
+          }
+        ]
+      })
+    );
+    expect(early.state).toBe('ok');
+    expect(early.devices[0].mine.map(r => r.name)).toEqual(['b.ipynb']);
+    expect(early.unregistered.map(r => [r.name, r.text])).toEqual([
+      ['kernel ka-56789', 'not registered yet (at its first GPU call); holds no GPU']
+    ]);
+    expect(vm(status([])).unregistered).toEqual([]);
   });
 
   it('keeps devices learnt from kernels when NVML failed, with a notice', () => {
