@@ -93,6 +93,12 @@ class ShimSessions:
     def _unmanaged_seen(self, value: set[tuple[str, int]]) -> None:
         self.__dict__["_unmanaged_logged"] = value
 
+    @property
+    def _former_clients(self) -> set[tuple[str, int]]:
+        """(device, pid) of clients that left and whose process NVML may still list: it
+        exits after its GOODBYE, and is no unmanaged process meanwhile."""
+        return self.__dict__.setdefault("_former_client_processes", set())
+
     def _peer_processes(self) -> dict[int, PeerProcess]:
         """Connection serial -> the pidfd of its peer process, taken at HELLO (revoke_signal)."""
         return self.__dict__.setdefault("_peer_process_table", {})
@@ -112,6 +118,8 @@ class ShimSessions:
         if conn.kind != "shim" or conn.left or conn.client_id is None:
             return
         conn.left = True
+        if conn.device and conn.peer.pid > 0:
+            self._former_clients.add((conn.device.lower(), conn.peer.pid))
         if (process := self._peer_processes().pop(conn.serial, None)) is not None:
             process.close()
         now = time.monotonic()
@@ -415,7 +423,11 @@ class ShimSessions:
             for c in shims
         ]
         seen = nc.observed(claims, processes)
-        self._count_unmanaged(nc.unmanaged(claims, processes))
+        # A client that left is forgotten once NVML no longer lists its pid (which may be gone
+        # from /proc already, so the pid alone tells).
+        self._former_clients.intersection_update({(p.device, p.pid) for p in processes})
+        others = [p for p in processes if (p.device, p.pid) not in self._former_clients]
+        self._count_unmanaged(nc.unmanaged(claims, others))
         now = time.monotonic()
         taken = now if taken is None else taken
         for conn in shims:

@@ -141,6 +141,37 @@ async def test_memory_of_gpu_processes_that_never_registered_is_counted(
             os.close(rfd)
 
 
+async def test_a_client_that_left_is_not_unmanaged_while_its_process_exits(
+    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on an H100 (tests/gpu/test_gpu_captures.py, 2026-11-27): a kernel that said GOODBYE
+    stays in NVML's list while its process exits, and was counted as an unmanaged process: the
+    2 GiB pool fell to 0.75 GiB under the kernel still running. A process that was a client is
+    not unmanaged while NVML still lists it."""
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    nvml = FakeNVMLProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    alice = local_users("alice")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
+    os.chmod(os.path.dirname(node.socket_path), 0o755)
+    os.chmod(node.socket_path, 0o666)
+    gpu = {"device_uuid": NVML_UUID}
+    pid, rfd = spawn_as(alice, _shim, node.socket_path, {**gpu, "client_id": "a"}, 2 * GIB, 30.0)
+    try:
+        nvml.processes[pid] = 2 * GIB
+        await _until(lambda: "a" in set(_clients(node)))
+        kill(pid)  # its connection closes; NVML lists the process on, as while it exits
+        await _until(lambda: "a" not in set(_clients(node)))
+        for _ in range(10):  # a half second of NVML readings
+            (dev,) = node.status_document()["devices"]
+            assert dev["unmanaged_bytes"] == 0 and dev["pool_bytes"] == 4 * GIB, dev
+            await asyncio.sleep(0.05)
+    finally:
+        kill(pid)
+        os.close(rfd)
+
+
 class _NoNVML:
     """pynvml on a node without NVML: every call fails."""
 
