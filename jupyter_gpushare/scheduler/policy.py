@@ -637,6 +637,8 @@ class Policy(FixedQuantumLock):
         """A holder whose memory grew past its grant's room waits for a grant with more (its
         allocation is not backed): grant it again once the pool can give more."""
         out: list[Decision] = []
+        if not self.config.room_grants:
+            return out
         for c in dev.clients.values():
             if c.holding != "running" or c.room is None or c.used <= c.room:
                 continue

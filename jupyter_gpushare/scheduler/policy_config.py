@@ -43,6 +43,11 @@ class PolicyConfig:
     # (cost-aware).
     partial_eviction: bool = True
     cost_aware: bool = True
+    # A holder whose memory grew past its grant's room_bytes is granted again, with more room,
+    # once the pool can give it. Off until the shim defers backing past room_bytes (today it
+    # reads the field and backs everything): a second GRANT to a holder would only restart its
+    # hold (issue 21, item 2).
+    room_grants: bool = False
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

@@ -149,8 +149,9 @@ def test_a_request_after_a_partial_eviction_counts_what_the_shim_says_once():
 def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
     """c's long cell is paused for a's short one, its memory in place: a's room is the pool less
     c's 30 GB. a allocates past it (not backed: its launches wait for more room); c's memory
-    gives the 10 GB missing and a is granted again, with the room now free."""
-    p = make_policy(ordering=OrderingConfig())
+    gives the 10 GB missing and a is granted again, with the room now free (room_grants: off
+    until the shim defers backing past its room)."""
+    p = make_policy(ordering=OrderingConfig(), room_grants=True)
     join(p, "c")
     join(p, "a", user="bob")
     p.handle(Busy(0, "c"))
@@ -165,6 +166,23 @@ def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
     assert p.handle(grew) == [Evict("c", reason="memory pressure", bytes=part(10))]
     (again,) = p.handle(Evicted(7, "c"))
     assert again == Grant("a") and again.room_bytes == 100 * GB - (30 * GB - part(10))
+
+
+def test_without_room_grants_a_holder_is_never_granted_twice():
+    """The grant invariant (a grant answers a request, never a second grant) while the shim
+    backs everything it allocates: the same story, and c's memory still makes the room."""
+    p = make_policy(ordering=OrderingConfig())
+    join(p, "c")
+    join(p, "a", user="bob")
+    p.handle(Busy(0, "c"))
+    request(p, "c", 30)
+    p.handle(Busy(5, "a"))
+    request(p, "a", 10, now=5)
+    p.handle(Released(5.01, "c"))
+    used = 80 * GB
+    grew = Memory(6, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0)
+    assert p.handle(grew) == [Evict("c", reason="memory pressure", bytes=part(10))]
+    assert p.handle(Evicted(7, "c")) == []
 
 
 def test_what_the_shim_says_left_stands_for_the_ask():
