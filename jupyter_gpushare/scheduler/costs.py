@@ -45,7 +45,10 @@ GiB = 1 << 30
 
 _MEMORY = "docs/perf-runs/2026-11-24-h100-b/memory.json (commit 0c1c510, H100)"
 _HANDOFF = "docs/perf-runs/2026-11-24-h100-b/handoff.json (commit 0c1c510, H100)"
-_FACTS = "/work/shared/DESIGN.md GPU facts, 'engine v2' rows (H100/H200, e7a0020, 2026-11-27)"
+_COLD = (
+    "docs/perf-runs/2026-11-27-gpu/cold_eviction-*.json (bench/cold_eviction.py, H100 at 05f7b2e,"
+    " H200 at 34b45a0)"
+)
 
 #: Device to host into ready (registered) staging: memory.json shim.evict_warm.median.
 EVICT_STAGED_BPS = 50_268_811_985.0
@@ -56,19 +59,22 @@ UNMAP_S_PER_GIB = 0.0082 / 12
 #: A pre-copy in the background: memory.json precopied_arrival: 3 idle kernels of 12 GiB each
 #: copied in 5.67 s (precopy_seconds).
 PRECOPY_BPS = 3 * 12 * GiB / 5.672817891999983
-#: Eviction before staging is ready: the facts' 'staging NOT ready' row: 20 GiB in 12.1 s.
-EVICT_COLD_BPS = 20 * GiB / 12.1
-#: Staging is populated at ~0.25 s/GiB and registered at ~0.11 s/GiB (the same row) ...
-STAGING_S_PER_GIB = 0.25 + 0.11
-#: ... after a pause of 0.5-5 s (the same row): the worst case is modelled.
-STAGING_PAUSE_S = 5.0
+#: Eviction before staging is ready (through the bounce ring): the median of the six runs
+#: started 0.5 s after a 20 GiB allocation (1.3-9.7 GB/s; the first eviction on a fresh machine
+#: is the slow one).
+EVICT_COLD_BPS = 8.9e9
+#: Staging is ready within 2 s of a 20 GiB allocation (every eviction started 2 s after it ran
+#: at 49-51 GB/s): an upper bound of (2 s - the pause) / 20 GiB ...
+STAGING_S_PER_GIB = (2.0 - 0.1) / 20
+#: ... after the engine's pause for a quiet moment (GPUSHARE_STAGING_QUIET's default).
+STAGING_PAUSE_S = 0.1
 #: After a revoke the launched work drains: 12.5 ms on average (half a step of bench/worker.py,
 #: which synchronises every 16 matmuls of ~1.6 ms; docs/performance.md, "drain").
 DRAIN_S = 0.0125
 #: A grant without memory to move: handoff.json no_memory.p50_ms.
 HANDOFF_S = 0.0016544630000012717
-#: The engine's eviction granule: it frees whole blocks, so a partial eviction frees at most this
-#: much beyond what was asked (the staging is populated in pieces of this size, same row).
+#: The unit of the policy's asks: a partial eviction asks for what is missing rounded up to it.
+#: The engine frees whole allocations, least recently used first, so it may free more.
 BLOCK_BYTES = 32 << 20
 
 #: Each constant's source, for the report and the tests.
@@ -77,12 +83,12 @@ SOURCES: dict[str, str] = {
     "RESTORE_BPS": _MEMORY + " shim.restore.median",
     "UNMAP_S_PER_GIB": _MEMORY + " precopied_arrival.evictions[0].seconds / 12 GiB",
     "PRECOPY_BPS": _MEMORY + " precopied_arrival: 3 x 12 GiB / precopy_seconds",
-    "EVICT_COLD_BPS": _FACTS + ": 20 GiB in 12.1 s at +6 s",
-    "STAGING_S_PER_GIB": _FACTS + ": populate ~0.25 s/GiB + register ~0.11 s/GiB",
-    "STAGING_PAUSE_S": _FACTS + ": after a 0.5-5 s pause",
+    "EVICT_COLD_BPS": _COLD + ": median evict_gbps of the runs at delay_s 0.5",
+    "STAGING_S_PER_GIB": _COLD + ": evictions at delay_s 2 ran at the staged bandwidth",
+    "STAGING_PAUSE_S": "native/src/config.c: GPUSHARE_STAGING_QUIET's default",
     "DRAIN_S": "docs/performance.md (the replay workers' half step)",
     "HANDOFF_S": _HANDOFF + " no_memory.p50_ms",
-    "BLOCK_BYTES": _FACTS + ": staging populated one 32 MiB piece at a time",
+    "BLOCK_BYTES": "the policy's unit of an ask; the engine frees whole allocations",
 }
 
 
