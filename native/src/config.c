@@ -167,7 +167,7 @@ static void load_config(void)
     c->staging_threads = cpus >= 16 ? 8 : cpus >= 2 ? (unsigned)cpus / 2 : 1;
     c->staging_quiet = 0.1;
     c->staging_nice = 0;
-    c->bounce_bytes = 256ull << 20;
+    c->bounce_bytes = 0; /* opt-in: see docs/architecture.md, "Cold evictions" */
 
     const char *v;
     if ((v = env("GPUSHARE_DISABLE")) && strcmp(v, "0") != 0)
@@ -222,7 +222,7 @@ static void load_config(void)
     if (env_long("GPUSHARE_STAGING_NICE", 0, 19, &n))
         c->staging_nice = (int)n;
     if ((v = env("GPUSHARE_BOUNCE_BYTES")) && gs_parse_size(v, &c->bounce_bytes) != 0) {
-        c->bounce_bytes = 256ull << 20;
+        c->bounce_bytes = 0;
         GS_WARN("ignoring GPUSHARE_BOUNCE_BYTES=%s: expected bytes or a size (0 = no ring)", v);
     }
 }

@@ -105,6 +105,7 @@ def test_an_eviction_no_longer_needed_stops_and_keeps_what_it_moved(harness):
         1.0,
         idle_seconds=5,
         context_bytes=64 * MiB,
+        bounce_bytes="8MiB",
         extra={"GPUSHARE_FAKE_COPY_GBPS": "0.2", "GPUSHARE_FAKE_ASYNC_COPIES": "1"},
     )
     proc.wait_event("idle_start", 30)
@@ -137,6 +138,7 @@ def test_registered_staging_replaces_a_bounced_copy_and_the_restore_reads_it(har
         idle_seconds=5,
         context_bytes=64 * MiB,
         staging_quiet=2.0,  # the ring at once, the staging 2 s after the allocations
+        bounce_bytes="8MiB",
         extra={"GPUSHARE_FAKE_ASYNC_COPIES": "1"},
     )
     proc.wait_event("idle_start", 30)
