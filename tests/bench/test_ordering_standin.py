@@ -52,9 +52,12 @@ def cell_turns(logs: str) -> list[tuple[str, str]]:
     the cells run: after each user's ready-time turn (a grant, then a revoke "released by
     request" and its release)."""
     turns = re.findall(r"\] (grant|revoke|release|leave) client=(\w+)(.*)", logs)
-    ready = max(i for i, t in enumerate(turns) if "released by request" in t[2])
-    who = turns[ready][1]
-    done = next(i for i in range(ready, len(turns)) if turns[i][:2] == ("release", who))
+    # each user's ready-time revoke, then its release: the two users' may interleave
+    readies = [(i, t[1]) for i, t in enumerate(turns) if "released by request" in t[2]]
+    done = max(
+        next(j for j in range(i, len(turns)) if turns[j][:2] == ("release", who))
+        for i, who in readies
+    )
     return [(what, who) for what, who, _ in turns[done + 1 :]]
 
 
