@@ -364,7 +364,10 @@ class Policy(FixedQuantumLock):
             # Resident if it ever ran (memory nobody touched has no pages on the GPU).
             ran = evt.gpu_seconds > 0 or evt.resume == "holding"
             c.resident = ran and c.managed > 0 and evt.evicted == 0
-            if evt.evicted > 0:
+            if 0 < evt.evicted < c.movable:
+                # a partial eviction before the restart: the rest is on the GPU (it ran)
+                c.resident, c.away, c.evicted, c.restore = True, evt.evicted, evt.evicted, True
+            elif evt.evicted > 0:
                 self._set_evicted(c)
         c.gpu_seconds = max(0.0, evt.gpu_seconds)
         if not self.recovering(self._clock):
