@@ -43,6 +43,7 @@ import sys
 import time
 from typing import Any
 
+from ..identity import ENV_TOKEN, ENV_USER
 from ..paths import socket_distrust
 from ..protocol import Message, MsgType, read_message, write_message
 from .checkpoint import CheckpointAPI, CheckpointError
@@ -152,7 +153,13 @@ class CheckpointAgent:
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         try:
             hello = {"action": "checkpoint_agent"}
-            await write_message(writer, Message(MsgType.CONTROL, {"body": hello}))
+            fields: dict[str, Any] = {"body": hello}
+            # On a uid that hub users share, the scheduler knows a peer only by the user and
+            # token the hub gave its server (docs/protocol.md), as for every other client.
+            for key, env in (("user", ENV_USER), ("token", ENV_TOKEN)):
+                if os.environ.get(env):
+                    fields[key] = os.environ[env]
+            await write_message(writer, Message(MsgType.CONTROL, fields))
             first = await read_message(reader)
             if first is None or first.type != MsgType.CONTROL_REPLY:
                 raise ConnectionError(f"the scheduler refused the agent: {first}")
