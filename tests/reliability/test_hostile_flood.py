@@ -19,7 +19,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from local_users import LocalUser, clients_of, kill, run_as, spawn_as, tmp_dir, until
+from local_users import (
+    LocalUser,
+    clients_of,
+    kill,
+    open_to_everyone,
+    run_as,
+    spawn_as,
+    tmp_dir,
+    until,
+)
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 
@@ -120,8 +129,7 @@ async def test_a_memory_flood_does_not_stall_other_users(
 ) -> None:
     victim, attacker = users
     node = await make_scheduler(pool_size="4GiB", max_connections_per_uid=256)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = str(node.socket_path)
 
     base = await run_as(victim, status_latencies, path, 1.0, timeout=60)

@@ -15,7 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from local_users import LocalUser, clients_of, control, kill, run_as, shim, spawn_as, until
+from local_users import (
+    LocalUser,
+    clients_of,
+    control,
+    kill,
+    open_to_everyone,
+    run_as,
+    shim,
+    spawn_as,
+    until,
+)
 
 from jupyter_gpushare.protocol import MsgType
 
@@ -33,8 +43,7 @@ async def test_a16c_a19d_a_placed_kernels_id_stays_its_owners(
 ) -> None:
     victim, attacker = users
     node = await make_scheduler(pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = str(node.socket_path)
     # The victim's provisioner places her kernel before starting it (no GPU known yet: the
     # answer is not_found, the kernel starts anyway; the id is hers all the same).

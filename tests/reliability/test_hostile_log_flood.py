@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 import pytest
-from local_users import run_as
+from local_users import open_to_everyone, run_as
 from local_users import shim as _shim
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
@@ -43,8 +43,7 @@ async def test_a11_a_peers_info_lines_are_bounded(
 ) -> None:
     mallory, alice = local_users("mallory"), local_users("alice")
     node = await make_scheduler(pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     caplog.set_level("INFO")
     grants = await run_as(mallory, _cycle, node.socket_path, CYCLES, timeout=120)
     assert grants == CYCLES

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from local_users import LocalUser, clients_of, kill, shim, spawn_as, until
+from local_users import LocalUser, clients_of, kill, open_to_everyone, shim, spawn_as, until
 from prometheus_client import generate_latest
 
 FORGED = "GPU-x\n[I 12:00:00 gpushare] grant client=root\x1b]0;pwned\x07"  # 64 at most
@@ -28,8 +28,7 @@ async def test_a17_peers_text_reaches_the_log_and_metrics_escaped(
     make_scheduler: Any, attacker: LocalUser, caplog: pytest.LogCaptureFixture
 ) -> None:
     node = await make_scheduler(pool_size="4GiB", metrics_in_process=True)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     caplog.set_level("DEBUG")
     hello = {"client_id": "a-k", "device_uuid": FORGED, "device_total": 8 << 30}
     hello["version"] = "1.0\x1b[2J\n[W forged warning]"

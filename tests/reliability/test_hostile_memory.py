@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from local_users import clients_of as _clients
-from local_users import kill, run_as, spawn_as
+from local_users import kill, open_to_everyone, run_as, spawn_as
 from local_users import shim as _shim
 from local_users import until as _until
 from test_utilization import UUID as NVML_UUID
@@ -60,8 +60,7 @@ async def test_a14d_memory_claimed_evicted_that_nvml_sees_on_the_card_counts(
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     mallory = local_users("mallory")
     node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     stop = str(tmp_path / "stop")
     pid, rfd = spawn_as(mallory, _evicted_liar, node.socket_path, stop)
     nvml.processes[pid] = 3 * GIB
@@ -109,8 +108,7 @@ async def test_memory_of_gpu_processes_that_never_registered_is_counted(
     node = await make_scheduler(
         use_nvml=True, utilization_interval=0.05, pool_size="4GiB", unmanaged_memory=policy
     )
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
     pid_c, rfd_c = spawn_as(carol, _sleep, 30.0)
     await _until(lambda: os.stat(f"/proc/{pid_c}").st_uid == carol.uid)  # it became carol
@@ -154,8 +152,7 @@ async def test_a_client_that_left_is_not_unmanaged_while_its_process_exits(
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     alice = local_users("alice")
     node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     gpu = {"device_uuid": NVML_UUID}
     pid, rfd = spawn_as(alice, _shim, node.socket_path, {**gpu, "client_id": "a"}, 2 * GIB, 30.0)
     try:
@@ -194,8 +191,7 @@ async def test_a13b_without_nvml_the_driver_sizes_the_gpu_not_a_hello(
     monkeypatch.setenv("GPUSHARE_FAKE_DEVICE_TOTAL", "8GiB")
     mallory = local_users("mallory")
     node = await make_scheduler(use_nvml=True, utilization_interval=0)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     huge = 4_300_000_000 * GIB
     lie = {"client_id": "liar", "device_uuid": A13B_UUID, "device_total": huge}
     answers = await run_as(mallory, _shim, node.socket_path, lie, 0, 0.1)

@@ -10,10 +10,9 @@ reservations are only hints: where they would leave no room, alice is placed wit
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from local_users import control, run_as
+from local_users import control, open_to_everyone, run_as
 
 from jupyter_gpushare.protocol import MsgType
 
@@ -30,8 +29,7 @@ async def test_a26_ghost_reservations_do_not_fill_every_gpu(
 ) -> None:
     mallory, alice = local_users("mallory"), local_users("alice")
     node = await make_scheduler(pool_size="4GiB", placement_timeout=120.0)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     for n in range(2):
         node._register_device(f"GPU-a26-{n}", "Test GPU", 8 * GIB)
     path = node.socket_path

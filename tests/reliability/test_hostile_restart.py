@@ -23,6 +23,7 @@ from local_users import (
     clients_of,
     collect,
     kill,
+    open_to_everyone,
     recording_shim,
     run_as,
     shim,
@@ -51,8 +52,7 @@ def open_tmp() -> Iterator[str]:
 
 async def node(make_scheduler: Any, **kw: Any) -> Any:
     sched = await make_scheduler(pool_size="4GiB", recovery_seconds=2.0, **kw)
-    os.chmod(os.path.dirname(sched.socket_path), 0o755)
-    os.chmod(sched.socket_path, 0o666)
+    open_to_everyone(sched)
     return sched
 
 

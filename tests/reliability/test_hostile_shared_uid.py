@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from local_users import LocalUser, collect, run_as, shim, spawn_as, tmp_dir, until
+from local_users import LocalUser, collect, open_to_everyone, run_as, shim, spawn_as, tmp_dir, until
 
 from jupyter_gpushare.identity import generate_key, load_key, user_token
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
@@ -74,8 +74,7 @@ async def test_one_user_of_a_shared_uid_does_not_keep_the_others_out(
         max_connections_per_uid=LIMIT,
         handshake_seconds=30.0,
     )
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = str(node.socket_path)
     with tmp_dir(0o777) as shared:
         stop = os.path.join(shared, "stop")
@@ -118,8 +117,7 @@ async def test_token_refusals_do_not_flood_the_log(
     key_file = str(tmp_path / "user.key")
     generate_key(key_file)
     node = await make_scheduler(token_uids=[str(hub.uid)], user_key_file=key_file)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     assert await run_as(hub, forged_hellos, str(node.socket_path), 200) == 200
     about = [r for r in caplog.records if r.levelno >= 30 and f"uid {hub.uid}" in r.getMessage()]
     assert 1 <= len(about) <= 21, len(about)  # the uid's budget: 20 a minute, then a count

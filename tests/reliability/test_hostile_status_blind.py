@@ -15,7 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from local_users import LocalUser, clients_of, kill, recording_shim, spawn_as, tmp_dir, until
+from local_users import (
+    LocalUser,
+    clients_of,
+    kill,
+    open_to_everyone,
+    recording_shim,
+    spawn_as,
+    tmp_dir,
+    until,
+)
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.scheduler_client import SchedulerClient
@@ -50,8 +59,7 @@ async def test_a15b_a_crowd_of_connections_does_not_hide_the_holder_from_root(
 ) -> None:
     victim, attacker = users
     node = await make_scheduler(pool_size="4GiB", max_connections_per_uid=CROWD + 10)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = str(node.socket_path)
     with tmp_dir(0o777) as shared:
         stop = os.path.join(shared, "stop")

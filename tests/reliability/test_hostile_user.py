@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from local_users import clients_of as _clients
-from local_users import collect, kill, run_as, spawn_as, tmp_dir
+from local_users import collect, kill, open_to_everyone, run_as, spawn_as, tmp_dir
 from local_users import control as _control
 from local_users import shim as _shim
 from local_users import until as _until
@@ -173,8 +173,7 @@ DEVICE = {"device_uuid": "GPU-hostile-0", "device_total": 8 << 30}
 async def node(make_scheduler: Any) -> Any:
     """The node scheduler, run by root (this process), peers identified by SO_PEERCRED."""
     sched = await make_scheduler(pool_size="4GiB")
-    os.chmod(os.path.dirname(sched.socket_path), 0o755)
-    os.chmod(sched.socket_path, 0o666)
+    open_to_everyone(sched)
     return sched
 
 
@@ -291,8 +290,7 @@ async def test_11_users_config_edge_cases_are_refused_and_answered(
     users = tmp_path / "users.toml"
     users.write_text('[defaults]\nquota = "1GiB"\n')
     node = await make_scheduler(users_config=str(users), pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     admin = SchedulerClient(node.socket_path, timeout=5)
     assert node.users.limits("anyone", frozenset()).quota == 1 << 30
 
@@ -416,8 +414,7 @@ async def test_5_connection_exhaustion_is_bounded_per_uid(
 ) -> None:
     victim, attacker = local_users("victim"), local_users("attack")
     node = await make_scheduler(max_connections_per_uid=20, handshake_seconds=1.0)
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = node.socket_path
     pid, rfd = spawn_as(attacker, _half_frames, path, 60, 2.0)
     await _until(lambda: len(node._connections) >= 20)
@@ -450,8 +447,7 @@ async def test_6_devices_learnt_from_hellos_are_bounded(
 ) -> None:
     victim, attacker = local_users("victim"), local_users("attack")
     node = await make_scheduler()  # no NVML: devices are learnt from the shims
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     answers = await run_as(attacker, _many_devices, node.socket_path, 30)
     limit = node.MAX_LEARNT_DEVICES_PER_UID
     assert answers[:limit] == [MsgType.WELCOME] * limit
@@ -474,8 +470,7 @@ async def test_6_with_nvml_a_hello_cannot_add_or_size_a_device(
     monkeypatch.setattr(server_module, "discover_devices_async", discover)
     attacker = local_users("attack")
     node = await make_scheduler(use_nvml=True, utilization_interval=0, pool_size="")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     fake = {"client_id": "a1", "device_uuid": "GPU-fake-0", "device_total": 1 << 50}
     got = await run_as(attacker, _shim, node.socket_path, fake, 0, 0.0)
     assert got[0][0] == MsgType.ERROR and got[0][1]["error_code"] == ErrorCode.NOT_FOUND
@@ -502,8 +497,7 @@ async def test_4_a_holder_that_ignores_revoke_is_dealt_with_after_its_deadline(
         revoke_signal="SIGKILL",
         revoke_signal_grace=0.5,
     )
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = node.socket_path
     # The attacker holds 1 GiB and never reads its socket again: no RELEASED ever comes.
     pid_a, rfd_a = spawn_as(attacker, _shim, path, {**DEVICE, "client_id": "hog"}, 1 << 30, 60.0)
@@ -538,8 +532,7 @@ async def test_7_a_memory_claim_is_bounded_by_the_quota_and_the_device(
     users = tmp_path / "users.toml"
     users.write_text(f'[users.{attacker.name}]\nquota = "1GiB"\n')
     node = await make_scheduler(pool_size="4GiB", users_config=str(users))
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = node.socket_path
     # pinned = 2**60: "nothing of mine can move, nobody fits beside me".
     lie = {**DEVICE, "client_id": "liar", "request_fields": {"pinned_bytes": 1 << 60}}
@@ -572,8 +565,7 @@ async def test_7_an_under_claim_is_cross_checked_with_nvml(
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the bindings the scheduler imports
     victim, attacker = local_users("victim"), local_users("attack")
     node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
     # used = 0: "run anyone beside me"; NVML sees its process hold 3 GiB on the GPU.
     lie = {**gpu, "client_id": "liar", "request_fields": {"used_bytes": 0}}

@@ -23,6 +23,7 @@ from local_users import (
     control,
     exchange,
     kill,
+    open_to_everyone,
     recording_shim,
     run_as,
     shim,
@@ -94,8 +95,7 @@ async def until_collected(pid: int, rfd: int) -> Any:
 
 def node_socket(node: Any) -> str:
     """Open the node's socket to every user, as the node-wide service does (0755 dir, 0666)."""
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     return str(node.socket_path)
 
 

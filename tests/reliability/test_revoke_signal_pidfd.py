@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from local_users import _connect, collect, kill, spawn_as
+from local_users import _connect, collect, kill, open_to_everyone, spawn_as
 from local_users import shim as _shim
 from local_users import until as _until
 
@@ -71,8 +71,7 @@ async def test_a_reused_pid_is_never_signalled(
         revoke_signal="SIGKILL",
         revoke_signal_grace=0.3,
     )
-    os.chmod(os.path.dirname(node.socket_path), 0o755)
-    os.chmod(node.socket_path, 0o666)
+    open_to_everyone(node)
     path = node.socket_path
     stop = str(tmp_path / "stop")
     os.chmod(tmp_path, 0o755)
