@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpushare.scheduler.policy import REASON_ORDER
+from jupyter_gpushare.scheduler.core.policy import REASON_ORDER
 
 from .common import percentile
 from .simulator import MODES, SHORT_CELL, SimConfig, Simulation, summarize

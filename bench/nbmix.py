@@ -8,7 +8,7 @@ each seed, their mean and 95% confidence half-width, and the users per GPU whose
 
 - ``before``: the simulator and policy as they were (one 10 GB/s eviction, no pre-copy model,
   whole kernels moved, no cost-aware choice);
-- ``engine``: the engine's measured costs (:mod:`jupyter_gpushare.scheduler.costs`: staged and
+- ``engine``: the engine's measured costs (:mod:`jupyter_gpushare.scheduler.core.costs`: staged and
   cold eviction, restore, pre-copy, unmap, keep_free as the daemon runs them), the old rules;
 - ``after``: the measured costs and issue 21's rules (partial eviction, cost-aware choice);
 - ``after-no-keep-free``: the same without keep_free (what room kept ahead costs here);

@@ -22,7 +22,7 @@ trace *nbmix* (`bench/trace.py`): 80% interactive cells (log-normal, median 0.25
 (median 8 s), 3% training cells (Pareto from 120 s, cut at 30 min); think times log-normal
 (median 110 s) plus 5% long breaks; about 4% duty; working sets from 1 to 24 GiB, so 8 users
 hold about twice the 40 GiB pool. The simulated engine's costs are the GPU measurements that
-`jupyter_gpushare/scheduler/costs.py` names (staged eviction 50.3 GB/s, restore 47.5 GB/s, an
+`jupyter_gpushare/scheduler/core/costs.py` names (staged eviction 50.3 GB/s, restore 47.5 GB/s, an
 unmap of pre-copied memory 0.68 ms/GiB, pre-copy in the background 6.8 GB/s, a cold eviction
 before the host staging is ready 1.8 GB/s, a 12.5 ms drain, 1.65 ms per grant), with pre-copy and
 keep_free on as the daemon runs them. *Before* is the simulator and policy as they were. Each

@@ -1,7 +1,7 @@
 """The multi-user replay, simulated: the real scheduling policy on a virtual clock.
 
 The same seeded traces (:mod:`bench.trace`) that real processes replay on the GPU
-(:mod:`bench.replay`) drive the pure :class:`~jupyter_gpushare.scheduler.policy.Policy` here;
+(:mod:`bench.replay`) drive the pure :class:`~jupyter_gpushare.scheduler.core.policy.Policy` here;
 the simulator plays the shims' part (answers revokes, evictions and restores after the time the
 memory takes to move) and the GPU's (cells that run side by side share it equally: processor
 sharing, which is how time-sliced contexts behave for long kernels). Use it for capacity
@@ -33,11 +33,11 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jupyter_gpushare.scheduler import costs
-from jupyter_gpushare.scheduler import events as ev
-from jupyter_gpushare.scheduler.ordering import OrderingConfig
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
-from jupyter_gpushare.scheduler.room import KeepFree
+from jupyter_gpushare.scheduler.core import costs
+from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.room import KeepFree
 
 from .common import GiB, percentile
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
@@ -54,7 +54,7 @@ LONG_CELL = 10.0
 @dataclass
 class SimConfig:
     """The simulated engine. Its costs default to the GPU measurements of
-    :mod:`jupyter_gpushare.scheduler.costs` (each names its result file); :func:`legacy` gives
+    :mod:`jupyter_gpushare.scheduler.core.costs` (each names its result file); :func:`legacy` gives
     the older model (one 10 GB/s eviction, no pre-copy, no cold staging, whole-kernel moves)."""
 
     pool_bytes: int = 40 * GiB

@@ -31,7 +31,7 @@ from traitlets.config import Application
 from ._version import __version__
 from .paths import default_socket_path
 from .protocol import printable
-from .scheduler.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
+from .scheduler.shell.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .sd_notify import sd_notify
 from .units import format_size, parse_size
@@ -159,7 +159,7 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         super().initialize(argv)
         self.load_gpushare_config()
         if self.log_style == "json":
-            from .scheduler.logs import JsonFormatter
+            from .scheduler.shell.logs import JsonFormatter
 
             for handler in self.log.handlers:
                 handler.setFormatter(JsonFormatter())

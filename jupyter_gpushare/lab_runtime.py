@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .scheduler.mps import _alive
+from .scheduler.features.mps import _alive
 
 __all__ = ["find_lab_schedulers", "remove_runtime_file", "write_runtime_file"]
 

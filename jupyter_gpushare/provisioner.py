@@ -44,7 +44,7 @@ Several GPUs
 On a node with several GPUs every kernel runs on one of them. Before launching, the provisioner
 asks the scheduler where the kernel goes (the ``place`` control action: the GPU with the most
 free memory after what its kernels are expected to use, see
-:mod:`jupyter_gpushare.scheduler.placement`) and starts the kernel with
+:mod:`jupyter_gpushare.scheduler.features.placement`) and starts the kernel with
 ``CUDA_VISIBLE_DEVICES=<that GPU's UUID>``: the kernel sees one GPU, as ``cuda:0``, and UUIDs do
 not change when devices are renumbered. A kernel can be pinned to a GPU by index (nvidia-smi's)
 or UUID with :attr:`GPUShareProvisioner.device` (server config, or ``"device"`` in kernel.json's
@@ -107,7 +107,7 @@ from .adoption import (
 from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
 from .protocol import ErrorCode
-from .scheduler.devices import discover_devices_async
+from .scheduler.shell.devices import discover_devices_async
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size

@@ -6,7 +6,7 @@ the ID ``<GPU UUID>-<n>``. A pod that asks for 8 units is placed on a node with 
 kubelet then calls Allocate with the 8 IDs it chose, and the container gets:
 
 * its own socket to the scheduler, with the ceiling: before answering, the plugin asks the
-  node scheduler (control action ``allocate``, scheduler/allocations.py) for an allocation of
+  node scheduler (control action ``allocate``, features/allocations.py) for an allocation of
   8 GiB; the scheduler listens on a new socket in a directory of its own, and that directory is
   mounted read-only where the container expects the scheduler's socket directory. Every client
   on that socket gets at most 8 GiB of quota, whatever its environment says: the pod cannot

@@ -1,4 +1,6 @@
-"""The node's GPU scheduler.
+"""The node's GPU scheduler, in three rooms.
 
-A pure policy core (policy.py) wrapped by an asyncio shell (server.py).
+core/      the pure policy: events in, decisions out (shared with the simulator in bench/)
+shell/     the asyncio daemon around it: socket, peers, translation, access, control, metrics
+features/  what plugs into both: MPS, deep idle, Kubernetes allocations, history
 """

@@ -1,9 +1,9 @@
 """The server extension's handle on the scheduler: embedded in the server's loop, or node-wide.
 
-* **embedded**: a :class:`~jupyter_gpushare.scheduler.server.GPUShareScheduler` runs in the Jupyter
-  server's own event loop, listening on a socket in the server's runtime directory. Status is read
-  from it directly (no socket round trip, no frame size limit) and it tells the extension when its
-  state changes, so pushes need no polling.
+* **embedded**: a :class:`~jupyter_gpushare.scheduler.shell.server.GPUShareScheduler` runs in
+  the Jupyter server's own event loop, listening on a socket in the server's runtime directory.
+  Status is read from it directly (no socket round trip, no frame size limit) and it tells the
+  extension when its state changes, so pushes need no polling.
 * **node**: a scheduler that someone else runs (``gpushare scheduler`` as a system service, shared
   by every user's server); the extension is one of its control peers and polls its status only
   while a sidebar listens.
@@ -27,8 +27,8 @@ from traitlets import default
 
 from ..hub import server_user
 from ..protocol import ErrorCode
-from ..scheduler.checkpoint_agent import keep_agent
-from ..scheduler.server import GPUShareScheduler
+from ..scheduler.features.checkpoint_agent import keep_agent
+from ..scheduler.shell.server import GPUShareScheduler
 from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
 __all__ = [
@@ -203,7 +203,7 @@ class SchedulerBackend:
             return
         from prometheus_client import REGISTRY
 
-        from ..scheduler.metrics import DelegatingCollector
+        from ..scheduler.shell.metrics import DelegatingCollector
 
         self._collector = DelegatingCollector(scheduler.metrics.registry)
         REGISTRY.register(self._collector)

@@ -1,5 +1,5 @@
 """Issue 21's trace and engine model: the nbmix trace's statistics, and the simulator's costs
-are those of the committed GPU measurements (jupyter_gpushare.scheduler.costs)."""
+are those of the committed GPU measurements (jupyter_gpushare.scheduler.core.costs)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from bench.trace import (
     nbmix_duty_cycle,
     nbmix_think,
 )
-from jupyter_gpushare.scheduler import costs
+from jupyter_gpushare.scheduler.core import costs
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMORY = ROOT / "docs/perf-runs/2026-11-24-h100-b/memory.json"

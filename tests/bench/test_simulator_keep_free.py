@@ -10,8 +10,8 @@ import pytest
 
 from bench.simulator import SimConfig, Simulation, policy_config
 from bench.trace import GiB, User
-from jupyter_gpushare.scheduler import events as ev
-from jupyter_gpushare.scheduler.room import REASON_ROOM, KeepFree
+from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.core.room import REASON_ROOM, KeepFree
 
 CFG = SimConfig(pool_bytes=40 * GiB, model_precopy=True, handoff_s=0.0)
 

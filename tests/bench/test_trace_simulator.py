@@ -8,7 +8,7 @@ import pytest
 
 from bench.simulator import MODES, SimConfig, Simulation, capacity_sweep, simulate, summarize
 from bench.trace import TIME_SCALE, GiB, TraceConfig, duty_cycle, generate, scaled, to_json
-from jupyter_gpushare.scheduler import events as ev
+from jupyter_gpushare.scheduler.core import events as ev
 
 SMALL = TraceConfig(users=4, seed=7, horizon=60.0, think_mean=6.0, gpu_median=0.4)
 

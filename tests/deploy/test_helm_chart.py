@@ -207,7 +207,7 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
     from jupyter_gpushare.cli import SchedulerApp
     from jupyter_gpushare.deviceplugin.app import DevicePluginApp
     from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     objs = objects(helm, variant)
     sched_c, plugin_c = container(objs, "scheduler"), container(objs, "device-plugin")
@@ -268,7 +268,7 @@ def test_the_commands_parse_and_agree(helm: dict[str, Any], variant: str) -> Non
 
 
 def test_users_config_loads(helm: dict[str, Any], tmp_path: Path) -> None:
-    from jupyter_gpushare.scheduler.users import load_users_config
+    from jupyter_gpushare.scheduler.shell.users import load_users_config
 
     cm = objects(helm)[("ConfigMap", f"{RELEASE}-jupyter-gpushare-users")]
     (tmp_path / "users.toml").write_text(cm["data"]["users.toml"])
@@ -282,7 +282,7 @@ def exported_series() -> set[str]:
     """Every series name a scheduler's /metrics can carry (from prometheus_client's own text)."""
     from prometheus_client import generate_latest
 
-    from jupyter_gpushare.scheduler.metrics import SchedulerMetrics
+    from jupyter_gpushare.scheduler.shell.metrics import SchedulerMetrics
 
     out = set()
     for line in generate_latest(SchedulerMetrics().registry).decode().splitlines():

@@ -18,7 +18,7 @@ from traitlets.config import Config
 
 from jupyter_gpushare import _version, hub
 from jupyter_gpushare.identity import generate_key, load_key, user_token
-from jupyter_gpushare.scheduler.users import load_users_config
+from jupyter_gpushare.scheduler.shell.users import load_users_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -375,7 +375,7 @@ def test_dockerfile_builds_the_images_the_manifests_name() -> None:
 def test_the_scheduler_accepts_the_daemonsets_command_line() -> None:
     """The DaemonSet's options are ones `gpushare scheduler` knows, with valid values."""
     from jupyter_gpushare.cli import SchedulerApp
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     c = scheduler_container()
     assert c["command"] == ["gpushare"]

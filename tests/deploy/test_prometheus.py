@@ -78,7 +78,7 @@ def test_every_alert_has_a_promtool_unit_test(promtool: str) -> None:
 def test_scheduler_metrics_pass_promtool_but_for_dcgm_exporters_modelName(promtool: str) -> None:
     from prometheus_client import generate_latest
 
-    from jupyter_gpushare.scheduler.metrics import SchedulerMetrics
+    from jupyter_gpushare.scheduler.shell.metrics import SchedulerMetrics
 
     metrics = SchedulerMetrics()
     metrics.set_gpus([SimpleNamespace(uuid="GPU-a", index=0, name="NVIDIA H100 80GB HBM3")])

@@ -1,6 +1,6 @@
 """Deep idle on a real GPU under a node scheduler that is NOT root (deploy/systemd's service
 account): another user's PyTorch kernel is checkpointed by a process of its own user, its
-"Jupyter server" (the checkpoint agent, its parent: scheduler/checkpoint_agent.py).
+"Jupyter server" (the checkpoint agent, its parent: scheduler/features/checkpoint_agent.py).
 
 What it verifies on the driver: that a non-root process may lock, checkpoint, restore and unlock
 another process of its own uid (its child), and that the service account, refused by the driver
@@ -178,7 +178,7 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
                 [
                     sys.executable,
                     "-m",
-                    "jupyter_gpushare.scheduler.checkpoint_agent",
+                    "jupyter_gpushare.scheduler.features.checkpoint_agent",
                     "--socket",
                     sock,
                     "--",

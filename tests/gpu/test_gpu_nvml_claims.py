@@ -41,7 +41,7 @@ def nvml_bytes(pid: int) -> int:
 
 
 def test_an_under_claimed_context_is_counted_as_nvml_sees_it(scheduler: Scheduler) -> None:
-    from jupyter_gpushare.scheduler.devices import nvml_pids_comparable
+    from jupyter_gpushare.scheduler.shell.devices import nvml_pids_comparable
 
     if not nvml_pids_comparable():
         pytest.skip(

@@ -3,7 +3,7 @@
 NVIDIA's MPS documentation warns that a client that dies with work in flight can leave the MPS
 server and its other clients in an undefined state, and that a client must synchronise before it
 exits or be removed with ``terminate_client`` before it is killed. This module measures that, with
-the scheduler's own MPS manager (jupyter_gpushare/scheduler/mps.py) driving a real
+the scheduler's own MPS manager (jupyter_gpushare/scheduler/features/mps.py) driving a real
 ``nvidia-cuda-mps-control``:
 
 * the bystander B (``mps_worker.py steady``) repeats an exactly checkable matrix product;
@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 from conftest import WORKLOADS, Scheduler, shimmed_env, workload_env
 
-from jupyter_gpushare.scheduler.mps import MPSError, MPSManager, find_control_binary
+from jupyter_gpushare.scheduler.features.mps import MPSError, MPSManager, find_control_binary
 
 OUT = Path(os.environ["OUT"]) / "mps" if os.environ.get("OUT") else None
 RESULT: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

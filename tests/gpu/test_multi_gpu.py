@@ -47,7 +47,7 @@ def _uuid(text: str) -> str:
 
 
 def _gpus() -> list[Any]:
-    from jupyter_gpushare.scheduler.devices import discover_devices
+    from jupyter_gpushare.scheduler.shell.devices import discover_devices
 
     found = discover_devices()
     if found.error is not None:

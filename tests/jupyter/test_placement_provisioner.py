@@ -14,9 +14,9 @@ from provisioner_helpers import GPU_PRELUDE, MiB, async_wait_for, execute
 
 from jupyter_gpushare import provisioner as provisioner_module
 from jupyter_gpushare.provisioner import PROVISIONER_NAME, GPUShareProvisioner
-from jupyter_gpushare.scheduler import server as server_module
-from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
-from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler.shell import server as server_module
+from jupyter_gpushare.scheduler.shell.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
 GiB = 1 << 30
 G0 = "GPU-00000000-aaaa-0000-0000-000000000000"

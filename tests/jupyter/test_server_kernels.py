@@ -21,7 +21,7 @@ from server_helpers import (
     wait_until,
 )
 
-from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
 
 def transitions(ext: Any, kernel_id: str) -> list[tuple[str, str]]:

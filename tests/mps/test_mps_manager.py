@@ -1,4 +1,4 @@
-"""The MPS manager (jupyter_gpushare/scheduler/mps.py) against the stand-in control binary:
+"""The MPS manager (jupyter_gpushare/scheduler/features/mps.py) against the stand-in control binary:
 daemons per GPU with their own directories and CUDA_VISIBLE_DEVICES, the client environment,
 terminate_client, quitting, and clear errors when the binary is missing or the daemon fails."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mps_helpers import command_names, commands, set_clients, sleeper, wait_gone, with_child
 
-from jupyter_gpushare.scheduler.mps import (
+from jupyter_gpushare.scheduler.features.mps import (
     MPSError,
     MPSManager,
     find_control_binary,

@@ -15,7 +15,7 @@ from mps_helpers import commands, set_clients, sleeper, with_child
 from test_mps_scheduler import GPU0, start
 
 from jupyter_gpushare.provisioner import GPUShareProvisioner
-from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
 GiB = 1 << 30
 

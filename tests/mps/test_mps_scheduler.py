@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mps_helpers import command_names, commands, set_clients, sleeper, wait_gone
 
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, PeerCred, SchedulerStartError
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, PeerCred, SchedulerStartError
 from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 GPU0 = "GPU-00000000-1111-2222-3333-444444444444"

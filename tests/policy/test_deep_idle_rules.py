@@ -1,9 +1,9 @@
-"""The pure deep-idle rules (jupyter_gpushare/scheduler/deep_idle.py): when a kernel is evicted,
-put to sleep and woken, and that no grant reaches a process that is not awake."""
+"""The pure deep-idle rules (jupyter_gpushare/scheduler/features/deep_idle.py): when a kernel
+is evicted, put to sleep and woken, and that no grant reaches a process that is not awake."""
 
 from __future__ import annotations
 
-from jupyter_gpushare.scheduler.deep_idle import (
+from jupyter_gpushare.scheduler.features.deep_idle import (
     ClientView,
     DeepIdle,
     EvictFirst,
@@ -147,7 +147,7 @@ def test_a_busy_holder_is_never_due() -> None:
 
 
 def test_only_root_or_the_same_user_may_checkpoint() -> None:
-    from jupyter_gpushare.scheduler.checkpoint import may_checkpoint
+    from jupyter_gpushare.scheduler.features.checkpoint import may_checkpoint
 
     assert may_checkpoint(1000, own_euid=0)
     assert may_checkpoint(1000, own_euid=1000)

@@ -1,4 +1,4 @@
-"""The scheduler's history (jupyter_gpushare/scheduler/history.py): what it keeps of status
+"""The scheduler's history (jupyter_gpushare/scheduler/features/history.py): what it keeps of status
 documents, and its bounds (points per series, the window, the number of kernels), on times the
 test passes (the module has no clock)."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpushare.scheduler.history import History
+from jupyter_gpushare.scheduler.features.history import History
 
 MiB = 1 << 20
 

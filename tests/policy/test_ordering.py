@@ -1,4 +1,4 @@
-"""The interactive-first ordering (scheduler/ordering.py through the policy): stories and bounds."""
+"""The interactive-first ordering (core/ordering.py through the policy): stories and bounds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from bench.simulator import SimConfig, Simulation, policy_config
 from bench.trace import GiB, User
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Grant,
     Idle,
@@ -18,8 +18,8 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.ordering import OrderingConfig, level
-from jupyter_gpushare.scheduler.policy import REASON_ORDER, Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.ordering import OrderingConfig, level
+from jupyter_gpushare.scheduler.core.policy import REASON_ORDER, Policy, PolicyConfig
 
 GB = 10**9
 DEV = "GPU-0"
@@ -270,7 +270,7 @@ def small_users() -> list[User]:
 def test_every_decision_the_simulator_makes_is_the_live_schedulers_on_the_same_events(mode):
     """Record what the simulator sent the policy; a policy built the way the daemon builds its
     own (GPUShareScheduler.policy_config) makes the same decisions on the same events."""
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     sim_cfg = SimConfig(pool_bytes=12 * GiB)
     traits = {
@@ -310,14 +310,14 @@ def test_every_decision_the_simulator_makes_is_the_live_schedulers_on_the_same_e
 def test_bad_ordering_settings_are_refused_when_the_scheduler_is_configured(trait, value):
     from traitlets import TraitError
 
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     with pytest.raises(TraitError):
         GPUShareScheduler(**{trait: value})
 
 
 def test_the_daemon_defaults_to_the_interactive_ordering_and_passes_its_settings():
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     assert GPUShareScheduler().policy_config().ordering == OrderingConfig()
     cfg = GPUShareScheduler(

@@ -1,4 +1,4 @@
-"""Waiters of one user ranked by their cells' levels (scheduler/ordering.py ``Ordering.rank``).
+"""Waiters of one user ranked by their cells' levels (scheduler/core/ordering.py ``Ordering.rank``).
 
 Two kernels of the same user have the same fair share, so among them only the level of each
 one's current cell says who goes first. The more-served cell must rank after the fresh one even
@@ -8,8 +8,8 @@ something: whose memory makes room for whom.
 
 from __future__ import annotations
 
-from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
     Evicted,
@@ -21,8 +21,8 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.ordering import OrderingConfig, level
-from jupyter_gpushare.scheduler.policy import REASON_ORDER, Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.ordering import OrderingConfig, level
+from jupyter_gpushare.scheduler.core.policy import REASON_ORDER, Policy, PolicyConfig
 
 GB = 10**9
 DEV = "GPU-0"

@@ -1,4 +1,7 @@
-"""The placement rule (jupyter_gpushare/scheduler/placement.py): which GPU a new kernel goes to."""
+"""The placement rule (jupyter_gpushare/scheduler/features/placement.py).
+
+Which GPU a new kernel goes to.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpushare.scheduler.placement import (
+from jupyter_gpushare.scheduler.features.placement import (
     DeviceLoad,
     PlacementError,
     choose_device,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from test_policy_properties import CONFIG, POOLS, PolicyMachine
 from test_policy_scenarios import DEV, GB, device, join, part, request
 
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
     Evicted,
@@ -23,7 +23,7 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 
 FQ = {"policy": "fixed-quantum", "fixed_quantum": 30.0, "idle_check_interval": 5.0}
 
@@ -149,7 +149,7 @@ def test_the_scheduler_configures_the_policy():
     from traitlets import TraitError
 
     from jupyter_gpushare.cli import SchedulerApp
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     sched = GPUShareScheduler(
         scheduling_policy="fixed-quantum", fixed_quantum=12.0, idle_check_interval=2.0

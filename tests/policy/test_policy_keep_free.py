@@ -1,4 +1,4 @@
-"""Room kept free for the next arrival (jupyter_gpushare/scheduler/room.py): while nobody waits
+"""Room kept free for the next arrival (jupyter_gpushare/scheduler/core/room.py): while nobody waits
 and the pool has less than ``keep_free`` free, idle clients whose memory is fully pre-copied are
 evicted, least recently used first; never a busy or not-pre-copied one; a client that came back
 after a room eviction is held before the next one (no thrashing)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
     Evicted,
@@ -21,8 +21,8 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
-from jupyter_gpushare.scheduler.room import (
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.room import (
     AUTO_POOL_FRACTION,
     REASON_ROOM,
     RETURN_HOLD,
@@ -217,7 +217,7 @@ def test_auto_keeps_room_for_the_largest_recent_arrival_bounded_by_the_pool():
 
 
 def test_the_daemon_keeps_auto_room_by_default_and_parses_sizes():
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     assert GPUShareScheduler().policy_config().keep_free == KeepFree(auto=True)
     assert GPUShareScheduler(keep_free="12GiB").policy_config().keep_free == KeepFree(12 << 30)
@@ -230,7 +230,7 @@ def test_the_daemon_keeps_auto_room_by_default_and_parses_sizes():
 def test_bad_keep_free_values_are_refused_in_one_line(value):
     from traitlets import TraitError
 
-    from jupyter_gpushare.scheduler.server import GPUShareScheduler
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
     with pytest.raises((TraitError, ValueError), match="keep_free"):
         GPUShareScheduler(keep_free=value)

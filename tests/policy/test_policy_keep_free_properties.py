@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 from test_policy_properties import CONFIG, POOLS, PolicyMachine, some
 
-from jupyter_gpushare.scheduler.events import Busy, Decision, Evict, Idle, Memory, Revoke
-from jupyter_gpushare.scheduler.policy import Policy
-from jupyter_gpushare.scheduler.room import REASON_ROOM, KeepFree
+from jupyter_gpushare.scheduler.core.events import Busy, Decision, Evict, Idle, Memory, Revoke
+from jupyter_gpushare.scheduler.core.policy import Policy
+from jupyter_gpushare.scheduler.core.room import REASON_ROOM, KeepFree
 
 MB = 1 << 20
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy_scenarios import DEV, GB, join, make_policy, part, request
 
-from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
     Evicted,
@@ -20,8 +20,8 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.ordering import OrderingConfig
-from jupyter_gpushare.scheduler.translate import decision_message
+from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
+from jupyter_gpushare.scheduler.shell.translate import decision_message
 
 
 def _freed(policy, decisions) -> int:

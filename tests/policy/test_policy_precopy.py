@@ -4,8 +4,8 @@ idle period, and never a client that is about to run or move anyway."""
 
 from __future__ import annotations
 
-from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
+from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
     Grant,
@@ -17,7 +17,7 @@ from jupyter_gpushare.scheduler.events import (
     Released,
     Request,
 )
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig, precopy_candidates
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig, precopy_candidates
 
 GB = 10**9
 DEV = "GPU-0"

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.events import (
     AdminRelease,
     Busy,
     Decision,
@@ -42,7 +42,7 @@ from jupyter_gpushare.scheduler.events import (
     SetQuota,
     Tick,
 )
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 
 MB = 1 << 20
 POOLS = {"GPU-A": 1000 * MB, "GPU-B": 400 * MB}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
+from jupyter_gpushare.scheduler.core.events import (
     AdminRelease,
     Busy,
     Evict,
@@ -22,8 +22,8 @@ from jupyter_gpushare.scheduler.events import (
     SetQuota,
     Tick,
 )
-from jupyter_gpushare.scheduler.ordering import OrderingConfig
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 
 GB = 10**9
 DEV = "GPU-0"

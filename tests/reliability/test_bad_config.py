@@ -18,7 +18,7 @@ import pytest
 from traitlets import TraitError
 
 from jupyter_gpushare.provisioner import GPUShareProvisioner
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerConfigError
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, SchedulerConfigError
 from jupyter_gpushare.scheduler_client import SchedulerUnavailable
 from jupyter_gpushare.serverextension.backend import SchedulerBackend
 
@@ -132,7 +132,7 @@ def test_server_extension_reports_a_bad_scheduler_config_and_stays_up(sock_dir: 
 
 
 def test_scheduler_config_error_is_a_start_error() -> None:
-    from jupyter_gpushare.scheduler.server import SchedulerStartError
+    from jupyter_gpushare.scheduler.shell.server import SchedulerStartError
 
     assert issubclass(SchedulerConfigError, SchedulerStartError)
 

@@ -5,7 +5,7 @@ The driver lets a process checkpoint another one only as ptrace would (root, or 
 the stand-in refuses a caller of another uid as the driver does (native/tests/fake_checkpoint.c).
 The scheduler runs as a service account (deploy/systemd's ``User=gpushare``); alice's kernel runs
 under her "Jupyter server", a process of hers that started it and serves as its checkpoint agent
-(scheduler/checkpoint_agent.py). Every process of another user is a fork of this one that dropped
+(features/checkpoint_agent.py). Every process of another user is a fork of this one that dropped
 to that uid (the test's interpreter may live where other users cannot read it), started from a
 directory every user can read; the native artefacts are copied there.
 """
@@ -30,8 +30,8 @@ import pytest
 from local_users import LocalUser, collect, control, kill, spawn_as, tmp_dir
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
-from jupyter_gpushare.scheduler.checkpoint_agent import CheckpointAgent, serve_while
-from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler.features.checkpoint_agent import CheckpointAgent, serve_while
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB

@@ -25,7 +25,7 @@ from test_utilization import UUID as NVML_UUID
 from test_utilization import FakeNVMLProcesses
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
-from jupyter_gpushare.scheduler.devices import nvml_pids_comparable
+from jupyter_gpushare.scheduler.shell.devices import nvml_pids_comparable
 
 GIB = 1 << 30
 

@@ -33,7 +33,7 @@ from local_users import (
 )
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
-from jupyter_gpushare.scheduler import resume as resume_module
+from jupyter_gpushare.scheduler.shell import resume as resume_module
 
 DEVICE = {"device_uuid": "GPU-restart-0", "device_total": 8 << 30}
 BIG = 3 << 30  # two of these do not fit the 4 GiB pool: one holds at a time

@@ -27,7 +27,7 @@ from local_users import LocalUser, collect, kill, spawn_as, tmp_dir
 
 from jupyter_gpushare import hub
 from jupyter_gpushare.identity import generate_key
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, SchedulerStartError
 from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerUnavailable
 
 

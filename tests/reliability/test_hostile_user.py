@@ -32,9 +32,9 @@ from test_utilization import FakeNVMLProcesses
 # source tree (a clone under /root), so it must find every module it uses already loaded.
 from jupyter_gpushare import cli
 from jupyter_gpushare.protocol import ErrorCode, MsgType, read_message_sync
-from jupyter_gpushare.scheduler import server as server_module
-from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery, nvml_pids_comparable
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
+from jupyter_gpushare.scheduler.shell import server as server_module
+from jupyter_gpushare.scheduler.shell.devices import DeviceInfo, Discovery, nvml_pids_comparable
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, SchedulerStartError
 from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 # -- what the processes of the other users run (module level: the forked child calls them) ----

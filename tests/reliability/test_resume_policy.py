@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from jupyter_gpushare.scheduler.costs import BLOCK_BYTES
-from jupyter_gpushare.scheduler.events import Grant, Join, Released, Request, Revoke, Tick
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
+from jupyter_gpushare.scheduler.core.events import Grant, Join, Released, Request, Revoke, Tick
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 
 GB = 10**9
 #: What w1 misses of the 100 GB pool beside h's 70 (partial eviction asks whole blocks).

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpushare.scheduler.events import (
+from jupyter_gpushare.scheduler.core.events import (
     Decision,
     Evict,
     Evicted,
@@ -26,7 +26,7 @@ from jupyter_gpushare.scheduler.events import (
     Revoke,
     Tick,
 )
-from jupyter_gpushare.scheduler.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 
 MB = 1 << 20
 DEV = "GPU-0"

@@ -355,7 +355,7 @@ def _configure(service_user: str) -> str:
     """A scheduler's configuration with ``service_user``: '' if accepted, else why not."""
     from traitlets import TraitError
 
-    from jupyter_gpushare.scheduler.config import SchedulerConfig
+    from jupyter_gpushare.scheduler.shell.config import SchedulerConfig
 
     try:
         SchedulerConfig(service_user=service_user)

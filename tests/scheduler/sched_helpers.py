@@ -26,7 +26,7 @@ from jupyter_gpushare.protocol import (  # noqa: E402
     MsgType,
     encode,
 )
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, PeerCred  # noqa: E402
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, PeerCred  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

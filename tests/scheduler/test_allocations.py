@@ -1,4 +1,4 @@
-"""Per-allocation sockets (scheduler/allocations.py): the device plugin's ceilings, in process.
+"""Per-allocation sockets (features/allocations.py): the device plugin's ceilings, in process.
 
 The device plugin's end to end test is tests/deviceplugin/test_allocation_ceiling.py; here the
 rules that hold whatever the plugin does: the ceiling caps every quota on the allocation's
@@ -20,7 +20,7 @@ from sched_helpers import DEVICE, GiB
 from jupyter_gpushare.deviceplugin.config import ContainerSetup
 from jupyter_gpushare.deviceplugin.plugin import allocation_host_dir
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.allocations import (
+from jupyter_gpushare.scheduler.features.allocations import (
     Allocation,
     AllocationRequest,
     AllocationStore,

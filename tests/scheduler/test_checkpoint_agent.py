@@ -1,4 +1,4 @@
-"""Who a checkpoint agent acts on (scheduler/checkpoint_agent.py): only its own descendants of
+"""Who a checkpoint agent acts on (features/checkpoint_agent.py): only its own descendants of
 its own uid, so that a scheduler cannot make a user's Jupyter server freeze any other process of
 hers. The end-to-end tests with real separate uids are in
 tests/reliability/test_deep_idle_service_account.py."""
@@ -18,7 +18,11 @@ from typing import Any
 from sched_helpers import FakeShim
 
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.checkpoint_agent import CheckpointAgent, ancestors, runs_the_shim
+from jupyter_gpushare.scheduler.features.checkpoint_agent import (
+    CheckpointAgent,
+    ancestors,
+    runs_the_shim,
+)
 from jupyter_gpushare.shim import library_path
 
 

@@ -19,7 +19,7 @@ from sched_helpers import DEVICE, MiB
 from jupyter_gpushare.cli import SchedulerApp
 from jupyter_gpushare.identity import generate_key, load_key, user_token
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.logs import JsonFormatter
+from jupyter_gpushare.scheduler.shell.logs import JsonFormatter
 
 
 def free_port() -> int:
@@ -123,7 +123,7 @@ async def test_metrics_after_a_handoff(make_scheduler: Any, connect: Any, tmp_pa
 
 
 async def test_metrics_port_in_use(make_scheduler: Any, sock_path: str) -> None:
-    from jupyter_gpushare.scheduler.server import SchedulerStartError
+    from jupyter_gpushare.scheduler.shell.server import SchedulerStartError
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -290,7 +290,7 @@ def test_deploy_files_are_consistent() -> None:
 
     from traitlets.config import PyFileConfigLoader
 
-    from jupyter_gpushare.scheduler.users import load_users_config
+    from jupyter_gpushare.scheduler.shell.users import load_users_config
 
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.optionxform = str  # type: ignore[assignment,method-assign]

@@ -1,4 +1,4 @@
-"""The JSON log formatter (scheduler/logs.py) takes its fields from the log call, not from the
+"""The JSON log formatter (scheduler/shell/logs.py) takes its fields from the log call, not from the
 printed text: a value cannot add or replace a field; and the scheduler's metrics carry no
 ``_created`` series."""
 
@@ -8,7 +8,7 @@ import json
 import logging
 from types import SimpleNamespace
 
-from jupyter_gpushare.scheduler.logs import JsonFormatter
+from jupyter_gpushare.scheduler.shell.logs import JsonFormatter
 
 
 def fmt(msg: str, *args: object) -> dict:
@@ -40,7 +40,7 @@ def test_fields_written_in_the_format_string_and_composed_fragments() -> None:
 def test_metrics_have_no_created_series() -> None:
     from prometheus_client import generate_latest
 
-    from jupyter_gpushare.scheduler.metrics import SchedulerMetrics
+    from jupyter_gpushare.scheduler.shell.metrics import SchedulerMetrics
 
     metrics = SchedulerMetrics()
     metrics.set_gpus([SimpleNamespace(uuid="GPU-a", index=0, name="GPU")])

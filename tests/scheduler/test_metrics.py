@@ -21,7 +21,7 @@ from test_utilization import FakeNVML, nvml  # noqa: F401 (nvml: the fixture)
 
 from jupyter_gpushare._version import __version__
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.metrics import DelegatingCollector, SchedulerMetrics
+from jupyter_gpushare.scheduler.shell.metrics import DelegatingCollector, SchedulerMetrics
 
 #: What our names end in: a base unit (https://prometheus.io/docs/practices/naming/) or, for a
 #: count, the noun counted.

@@ -1,8 +1,8 @@
-"""Memory claims against NVML's per-process figures (scheduler/nvml_check.py): pure decisions."""
+"""Memory claims against NVML's per-process figures (features/nvml_check.py): pure decisions."""
 
 from __future__ import annotations
 
-from jupyter_gpushare.scheduler.nvml_check import (
+from jupyter_gpushare.scheduler.features.nvml_check import (
     ClientClaim,
     ProcessMemory,
     corrected,

@@ -11,8 +11,8 @@ from sched_helpers import GiB, MiB
 
 from jupyter_gpushare.cli import format_status
 from jupyter_gpushare.protocol import ErrorCode, MsgType
-from jupyter_gpushare.scheduler import server as server_module
-from jupyter_gpushare.scheduler.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.shell import server as server_module
+from jupyter_gpushare.scheduler.shell.devices import DeviceInfo, Discovery
 from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError
 
 G0 = "GPU-00000000-aaaa-0000-0000-000000000000"

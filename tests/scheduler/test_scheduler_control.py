@@ -12,8 +12,8 @@ import pytest
 from sched_helpers import DEVICE, GiB, MiB
 
 from jupyter_gpushare.protocol import ErrorCode, MsgType
-from jupyter_gpushare.scheduler import events as ev
-from jupyter_gpushare.scheduler.server import GPUShareScheduler
+from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 from jupyter_gpushare.scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
 DEVICE_KEYS = {

@@ -16,8 +16,8 @@ import pytest
 from sched_helpers import DEVICE, FakeShim, GiB, MiB
 
 from jupyter_gpushare.protocol import ErrorCode, MsgType
-from jupyter_gpushare.scheduler import events as ev
-from jupyter_gpushare.scheduler.server import GPUShareScheduler, SchedulerStartError
+from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, SchedulerStartError
 
 BIG = 800 * MiB  # two of these do not fit the 1 GiB pool the fixtures configure
 SMALL = 100 * MiB
@@ -475,7 +475,7 @@ async def test_run_forever_and_request_stop(sock_path: str) -> None:
 
 
 async def test_nvml_absent_is_reported_not_raised(sock_path: str, monkeypatch: Any) -> None:
-    from jupyter_gpushare.scheduler import devices
+    from jupyter_gpushare.scheduler.shell import devices
 
     def broken() -> devices.Discovery:
         return devices.Discovery([], "NVML unavailable (libnvidia-ml.so.1 not found)")
@@ -492,7 +492,7 @@ async def test_nvml_absent_is_reported_not_raised(sock_path: str, monkeypatch: A
 
 
 async def test_nvml_devices_are_registered(sock_path: str, monkeypatch: Any) -> None:
-    from jupyter_gpushare.scheduler import devices
+    from jupyter_gpushare.scheduler.shell import devices
 
     def fake() -> devices.Discovery:
         return devices.Discovery([devices.DeviceInfo(0, DEVICE, "NVIDIA H100", 80 * GiB)])
@@ -515,7 +515,7 @@ async def test_nvml_devices_are_registered(sock_path: str, monkeypatch: Any) -> 
 
 
 def test_discover_devices_without_a_gpu_does_not_raise() -> None:
-    from jupyter_gpushare.scheduler.devices import discover_devices
+    from jupyter_gpushare.scheduler.shell.devices import discover_devices
 
     result = discover_devices()
     assert isinstance(result.devices, list)

@@ -181,7 +181,7 @@ async def test_token_uid_is_never_admin_by_uid(make_scheduler: Any, key_file: st
     assert not server.is_admin(UID)
     key = load_key(key_file)
     from jupyter_gpushare.protocol import Message
-    from jupyter_gpushare.scheduler.server import PeerCred
+    from jupyter_gpushare.scheduler.shell.server import PeerCred
 
     msg = Message(MsgType.STATUS_REQUEST, {"user": "carol", "token": user_token(key, "carol")})
     ident = await server.identify(PeerCred(1, UID, os.getgid()), msg)
@@ -284,7 +284,7 @@ async def test_reload_applies_new_ceilings_and_keeps_old_on_error(
 async def test_start_refuses_bad_access_config(
     make_scheduler: Any, tmp_path: Path, key_file: str
 ) -> None:
-    from jupyter_gpushare.scheduler.server import SchedulerStartError
+    from jupyter_gpushare.scheduler.shell.server import SchedulerStartError
 
     with pytest.raises(SchedulerStartError, match="user_key_file is not"):
         await make_scheduler(token_uids=[UID])
@@ -352,7 +352,7 @@ async def test_a_peer_past_its_frame_budget_is_read_more_slowly(
 
 
 def test_the_frame_budget_is_a_token_bucket_per_peer() -> None:
-    from jupyter_gpushare.scheduler.transport import EventBudget
+    from jupyter_gpushare.scheduler.shell.transport import EventBudget
 
     budget = EventBudget(rate=100, burst=200)
     assert budget.debt("a", 200, now=0.0) == 0.0  # the burst

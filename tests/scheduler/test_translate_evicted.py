@@ -4,8 +4,8 @@ eviction must never count as memory gone from the GPU (issue 12, fault 2)."""
 from __future__ import annotations
 
 from jupyter_gpushare.protocol import Message, MsgType
-from jupyter_gpushare.scheduler.events import Evicted
-from jupyter_gpushare.scheduler.translate import shim_event
+from jupyter_gpushare.scheduler.core.events import Evicted
+from jupyter_gpushare.scheduler.shell.translate import shim_event
 
 
 def evicted(**fields: int) -> Evicted:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpushare.scheduler.users import (
+from jupyter_gpushare.scheduler.shell.users import (
     Limits,
     UsersConfigError,
     load_users_config,

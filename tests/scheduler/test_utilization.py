@@ -13,7 +13,7 @@ import pytest
 from sched_helpers import *  # noqa: F403  (fixtures)
 
 from jupyter_gpushare.protocol import MsgType
-from jupyter_gpushare.scheduler.devices import UtilizationSampler, nvml_pids_comparable
+from jupyter_gpushare.scheduler.shell.devices import UtilizationSampler, nvml_pids_comparable
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 

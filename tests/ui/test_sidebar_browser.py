@@ -46,8 +46,8 @@ from ui_helpers import (
 )
 
 from jupyter_gpushare.magic import NO_GPU
-from jupyter_gpushare.scheduler.users import Identity
-from jupyter_gpushare.scheduler.views import filter_status
+from jupyter_gpushare.scheduler.shell.users import Identity
+from jupyter_gpushare.scheduler.shell.views import filter_status
 from jupyter_gpushare.serverextension.status import enrich
 
 FOOTPRINT = 700 * MiB

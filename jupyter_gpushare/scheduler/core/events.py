@@ -1,9 +1,9 @@
 """Events in, decisions out: the vocabulary of the scheduling policy.
 
-The policy (:mod:`jupyter_gpushare.scheduler.policy`) is a pure state machine. It never reads a
-clock, a socket or NVML: the asyncio shell (:mod:`jupyter_gpushare.scheduler.server`), the tests and
-the benchmark simulator all feed it these events, each stamped with the time ``now`` in seconds
-(any monotonic origin), and carry out the decisions it returns.
+The policy (:mod:`jupyter_gpushare.scheduler.core.policy`) is a pure state machine. It never reads a
+clock, a socket or NVML: the asyncio shell (:mod:`jupyter_gpushare.scheduler.shell.server`),
+the tests and the benchmark simulator all feed it these events, each stamped with the time
+``now`` in seconds (any monotonic origin), and carry out the decisions it returns.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .nvml_check import ProcessMemory, pids_comparable
+from ..features.nvml_check import ProcessMemory, pids_comparable
 
 __all__ = [
     "DeviceInfo",

@@ -27,7 +27,7 @@ locked, and does nothing to a running process). The kernel dies mid-call: the ca
 kernel's connection closes and the scheduler forgets it.
 
 Run it by hand (a kernel started outside Jupyter, or a test):
-``python -m jupyter_gpushare.scheduler.checkpoint_agent --socket PATH -- COMMAND ...`` runs
+``python -m jupyter_gpushare.scheduler.features.checkpoint_agent --socket PATH -- COMMAND ...`` runs
 COMMAND under the shim (as ``gpushare run`` does), as its child, and serves until it ends.
 """
 
@@ -43,9 +43,9 @@ import sys
 import time
 from typing import Any
 
-from ..identity import ENV_TOKEN, ENV_USER
-from ..paths import socket_distrust
-from ..protocol import Message, MsgType, read_message, write_message
+from ...identity import ENV_TOKEN, ENV_USER
+from ...paths import socket_distrust
+from ...protocol import Message, MsgType, read_message, write_message
 from .checkpoint import CheckpointAPI, CheckpointError
 from .checkpoint import load_cached as load_checkpoint_api
 
@@ -212,7 +212,7 @@ async def serve_while(agent: CheckpointAgent, child: subprocess.Popen[Any] | int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jupyter_gpushare.scheduler.checkpoint_agent",
+        prog="python -m jupyter_gpushare.scheduler.features.checkpoint_agent",
         description="Run COMMAND and let the node scheduler checkpoint it (deep idle) "
         "through this process, which runs as COMMAND's user.",
     )
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no COMMAND")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from ..shim import shim_environment
+    from ...shim import shim_environment
 
     # COMMAND runs under the shim, as ``gpushare run`` would start it; this process does not.
     env = shim_environment(os.environ, socket=args.socket)

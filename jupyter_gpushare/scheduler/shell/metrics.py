@@ -40,8 +40,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .._version import __version__
-from ..protocol import printable
+from ..._version import __version__
+from ...protocol import printable
 
 # No `<counter>_created` series: nothing reads them and they doubled each counter's series. The
 # switch is prometheus_client's, for the whole process (a Jupyter server's own metrics too).

@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..protocol import ErrorCode
-from . import translate as tr
-from .access import Access
+from ...protocol import ErrorCode
+from ..shell import translate as tr
+from ..shell.access import Access
+from ..shell.transport import Connection
 from .mps import MPSError, MPSManager, process_uid
-from .transport import Connection
 
 __all__ = ["least_loaded_device", "mps_env", "mps_terminate"]
 

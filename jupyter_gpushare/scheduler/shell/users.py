@@ -44,7 +44,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..units import format_size, parse_size
+from ...units import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib

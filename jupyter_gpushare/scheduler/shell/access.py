@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..identity import load_key, verify_token
-from ..units import format_size
+from ...identity import load_key, verify_token
+from ...units import format_size
 from .transport import PeerCred
 from .users import (
     Identity,

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
-from ..units import parse_size
-from . import events as ev
+from ...protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
+from ...units import parse_size
+from ..core import events as ev
 
 __all__ = [
     "CLIENT_ACTIONS",
@@ -54,7 +54,7 @@ MAX_LABEL = 512
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
 SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
 MPS_ACTIONS = ("mps_env", "mps_terminate")
-AGENT_ACTIONS = ("checkpoint_agent", "checkpoint_done")  # deep idle: scheduler/checkpoint_agent.py
+AGENT_ACTIONS = ("checkpoint_agent", "checkpoint_done")  # deep idle: features/checkpoint_agent.py
 _MEMORY_FIELDS = (
     ("used", "used_bytes"),
     ("managed", "managed_bytes"),

@@ -33,7 +33,7 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
-from ..protocol import printable
+from ...protocol import printable
 
 __all__ = ["JsonFormatter", "PrintableFilter", "escape_log", "event_word", "template_fields"]
 

@@ -34,14 +34,19 @@ from typing import Any
 
 from traitlets import Float, observe
 
-from .._version import __version__
-from ..identity import KeyFileError, token_name_refusal
-from ..protocol import CONTROL_MESSAGES, SHIM_MESSAGES, ErrorCode, Message, MsgType
-from ..units import format_size
-from . import events as ev
+from ..._version import __version__
+from ...identity import KeyFileError, token_name_refusal
+from ...protocol import CONTROL_MESSAGES, SHIM_MESSAGES, ErrorCode, Message, MsgType
+from ...units import format_size
+from ..core import events as ev
+from ..core.policy import Policy
+from ..features.allocations import AllocationControl, cap_quota, confined
+from ..features.history import History
+from ..features.mps import MPSError, MPSManager
+from ..features.reservations import Reservations
+from ..features.sleeping import DeepIdleShell
 from . import translate as tr
 from .access import Access, AccessFiles
-from .allocations import AllocationControl, cap_quota, confined
 from .config import SchedulerConfig
 from .control import ControlActions
 from .devices import (
@@ -52,16 +57,11 @@ from .devices import (
     find_devices,
     nvml_pids_comparable,
 )
-from .history import History
 from .keep import KeptStateShell
 from .logs import escape_log
 from .metrics_feed import MetricsFeed
-from .mps import MPSError, MPSManager
-from .policy import Policy
-from .reservations import Reservations
 from .resume import KeptState, ResumeKey
 from .shims import ShimSessions
-from .sleeping import DeepIdleShell
 from .transport import (
     Connection,
     EventBudget,

@@ -17,16 +17,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._version import __version__
-from ..protocol import ErrorCode, Message, MsgType
-from ..units import format_size
-from . import events as ev
-from . import nvml_check as nc
+from ..._version import __version__
+from ...protocol import ErrorCode, Message, MsgType
+from ...units import format_size
+from ..core import events as ev
+from ..features import nvml_check as nc
+from ..features.allocations import cap_quota, confined
+from ..features.mps import MPSManager
 from . import translate as tr
 from .access import Access
-from .allocations import cap_quota, confined
 from .metrics_feed import MetricsFeed
-from .mps import MPSManager
 from .peer_process import PeerProcess
 from .resume import KeptState, ResumeKey
 from .transport import Connection, LogLimiter, PeerCred

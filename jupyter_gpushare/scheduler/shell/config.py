@@ -14,11 +14,11 @@ from typing import Any
 from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
-from ..paths import ENV_SERVICE_USER, default_socket_path, service_uid
-from ..units import format_size, parse_size
-from .ordering import ORDERINGS, OrderingConfig
-from .policy_config import POLICIES, PolicyConfig
-from .room import KeepFree
+from ...paths import ENV_SERVICE_USER, default_socket_path, service_uid
+from ...units import format_size, parse_size
+from ..core.ordering import ORDERINGS, OrderingConfig
+from ..core.policy_config import POLICIES, PolicyConfig
+from ..core.room import KeepFree
 
 __all__ = ["SchedulerConfig"]
 
@@ -226,7 +226,7 @@ class SchedulerConfig(LoggingConfigurable):
     allocation_dir = Unicode(
         "",
         help="""Where the per-allocation sockets of the Kubernetes device plugin go, one
-        directory each (scheduler/allocations.py). Default: 'alloc' beside the socket.""",
+        directory each (scheduler/features/allocations.py). Default: 'alloc' beside the socket.""",
     ).tag(config=True)
 
     state_dir = Unicode(

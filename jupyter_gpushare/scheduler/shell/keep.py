@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .policy import Policy
+from ..core.policy import Policy
 from .resume import KeptClient, KeptState, ResumeKey
 from .transport import Connection, SocketFile
 

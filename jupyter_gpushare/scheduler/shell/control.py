@@ -12,19 +12,19 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .._version import __version__
-from ..protocol import ErrorCode, Message, MsgType
-from ..units import format_size, parse_size
-from . import events as ev
+from ..._version import __version__
+from ...protocol import ErrorCode, Message, MsgType
+from ...units import format_size, parse_size
+from ..core import events as ev
+from ..core.policy import Policy
+from ..features.allocations import confined
+from ..features.mps import MPSManager
+from ..features.mps_control import mps_env, mps_terminate
+from ..features.placement import PlacementError
+from ..features.reservations import Reservations
 from . import translate as tr
 from .access import Access
-from .allocations import confined
 from .devices import Discovery
-from .mps import MPSManager
-from .mps_control import mps_env, mps_terminate
-from .placement import PlacementError
-from .policy import Policy
-from .reservations import Reservations
 from .transport import Connection
 from .users import Identity
 from .views import filter_status, fit_status
@@ -247,7 +247,7 @@ class ControlActions:
         self._spawn(run())
 
     # ----------------------------------------------------------------------------------------
-    # MPS mode (scheduler/mps.py does the work; docs/mps.md)
+    # MPS mode (scheduler/features/mps.py does the work; docs/mps.md)
 
     async def _on_mps_control(self, conn: Connection, action: str, body: dict[str, Any]) -> None:
         """The ``mps_env`` and ``mps_terminate`` control actions (docs/protocol.md)."""

@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType
-from .transport import Connection, SocketFile, listen
-from .users import Identity
+from ...protocol import ErrorCode, Message, MsgType
+from ..shell.transport import Connection, SocketFile, listen
+from ..shell.users import Identity
 
 __all__ = [
     "Allocation",

@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..protocol import ErrorCode, Message, MsgType
-from ..units import format_size
-from . import events as ev
+from ...protocol import ErrorCode, Message, MsgType
+from ...units import format_size
+from ..core import events as ev
+from ..shell.transport import Connection
 from .checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointAPI, CheckpointError, may_checkpoint
 from .checkpoint import load_cached as load_checkpoint_api
 from .checkpoint_agent import ancestors, run_checkpoint
 from .deep_idle import Action, ClientView, DeepIdle, EvictFirst, Phase, Sleep, Wake
-from .transport import Connection
 
 #: Codes of failures that are not the driver's (CheckpointError.code).
 NO_CHECKPOINTER = -1  # neither the scheduler nor an agent of the client's user may

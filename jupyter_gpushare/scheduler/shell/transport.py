@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import paths
-from ..protocol import (
+from ... import paths
+from ...protocol import (
     ErrorCode,
     FrameDecoder,
     Message,
@@ -194,7 +194,7 @@ class Connection:
     accounted_at: float | None = None  # GPU time of the current hold counted up to here
     revoked_at: float | None = None  # a REVOKE went out and no RELEASED came yet
     overdue: bool = False  # its revoke deadline passed: the policy counts it released
-    #: Accepted on a device-plugin allocation's socket (scheduler/allocations.py): its id and
+    #: Accepted on a device-plugin allocation's socket (features/allocations.py): its id and
     #: the ceiling no quota of this connection may pass; "" and 0 on the shared socket.
     allocation: str = ""
     ceiling: int = 0
