@@ -82,6 +82,19 @@ def test_a_summary_row_counts_the_junit_outcomes(tmp_path: Path) -> None:
     ] == ["timeout after 60s", "0"]
 
 
+def test_a_file_killed_by_its_timeout_counts_what_its_log_printed(tmp_path: Path) -> None:
+    log = tmp_path / "killed.log"
+    log.write_text(
+        "tests/gpu/test_x.py::test_a\n---- scheduler log ----\nPASSED\n"
+        "tests/gpu/test_x.py::test_b FAILED\n"
+        "tests/gpu/test_x.py::test_c SKIPPED (needs two GPUs)\n"
+        "FAILED tests/gpu/test_x.py::test_b - AssertionError\n"
+        "tests/gpu/test_x.py::test_d \n"
+    )
+    row = record.row("test_x.py", tmp_path / "none.xml", "124", "155", "timeout after 155s", log)
+    assert row.split("\t") == ["test_x.py", "timeout after 155s", "1", "1", "0", "1", "155", "124"]
+
+
 def test_the_section_names_device_commit_files_and_failures(tmp_path: Path) -> None:
     (tmp_path / "junit").mkdir()
     (tmp_path / "logs").mkdir()

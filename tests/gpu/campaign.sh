@@ -12,7 +12,7 @@
 #   BUDGET_S  seconds after which no new file starts (default 540: one 600 s device command);
 #             a file whose usual time no longer fits is not started; the summary names those
 #   SETUP=0   skip tests/gpu/device-setup.sh (a warm machine where an earlier call ran it)
-# Writes $OUT/environment.txt, $OUT/logs/<file>.log (lines of the scheduler's own log dropped,
+# Writes $OUT/environment.txt, $OUT/logs/<file>.log (the scheduler's own log lines dropped,
 # gzipped over 8 MiB), $OUT/junit/<file>.xml, $OUT/summary.txt; `python3 tests/gpu/record.py $OUT`
 # turns them into a section of docs/gpu-verification.md. Without a GPU it runs nothing, says
 # "no GPU" in the summary and exits 0.
@@ -67,7 +67,7 @@ gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ')
 } > "$summary"
 {
     sed 's/^# //' "$summary"
-    echo "host: $(hostname) ($(nproc) CPUs)"
+    echo "host: $(uname -n) ($(nproc) CPUs)"
     if [ "$gpus" -gt 0 ]; then
         nvidia-smi -q 2>&1 | sed -n '1,12p'
         nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv 2>&1
@@ -143,17 +143,18 @@ run_one() {  # NAME TIMEOUT BASE: one file or bench part into logs/BASE.raw and 
     esac
 }
 
-printf 'file\tstatus\tpassed\tfailed\terrors\tskipped\tseconds\trc\n' > "$OUT/table.tsv"
+# rows go into the summary as files end: a command cut short still brings back what it finished
+printf 'file\tstatus\tpassed\tfailed\terrors\tskipped\tseconds\trc\n' >> "$summary"
 notrun=""
 for n in $names; do
     est=$(echo "$table" | awk -v n="$n" '$1 == n {print $2}')
     if [ -z "$est" ]; then
-        printf '%s\tnot run: unknown name\t0\t0\t0\t0\t0\t-\n' "$n" >> "$OUT/table.tsv"
+        printf '%s\tnot run: unknown name\t0\t0\t0\t0\t0\t-\n' "$n" >> "$summary"
         continue
     fi
     left=$((deadline - SECONDS))
     if [ "$left" -le 0 ] || [ "$est" -gt "$left" ]; then
-        printf '%s\tnot run: budget (%ss usual, %ss left)\t0\t0\t0\t0\t0\t-\n' "$n" "$est" "$left" >> "$OUT/table.tsv"
+        printf '%s\tnot run: budget (%ss usual, %ss left)\t0\t0\t0\t0\t0\t-\n' "$n" "$est" "$left" >> "$summary"
         notrun+=" $n"
         continue
     fi
@@ -167,17 +168,23 @@ for n in $names; do
     rc=$?
     secs=$((SECONDS - t0))
     log=$OUT/logs/$base.log
-    grep -av 'SchedulerApp\]' "$OUT/logs/$base.raw" > "$log"
+    # the scheduler's own log lines out (each test prints its scheduler's log), test ids kept
+    sed -E '/^\[[A-Z] [0-9:.]+ SchedulerApp\]/d; s/ ?\[[A-Z] [0-9:.]+ SchedulerApp\].*$//' \
+        "$OUT/logs/$base.raw" > "$log"
     rm -f "$OUT/logs/$base.raw"
     case $rc in 124 | 137) status="timeout after ${limit}s"; reap ;; 200) status=$(head -n 1 "$log") ;; *) status=rc ;; esac
-    python3 tests/gpu/record.py row "$n" "$OUT/junit/$base.xml" "$rc" "$secs" "$status" >> "$OUT/table.tsv"
-    tail -n 1 "$OUT/table.tsv"
+    python3 tests/gpu/record.py row "$n" "$OUT/junit/$base.xml" "$rc" "$secs" "$status" "$log" >> "$summary"
+    tail -n 1 "$summary"
     grep -aE '^(FAILED|ERROR) |^=+ .* in [0-9.]+s' "$log" | tail -n 12
     if [ "$(stat -c %s "$log")" -gt $((8 << 20)) ]; then gzip -f "$log"; fi
 done
-cat "$OUT/table.tsv" >> "$summary"
-rm -f "$OUT/table.tsv"
-[ -n "$notrun" ] && echo "# not run (budget):$notrun" >> "$summary"
+if [ -n "$notrun" ]; then
+    echo "# not run (budget):$notrun" >> "$summary"
+    echo "# next: FILES=\"${notrun# }\" (SETUP=0 on the same warm machine)" >> "$summary"
+fi
+if [ "$mode" = bench ]; then  # the records as docs/performance.md's sections, beside them
+    timeout 120 python3 -m bench.report "$OUT/perf" > "$OUT/logs/report.log" 2>&1 || echo "bench.report failed: logs/report.log"
+fi
 echo "# total_s: $SECONDS" >> "$summary"
 echo "=== summary"
 cat "$summary"

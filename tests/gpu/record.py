@@ -2,7 +2,7 @@
 
     python3 tests/gpu/record.py OUT            # the markdown section, to paste into the record
     python3 tests/gpu/record.py env            # versions of the stack (campaign.sh, on the device)
-    python3 tests/gpu/record.py row NAME JUNIT RC SECONDS STATUS   # one line of summary.txt
+    python3 tests/gpu/record.py row NAME JUNIT RC SECONDS STATUS [LOG]   # a line of summary.txt
 
 OUT is the directory campaign.sh wrote: summary.txt (``# key: value`` lines, then one
 tab-separated row per file), environment.txt, junit/*.xml and logs/*.log. Needs only the
@@ -101,9 +101,32 @@ def read_junit(path: Path) -> Suite | None:
     return out
 
 
-def row(name: str, junit: Path, rc: str, seconds: str, status: str) -> str:
-    """One tab-separated line of summary.txt. ``status`` "rc" means: say it from the outcomes."""
+OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b(?! tests/)")
+
+
+def from_log(log: str) -> Suite | None:
+    """Outcomes a -v log printed, for a file whose pytest was killed before its JUnit file."""
+    words = [
+        w
+        for line in log.splitlines()
+        if not line.startswith(("FAILED ", "ERROR "))
+        for w in OUTCOME.findall(line)
+    ]
+    if not words:
+        return None
+    count = {w: words.count(w) for w in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    return Suite(len(words), count["FAILED"], count["ERROR"], count["SKIPPED"])
+
+
+def row(name: str, junit: Path, rc: str, seconds: str, status: str, log: Path | None = None) -> str:
+    """One tab-separated line of summary.txt. ``status`` "rc" means: say it from the outcomes.
+    Without a JUnit file (pytest killed by its timeout), the counts are those the log printed."""
     suite = read_junit(junit)
+    if suite is None and log is not None:
+        try:
+            suite = from_log(log.read_text(errors="replace"))
+        except OSError:
+            suite = None
     counts = (suite.passed, suite.failed, suite.errors, suite.skipped) if suite else (0, 0, 0, 0)
     if status == "rc":
         if suite is None:
@@ -232,8 +255,9 @@ def versions() -> str:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["env"]:
         print(versions())
-    elif argv[:1] == ["row"] and len(argv) == 6:
-        print(row(argv[1], Path(argv[2]), argv[3], argv[4], argv[5]))
+    elif argv[:1] == ["row"] and len(argv) in (6, 7):
+        log = Path(argv[6]) if len(argv) == 7 else None
+        print(row(argv[1], Path(argv[2]), argv[3], argv[4], argv[5], log))
     elif len(argv) == 1 and not argv[0].startswith("-"):
         sys.stdout.write(section(Path(argv[0])))
     else:
