@@ -106,8 +106,11 @@ def test_the_section_names_device_commit_files_and_failures(tmp_path: Path) -> N
         "tests/gpu/test_gpu_reliability.py::test_scheduler_restart_under_running_torch \n"
         "[scheduler] still going\n"
     )
+    (tmp_path / "perf").mkdir()
+    (tmp_path / "perf/cold_eviction.json").write_text("{}")
     text = record.section(tmp_path)
     lines = text.splitlines()
+    assert "Result files: `perf/cold_eviction.json`." in lines
     assert lines[0] == "## 2026-11-27 — NVIDIA H100 80GB HBM3, driver 580.159.04 (CUDA 13.0)"
     assert "Commit `1234abc`, 2026-11-27T15:30:00Z, `bash tests/gpu/campaign.sh 1234abc`" in text
     assert "| `test_gpu_captures.py` | **failed** | 1 | 2 | 1 | 62 |" in lines
@@ -129,6 +132,7 @@ def test_the_section_names_device_commit_files_and_failures(tmp_path: Path) -> N
         "has 1" in lines
     )
     assert "Not run (the command's time ran out): test_gpu_programs.py." in lines
+    assert "assert 2214592512" not in text, "a failure's message past its first line"
 
 
 def test_the_campaign_without_a_gpu_runs_nothing_and_says_so(tmp_path: Path) -> None:

@@ -237,6 +237,9 @@ def section(out: Path) -> str:
                 notes.append(f"- {case.outcome}: `{case.name}`: {case.message or '(no message)'}")
     if notes:
         lines += ["", *notes]
+    results = sorted(p.relative_to(out).as_posix() for p in out.glob("perf/**/*.json"))
+    if results:
+        lines += ["", "Result files: " + ", ".join(f"`{r}`" for r in results) + "."]
     if meta.get("not run (budget)"):
         lines += ["", f"Not run (the command's time ran out): {meta['not run (budget)']}."]
     return "\n".join(lines) + "\n"
