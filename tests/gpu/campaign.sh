@@ -14,8 +14,8 @@
 #   SETUP=0   skip tests/gpu/device-setup.sh (a warm machine where an earlier call ran it)
 # Writes $OUT/environment.txt, $OUT/logs/<file>.log (the scheduler's own log lines dropped,
 # gzipped over 8 MiB), $OUT/junit/<file>.xml, $OUT/summary.txt; `python3 tests/gpu/record.py $OUT`
-# turns them into a section of docs/gpu-verification.md. Without a GPU it runs nothing, says
-# "no GPU" in the summary and exits 0.
+# turns them into a section of docs/gpu-verification.md. Exits 1 when a file failed or timed out;
+# without a GPU it runs nothing, says "no GPU" in the summary and exits 0.
 set -uo pipefail
 
 # name, usual seconds on an H100 (the 2026-11-24/27 logs), pytest file or bench command
@@ -146,6 +146,7 @@ run_one() {  # NAME TIMEOUT BASE: one file or bench part into logs/BASE.raw and 
 # rows go into the summary as files end: a command cut short still brings back what it finished
 printf 'file\tstatus\tpassed\tfailed\terrors\tskipped\tseconds\trc\n' >> "$summary"
 notrun=""
+failed=""
 for n in $names; do
     est=$(echo "$table" | awk -v n="$n" '$1 == n {print $2}')
     if [ -z "$est" ]; then
@@ -175,6 +176,7 @@ for n in $names; do
     case $rc in 124 | 137) status="timeout after ${limit}s"; reap ;; 200) status=$(head -n 1 "$log") ;; *) status=rc ;; esac
     python3 tests/gpu/record.py row "$n" "$OUT/junit/$base.xml" "$rc" "$secs" "$status" "$log" >> "$summary"
     tail -n 1 "$summary"
+    case $(tail -n 1 "$summary" | cut -f 2) in failed* | timeout* | no\ tests*) failed+=" $n" ;; esac
     grep -aE '^(FAILED|ERROR) |^=+ .* in [0-9.]+s' "$log" | tail -n 12
     if [ "$(stat -c %s "$log")" -gt $((8 << 20)) ]; then gzip -f "$log"; fi
 done
@@ -182,10 +184,12 @@ if [ -n "$notrun" ]; then
     echo "# not run (budget):$notrun" >> "$summary"
     echo "# next: FILES=\"${notrun# }\" (SETUP=0 on the same warm machine)" >> "$summary"
 fi
-if [ "$mode" = bench ]; then  # the records as docs/performance.md's sections, beside them
-    timeout 120 python3 -m bench.report "$OUT/perf" > "$OUT/logs/report.log" 2>&1 || echo "bench.report failed: logs/report.log"
+if [ "$mode" = bench ] && [ $((deadline + 30 - SECONDS)) -ge 20 ]; then  # the records as pages
+    timeout $((deadline + 30 - SECONDS)) python3 -m bench.report "$OUT/perf" > "$OUT/logs/report.log" 2>&1 ||
+        echo "bench.report failed: logs/report.log"
 fi
+[ -n "$failed" ] && echo "# failed:$failed" >> "$summary"
 echo "# total_s: $SECONDS" >> "$summary"
 echo "=== summary"
 cat "$summary"
-exit 0
+[ -z "$failed" ]  # the exit status: 1 when a file failed or timed out (not for files left out)
