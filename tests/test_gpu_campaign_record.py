@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,10 @@ def test_the_campaign_without_a_gpu_runs_nothing_and_says_so(tmp_path: Path) -> 
     summary = (out / "summary.txt").read_text()
     assert "# result: no GPU (nvidia-smi lists none): nothing run" in summary
     assert "test_gpu.py\tnot run: no GPU\t0\t0\t0\t0\t0\t-" in summary.splitlines()
-    assert not (out / "logs/setup.log").exists(), "the device's setup ran without a GPU"
+    with tarfile.open(out / "campaign.tar.gz") as packed:
+        names = packed.getnames()
+    assert "./summary.txt" in names, names
+    assert "./logs/setup.log" not in names, "the device's setup ran without a GPU"
     text = record.section(out)
     assert text.startswith("## ") and " — no GPU" in text.splitlines()[0]
     assert "| `test_gpu_captures.py` | not run: no GPU | 0 | 0 | 0 | 0 |" in text

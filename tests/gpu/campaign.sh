@@ -2,7 +2,7 @@
 # The GPU campaign in one device command (docs/gpu-verification.md says what it records).
 #
 #   OUT=DIR bash tests/gpu/campaign.sh COMMIT            # the GPU suite, file by file
-#   OUT=DIR bash tests/gpu/campaign.sh COMMIT bench      # the benchmarks, JSON under $OUT/perf
+#   OUT=DIR bash tests/gpu/campaign.sh COMMIT bench      # the benchmarks, JSON under perf/
 #
 # COMMIT names the code in every record (the copy on a device has no git history). Run from the
 # repository root with the wheels carried in .whl/ (tests/gpu/device-setup.sh installs them and
@@ -12,9 +12,9 @@
 #   BUDGET_S  seconds after which no new file starts (default 540: one 600 s device command);
 #             a file whose usual time no longer fits is not started; the summary names those
 #   SETUP=0   skip tests/gpu/device-setup.sh (a warm machine where an earlier call ran it)
-# Writes $OUT/environment.txt, $OUT/logs/<file>.log (the scheduler's own log lines dropped,
-# gzipped over 8 MiB), $OUT/junit/<file>.xml, $OUT/summary.txt; `python3 tests/gpu/record.py $OUT`
-# turns them into a section of docs/gpu-verification.md. Exits 1 when a file failed or timed out;
+# Writes environment.txt, logs/<file>.log (the scheduler's own log lines dropped, gzipped over
+# 8 MiB), junit/<file>.xml, summary.txt, packed as $OUT/campaign.tar.gz; unpacked into a folder,
+# `python3 tests/gpu/record.py FOLDER` turns them into a section of docs/gpu-verification.md. Exits 1 when a file failed or timed out;
 # without a GPU it runs nothing, says "no GPU" in the summary and exits 0.
 set -uo pipefail
 
@@ -51,6 +51,17 @@ if [ "$commit" = - ]; then  # campaign.sh - list: the names FILES takes
     exit 0
 fi
 : "${OUT:?set OUT to the directory that comes back}"
+# The device tool brings back at most 8 files from $OUT: everything is written to a work folder
+# and packed into $OUT/campaign.tar.gz (summary.txt and environment.txt also beside it) on exit,
+# also when a file's timeout or the command's own limit cuts the run short.
+result=$OUT
+OUT=$(mktemp -d /tmp/gpushare-campaign.XXXXXX)
+pack() {
+    mkdir -p "$result"
+    tar -czf "$result/campaign.tar.gz" -C "$OUT" . 2>/dev/null
+    cp -f "$OUT/summary.txt" "$OUT/environment.txt" "$result/" 2>/dev/null || true
+}
+trap pack EXIT
 budget=${BUDGET_S:-540}
 deadline=$((SECONDS + budget))
 mkdir -p "$OUT/logs" "$OUT/junit" "$OUT/perf"
