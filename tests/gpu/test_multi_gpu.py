@@ -232,9 +232,9 @@ def _two_gpus_or_skip() -> list[Any]:
 def _start_both(sched: Any, *args: str) -> tuple[Any, list[str], threading.Thread]:
     """two_gpus.py ARGS as client "both", its output lines read as they come (~100 a second: a
     full pipe would stall its GPU threads)."""
-    both = start_workload(
-        "two_gpus.py", *args, env=shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both"})
-    )
+    # GPUSHARE_LOG=info: the shim says "device N: restored ..." at info (default: warnings).
+    env = shimmed_env(sched.socket, {"GPUSHARE_CLIENT_ID": "both", "GPUSHARE_LOG": "info"})
+    both = start_workload("two_gpus.py", *args, env=env)
     lines: list[str] = []
     assert both.stdout is not None
     reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
