@@ -282,6 +282,9 @@ class Lab:
 
         kc = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernel_id}.json"))
         kc.load_connection_file()
+        # A kernel starting on a loaded machine may answer a heartbeat after jupyter_client's
+        # 1 s: wait_for_ready would then call it dead ("Kernel died before replying").
+        kc.hb_channel.time_to_dead = 10.0
         kc.start_channels()
         self.clients.append(kc)
         kc.wait_for_ready(timeout=60)
