@@ -173,15 +173,24 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             stop_a.touch()
             ta.join(timeout=60)
             assert out_a.get("status") == "ok", out_a
-            ended = time.monotonic()
+            ended, ended_wall = time.monotonic(), time.time()
             expect(holders).to_have_count(1)
             expect(holders.first).to_contain_text("b.ipynb", timeout=15_000)
             shown = time.monotonic() - ended
             expect(waiters).to_have_count(0)
             tb.join(timeout=60)
             assert out_b.get("status") == "ok", out_b
-            print(f"the panel showed the handoff {shown:.2f}s after A's cell ended")
-            assert shown < 5, f"the panel showed the handoff {shown:.2f}s after A's cell ended"
+            # The panel's part of the delay: from B's first launch (B's own clock; the grant
+            # came just before it) to the panel showing B. The handoff itself (A's memory
+            # evicted to make room for B's) is the scheduler's, and slower on a loaded machine.
+            first_launch = json.loads(out_b["text"])["first_launch"]
+            lag = ended_wall + shown - first_launch
+            said = (
+                f"the panel showed the handoff {shown:.2f}s after A's cell ended, {lag:.2f}s "
+                f"after B's first launch ({first_launch - ended_wall:.2f}s after A's cell ended)"
+            )
+            print(said)
+            assert lag < 5, said
             page.screenshot(path=str(tmp_path / "sidebar-handoff.png"))
 
             # Hidden, the panel closes its websocket; shown again, it reconnects and refetches.
