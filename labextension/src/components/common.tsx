@@ -48,7 +48,9 @@ export function keyed<T>(items: readonly T[], keyOf: (item: T) => string): [stri
 
 /** A kernel's colour in the bar, beside its row; uncoloured for a negative index. */
 export function Swatch(props: { color: number }): JSX.Element {
-  return <span className="jp-gpushare-swatch" data-color={colorOf(props.color)} aria-hidden="true" />;
+  return (
+    <span className="jp-gpushare-swatch" data-color={colorOf(props.color)} aria-hidden="true" />
+  );
 }
 
 /** A titled group of the device's kernels ("Waiting (2)"); "—" when it has none. */
