@@ -1,7 +1,7 @@
 /**
  * The sidebar's view model: the server extension's status document (docs/protocol.md,
  * docs/rest-api.yaml) turned into what the panel shows. Pure: no DOM, no network; the panel
- * (panel.ts) renders it and the unit tests (__tests__/model.spec.ts) check it.
+ * (panel.tsx, through React) renders it and the unit tests (__tests__/model.spec.ts) check it.
  */
 
 import { basename, IUnregisteredKernel, IUnregisteredRow, unregisteredRow } from './unregistered';

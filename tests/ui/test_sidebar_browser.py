@@ -53,14 +53,8 @@ from jupyter_gpushare.serverextension.status import enrich
 FOOTPRINT = 700 * MiB
 
 
-def _measured(c: dict[str, Any]) -> bool:
-    """The element gave its colours: the panel re-renders on every status update, and a
-    measurement that caught it mid-render read none (once, in CI)."""
-    return len(c["color"]) == 3 and len(c["background"]) == 3
-
-
 def _dark(c: dict[str, Any]) -> bool:
-    return _measured(c) and c["backgroundLuminance"] < 0.2
+    return c["backgroundLuminance"] < 0.2
 
 
 @pytest.mark.timeout(240)
@@ -179,15 +173,24 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             stop_a.touch()
             ta.join(timeout=60)
             assert out_a.get("status") == "ok", out_a
-            ended = time.monotonic()
+            ended, ended_wall = time.monotonic(), time.time()
             expect(holders).to_have_count(1)
             expect(holders.first).to_contain_text("b.ipynb", timeout=15_000)
             shown = time.monotonic() - ended
             expect(waiters).to_have_count(0)
             tb.join(timeout=60)
             assert out_b.get("status") == "ok", out_b
-            print(f"the panel showed the handoff {shown:.2f}s after A's cell ended")
-            assert shown < 5, f"the panel showed the handoff {shown:.2f}s after A's cell ended"
+            # The panel's part of the delay: from B's first launch (B's own clock; the grant
+            # came just before it) to the panel showing B. The handoff itself (A's memory
+            # evicted to make room for B's) is the scheduler's, and slower on a loaded machine.
+            first_launch = json.loads(out_b["text"])["first_launch"]
+            lag = ended_wall + shown - first_launch
+            said = (
+                f"the panel showed the handoff {shown:.2f}s after A's cell ended, {lag:.2f}s "
+                f"after B's first launch ({first_launch - ended_wall:.2f}s after A's cell ended)"
+            )
+            print(said)
+            assert lag < 5, said
             page.screenshot(path=str(tmp_path / "sidebar-handoff.png"))
 
             # Hidden, the panel closes its websocket; shown again, it reconnects and refetches.
@@ -206,9 +209,9 @@ print(json.dumps({{"t0": t0, "first_launch": time.time()}}))
             holder = holders.first.locator(".jp-gpushare-kernel-name").first
             warning = panel.locator(".jp-gpushare-warning").first
             light = {
-                "title": text_colors(title, until=_measured),
-                "holder": text_colors(holder, until=_measured),
-                "warning": text_colors(warning, until=_measured),
+                "title": text_colors(title),
+                "holder": text_colors(holder),
+                "warning": text_colors(warning),
             }
             change_theme(page, "JupyterLab Dark")
             expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
@@ -379,5 +382,83 @@ def test_sidebar_shows_other_users_of_a_filtered_document(
                 assert light[part]["contrast"] >= 4.5, light
                 assert dark[part]["contrast"] >= 4.5, dark
                 assert dark[part]["colorLuminance"] > dark[part]["backgroundLuminance"], dark
+        finally:
+            browser.close()
+
+
+#: In the page: marks each selector's element with a JS property (an element the panel rebuilds
+#: is a new node and has none); false for a selector that matches nothing.
+_TAG_JS = """
+(selectors) => selectors.map(s => {
+  const e = document.querySelector(s);
+  if (!e) return false;
+  e.__gpushareTag = s;
+  return true;
+})
+"""
+
+#: In the page: per selector, whether its element is still the node that _TAG_JS marked.
+_TAGGED_JS = """
+(selectors) => Object.fromEntries(selectors.map(s => {
+  const e = document.querySelector(s);
+  return [s, !!e && e.isConnected && e.__gpushareTag === s];
+}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_sidebar_keeps_elements_whose_data_did_not_change(
+    lab: Lab, chromium: str, tmp_path: Path
+) -> None:
+    """An update redraws what changed and nothing else: after a status message in which only
+    carol's memory changed, the title, the device, bob's rows and the bar's segments are the
+    same DOM nodes as before (marked with a JS property), and carol's row is too, its text new."""
+    from playwright.sync_api import expect, sync_playwright
+
+    doc = filtered_document()
+    sockets: list[Any] = []
+
+    def on_socket(ws: Any) -> None:
+        sockets.append(ws)
+        ws.send(json.dumps({"type": "status", "status": doc}))
+
+    p = "#jupyter-gpushare-sidebar "
+    same = [
+        p + ".jp-gpushare-title",
+        p + ".jp-gpushare-refresh",
+        p + ".jp-gpushare-device",
+        p + ".jp-gpushare-device-name",
+        p + ".jp-gpushare-holders .jp-gpushare-kernel",
+        p + '.jp-gpushare-waiters .jp-gpushare-kernel[data-client-id="ka"]',
+        p + '.jp-gpushare-other-user[data-user="bob"]',
+        p + '.jp-gpushare-seg-resident[data-user="bob"]',
+        # Its data changed (its memory): its text is new, its node the same.
+        p + '.jp-gpushare-other-user[data-user="carol"]',
+    ]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
+            page.route(re.compile(r".*/gpushare/api/status(\?.*)?$"), lambda r: r.fulfill(json=doc))
+            page.route_web_socket(re.compile(r".*/gpushare/api/events.*"), on_socket)
+            page.goto(f"{lab.url}lab?token={TOKEN}", wait_until="domcontentloaded")
+            tab = page.locator('.jp-SideBar li.lm-TabBar-tab[data-id="jupyter-gpushare-sidebar"]')
+            expect(tab).to_be_visible(timeout=60_000)
+            tab.click()
+            panel = page.locator("#jupyter-gpushare-sidebar")
+            carol = panel.locator('.jp-gpushare-other-user[data-user="carol"]')
+            expect(carol).to_contain_text("1 kernel · #1 in queue · 100 MiB", timeout=15_000)
+            expect(panel.locator(".jp-gpushare-connection")).to_have_text(
+                "live updates", timeout=15_000
+            )
+            assert page.evaluate(_TAG_JS, same) == [True] * len(same)
+
+            changed = json.loads(json.dumps(doc))
+            row = next(o for o in changed["devices"][0]["others"] if o["user"] == "carol")
+            row["used_bytes"] = row["resident_bytes"] = 120 * MiB
+            sockets[-1].send(json.dumps({"type": "status", "status": changed}))
+            expect(carol).to_contain_text("1 kernel · #1 in queue · 120 MiB", timeout=15_000)
+            kept = page.evaluate(_TAGGED_JS, same)
+            assert all(kept.values()), f"rebuilt although unchanged: {kept}"
         finally:
             browser.close()

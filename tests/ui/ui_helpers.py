@@ -282,6 +282,9 @@ class Lab:
 
         kc = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernel_id}.json"))
         kc.load_connection_file()
+        # A kernel starting on a loaded machine may answer a heartbeat after jupyter_client's
+        # 1 s: wait_for_ready would then call it dead ("Kernel died before replying").
+        kc.hb_channel.time_to_dead = 10.0
         kc.start_channels()
         self.clients.append(kc)
         kc.wait_for_ready(timeout=60)
@@ -367,39 +370,21 @@ def save_screenshot(page: Any, tmp: Path, name: str) -> Path:
 
 
 def clip_of_sidebar(page: Any) -> dict[str, float]:
-    """The top left of the window: the side bar's tabs and the GPU panel's content.
-
-    Both boxes are measured in one evaluation in the page: the panel redraws its content on
-    every live update, so a body found by one call can be gone by the next (CI saw
-    ``bounding_box()`` return None that way).
-    """
-    box = page.evaluate(_SIDEBAR_BOXES_JS)
-    assert box is not None, "the GPU panel or its content is not in the page"
+    """The top left of the window: the side bar's tabs and the GPU panel's content (the panel
+    keeps its elements across live updates, so each box is simply measured)."""
+    panel = page.locator("#jupyter-gpushare-sidebar").bounding_box()
+    body = page.locator("#jupyter-gpushare-sidebar .jp-gpushare-body").bounding_box()
+    assert panel is not None and body is not None, "the GPU panel or its content is not shown"
     viewport = page.viewport_size
-    width = min(viewport["width"], box["right"] + 12)
-    height = min(viewport["height"], box["bottom"] + 12)
+    width = min(viewport["width"], panel["x"] + panel["width"] + 12)
+    height = min(viewport["height"], body["y"] + body["height"] + 12)
     return {"x": 0, "y": 0, "width": width, "height": height}
 
 
-#: In the page: the panel's right edge and its content's bottom edge, or null if either is missing.
-_SIDEBAR_BOXES_JS = """
-() => {
-  const panel = document.querySelector('#jupyter-gpushare-sidebar');
-  const body = panel && panel.querySelector('.jp-gpushare-body');
-  if (!panel || !body) return null;
-  const p = panel.getBoundingClientRect();
-  const b = body.getBoundingClientRect();
-  return { right: p.right, bottom: b.bottom };
-}
-"""
-
-
 #: In the page: an element's text colour, the background it is drawn on (the nearest ancestor's
-#: that is not transparent) and their WCAG contrast ratio; colours as [r, g, b] in 0..255. Null
-#: for an element the panel's redraw has just removed (it has no computed colours).
+#: that is not transparent) and their WCAG contrast ratio; colours as [r, g, b] in 0..255.
 _COLORS_JS = """
 (el) => {
-  if (!el.isConnected) return null;
   const rgb = s => (s.match(/[\\d.]+/g) || []).map(Number);
   const lum = ([r, g, b]) => {
     const f = c => ((c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4);
@@ -440,11 +425,10 @@ def text_colors(
     with ``until``, measured again (for up to ``timeout`` seconds) until it holds."""
     deadline = time.monotonic() + timeout
     while True:
-        colors: dict[str, Any] | None = locator.evaluate(_COLORS_JS)
-        if colors is not None and (until is None or until(colors)):
+        colors: dict[str, Any] = locator.evaluate(_COLORS_JS)
+        if until is None or until(colors):
             return colors
         if time.monotonic() > deadline:
-            assert colors is not None, "the element was redrawn away at every try"
             return colors
         time.sleep(0.05)
 
