@@ -157,6 +157,9 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     43: ("precopied_bytes", FieldType.U64),
     44: ("evict_bytes", FieldType.U64),
     45: ("room_bytes", FieldType.U64),
+    # HELLO: the secret its provisioner gave the kernel (GPUSHARE_KERNEL_SECRET): proves that the
+    # shim is the kernel its id was bound to (docs/protocol.md, "Kernel ids").
+    46: ("kernel_secret", FieldType.STR),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

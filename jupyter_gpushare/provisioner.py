@@ -89,6 +89,7 @@ from __future__ import annotations
 import asyncio
 import getpass
 import os
+import secrets
 import signal
 import sys
 import time
@@ -108,6 +109,7 @@ from .identity import ENV_TOKEN, ENV_USER
 from .paths import default_socket_path
 from .protocol import ErrorCode
 from .scheduler.shell.devices import discover_devices_async
+from .scheduler.shell.kernel_ids import ENV_KERNEL_SECRET, secret_digest
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .shim import ShimNotFound, library_path, shim_environment
 from .units import parse_size
@@ -390,6 +392,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._launch_env = kwargs["env"]
         await self._mps_environment(kwargs["env"], quota or _inherited_quota(env))
         await self._wait_for_stale_client()
+        await self._bind_kernel(kwargs["env"])
         await self._place(kwargs["env"])
         self._term_sent = False
         self.log.debug(
@@ -522,6 +525,29 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             self.stale_client_timeout,
             self.kernel_id,
         )
+
+    async def _bind_kernel(self, env: dict[str, str]) -> None:
+        """Give the kernel a secret of its own (GPUSHARE_KERNEL_SECRET: its environment is
+        readable by its owner only) and bind its id to the secret's digest before it starts,
+        so that no other process gets the id, even one that says HELLO with it first
+        (scheduler/shell/kernel_ids.py). Without the scheduler the kernel starts all the same,
+        its id first come, first served."""
+        secret = env[ENV_KERNEL_SECRET] = secrets.token_hex(32)
+        if not self.kernel_id:
+            return
+        client = self._scheduler(5.0)
+        try:
+            await client.control(
+                "bind_kernel", client=self.kernel_id, secret_sha256=secret_digest(secret)
+            )
+        except SchedulerUnavailable as exc:
+            self.log.debug("gpushare: kernel %s's id not bound: %s", self.kernel_id, exc)
+        except SchedulerError as exc:
+            if exc.name == "bad_request" and "unknown action" in exc.message:
+                return  # a scheduler from before kernel secrets
+            self.log.warning(
+                "gpushare: kernel %s's id is not bound to its secret: %s", self.kernel_id, exc
+            )
 
     def _pinned_device(self) -> str:
         """The pin from kernel.json's ``metadata.gpushare.device``, else :attr:`device`."""

@@ -63,6 +63,8 @@ void gs_conn_gather_identity(struct gs_session *s)
     }
     if ((v = getenv("GPUSHARE_USER_TOKEN")) && *v)
         snprintf(s->id.token, sizeof s->id.token, "%s", v);
+    if ((v = getenv("GPUSHARE_KERNEL_SECRET")) && *v)
+        snprintf(s->id.kernel_secret, sizeof s->id.kernel_secret, "%s", v);
     if ((v = getenv("GPUSHARE_LABEL")) && *v)
         snprintf(s->id.label, sizeof s->id.label, "%s", v);
     else
@@ -121,6 +123,8 @@ void gs_conn_put_identity(const struct gs_session *s, struct gs_writer *w)
     gs_w_str(w, GS_TAG_USER, s->id.user);
     if (s->id.token[0])
         gs_w_str(w, GS_TAG_TOKEN, s->id.token);
+    if (s->id.kernel_secret[0])
+        gs_w_str(w, GS_TAG_KERNEL_SECRET, s->id.kernel_secret);
     gs_w_str(w, GS_TAG_LABEL, s->id.label);
     gs_w_u64(w, GS_TAG_CONTEXT_BYTES, gs_config()->context_bytes);
     gs_w_str(w, GS_TAG_VERSION, GS_VERSION);

@@ -83,7 +83,9 @@ enum gs_tag {
     GS_TAG_EVICT_BYTES = 44,
     /* GRANT: the most device memory the client may hold backed during this grant. */
     GS_TAG_ROOM_BYTES = 45,
-    GS_TAG_MAX = 45
+    /* HELLO: GPUSHARE_KERNEL_SECRET, proving the kernel its id is bound to (docs/protocol.md). */
+    GS_TAG_KERNEL_SECRET = 46,
+    GS_TAG_MAX = 46
 };
 
 /* ---- encoding ---- */

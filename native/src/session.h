@@ -32,6 +32,7 @@ struct gs_identity {
     char socket_path[108];
     char user[128];
     char token[160]; /* GPUSHARE_USER_TOKEN: proves `user` where many users share a uid */
+    char kernel_secret[160]; /* GPUSHARE_KERNEL_SECRET: proves the kernel its id is bound to */
     char label[1024];
 };
 

@@ -16,6 +16,7 @@ from jupyter_gpushare import provisioner as provisioner_module
 from jupyter_gpushare.provisioner import PROVISIONER_NAME, GPUShareProvisioner
 from jupyter_gpushare.scheduler.shell import server as server_module
 from jupyter_gpushare.scheduler.shell.devices import DeviceInfo, Discovery
+from jupyter_gpushare.scheduler.shell.kernel_ids import ENV_KERNEL_SECRET
 from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
 GiB = 1 << 30
@@ -216,3 +217,21 @@ def test_a_shimmed_program_registers_on_the_visible_device(harness: Any) -> None
         run.ok()
     log = sched.log
     assert f"join client=p0 device={FAKE1}" in log and f"join client=p1 device={FAKE0}" in log
+
+
+async def test_the_kernels_id_is_bound_to_its_secret_placed_or_not(
+    node: Any, sock_dir: str
+) -> None:
+    """Every kernel gets a secret of its own, and its id is bound to the secret's digest before
+    it starts, with placement off too (scheduler/shell/kernel_ids.py; A16c); a restart binds
+    the id to its new secret. Without a scheduler the kernel gets its secret all the same."""
+    for attempt in range(2):
+        env: dict[str, str] = {}
+        await _prov(node, "k", place_kernels=False)._bind_kernel(env)
+        secret = env[ENV_KERNEL_SECRET]
+        assert node._kernel_ids.proves("k", secret), attempt
+    assert not node._kernel_ids.proves("k", "0" * 64)
+    missing = GPUShareProvisioner(kernel_id="k2", kernel_spec=_spec(), socket=f"{sock_dir}/no.sock")
+    env = {}
+    await missing._bind_kernel(env)
+    assert len(env[ENV_KERNEL_SECRET]) == 64

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -156,6 +157,8 @@ async def test_kernel_environment(
     assert got["GPUSHARE_WEIGHT"] == "2.5"
     assert got["GPUSHARE_USER"] == "hubuser"
     assert got["GPUSHARE_LABEL"] == "notebooks/train.ipynb"
+    # Its own secret, which its id is bound to (scheduler/shell/kernel_ids.py).
+    assert re.fullmatch(r"[0-9a-f]{64}", got["GPUSHARE_KERNEL_SECRET"])
     # The magic is loaded without the user doing anything.
     assert MAGIC_EXTENSION in probe["extensions"]
     assert f"--InteractiveShellApp.extra_extensions={MAGIC_EXTENSION}" in probe["argv"]
@@ -209,7 +212,9 @@ async def test_shutdown_and_restart_leave_no_stale_client(harness: Any, kernels:
     assert f"leave client={kid} (goodbye)" in log[log_mark:]
     assert await asyncio.to_thread(scheduler_clients, sched) == []
 
-    # The restarted kernel registers under its (same) kernel id, as a new client with no usage.
+    # The restarted kernel registers under its (same) kernel id, as a new client with no usage;
+    # its id was bound to a secret at each start (scheduler/shell/kernel_ids.py).
+    assert sched.log.count(f"bind_kernel client={kid} ") == 2
     (await execute(kc, GPU_PRELUDE + "\nprint(alloc(32 << 20)[0], launch(1000), sync())")).ok()
     (new,) = await asyncio.to_thread(scheduler_clients, sched)
     assert new["id"] == kid, new

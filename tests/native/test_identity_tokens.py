@@ -1,11 +1,15 @@
 """The real shim proves its user with GPUSHARE_USER_TOKEN (HELLO field 26) to a node scheduler
-that shares this uid among users (``token_uids``), end to end with the stand-in driver."""
+that shares this uid among users (``token_uids``), and its kernel id with GPUSHARE_KERNEL_SECRET
+(HELLO field 46), end to end with the stand-in driver."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from jupyter_gpushare.identity import generate_key, load_key, user_token
+from jupyter_gpushare.scheduler.shell.kernel_ids import secret_digest
+from jupyter_gpushare.scheduler_client import SchedulerClient
 
 MiB = 1 << 20
 
@@ -47,3 +51,21 @@ def test_shim_sends_its_token_and_gets_its_users_ceiling(harness):
     assert "GPUSHARE_USER_TOKEN" in bare.stderr
     log = sched.log
     assert "join client=mallory-k" not in log and "join client=bare-k" not in log
+
+
+def test_shim_sends_its_kernel_secret_and_keeps_its_bound_id(harness):
+    """GPUSHARE_KERNEL_SECRET (HELLO field 46): the shim with the secret its id was bound to
+    gets the id; the same id with another secret gets ``<id>#<pid>`` (docs/protocol.md,
+    "Kernel ids")."""
+    sched = harness.scheduler()
+    secret = "a1" * 32
+    client = SchedulerClient(str(harness.socket_path), timeout=10.0)
+    reply = asyncio.run(
+        client.control("bind_kernel", client="kern-1", secret_sha256=secret_digest(secret))
+    )
+    assert reply["ok"] is True
+    other = harness.run("status", MiB, client_id="kern-1", kernel_secret="b2" * 32).ok()
+    assert other.event("status")["status"]["connected"] == 1
+    assert "join client=kern-1#" in sched.wait_log("join client=kern-1#")
+    harness.run("status", MiB, client_id="kern-1", kernel_secret=secret).ok()
+    assert "join client=kern-1 device=" in sched.wait_log("join client=kern-1 device=")

@@ -5,7 +5,10 @@ A kernel's id is world-readable in ``ps`` (``kernel-<id>.json``). Before the fix
 first CUDA call took the id, the victim's kernel became ``<id>#<pid>``, and her server's
 ``Release`` and busy/idle reports for the id were refused. The provisioner places each kernel
 before it starts (the ``place`` control action, from the owner's own server): that binds the
-id to the owner, so the squatter gets ``<id>#<pid>`` and the owner keeps the id.
+id to the owner, so the squatter gets ``<id>#<pid>`` and the owner keeps the id. Placed or not,
+it also binds the id to a secret it gives the kernel in its environment (``bind_kernel``,
+``GPUSHARE_KERNEL_SECRET``; scheduler/shell/kernel_ids.py): only a HELLO with that secret gets
+the id, and a squatter that came before the binding loses it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from local_users import (
     until,
 )
 
-from jupyter_gpushare.protocol import MsgType
+from jupyter_gpushare.protocol import ErrorCode, MsgType
+from jupyter_gpushare.scheduler.shell.kernel_ids import secret_digest
 
 DEVICE = {"device_uuid": "GPU-ids-0", "device_total": 8 << 30}
 KERNEL = "0f3c2a54-6b7e-4c1d-9a8f-1e2d3c4b5a69"  # a Jupyter kernel id, as ps shows it
@@ -69,3 +73,108 @@ async def test_a16c_a19d_a_placed_kernels_id_stays_its_owners(
             if pid > 0:
                 kill(pid)
                 os.close(rfd)
+
+
+SECRET = "5e" * 32  # the kernel's secret, as its provisioner makes it (secrets.token_hex(32))
+BIND = {"action": "bind_kernel", "client": KERNEL, "secret_sha256": secret_digest(SECRET)}
+
+
+def _squatters(node: Any, attacker: LocalUser) -> list[str]:
+    return sorted(k for k, c in clients_of(node).items() if c["user"] == attacker.name)
+
+
+async def _victim_keeps_her_id(node: Any, victim: LocalUser, attacker: LocalUser) -> None:
+    """The victim's kernel (with its secret) gets the id; her server's busy report and Release
+    of it work; the attacker's Release of it is not_found and his clients keep other ids."""
+    path = str(node.socket_path)
+    pid, rfd = spawn_as(
+        victim, shim, path, {**DEVICE, "client_id": KERNEL, "kernel_secret": SECRET}, 0, 30.0
+    )
+    try:
+        await until(lambda: clients_of(node).get(KERNEL, {}).get("user") == victim.name)
+        assert all(k.startswith(f"{KERNEL}#") for k in _squatters(node, attacker))
+        busy = {"action": "kernel_state", "client": KERNEL, "state": "busy"}
+        kind, _ = await run_as(victim, control, path, MsgType.CONTROL, busy)
+        assert kind == MsgType.CONTROL_REPLY
+        release = {"action": "release", "client": KERNEL}
+        kind, reply = await run_as(attacker, control, path, MsgType.CONTROL, release)
+        assert (kind, reply["error_code"]) == (MsgType.ERROR, ErrorCode.NOT_FOUND), reply
+        kind, reply = await run_as(victim, control, path, MsgType.CONTROL, release)
+        assert (kind, reply["body"]["client"]) == (MsgType.CONTROL_REPLY, KERNEL), reply
+    finally:
+        kill(pid)
+        os.close(rfd)
+
+
+async def test_a16c_a19d_an_unplaced_kernels_id_is_bound_to_its_secret(
+    make_scheduler: Any, users: tuple[LocalUser, LocalUser]
+) -> None:
+    """No placement (place_kernels = False, or CUDA_VISIBLE_DEVICES set): the provisioner still
+    binds the id to the kernel's secret before the kernel starts. Mallory's HELLOs with the id,
+    without the secret or with a made-up one, get ``<id>#<pid>``, though they come first."""
+    victim, attacker = users
+    node = await make_scheduler(pool_size="4GiB")
+    open_to_everyone(node)
+    path = str(node.socket_path)
+    await run_as(victim, control, path, MsgType.CONTROL, BIND)
+    squats = [
+        spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL, **extra}, 0, 30.0)
+        for extra in ({}, {"kernel_secret": "guessed"})
+    ]
+    try:
+        await until(lambda: len(_squatters(node, attacker)) == 2)
+        assert KERNEL not in clients_of(node), _squatters(node, attacker)
+        await _victim_keeps_her_id(node, victim, attacker)
+    finally:
+        for pid, rfd in squats:
+            kill(pid)
+            os.close(rfd)
+
+
+async def test_a16c_a_squatter_that_came_before_the_binding_loses_the_id(
+    make_scheduler: Any, users: tuple[LocalUser, LocalUser]
+) -> None:
+    """Mallory says HELLO with the id before the victim's provisioner binds it: the binding
+    takes the id from her (her connection closes); she comes back as ``<id>#<pid>``."""
+    victim, attacker = users
+    node = await make_scheduler(pool_size="4GiB")
+    open_to_everyone(node)
+    path = str(node.socket_path)
+    first = spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
+    again = (-1, -1)
+    try:
+        await until(lambda: clients_of(node).get(KERNEL, {}).get("user") == attacker.name)
+        await run_as(victim, control, path, MsgType.CONTROL, BIND)
+        await until(lambda: KERNEL not in clients_of(node))
+        again = spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
+        await until(lambda: len(_squatters(node, attacker)) == 1)
+        await _victim_keeps_her_id(node, victim, attacker)
+    finally:
+        for pid, rfd in (first, again):
+            if pid > 0:
+                kill(pid)
+                os.close(rfd)
+
+
+async def test_a16c_a_binding_outlives_a_scheduler_restart(
+    make_scheduler: Any, users: tuple[LocalUser, LocalUser]
+) -> None:
+    """The binding is kept with the scheduler's state (.resume.KeptState): after a restart,
+    before the kernel ever connected, a HELLO with the id but not the secret still gets
+    ``<id>#<pid>``."""
+    victim, attacker = users
+    first = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0)
+    open_to_everyone(first)
+    path = str(first.socket_path)
+    await run_as(victim, control, path, MsgType.CONTROL, BIND)
+    await first.stop()
+    second = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0, socket_path=path)
+    open_to_everyone(second)
+    squat = spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
+    try:
+        await until(lambda: len(_squatters(second, attacker)) == 1)
+        assert KERNEL not in clients_of(second), _squatters(second, attacker)
+        await _victim_keeps_her_id(second, victim, attacker)
+    finally:
+        kill(squat[0])
+        os.close(squat[1])

@@ -204,3 +204,39 @@ async def test_a13b_without_nvml_the_driver_sizes_the_gpu_not_a_hello(
     answers = await run_as(mallory, _shim, node.socket_path, other, 0, 0.1)
     assert answers[0][0] == MsgType.ERROR, answers
     assert len(node.status_document()["devices"]) == 1
+
+
+async def test_a20b_memory_a_registered_process_takes_past_its_shim_counts(
+    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mallory's kernel registers and reports 1 GiB through its shim, but calls the real driver
+    directly for 2 GiB more (bypassing the shim's hooks): NVML sees 3 GiB for her process. Her
+    client counts as 3 GiB, the 2 GiB its shim never declared as pinned (no eviction can move
+    them), and status shows it; alice's 2 GiB kernel waits instead of being run beside her in
+    the 4 GiB pool. When NVML sees the memory go, alice runs."""
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    nvml = FakeNVMLProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    mallory, alice = local_users("mallory"), local_users("alice")
+    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
+    open_to_everyone(node)
+    path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
+    pid_m, rfd_m = spawn_as(mallory, _shim, path, {**gpu, "client_id": "m"}, GIB, 30.0)
+    nvml.processes[pid_m] = 3 * GIB  # her shim's 1 GiB and 2 GiB straight from the driver
+    kernels = [(pid_m, rfd_m)]
+    try:
+        await _until(lambda: _clients(node).get("m", {}).get("state") == "running")
+        await _until(lambda: _clients(node)["m"]["used_bytes"] == 3 * GIB)
+        assert _clients(node)["m"]["pinned_bytes"] == 2 * GIB, _clients(node)["m"]
+        kernels.append(spawn_as(alice, _shim, path, {**gpu, "client_id": "a"}, 2 * GIB, 30.0))
+        await _until(lambda: _clients(node).get("a", {}).get("state") == "waiting")
+        for _ in range(10):  # a half second of NVML readings: she still waits
+            assert _clients(node)["a"]["state"] == "waiting", _clients(node)["a"]
+            await asyncio.sleep(0.05)
+        nvml.processes[pid_m] = GIB  # the direct allocation is freed
+        await _until(lambda: _clients(node)["a"]["state"] == "running")
+    finally:
+        for pid, rfd in kernels:
+            kill(pid)
+            os.close(rfd)

@@ -6,7 +6,8 @@ GPU campaign under docs/perf-runs/, with the commit that produced it, or a row o
 facts table that the campaigns' logs under docs/gpu-runs/ back). The policy's initial bandwidth
 estimates (:class:`~.policy_config.PolicyConfig`) and the simulator's engine model
 (:class:`bench.simulator.SimConfig`) both start from these; the policy then follows what the
-shims report (an EWMA of each move).
+shims report: an EWMA of each client's own moves, each report cut to
+[:data:`SLOWEST_MOVE_BPS`, :data:`BUS_BPS`], used for that client only.
 
 The model (:func:`evict_seconds`, :func:`restore_seconds`):
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 __all__ = [
     "BLOCK_BYTES",
+    "BUS_BPS",
     "DRAIN_S",
     "EVICT_COLD_BPS",
     "EVICT_STAGED_BPS",
     "HANDOFF_S",
     "PRECOPY_BPS",
     "RESTORE_BPS",
+    "SLOWEST_MOVE_BPS",
     "SOURCES",
     "STAGING_PAUSE_S",
     "STAGING_S_PER_GIB",
@@ -77,6 +80,13 @@ HANDOFF_S = 0.0016544630000012717
 #: The engine frees whole allocations, least recently used first, so it may free more.
 BLOCK_BYTES = 32 << 20
 
+#: The bus: pinned copies ran at 55 GB/s each way (PCIe Gen5 on the H100 and H200; the GPU facts
+#: table of the design brief). No move of a kernel's memory is faster: a faster report is cut.
+BUS_BPS = 55e9
+#: The slowest move measured: an eviction before staging was ready, 1.3 GB/s (the lowest of the
+#: cold-eviction runs). A slower report is cut to it (A28: forged timings must not stretch turns).
+SLOWEST_MOVE_BPS = 1.3e9
+
 #: Each constant's source, for the report and the tests.
 SOURCES: dict[str, str] = {
     "EVICT_STAGED_BPS": _MEMORY + " shim.evict_warm.median",
@@ -89,6 +99,8 @@ SOURCES: dict[str, str] = {
     "DRAIN_S": "docs/performance.md (the replay workers' half step)",
     "HANDOFF_S": _HANDOFF + " no_memory.p50_ms",
     "BLOCK_BYTES": "the policy's unit of an ask; the engine frees whole allocations",
+    "BUS_BPS": "the GPU facts table: pinned memcpy H2D / D2H 55 GB/s each (PCIe Gen5)",
+    "SLOWEST_MOVE_BPS": _COLD + ": the lowest evict_gbps of the runs at delay_s 0.5 (1.3 GB/s)",
 }
 
 

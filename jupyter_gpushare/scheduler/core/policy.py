@@ -24,7 +24,9 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    holders whose current run has lasted a full quantum are revoked with eviction, oldest run
    first, only as many as the blocked waiter needs. A client's quantum grows with its memory,
    ``clamp(base, move_factor * (movable/evict_bw + movable/restore_bw), max)``, so that moving
-   memory out and back never takes more than ``1/move_factor`` of a turn.
+   memory out and back never takes more than ``1/move_factor`` of a turn. The bandwidths are the
+   client's own, measured from its reports (each cut to what the hardware can do) once it has
+   any, else the device's configured estimates: no client's report moves another's quantum.
 4. **No starvation.** Once the blocked waiter has waited one ``base_quantum`` it *reserves*: no
    waiter behind it is admitted, so small late-comers cannot keep a large waiter out forever.
    Waiters order by fair share (lowest decayed per-user GPU-seconds / weight first, waiters Jupyter
@@ -156,7 +158,7 @@ class Policy(FixedQuantumLock):
             client.precopied = event.precopied
             return self._keep_room(dev, [])  # a complete copy makes it evictable for room
         elif isinstance(event, Restored):
-            dev.measure("restore", event.bytes_moved, event.micros)
+            client.measure(dev, "restore", event.bytes_moved, event.micros)
             client.evicted = 0
             client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
             return []
@@ -416,7 +418,7 @@ class Policy(FixedQuantumLock):
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         if evt.evicted:
-            dev.measure("evict", evt.bytes_moved, evt.micros)
+            c.measure(dev, "evict", evt.bytes_moved, evt.micros)
         part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
         if c.holding is not None:
             c.holding = None
@@ -461,7 +463,7 @@ class Policy(FixedQuantumLock):
         part, c.evict_asked = c.evict_asked, 0
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
-        dev.measure("evict", evt.bytes_moved, evt.micros)
+        c.measure(dev, "evict", evt.bytes_moved, evt.micros)
         if c.holding is None:
             self._set_evicted(c, part, evt.evicted_bytes)
 
@@ -540,7 +542,8 @@ class Policy(FixedQuantumLock):
     def _quantum(self, dev: DeviceState, c: ClientState) -> float:
         """The time slice of a holder: long enough that moving its memory is a small part."""
         moved = c.movable
-        move_time = moved / dev.evict_bw + moved / dev.restore_bw
+        evict_bw, restore_bw = c.bandwidths(dev)
+        move_time = moved / evict_bw + moved / restore_bw
         cfg = self.config
         return min(max(cfg.base_quantum, cfg.move_factor * move_time), cfg.max_quantum)
 

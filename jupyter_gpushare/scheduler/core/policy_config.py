@@ -20,8 +20,10 @@ class PolicyConfig:
     base_quantum: float = 5.0  # seconds: the time slice when kernels must take turns
     move_factor: float = 4.0  # quantum ≥ move_factor * (estimated evict+restore time of holder)
     max_quantum: float = 60.0
-    evict_bandwidth: float = 10e9  # bytes/s, initial estimate (EWMA of Released/Evicted reports)
-    restore_bandwidth: float = 50e9  # bytes/s, initial estimate (EWMA of Restored reports)
+    # bytes/s: the estimates of a client's moves until its own reports refine them (an EWMA of
+    # its Released/Evicted and Restored reports, ClientState.measure)
+    evict_bandwidth: float = 10e9
+    restore_bandwidth: float = 50e9
     usage_half_life: float = 600.0  # seconds: decay of per-user GPU-time usage for fair share
     # "gpushare" (the rules above) or "fixed-quantum": the baseline of a plain time-sliced lock,
     # see :meth:`Policy._admit_fixed`. Only the latter reads the two settings below.

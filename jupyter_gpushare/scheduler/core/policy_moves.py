@@ -84,14 +84,16 @@ def expected_left(c: ClientState, now: float) -> float:
     return ran
 
 
-def move_seconds(dev: DeviceState, nbytes: int) -> float:
-    """Evicting ``nbytes`` now and restoring them later, at the device's estimated bandwidths."""
-    return nbytes / dev.evict_bw + restore_seconds(nbytes, dev.restore_bw)
+def move_seconds(dev: DeviceState, nbytes: int, c: ClientState | None = None) -> float:
+    """Evicting ``nbytes`` (of ``c``) now and restoring them later, at the estimated bandwidths
+    (``c``'s own measured ones where it has them, else the device's)."""
+    evict_bw, restore_bw = (dev.evict_bw, dev.restore_bw) if c is None else c.bandwidths(dev)
+    return nbytes / evict_bw + restore_seconds(nbytes, restore_bw)
 
 
 def worth_evicting(dev: DeviceState, h: ClientState, nbytes: int, now: float) -> bool:
     """Whether evicting ``nbytes`` of the busy holder ``h`` beats waiting for its cell."""
-    return expected_left(h, now) > move_seconds(dev, nbytes)
+    return expected_left(h, now) > move_seconds(dev, nbytes, h)
 
 
 def room_for(dev: DeviceState, c: ClientState) -> int:

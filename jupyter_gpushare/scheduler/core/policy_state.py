@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .costs import BUS_BPS, SLOWEST_MOVE_BPS
 from .ordering import CellService
 
 __all__ = ["ARRIVAL_WINDOW", "ClientState", "DeviceState", "Holding", "Usage"]
@@ -89,6 +90,10 @@ class ClientState:
     gpu_seconds: float = 0.0
     wait_seconds: float = 0.0
     last_restore: tuple[int, float] | None = None  # (bytes, seconds) of its last restore
+    # Its own moves' bandwidths (bytes/s; 0: none measured yet): what it reports sets its own
+    # quantum and the cost of moving its memory, never another client's (A28).
+    evict_bw: float = 0.0
+    restore_bw: float = 0.0
     cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
 
     @property
@@ -118,6 +123,24 @@ class ClientState:
             return "waiting"
         return "evicting" if self.evict_pending else "idle"
 
+    def measure(self, dev: DeviceState, direction: str, moved: int, micros: int) -> None:
+        """Fold one of its reported moves into its own bandwidth estimate (an EWMA starting
+        from the device's): the rate is a claim, cut to what the hardware can do (between
+        :data:`~.costs.SLOWEST_MOVE_BPS` and :data:`~.costs.BUS_BPS`)."""
+        if moved < MIN_SAMPLE_BYTES or micros <= 0:
+            return
+        rate = min(max(moved * 1e6 / micros, SLOWEST_MOVE_BPS), BUS_BPS)
+        if direction == "evict":
+            est = self.evict_bw or dev.evict_bw
+            self.evict_bw = est + EWMA_ALPHA * (rate - est)
+        else:
+            est = self.restore_bw or dev.restore_bw
+            self.restore_bw = est + EWMA_ALPHA * (rate - est)
+
+    def bandwidths(self, dev: DeviceState) -> tuple[float, float]:
+        """(evict, restore) bytes/s of its moves: its own measurements, else the device's."""
+        return self.evict_bw or dev.evict_bw, self.restore_bw or dev.restore_bw
+
     def set_memory(self, used: int, managed: int, pinned: int, evicted: int) -> None:
         self.used = max(0, used)
         self.managed = max(0, managed)
@@ -131,6 +154,8 @@ class DeviceState:
     name: str
     total_bytes: int
     pool_bytes: int
+    # The configured estimates (measured on the GPU, .costs): clients' reports refine their own
+    # (ClientState.measure), never these, so that no client's claim moves another's quantum.
     evict_bw: float
     restore_bw: float
     clients: dict[str, ClientState] = field(default_factory=dict)
@@ -154,13 +179,3 @@ class DeviceState:
             elif c.holding == "revoking" and c.revoke_evict:
                 total += min(c.revoke_bytes, c.evictable)
         return total
-
-    def measure(self, direction: str, moved: int, micros: int) -> None:
-        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
-        if moved < MIN_SAMPLE_BYTES or micros <= 0:
-            return
-        rate = moved * 1e6 / micros
-        if direction == "evict":
-            self.evict_bw += EWMA_ALPHA * (rate - self.evict_bw)
-        else:
-            self.restore_bw += EWMA_ALPHA * (rate - self.restore_bw)

@@ -25,6 +25,7 @@ from ..features.reservations import Reservations
 from . import translate as tr
 from .access import Access
 from .devices import Discovery
+from .kernel_ids import KernelIds
 from .transport import Connection
 from .users import Identity
 from .views import filter_status, fit_status
@@ -62,6 +63,9 @@ class ControlActions:
     _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
     _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
     _id_owners: dict[str, str]
+    _kernel_ids: KernelIds
+    _disown: Callable[[Connection, str], None]
+    _keep_state: Callable[[], None]
     _remember_owner: Callable[[str, str], None]
     _on_agent_control: Callable[[Connection, str, dict[str, Any]], None]
     _may_force_evict: Callable[[Connection], bool]
@@ -141,6 +145,8 @@ class ControlActions:
             self._on_reload_request(conn, ident)
         elif action == "place":
             self._on_place(conn, body, ident)
+        elif action == "bind_kernel":
+            self._on_bind_kernel(conn, body, ident)
         elif action == "allocate":
             await self._on_allocate(conn, ident, body)
         elif action == "prune_allocations":
@@ -340,6 +346,33 @@ class ControlActions:
             conn.peer.uid,
         )
         self._reply(conn, {"ok": True, "action": "place", "client": request.client_id, **answer})
+
+    def _on_bind_kernel(self, conn: Connection, body: dict[str, Any], who: Identity) -> None:
+        """CONTROL ``bind_kernel`` (docs/protocol.md, "Kernel ids"): the provisioner binds a
+        kernel's id to the SHA-256 of the secret it gives the kernel, before the kernel starts.
+        A client that holds the id without that secret (it said HELLO before the binding: a
+        squat) loses it (.kernel_ids)."""
+        request = tr.check_bind_kernel(body)
+        if isinstance(request, tr.Refusal):
+            self._refuse(conn, request)
+            return
+        client_id, digest = request
+        refusal = self._kernel_ids.bind(client_id, who.user, digest)
+        if refusal is not None:
+            self._log_limit.warning(
+                conn.peer.uid, "refused bind_kernel by %s: %s", who.describe(), refusal
+            )
+            conn.error(ErrorCode.FORBIDDEN, refusal, self.log)
+            return
+        self._remember_owner(client_id, who.user)
+        holder = self._shims.get(client_id)
+        if holder is not None and not holder.id_proven and not holder.left:
+            self._disown(holder, f"{who.describe()} bound the id to its kernel")
+        self._log_limit.log_for(conn.peer.uid).info(
+            "bind_kernel client=%s by %s", client_id, who.describe()
+        )
+        self._keep_state()
+        self._reply(conn, {"ok": True, "action": "bind_kernel", "client": client_id})
 
 
 def _effect(target: Connection, decisions: list[ev.Decision], now: float) -> dict[str, Any]:

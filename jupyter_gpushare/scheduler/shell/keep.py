@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.policy import Policy
+from .kernel_ids import KernelIds
 from .resume import KeptClient, KeptState, ResumeKey
 from .transport import Connection, SocketFile
 
@@ -32,6 +33,7 @@ class KeptStateShell:
     _keeping: asyncio.Future[None] | None
     _keep_again: bool
     _remember_owner: Callable[[str, str], None]  # .shims.ShimSessions
+    _kernel_ids: KernelIds
 
     @property
     def _private_dir(self) -> str:
@@ -53,6 +55,8 @@ class KeptStateShell:
             )
             return
         self._kept = await loop.run_in_executor(None, KeptState.take, directory)
+        if self._kept is not None:
+            self._kernel_ids.restore(self._kept.bound)  # bound ids stay bound (.kernel_ids)
         for kept in self._kept.clients if self._kept is not None else []:
             # Each id stays its user's: nobody who connects first after the restart takes it.
             self._remember_owner(kept.requested_id, kept.user)
@@ -97,7 +101,7 @@ class KeptStateShell:
                     None if since is None else round(wall - (mono - since), 3),
                 )
             )
-        return KeptState(wall, clients)
+        return KeptState(wall, clients, self._kernel_ids.kept())
 
     def _keep_state(self) -> None:
         """Write the kept state (in an executor; one write at a time, the latest wins)."""

@@ -10,7 +10,8 @@ take the grant or jump the queue during the recovery window. So:
   the files 0600) beside its socket (a hold taken back at a restart keeps its number: the shim's
   secret stays good for the next restart);
 * the scheduler keeps its clients as they are (:class:`KeptState`: who holds which grant, who
-  waits since when, which user each id belongs to) in ``state.json`` in that directory, updated
+  waits since when, which user each id belongs to, which kernel ids are bound to which secret's
+  digest) in ``state.json`` in that directory, updated
   as they change and when it stops;
 * the next scheduler reads (and removes) that file at start: a holding claim is believed only with
   the secret of the grant its id held then (an older grant's secret proves nothing), a claimed
@@ -119,6 +120,8 @@ class KeptState:
 
     saved: float
     clients: list[KeptClient] = field(default_factory=list)
+    #: Kernel ids bound to a secret's digest: [id, user, sha256] (.kernel_ids.KernelIds.kept).
+    bound: list[Any] = field(default_factory=list)
 
     FILE = "state.json"
 
@@ -127,6 +130,7 @@ class KeptState:
             {
                 "saved": self.saved,
                 "clients": [c.__dict__ for c in self.clients[:MAX_KEPT]],
+                "bound": self.bound[:MAX_KEPT],
             }
         )
 
@@ -162,6 +166,7 @@ class KeptState:
             state = cls(
                 float(data["saved"]),
                 [KeptClient(**c) for c in data["clients"][:MAX_KEPT]],
+                list(data.get("bound") or [])[:MAX_KEPT],
             )
         except (ValueError, KeyError, TypeError):
             return None

@@ -26,6 +26,7 @@ from ..features.allocations import cap_quota, confined
 from ..features.mps import MPSManager
 from . import translate as tr
 from .access import Access
+from .kernel_ids import Binding, KernelIds
 from .metrics_feed import MetricsFeed
 from .peer_process import PeerProcess
 from .resume import KeptState, ResumeKey
@@ -37,6 +38,9 @@ __all__ = ["ShimSessions"]
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+_NOBODY = Binding("?", "")
 
 
 def _bytes(n: int) -> str:
@@ -64,6 +68,7 @@ class ShimSessions:
     _kept: KeptState | None
     #: client id -> the user whose client last had it (oldest first; see _remember_owner)
     _id_owners: dict[str, str]
+    _kernel_ids: KernelIds
     _metrics_feed: MetricsFeed
     _handle: Callable[[ev.Event], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
@@ -186,9 +191,56 @@ class ShimSessions:
         since = min(max(0.0, float(hello.resume["since"])), allowed)
         return dataclasses.replace(hello, resume={**hello.resume, "since": since})
 
-    def _assign_client_id(self, requested: str, conn: Connection, proven: bool = False) -> str:
+    def _disown(self, holder: Connection, why: str) -> None:
+        """``holder`` loses its id to the kernel the id is bound to: its connection closes, and
+        its shim reconnects as ``<id>#<pid>`` (.kernel_ids)."""
+        self.log.warning(
+            "client id %s is bound to a kernel of user %s: %s loses it (%s)",
+            holder.client_id,
+            (self._kernel_ids.binding(holder.client_id or "") or _NOBODY).user,
+            holder.name,
+            why,
+        )
+        self._shim_gone(holder, "its id is bound to another kernel")
+        holder.closed = True
+        if holder.writer is not None:
+            holder.writer.close()
+
+    def _bound_client_id(self, requested: str, conn: Connection, secret: str) -> str | None:
+        """For an id bound to a kernel secret (.kernel_ids): ``<id>#<pid>`` when ``secret``
+        does not prove it; None when it does (the id may be this client's), after an unproven
+        holder of the id lost it. Also None for an id no kernel secret bound."""
+        if self._kernel_ids.binding(requested) is None:
+            return None
+        conn.id_proven = self._kernel_ids.proves(requested, secret)
+        existing = self._shims.get(requested)
+        if not conn.id_proven:
+            client_id = tr.free_client_id(
+                requested, conn.peer.pid, {requested: None, **self._shims}
+            )
+            self._log_limit.warning(
+                conn.peer.uid,
+                "client id %s is bound to a kernel secret that the HELLO of %s does not give: "
+                "it is %s",
+                requested,
+                conn.name,
+                client_id,
+            )
+            return client_id
+        if existing is not None and not existing.id_proven and existing.peer != conn.peer:
+            self._disown(existing, f"the kernel with its secret came: {conn.name}")
+        return None
+
+    def _assign_client_id(
+        self, requested: str, conn: Connection, proven: bool = False, secret: str = ""
+    ) -> str:
         """The id of a new shim asking for ``requested``; ``proven``: its resume secret proves
-        that the id was granted to its uid (it wins over whoever took the id since)."""
+        that the id was granted to its uid (it wins over whoever took the id since); ``secret``:
+        its kernel secret (an id bound to one goes only to a client that gives it)."""
+        bound = self._bound_client_id(requested, conn, secret)
+        if bound is not None:
+            return bound
+        proven = proven or conn.id_proven
         existing = self._shims.get(requested)
         user = conn.identity.user if conn.identity is not None else ""
         owner = self._id_owners.get(requested)
@@ -250,7 +302,7 @@ class ShimSessions:
         conn.identity = ident = confined(ident, conn)
         hello = self._bounded_resume(conn, hello)
         proven = self._resume_proven(conn, hello)
-        client_id = self._assign_client_id(hello.requested_id, conn, proven)
+        client_id = self._assign_client_id(hello.requested_id, conn, proven, hello.kernel_secret)
         conn.kind, conn.client_id, conn.device = "shim", client_id, device
         conn.requested_id = hello.requested_id
         if process is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from ...protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
 from ...units import parse_size
 from ..core import events as ev
+from .kernel_ids import bound_id, valid_digest
 
 __all__ = [
     "CLIENT_ACTIONS",
@@ -52,7 +53,14 @@ MAX_CLIENT_ID = 256
 MAX_LABEL = 512
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
-SCHEDULER_ACTIONS = ("reload", "place", "allocate", "prune_allocations", "history")
+SCHEDULER_ACTIONS = (
+    "reload",
+    "place",
+    "bind_kernel",
+    "allocate",
+    "prune_allocations",
+    "history",
+)
 MPS_ACTIONS = ("mps_env", "mps_terminate")
 AGENT_ACTIONS = ("checkpoint_agent", "checkpoint_done")  # deep idle: features/checkpoint_agent.py
 _MEMORY_FIELDS = (
@@ -95,6 +103,8 @@ class Hello:
     memory: dict[str, int] = field(default_factory=dict)
     #: What a reconnecting holder sends back of its last GRANT ('' when nothing).
     resume_secret: str = ""
+    #: The kernel's secret (GPUSHARE_KERNEL_SECRET; .kernel_ids): '' when none.
+    kernel_secret: str = ""
 
     def join(
         self,
@@ -174,6 +184,7 @@ def check_hello(msg: Message, peer_pid: int) -> Hello | Refusal:
         resume=_resume_fields(msg),
         memory=memory_after({}, msg) if "used_bytes" in msg else {},
         resume_secret=str(msg.get("resume_secret") or ""),
+        kernel_secret=str(msg.get("kernel_secret") or ""),
     )
 
 
@@ -434,6 +445,18 @@ def check_place(body: Mapping[str, Any]) -> Place | Refusal:
     if device is not None and (not isinstance(device, (str, int)) or isinstance(device, bool)):
         return Refusal(ErrorCode.BAD_REQUEST, "place: 'device' must be an index or a UUID")
     return Place(client_id, need, device, reachable)
+
+
+def check_bind_kernel(body: Mapping[str, Any]) -> tuple[str, str] | Refusal:
+    """A checked ``bind_kernel``: (the kernel's id, the SHA-256 of its secret, hex)."""
+    client_id, digest = body.get("client"), body.get("secret_sha256")
+    if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_CLIENT_ID:
+        return Refusal(ErrorCode.BAD_REQUEST, "bind_kernel: 'client' (a kernel id) is needed")
+    if not client_id.isprintable() or bound_id(client_id) != client_id or "#" in client_id:
+        return Refusal(ErrorCode.BAD_REQUEST, "bind_kernel: 'client' is not a kernel id")
+    if not valid_digest(digest):
+        return Refusal(ErrorCode.BAD_REQUEST, "bind_kernel: 'secret_sha256' must be 64 hex digits")
+    return client_id, str(digest)
 
 
 def _is_number(value: object) -> bool:

@@ -176,6 +176,8 @@ class Connection:
     client_id: str | None = None
     #: The id its HELLO asked for (its resume secret is bound to it).
     requested_id: str = ""
+    #: Its HELLO's kernel secret proved the binding of the id it asked for (.kernel_ids).
+    id_proven: bool = False
     device: str | None = None
     left: bool = False  # a Leave for this client went to the policy already
     closed: bool = False
