@@ -72,6 +72,8 @@ def test_the_costs_are_the_committed_measurements():
     copied = arrival["idle_kernels"] * arrival["bytes"]
     assert pytest.approx(copied / arrival["precopy_seconds"]) == costs.PRECOPY_BPS
     assert pytest.approx(hand["no_memory"]["p50_ms"] / 1000) == costs.HANDOFF_S
+    pinned = mem["pinned_memcpy"]
+    assert pytest.approx(max(pinned["d2h"], pinned["h2d"])) == costs.BUS_BPS
     assert set(costs.SOURCES) == {n for n in costs.__all__ if n.isupper() and n != "SOURCES"}
     cfg = SimConfig()
     assert (cfg.evict_bw, cfg.restore_bw, cfg.unmap_s_per_gib, cfg.precopy_bw) == (
