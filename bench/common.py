@@ -125,6 +125,26 @@ def record(benchmark: str, command: Sequence[str] | None = None, **fields: Any) 
     return {"benchmark": benchmark, "meta": meta, **fields}
 
 
+def meta_line(rec: dict[str, Any]) -> str:
+    """A record's metadata (:func:`record`) as the small print under its section of
+    docs/performance.md (bench/report.py and the sections it draws from other modules)."""
+    m = rec.get("meta", {})
+    where = f"{m.get('device', '?')}, driver {m.get('driver', '?')}, CUDA {m.get('cuda', '?')}"
+    torch = m.get("torch", "?")
+    if m.get("torch_cuda"):
+        torch += f" (CUDA {m['torch_cuda']})"
+    dirty = " (uncommitted changes)" if m.get("git_dirty") else ""
+    line = (
+        f"<sub>Measured {m.get('date', '?')} on {where}, torch {torch}, commit "
+        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty} (source digest "
+        f"`{m.get('source_digest', '?')}`), {rec.get('duration_s', '?')} s: "
+        f"`{m.get('command', '?')}`</sub>"
+    )
+    if rec.get("driver") == "stand-in" or rec.get("results_driver") == "stand-in":
+        line = "> **Stand-in driver, no GPU: these numbers check the harness only.**\n\n" + line
+    return line
+
+
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

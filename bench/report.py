@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, GiB, percentile
+from .common import ROOT, GiB, meta_line, percentile
 from .replay import REALISTIC_THINK
 from .report_nbmix import nbmix_section
 from .report_realtime import ordering_section, replay_real_section
@@ -95,24 +95,6 @@ def _meets(s: dict[str, Any]) -> bool:
 
 def _verdict(met: bool, gap: str) -> str:
     return "**Target met.**" if met else f"**Target not met:** {gap}"
-
-
-def _meta_line(rec: dict[str, Any]) -> str:
-    m = rec.get("meta", {})
-    where = f"{m.get('device', '?')}, driver {m.get('driver', '?')}, CUDA {m.get('cuda', '?')}"
-    torch = m.get("torch", "?")
-    if m.get("torch_cuda"):
-        torch += f" (CUDA {m['torch_cuda']})"
-    dirty = " (uncommitted changes)" if m.get("git_dirty") else ""
-    line = (
-        f"<sub>Measured {m.get('date', '?')} on {where}, torch {torch}, commit "
-        f"`{str(m.get('git_commit', '?'))[:12]}`{dirty} (source digest "
-        f"`{m.get('source_digest', '?')}`), {rec.get('duration_s', '?')} s: "
-        f"`{m.get('command', '?')}`</sub>"
-    )
-    if rec.get("driver") == "stand-in" or rec.get("results_driver") == "stand-in":
-        line = "> **Stand-in driver, no GPU: these numbers check the harness only.**\n\n" + line
-    return line
 
 
 class Report:
@@ -207,7 +189,7 @@ end of the interval is within it).
         verdict = _verdict(met_all, f"the upper confidence bound reaches {worst:.1f} ns (50 ns).")
         added = " / ".join(f"{r['added_ns_median']:+.1f} ns" for r in rec["results"].values())
         self._add("Launch overhead", "≤ 50 ns/launch", added, met_all)
-        return "\n".join([text, *rows, "", verdict, "", img, "", _meta_line(rec), ""])
+        return "\n".join([text, *rows, "", verdict, "", img, "", meta_line(rec), ""])
 
     def train(self) -> str:
         text = """## 1b. A real training loop
@@ -249,7 +231,7 @@ most 1% slower**.
             ("Training loop", "≤ 1% slower", f"{med * 100:+.2f}%", "yes" if rec["met"] else "no")
         )
         verdict = _verdict(rec["met"], f"{med * 100:.2f}% slower (1%).")
-        return "\n".join([text, body, "", verdict, "", img, "", _meta_line(rec), ""])
+        return "\n".join([text, body, "", verdict, "", img, "", meta_line(rec), ""])
 
     def handoff(self) -> str:
         text = """## 2. Handoff latency
@@ -311,7 +293,7 @@ p99 ≤ 10 ms** over ≥ 200 handoffs without memory to move; with memory, time 
             self._add("Handoff of 20 GiB", "p50 ≤ 1.0 s", f"p50 {p50 / 1000:.2f} s", p50 <= 1000)
         verdict = _verdict(rec["met"], "; ".join(gaps) + ".")
         errs = [f"> Not measured: {e}" for e in rec.get("errors", [])]
-        return "\n".join([text, *rows, "", *errs, "", verdict, "", img, "", _meta_line(rec), ""])
+        return "\n".join([text, *rows, "", *errs, "", verdict, "", img, "", meta_line(rec), ""])
 
     def memory(self) -> str:
         text = """## 3. Memory movement
@@ -400,7 +382,7 @@ What the two arrival rows mean:
         for key in ("precopied_arrival", "precopied_arrival_kept"):
             if rec.get(key):
                 parts += self._arrival(rec[key])
-        return "\n".join([*parts, _meta_line(rec), ""])
+        return "\n".join([*parts, meta_line(rec), ""])
 
     def _arrival(self, arrival: dict[str, Any]) -> list[str]:
         """One arrival run: room made in its wait (keep_free 0) or kept before it."""
@@ -674,7 +656,7 @@ Equal sharing is not a floor: the order of overlapping cells changes it.
                 ],
                 "",
             ]
-        parts += [*_reading(wi), _meta_line(rec), ""]
+        parts += [*_reading(wi), meta_line(rec), ""]
         return "\n".join(parts)
 
     def kernel_start(self) -> str:
@@ -733,7 +715,7 @@ interval. Target: **at most +50 ms**.
                 f" (On the median; the 95% interval reaches {hi:+.1f} ms, so the run does not"
                 " exclude a cost above the target.)"
             )
-        return "\n".join([text, body, "", verdict, "", img, "", _meta_line(rec), ""])
+        return "\n".join([text, body, "", verdict, "", img, "", meta_line(rec), ""])
 
     def render(self) -> str:
         sections = [self.launch(), self.train(), self.handoff(), self.memory(), self.replay(),

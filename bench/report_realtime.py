@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .common import meta_line
 from .replay import AGREEMENT
 
 NAMES = {
@@ -269,9 +270,7 @@ contexts come close for long matmuls, not for short kernels), models a paused ce
             rel,
             bool(a["within"]),
         )
-    from .report import _meta_line  # (report imports this module)
-
-    return "\n".join([text, *rows, "", *agree, "", img, "", _meta_line(rec), ""])
+    return "\n".join([text, *rows, "", *agree, "", img, "", meta_line(rec), ""])
 
 
 def _per_cell_plot(rep: Any, rec: dict[str, Any]) -> str:

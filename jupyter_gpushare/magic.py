@@ -16,20 +16,22 @@ device line come from the scheduler, and are left out when it does not answer.
 from __future__ import annotations
 
 import html
-import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import shim, waitline
-from .paths import default_socket_path
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .scheduler_view import (
+    NO_GPU_WORDS,
+    SCHEDULER_TIMEOUT,
+    find_own_entry,
+    no_driver,
+    socket_path,
+)
 from .units import format_size, parse_size
 
 __all__ = ["GPUShareReport", "gpushare_command", "load_ipython_extension"]
-
-#: How long the magic waits for the scheduler (the cell blocks meanwhile).
-SCHEDULER_TIMEOUT = 2.0
 
 HELP = """\
 %gpushare [status]        this kernel's GPU state: running / waiting / idle / evicted, memory
@@ -46,9 +48,6 @@ NOT_SHARED = (
     '"(GPU shared)" kernel (`jupyter gpushare install-kernelspec`) or ask your administrator to '
     "enable the gpushare provisioner."
 )
-#: What every user-facing part says when there is no GPU (docs/jupyter.md).
-NO_GPU_WORDS = "no NVIDIA GPU found"
-NO_GPU = f"{NO_GPU_WORDS} (the scheduler finds none through NVML, and no kernel has reported one)"
 
 
 def _seconds(value: float) -> str:
@@ -226,70 +225,11 @@ class GPUShareReport:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Talking to the scheduler
-
-
-def _socket_path(status: dict[str, Any] | None) -> str:
-    path = (status or {}).get("socket_path")
-    return str(path) if path else default_socket_path()
-
-
-def find_own_entry(
-    status: dict[str, Any], timeout: float = SCHEDULER_TIMEOUT
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
-    """(this kernel's entry, its device's entry, a note when the scheduler did not answer or
-    does not list the kernel yet), from the scheduler's STATUS as this process's uid sees it."""
-    client = SchedulerClient(_socket_path(status), timeout=timeout)
-    try:
-        doc = client.status_sync()
-    except (SchedulerUnavailable, SchedulerError) as exc:
-        missing = _no_driver()
-        if missing:  # e.g. `jupyter execute` on a machine without a GPU: no server, no driver
-            return None, None, f"{NO_GPU_WORDS} ({missing}; no scheduler answers either)"
-        return None, None, f"no answer from the scheduler ({exc})"
-    pid = os.getpid()
-    want = status.get("client_id")
-    found: tuple[dict[str, Any], dict[str, Any]] | None = None
-    for device in doc.get("devices", []) or []:
-        for entry in device.get("clients", []) or []:
-            if entry.get("pid") == pid:
-                return entry, device, None
-            if found is None and want and entry.get("id") == want:
-                found = (entry, device)
-    if found is not None:
-        return found[0], found[1], None
-    devices = doc.get("devices", []) or []
-    uuid = status.get("device_uuid")
-    for device in devices:
-        if uuid and device.get("uuid") == uuid:
-            return None, device, None
-    if not devices and doc.get("nvml") is not True:
-        return None, None, NO_GPU
-    note = "the scheduler does not list this kernel yet (it registers at its first GPU call)"
-    return None, (devices[0] if len(devices) == 1 else None), note
-
-
-_scheduler_view = find_own_entry
-
-
-def _no_driver() -> str | None:
-    """Why there is no NVIDIA driver here, or None. Only loads libcuda (the shim has it loaded
-    already where it exists); never initialises it in the kernel's process."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "the NVIDIA driver's libcuda.so.1 is not installed"
-    return None
-
-
 def status_report() -> GPUShareReport:
     status = shim.read_status()
     if status is None:
         return GPUShareReport(None)
-    entry, device, note = _scheduler_view(status)
+    entry, device, note = find_own_entry(status)
     return GPUShareReport(status, entry, device, note)
 
 
@@ -303,7 +243,7 @@ def _release() -> str:
     # it holds nothing (while the panel may well show the scheduler live).
     status = shim.read_status() or {}
     if status.get("state") in (None, "inactive"):
-        missing = _no_driver()
+        missing = no_driver()
         why = f"{NO_GPU_WORDS} ({missing})" if missing else "this kernel has made no GPU call yet"
         return f"gpushare: nothing to release: {why}, so it holds no GPU"
     if status.get("state") == "unshared":
@@ -327,7 +267,7 @@ def _quota(args: list[str]) -> str:
         raise ValueError("usage: %gpushare quota [SIZE]")
     raw = args[0]
     quota = 0 if raw.lower() in ("none", "off", "unlimited") else parse_size(raw)
-    entry, _, note = _scheduler_view(status)
+    entry, _, note = find_own_entry(status)
     client_id = (entry or {}).get("id") or status.get("client_id")
     if entry is None and note and note.startswith("no answer"):
         return f"gpushare: cannot set the quota: {note}"
@@ -342,7 +282,7 @@ def _quota(args: list[str]) -> str:
         )
     if not client_id:
         return "gpushare: cannot set the quota: this kernel has no client id"
-    client = SchedulerClient(_socket_path(status), timeout=SCHEDULER_TIMEOUT)
+    client = SchedulerClient(socket_path(status), timeout=SCHEDULER_TIMEOUT)
     try:
         client.control_sync("set_quota", client=client_id, quota=quota)
     except (SchedulerUnavailable, SchedulerError) as exc:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .scheduler_view import find_own_entry, socket_path
 from .units import format_size
 
 __all__ = [
@@ -308,12 +309,10 @@ class WaitLine:
 
 def _set_quota(status: dict[str, Any], quota: int) -> str | None:
     """Apply a pending quota; None when done, else why not."""
-    from .paths import default_socket_path
     from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
     client_id = str(status["client_id"])
-    socket = str(status.get("socket_path") or default_socket_path())
-    client = SchedulerClient(socket, timeout=SCHEDULER_EVERY_SECONDS * 5)
+    client = SchedulerClient(socket_path(status), timeout=SCHEDULER_EVERY_SECONDS * 5)
     error = "the scheduler does not know this kernel"
     for _ in range(50):  # the HELLO may still be on its way: the id is not known yet
         try:
@@ -330,8 +329,6 @@ def _set_quota(status: dict[str, Any], quota: int) -> str | None:
 
 
 def _scheduler_view(status: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    from .magic import find_own_entry
-
     return find_own_entry(status, timeout=SCHEDULER_EVERY_SECONDS)[:2]
 
 

@@ -16,7 +16,7 @@ Errors are JSON (``{"message": ..., "reason": ...}``): 503 when the scheduler ca
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -28,14 +28,13 @@ from tornado import web, websocket
 from ..protocol import ErrorCode
 from ..scheduler_client import SchedulerError, SchedulerUnavailable
 from ..units import parse_size
-from .status import kernel_id_of
-
-if TYPE_CHECKING:
-    from .app import GPUShareExtension
+from .backend import SchedulerBackend
+from .status import StatusBroadcaster, kernel_id_of
 
 __all__ = [
     "AUTH_RESOURCE",
     "EventsWebSocket",
+    "GPUShareApp",
     "KernelActionHandler",
     "QuotaHandler",
     "StatusHandler",
@@ -44,6 +43,21 @@ __all__ = [
 
 AUTH_RESOURCE = "gpushare"
 _KERNEL = r"(?P<kernel_id>[^/]+)"
+
+
+class GPUShareApp(Protocol):
+    """What the handlers use of the extension that serves them (``self.extensionapp``): the
+    extension (:class:`.app.GPUShareExtension`) registers the handlers, so they name what they
+    need here instead of importing it back."""
+
+    backend: SchedulerBackend
+    broadcaster: StatusBroadcaster
+
+    def is_admin(self, user: Any) -> bool: ...
+
+    def is_local_kernel(self, kernel_id: str) -> bool: ...
+
+    async def enrich(self, raw: dict[str, Any], user: Any) -> dict[str, Any]: ...
 
 
 def scheduler_http_error(exc: Exception) -> web.HTTPError:
@@ -63,8 +77,8 @@ class _Base(ExtensionHandlerMixin, APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
-    def gpushare(self) -> GPUShareExtension:
-        return cast("GPUShareExtension", self.extensionapp)
+    def gpushare(self) -> GPUShareApp:
+        return cast(GPUShareApp, self.extensionapp)
 
     @property
     def username(self) -> str | None:
@@ -200,8 +214,8 @@ class EventsWebSocket(  # type: ignore[misc]
     auth_resource = AUTH_RESOURCE
 
     @property
-    def gpushare(self) -> GPUShareExtension:
-        return cast("GPUShareExtension", self.extensionapp)
+    def gpushare(self) -> GPUShareApp:
+        return cast(GPUShareApp, self.extensionapp)
 
     async def pre_get(self) -> None:
         user = self.current_user

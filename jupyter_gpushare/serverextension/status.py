@@ -26,9 +26,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..magic import NO_GPU
 from ..protocol import kernel_client_id
 from ..scheduler_client import SchedulerError, SchedulerUnavailable
+from ..scheduler_view import NO_GPU
 from .backend import SchedulerBackend
 
 __all__ = ["StatusBroadcaster", "enrich", "kernel_id_of", "signature", "unregistered_kernels"]

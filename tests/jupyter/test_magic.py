@@ -16,7 +16,8 @@ from provisioner_helpers import (
     scheduler_clients,
 )
 
-from jupyter_gpushare.magic import HELP, NO_GPU, NOT_SHARED, GPUShareReport, gpushare_command
+from jupyter_gpushare.magic import HELP, NOT_SHARED, GPUShareReport, gpushare_command
+from jupyter_gpushare.scheduler_view import NO_GPU
 
 STATUS = {
     "version": 1,

@@ -74,7 +74,7 @@ def test_status_before_any_gpu_call_says_so() -> None:
 @pytest.mark.skipif(not _libcuda_missing(), reason="this machine has an NVIDIA driver")
 def test_without_scheduler_or_driver_the_magic_says_no_gpu(tmp_path: Any) -> None:
     """As under `jupyter execute` on a machine without a GPU: no server, so no scheduler."""
-    from jupyter_gpushare.magic import find_own_entry
+    from jupyter_gpushare.scheduler_view import find_own_entry
 
     entry, device, note = find_own_entry({"socket_path": str(tmp_path / "none.sock")})
     assert entry is None and device is None

@@ -4,8 +4,10 @@ embedded scheduler (no GPU, no NVML) and fake shim clients."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
+import typing
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from server_helpers import (
 
 from jupyter_gpushare.protocol import MsgType
 from jupyter_gpushare.serverextension.app import STATUS_EVENT_SCHEMA, GPUShareExtension
+from jupyter_gpushare.serverextension.handlers import GPUShareApp
 from jupyter_gpushare.serverextension.status import enrich
 
 
@@ -72,6 +75,32 @@ class TestRealNVML:
             pytest.skip("this machine has NVML")
         assert isinstance(doc["nvml"], str) and "NVML" in doc["nvml"], doc["nvml"]
         assert "disabled" not in doc["nvml"]
+
+
+async def test_the_extension_is_what_the_handlers_expect(jp_serverapp: Any) -> None:
+    """The handlers name what they use of the extension (GPUShareApp) instead of importing it
+    (app.py imports the handlers): the started extension has each of those members, of its
+    kind (an instance of the class it names, a method where a method is expected, an async one
+    where it is awaited)."""
+    ext = await started(jp_serverapp)
+    attributes = typing.get_type_hints(GPUShareApp)
+    methods = {
+        name
+        for name, value in vars(GPUShareApp).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    }
+    assert attributes and methods, (attributes, methods)
+    for name, kind in attributes.items():
+        assert isinstance(getattr(ext, name), kind), name
+    for name in methods:
+        mine = getattr(GPUShareApp, name)
+        theirs = getattr(ext, name)
+        assert inspect.ismethod(theirs), name
+        assert inspect.iscoroutinefunction(theirs) == inspect.iscoroutinefunction(mine), name
+        assert (
+            list(inspect.signature(theirs).parameters)
+            == list(inspect.signature(mine).parameters)[1:]
+        ), name
 
 
 async def test_status_lists_fake_client(jp_fetch: Any, jp_serverapp: Any) -> None:

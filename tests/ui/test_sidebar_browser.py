@@ -45,9 +45,9 @@ from ui_helpers import (
     text_colors,
 )
 
-from jupyter_gpushare.magic import NO_GPU
 from jupyter_gpushare.scheduler.shell.users import Identity
 from jupyter_gpushare.scheduler.shell.views import filter_status
+from jupyter_gpushare.scheduler_view import NO_GPU
 from jupyter_gpushare.serverextension.status import enrich
 
 FOOTPRINT = 700 * MiB

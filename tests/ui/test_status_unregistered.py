@@ -8,8 +8,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from jupyter_gpushare.magic import NO_GPU
 from jupyter_gpushare.provisioner import GPUShareProvisioner
+from jupyter_gpushare.scheduler_view import NO_GPU
 from jupyter_gpushare.serverextension.status import StatusBroadcaster, enrich
 
 

@@ -3,14 +3,13 @@ gpushare policy against, kept apart from its rules (:mod:`.policy`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-from .events import Decision
+from .events import Decision, Grant, Revoke
 from .idle_timer import found_idle
-from .policy_state import DeviceState
-
-if TYPE_CHECKING:
-    from .policy import Policy
+from .policy_config import PolicyConfig
+from .policy_state import ClientState, DeviceState
 
 __all__ = ["REASON_IDLE", "REASON_QUANTUM", "FixedQuantumLock"]
 
@@ -18,10 +17,27 @@ REASON_IDLE = "idle"
 REASON_QUANTUM = "quantum expired"
 
 
+class _PolicyParts(Protocol):
+    """What the baseline uses of the policy it is part of (named here, not imported: the policy
+    imports this module, and an import back would close a circle)."""
+
+    config: PolicyConfig
+    _clock: float
+
+    def _grant(self, c: ClientState) -> Grant: ...
+    def _revoke(self, c: ClientState, evict: bool, reason: str, nbytes: int = 0) -> Revoke: ...
+    def _evict_for(
+        self, cands: Iterable[ClientState], short: int, reason: str
+    ) -> list[Decision]: ...
+    def _eviction_candidates(
+        self, dev: DeviceState, behind: Iterable[ClientState]
+    ) -> list[ClientState]: ...
+
+
 class FixedQuantumLock:
     """The baseline's admission, a part of :class:`~.policy.Policy`."""
 
-    def _admit_fixed(self: Policy, dev: DeviceState) -> list[Decision]:
+    def _admit_fixed(self: _PolicyParts, dev: DeviceState) -> list[Decision]:
         """An exclusive lock, first come first served, with a fixed time quantum.
 
         One holder at a time. While others wait, the holder keeps the device for
