@@ -104,7 +104,7 @@ struct gs_config {
     double capture_wait;    /* GPUSHARE_CAPTURE_WAIT: seconds a release (eviction, restore)
                                waits for a stream capture to end before it gives up */
     const char *real_libcuda;
-    /* The memory engine's host side (memory_prepare.c, memory_staging.c, memory_bounce.c). */
+    /* The memory engine's host side (memory/prepare.c, memory/staging.c, memory/bounce.c). */
     unsigned staging_threads; /* GPUSHARE_STAGING_THREADS: CPU threads that populate staging
                                  and copy out of the bounce ring */
     double staging_quiet;     /* GPUSHARE_STAGING_QUIET: seconds without a new or freed block
@@ -296,7 +296,7 @@ uint64_t gs_mem_generation(void);
  * evict_bytes), then the target is forgotten. */
 void gs_mem_set_evict_target(CUdevice dev, uint64_t bytes);
 /* While set, an eviction asks stop(arg, bytes freed so far) between blocks (and between a
- * bounced block's slots): 1 = no longer needed, stop, keeping what was moved (memory_move.c). */
+ * bounced block's slots): 1 = no longer needed, stop, keeping what was moved (memory/move.c). */
 void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg);
 int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
@@ -316,7 +316,7 @@ void gs_mem_after_fork_child(void);
 void gs_mem_context_gone(CUcontext ctx);
 void gs_mem_lock_for_fork(void);
 void gs_mem_unlock_after_fork(void);
-/* cuGraphLaunch of a graph with memory nodes (memory_graphs.c): reserve against the quota what
+/* cuGraphLaunch of a graph with memory nodes (memory/graphs.c): reserve against the quota what
  * its launch would back (*held), refused with the shim's line when it does not fit; then count
  * it once the driver answered `r`, giving the reservation back. Others: one atomic load. */
 CUresult gs_mem_graph_launch_check(CUgraphExec exec, uint64_t *held);

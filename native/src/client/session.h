@@ -19,8 +19,8 @@
 #include <poll.h>
 #include <stdint.h>
 
-#include "protocol.h"
-#include "shim.h"
+#include "base/protocol.h"
+#include "base/shim.h"
 
 #define GS_RESUME_SECRET_LEN 32
 #define GS_RESUME_HOLDING 1
