@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "base/shim.h"
+#include "memory/api.h"
 
 /* ---- the table ---- */
 

@@ -9,7 +9,9 @@
 
 #include <stdint.h>
 
+#include "api.h"
 #include "base/shim.h"
+#include "client.h"
 
 /* ---- the driver's virtual memory management ABI (cuda.h 12.x/13.x layouts) ---- */
 
