@@ -78,7 +78,7 @@ def source_digest() -> str:
         *ROOT.glob("bench/*.py"),
         *ROOT.glob("bench/*.c"),
         *ROOT.glob("jupyter_gpushare/**/*.py"),
-        *ROOT.glob("native/src/*"),
+        *ROOT.glob("native/src/**/*"),
         *ROOT.glob("native/include/*"),
     ]
     for f in sorted(p for p in files if p.is_file()):

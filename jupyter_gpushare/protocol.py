@@ -1,8 +1,8 @@
 """The gpushare wire protocol: framed, versioned messages on a Unix stream socket.
 
 This module is the Python half of the contract in ``docs/protocol.md`` (the C half is
-``native/src/protocol.c``). A frame is a 12-byte header (magic ``GPSH``, version, type, reserved,
-payload length) and a payload of ``tag``/``len``/value fields, all little-endian.
+``native/src/base/protocol.c``). A frame is a 12-byte header (magic ``GPSH``, version, type,
+reserved, payload length) and a payload of ``tag``/``len``/value fields, all little-endian.
 
     >>> msg = Message(MsgType.REQUEST, {"used_bytes": 1 << 30})
     >>> decode_frame(encode(msg)) == msg

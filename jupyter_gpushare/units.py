@@ -28,7 +28,7 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
-# ASCII only, as the shim's parser (native/src/config.c): no other scripts' digits or spaces.
+# ASCII only, as the shim's parser (native/src/base/config.c): no other scripts' digits or spaces.
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 #: Sizes travel as u64 (quotas, pools): anything larger is refused, as the shim refuses it.
 SIZE_LIMIT = 1 << 64
@@ -43,7 +43,7 @@ def parse_size(value: str | int) -> int:
     ``B``, ``K``/``KB``/``KiB``, ``M``/``MB``/``MiB``, ``G``/``GB``/``GiB``, ``T``/``TB``/``TiB``
     (case-insensitive, all 1024-based). Fractions of a byte are rounded down; digits after the
     12th decimal are ignored and sizes of 2**64 or more refused, exactly as the shim's parser
-    (native/src/config.c; tests/scheduler/test_contracts.py compares the two).
+    (native/src/base/config.c; tests/scheduler/test_contracts.py compares the two).
 
     Raises ValueError with a message that shows the offending value and the accepted forms.
     """

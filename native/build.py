@@ -18,6 +18,16 @@ from pathlib import Path
 NATIVE = Path(__file__).resolve().parent
 SRC = NATIVE / "src"
 INCLUDE = NATIVE / "include"
+#: The shim's rooms (native/README.md), top to bottom: a file calls and includes only its own
+#: room and the rooms below it (tests/native/test_layering.py). A file names a header of another
+#: room by its path from SRC (``#include "base/shim.h"``), one of its own room by its name.
+ROOMS = ("hooks", "client", "memory", "base")
+
+
+def shim_sources() -> list[Path]:
+    """Every C file of the shim, room by room."""
+    return [path for room in ROOMS for path in sorted((SRC / room).glob("*.c"))]
+
 
 # C11, warnings as errors: a signature slip in a shim corrupts silently, so let the compiler
 # refuse anything suspicious.
@@ -93,8 +103,8 @@ def _compile(
 
 
 def build_shim(output: Path, portable: bool = False) -> Path:
-    """Compile libgpushare.so from native/src/*.c into ``output``; ``portable``: for the oldest
-    glibc that portable_compiler() targets, when it is there (the wheel)."""
+    """Compile libgpushare.so from native/src/<room>/*.c into ``output``; ``portable``: for the
+    oldest glibc that portable_compiler() targets, when it is there (the wheel)."""
     # -fvisibility=hidden: only what the shim means to interpose or offer is exported.
     # No libm: the shim must dlopen(RTLD_NOW) into any process (bench/launch_ab.c does), so it
     # calls nothing from it (config.c rounds the weight by hand).
@@ -104,14 +114,14 @@ def build_shim(output: Path, portable: bool = False) -> Path:
     zig = portable_compiler() if portable else None
     if zig:
         try:
-            return _compile(sorted(SRC.glob("*.c")), output, kind, cc=zig)
+            return _compile(shim_sources(), output, kind, cc=zig)
         except subprocess.CalledProcessError:
             print(
                 "gpushare: zig cc failed; building the shim with the system compiler (the wheel "
                 "then needs this machine's glibc)",
                 file=sys.stderr,
             )
-    return _compile(sorted(SRC.glob("*.c")), output, kind)
+    return _compile(shim_sources(), output, kind)
 
 
 def glibc_needed(library: Path) -> tuple[int, int]:

@@ -127,8 +127,8 @@ def native_build(tmp_path_factory: pytest.TempPathFactory) -> NativeBuild:
     )
     shim: Path | None = None
     error: str | None = None
-    if not any((NATIVE / "src").glob("*.c")):
-        error = "the shim's sources (native/src/*.c) are not there"
+    if not build.shim_sources():
+        error = "the shim's sources (native/src/<room>/*.c) are not there"
     else:
         try:
             shim = build.build_shim(root / "lib" / "libgpushare.so")
@@ -139,16 +139,16 @@ def native_build(tmp_path_factory: pytest.TempPathFactory) -> NativeBuild:
 
 @pytest.fixture(scope="session")
 def hooked_exports() -> frozenset[str]:
-    """The exported names the shim hooks, read from native/src/hooks.def through the
+    """The exported names the shim hooks, read from native/src/base/hooks.def through the
     preprocessor, so the tests follow the table the shim is built from."""
     build = _load_build_module()
     source = (
         "#define GS_GATED(name, ...) GS_HOOK name\n"
         "#define GS_CUSTOM(name, ...) GS_HOOK name\n"
-        '#include "hooks.def"\n'
+        '#include "base/hooks.def"\n'
     )
     out = subprocess.run(
-        [*build.compiler(), "-E", "-P", f"-I{NATIVE / 'src'}", "-x", "c", "-"],
+        [*build.compiler(), "-E", "-P", f"-I{build.SRC}", "-x", "c", "-"],
         input=source,
         capture_output=True,
         text=True,

@@ -48,7 +48,7 @@
  *                               and check pattern 1
  *   procaddr                    get cuGetProcAddress through cuGetProcAddress_v2 and use it as v1
  */
-#include "cuda_abi.h"
+#include "base/cuda_abi.h"
 #include "gpushare.h"
 
 #include <dlfcn.h>

@@ -58,7 +58,7 @@
  * GPUSHARE_FAKE_ASYNC_COPIES=1: asynchronous copies complete at a later synchronisation, and one
  * whose device memory is unmapped first is lost (fake_async.c).
  */
-#include "cuda_abi.h"
+#include "base/cuda_abi.h"
 
 #include <ctype.h>
 #include <dlfcn.h>

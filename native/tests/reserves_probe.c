@@ -1,6 +1,6 @@
 /*
- * A test program for the memory the driver keeps outside allocations (native/src/memory_reserves.c,
- * memory_graphs.c), linked against the stand-in driver and run under the shim. One JSON object per
+ * A test program for the memory the driver keeps outside allocations (native/src/memory/reserves.c,
+ * memory/graphs.c), linked against the stand-in driver and run under the shim. One JSON object per
  * line; each step's event carries the driver's return code ("rc"), the status API's numbers
  * ("status") and the driver's own ("driver": the pools' reserved and used bytes on device 0, the
  * graph pool's, on the device RESERVES_DEVICE names, default 0); then the stand-in's stats ("stats") and {"event":"exit","rc":N}. SIZE in bytes.
@@ -25,7 +25,7 @@
  *       LAUNCHES times ("launched": the last one's rc, and how many worked), the allocation freed
  *       after the launches when INNER is 0 ("freed"), cuDeviceGraphMemTrim ("trimmed").
  */
-#include "cuda_abi.h"
+#include "base/cuda_abi.h"
 #include "gpushare.h"
 #include "probe_events.h"
 

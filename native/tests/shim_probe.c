@@ -39,7 +39,7 @@
  *   shim_probe twomem ... / twoquota ...
  *                                 memory on two devices: see shim_probe_devices.c
  */
-#include "cuda_abi.h"
+#include "base/cuda_abi.h"
 #include "gpushare.h"
 #include "probe_events.h"
 

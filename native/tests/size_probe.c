@@ -1,11 +1,11 @@
 /*
- * Prints what the shim's gs_parse_size (native/src/config.c, compiled in) makes of each argument:
+ * Prints what the shim's gs_parse_size (native/src/base/config.c, compiled in) makes of each argument:
  * one line per argument, the byte count or "invalid". tests/native/test_sizes.py compares it with
  * jupyter_gpushare/units.py, the Python side of the same size syntax.
  */
 #include <stdio.h>
 
-#include "shim.h"
+#include "base/shim.h"
 
 int main(int argc, char **argv)
 {

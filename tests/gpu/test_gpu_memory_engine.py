@@ -80,7 +80,7 @@ def test_busy_kernels_move_at_the_bus_speed_and_keep_their_data(scheduler: Sched
 
 def test_torch_multiprocessing_ipc(scheduler: Scheduler) -> None:
     """Sharing CUDA tensors between shimmed processes works with explicit memory (the shim's own
-    IPC handle, memory_ipc.c): the child sees the parent's values, the parent sees the child's
+    IPC handle, memory/ipc.c): the child sees the parent's values, the parent sees the child's
     write, and the shared memory is pinned while the child maps it, evictable after. Under
     GPUSHARE_MEMORY=device the driver's own IPC is used, and works too."""
     require("torch")
@@ -143,7 +143,7 @@ def test_an_idle_kernel_is_precopied_and_leaves_in_milliseconds(scheduler: Sched
 def test_a_block_freed_while_its_staging_is_made_leaves_no_host_memory(
     scheduler: Scheduler,
 ) -> None:
-    """The shim prepares each new block's host staging in the background (memory_prepare.c). A
+    """The shim prepares each new block's host staging in the background (memory/prepare.c). A
     cell that allocates 6 GiB and frees it at once (a temporary, then empty_cache) frees the block
     while its staging is still being populated: that staging must be released once made, or each
     such cell leaves 6 GiB of the host populated and registered for the life of the kernel (in
@@ -210,7 +210,7 @@ def test_room_is_kept_for_the_next_arrival(tmp_path) -> None:
 
 def test_a_burst_of_allocations_is_not_slowed_by_host_staging(tmp_path) -> None:
     """40 cudaMallocs of 1 GiB in a burst, then their exact sum and their free. Each new block's
-    host staging is made in the background (memory_prepare.c), after the program's allocations
+    host staging is made in the background (memory/prepare.c), after the program's allocations
     pause: made beside the burst, it held the memory-map lock the program's own mappings need,
     and on an H100 (2026-11-24) the burst took 25.4 s under the shim against 0.015 s without.
     After the fix (run 7): alloc 0.014 / 0.018 s, sum 0.085 / 0.114 s, free 0.015 / 0.015 s

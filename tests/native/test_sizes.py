@@ -38,7 +38,7 @@ INVALID = ["", "G", "1.2.3", "-1", "5 XB", "1e9"]
 def probe(native_build, tmp_path_factory) -> Path:
     build = _load_build_module()
     out = tmp_path_factory.mktemp("sizes") / "size_probe"
-    src = ROOT / "native" / "src"
+    src = ROOT / "native" / "src" / "base"
     return build.build_program(
         [ROOT / "native" / "tests" / "size_probe.c", src / "config.c", src / "log.c"], out
     )

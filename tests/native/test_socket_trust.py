@@ -137,5 +137,6 @@ def test_the_shim_and_the_client_read_the_same_service_account_variable():
 
     from jupyter_gpushare.paths import ENV_SERVICE_USER
 
-    source = (Path(__file__).parents[2] / "native" / "src" / "socket_trust.c").read_text()
+    native = Path(__file__).parents[2] / "native"
+    source = (native / "src" / "client" / "socket_trust.c").read_text()
     assert f'getenv("{ENV_SERVICE_USER}")' in source

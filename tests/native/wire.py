@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def c_tags() -> dict[str, int]:
-    text = (ROOT / "native" / "src" / "protocol.h").read_text()
+    text = (ROOT / "native" / "src" / "base" / "protocol.h").read_text()
     return {m[0]: int(m[1]) for m in re.findall(r"GS_TAG_(\w+) = (\d+)", text) if m[0] != "MAX"}
 
 

@@ -100,7 +100,7 @@ def test_sdist_carries_the_prebuilt_sidebar_and_the_license(dists: tuple[Path, P
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert "LICENSE" in names
     assert "jupyter_gpushare/labextension/package.json" in names
-    assert "native/src/hooks.def" in names and "native/build.py" in names
+    assert "native/src/base/hooks.def" in names and "native/build.py" in names
 
 
 def test_wheel_from_the_sdist_without_node(dists: tuple[Path, Path]) -> None:

@@ -1,7 +1,7 @@
 """Contracts the C shim and the Python side share, read from both sides.
 
-Message types and field tags (native/src/protocol.h vs jupyter_gpushare/protocol.py), the frame's
-constants, the version (shim.h vs _version.py), the default socket path (the shim's C vs
+Message types and field tags (native/src/base/protocol.h vs jupyter_gpushare/protocol.py), the
+frame's constants, the version (shim.h vs _version.py), the default socket path (the shim's C vs
 paths.py) and the size syntax (config.c's parser, compiled here, vs units.py). A change on one
 side only fails here, not in a user's session.
 """
@@ -25,6 +25,7 @@ from jupyter_gpushare.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "native" / "src"
+BASE = SRC / "base"
 HERE = Path(__file__).resolve().parent
 
 
@@ -47,13 +48,13 @@ def _c_define(text: str, name: str) -> str:
 
 
 def test_message_types_agree() -> None:
-    header = (SRC / "protocol.h").read_text()
+    header = (BASE / "protocol.h").read_text()
     c_types = {k.removeprefix("GS_MSG_"): v for k, v in _c_enum(header, "gs_msg_type").items()}
     assert c_types == {t.name: int(t) for t in protocol.MsgType}
 
 
 def test_field_tags_agree() -> None:
-    header = (SRC / "protocol.h").read_text()
+    header = (BASE / "protocol.h").read_text()
     c_tags = _c_enum(header, "gs_tag")
     tag_max = c_tags.pop("GS_TAG_MAX")
     c_fields = {k.removeprefix("GS_TAG_").lower(): v for k, v in c_tags.items()}
@@ -63,25 +64,26 @@ def test_field_tags_agree() -> None:
 
 
 def test_frame_constants_agree() -> None:
-    header = (SRC / "protocol.h").read_text()
+    header = (BASE / "protocol.h").read_text()
     assert int(_c_define(header, "GS_PROTO_VERSION"), 0) == protocol.VERSION
     assert int(_c_define(header, "GS_PROTO_HEADER"), 0) == protocol.HEADER.size
     assert int(_c_define(header, "GS_PROTO_MAX_PAYLOAD").rstrip("uU"), 0) == protocol.MAX_PAYLOAD
 
 
 def test_versions_agree() -> None:
-    shim_h = (SRC / "shim.h").read_text()
+    shim_h = (BASE / "shim.h").read_text()
     assert _c_define(shim_h, "GS_VERSION") == f'"{__version__}"'
 
 
 def _socket_path_function() -> str:
-    """The C function that computes the default socket path, wherever native/src keeps it."""
-    for source in sorted(SRC.glob("*.c")):
+    """The C function that computes the default socket path, in whichever room of native/src
+    keeps it."""
+    for source in sorted(SRC.glob("*/*.c")):
         text = source.read_text()
         match = re.search(r"\n[^\n]*gs_socket_default_path\([^)]*\)\s*\{(.*?)\n\}", text, re.S)
         if match:
             return match.group(1)
-    raise AssertionError("no gs_socket_default_path() in native/src/*.c")
+    raise AssertionError("no gs_socket_default_path() in native/src/*/*.c")
 
 
 def test_default_socket_path_agrees() -> None:
@@ -113,7 +115,8 @@ def c_parse(tmp_path_factory: pytest.TempPathFactory) -> Any:
     spec.loader.exec_module(build)
     out = tmp_path_factory.mktemp("size") / "size_probe"
     # config.c holds the parser; log.c what config.c logs with.
-    build.build_program([HERE / "contracts" / "size_probe.c", SRC / "config.c", SRC / "log.c"], out)
+    sources = [HERE / "contracts" / "size_probe.c", BASE / "config.c", BASE / "log.c"]
+    build.build_program(sources, out)
 
     def parse(texts: list[str]) -> list[int | None]:
         run = subprocess.run(

@@ -95,7 +95,7 @@ SOURCES: dict[str, str] = {
     "PRECOPY_BPS": _MEMORY + " precopied_arrival: 3 x 12 GiB / precopy_seconds",
     "EVICT_COLD_BPS": _COLD + ": median evict_gbps of the runs at delay_s 0.5",
     "STAGING_S_PER_GIB": _COLD + ": evictions at delay_s 2 ran at the staged bandwidth",
-    "STAGING_PAUSE_S": "native/src/config.c: GPUSHARE_STAGING_QUIET's default",
+    "STAGING_PAUSE_S": "native/src/base/config.c: GPUSHARE_STAGING_QUIET's default",
     "DRAIN_S": "docs/performance.md (the replay workers' half step)",
     "HANDOFF_S": _HANDOFF + " no_memory.p50_ms",
     "BLOCK_BYTES": "the policy's unit of an ask; the engine frees whole allocations",

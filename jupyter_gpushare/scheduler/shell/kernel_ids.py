@@ -43,7 +43,7 @@ __all__ = [
     "secret_digest",
 ]
 
-#: Where the provisioner gives a kernel its secret (native/src/conn.c reads it).
+#: Where the provisioner gives a kernel its secret (native/src/client/conn.c reads it).
 ENV_KERNEL_SECRET = "GPUSHARE_KERNEL_SECRET"
 
 #: Bindings each user keeps (a node starts far fewer kernels between two restarts of a server).

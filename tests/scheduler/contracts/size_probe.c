@@ -1,4 +1,4 @@
-/* Reads one size per line on stdin and prints what the shim's parser (native/src/config.c) makes
+/* Reads one size per line on stdin and prints what the shim's parser (native/src/base/config.c) makes
  * of it: the byte count, or "-" when it refuses it. tests/scheduler/test_contracts.py compares
  * the answers with jupyter_gpushare/units.py on the same inputs. */
 #include <stdint.h>

@@ -14,7 +14,7 @@
  */
 #include <stdlib.h>
 
-#include "memory_vmm.h"
+#include "vmm.h"
 
 static int precopy_valid(const struct block *b, uint64_t calls)
 {

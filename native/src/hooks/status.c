@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "gpushare.h"
-#include "session.h"
+#include "client/session.h"
 
 static void snapshot(struct gs_session *s, struct gpushare_status *out)
 {

@@ -2,9 +2,10 @@
  * Declarations shared by the shim's files. Nothing here is exported: the exports are generated in
  * hook.c from hooks.def, plus dlsym and the gpushare.h status API.
  *
- * Layering: every file calls only the files below it in native/README.md's table (no call cycle;
- * tests/native/test_layering.py checks it). The client's state is one explicit object,
- * struct gs_session (session.h), passed to the modules that need it.
+ * The base room's header (native/README.md): the driver ABI, the hook table, the loader, the
+ * configuration, logging, the gate, capture. It names nothing of the rooms above it but two things
+ * they implement for it: the gate's slow path (gs_gate_slow, client/wait.c), reached only from
+ * the inline fast path the doors expand, and the hand-written handlers that hooks.def names.
  */
 #ifndef GPUSHARE_SHIM_H
 #define GPUSHARE_SHIM_H
@@ -104,7 +105,7 @@ struct gs_config {
     double capture_wait;    /* GPUSHARE_CAPTURE_WAIT: seconds a release (eviction, restore)
                                waits for a stream capture to end before it gives up */
     const char *real_libcuda;
-    /* The memory engine's host side (memory_prepare.c, memory_staging.c, memory_bounce.c). */
+    /* The memory engine's host side (memory/prepare.c, memory/staging.c, memory/bounce.c). */
     unsigned staging_threads; /* GPUSHARE_STAGING_THREADS: CPU threads that populate staging
                                  and copy out of the bounce ring */
     double staging_quiet;     /* GPUSHARE_STAGING_QUIET: seconds without a new or freed block
@@ -255,84 +256,6 @@ int gs_capture_stream_capturing(CUstream s, int per_thread);
 void gs_capture_unlock(void);
 void gs_capture_forget_stream(CUstream s);
 void gs_capture_after_fork_child(void);
-
-/* ---- memory (memory.c) ---- */
-
-struct gs_mem_totals {
-    uint64_t used;    /* everything, context estimate included */
-    uint64_t managed; /* evictable */
-    uint64_t pinned;  /* context, pools and what they keep, graph memory, cuMemCreate, device */
-    uint64_t evicted; /* managed bytes now on the host */
-    uint64_t quota;
-    uint64_t pool;
-    uint64_t precopied;        /* resident bytes whose host copy is current: evicting is an unmap */
-    uint64_t staging_pinned;   /* host staging registered with the driver (GPUSHARE_HOST_BUDGET) */
-    uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
-    uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
-};
-/* The memory engine keeps one account per device (docs/architecture.md, "Several devices"):
- * ordinals 0..GS_MEM_DEVICES-1 each have their own; a higher one shares the last (the session
- * registers GS_MAX_LINKS + 1 = 8 devices at most). */
-#define GS_MEM_DEVICES 8
-#define GS_MEM_ALL_DEVICES ((CUdevice)-1)
-static inline int gs_mem_slot(CUdevice dev)
-{
-    return dev >= 0 && dev < GS_MEM_DEVICES ? (int)dev : GS_MEM_DEVICES - 1;
-}
-/* Every device's memory together (the status API). */
-void gs_mem_totals(struct gs_mem_totals *out);
-/* Device `dev`'s memory: what its registration reports (GS_MEM_ALL_DEVICES: every device's). */
-void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out);
-/* Each device's registration sets that device's quota and pool. */
-void gs_mem_set_quota(CUdevice dev, uint64_t quota);
-void gs_mem_set_pool(CUdevice dev, uint64_t pool);
-/* The process has a context on `dev`: its estimate counts there (once per device). */
-void gs_mem_count_context(CUdevice dev);
-/* Generation counter bumped on every change, for the coalesced MEMORY report. */
-uint64_t gs_mem_generation(void);
-/* Move device `dev`'s movable memory to the host / back to `dev` (each allocation to the device
- * it was made on). A context of `dev` must be current on the calling thread. */
-/* The next gs_mem_evict of `dev` frees at least `bytes` (0: everything; the scheduler's
- * evict_bytes), then the target is forgotten. */
-void gs_mem_set_evict_target(CUdevice dev, uint64_t bytes);
-/* While set, an eviction asks stop(arg, bytes freed so far) between blocks (and between a
- * bounced block's slots): 1 = no longer needed, stop, keeping what was moved (memory_move.c). */
-void gs_mem_set_evict_check(int (*stop)(void *arg, uint64_t freed), void *arg);
-int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
-int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
-/* Copy device `dev`'s resident explicit memory to the host at low priority, leaving it resident
- * (PRECOPY): in the background; progress shows in gs_mem_totals_dev(dev).precopied. */
-void gs_mem_precopy_async(CUdevice dev);
-/* The process stopped holding device `dev`: explicit memory it allocates there from now on gets
- * its address but no physical memory until gs_mem_back_deferred(dev), which the grant calls
- * before the gate opens (and every path that lets the process run: GS_MEM_ALL_DEVICES). */
-void gs_mem_defer_backing(CUdevice dev);
-void gs_mem_back_deferred(CUdevice dev);
-/* Prepare host staging for explicit memory that has none (called when the process goes idle). */
-void gs_mem_prepare_staging(void);
-void gs_mem_after_fork_child(void);
-/* A context was destroyed or reset: what the engine cached in it (its private stream) died with
- * it. (ctx NULL: a primary context; the engine may forget every cached handle.) */
-void gs_mem_context_gone(CUcontext ctx);
-void gs_mem_lock_for_fork(void);
-void gs_mem_unlock_after_fork(void);
-/* cuGraphLaunch of a graph with memory nodes (memory_graphs.c): reserve against the quota what
- * its launch would back (*held), refused with the shim's line when it does not fit; then count
- * it once the driver answered `r`, giving the reservation back. Others: one atomic load. */
-CUresult gs_mem_graph_launch_check(CUgraphExec exec, uint64_t *held);
-void gs_mem_graph_launched(CUgraphExec exec, CUresult r, uint64_t held);
-
-/* ---- the session, as the memory engine sees it (session.c) ---- */
-
-/* Wake the shim's thread (memory changed). Async-signal-safe. */
-void gs_client_wake(void);
-int gs_client_device_matches_uuid(const char *nvml_uuid);
-int gs_client_has_context(void);
-
-/* SIGINT while waiting (process.c): install/remove the chaining handler, read its counter. */
-void gs_sigint_begin(void);
-void gs_sigint_end(void);
-unsigned gs_sigint_count(void);
 
 /* ---- hand-written handlers, declared from hooks.def so their signatures are checked ---- */
 #define GS_GATED(name, params, args, stream, per_thread)

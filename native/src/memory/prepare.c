@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "memory_vmm.h"
+#include "vmm.h"
 
 static int prepare_started;
 
@@ -45,7 +45,7 @@ static void hold_off_captures(void)
  * program has made or freed no block for that long (at most max(5 s, it) in all), so that a
  * burst is not slowed and a temporary freed within the pause needs no staging at all. The pause
  * is short: an eviction 0.5 s after a large allocation must find staging under way, and staging
- * is populated in huge pages by several threads, a batch at a time (memory_staging.c). With no
+ * is populated in huge pages by several threads, a batch at a time (memory/staging.c). With no
  * pause at all (0), the H100 burst of 40 x 1 GiB took 1.25 s under the shim against 0.014 s
  * without (docs/gpu-verification.md, 2026-11-27). */
 #define PREPARE_MAX_DEFER 5.0
@@ -177,7 +177,7 @@ static void *preparer(void *arg)
             have = 0;
         } else if (have && nb && st.pinned && !nb->staging.pinned && !nb->copying) {
             /* An eviction before this staging was ready copied the block into pageable memory
-             * (memory_bounce.c): registered staging takes its place, so that the restore and
+             * (memory/bounce.c): registered staging takes its place, so that the restore and
              * every later eviction run at the bus's speed. An evicted block's contents move
              * along, copied without the engine's lock (20 GiB take seconds): the block is marked
              * copying meanwhile, so it is neither freed nor evicted; a restore only reads the

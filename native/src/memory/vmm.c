@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory_vmm.h"
+#include "vmm.h"
 
 struct gs_vmm_driver gs_vmm_drv;
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
@@ -61,7 +61,7 @@ static void load_driver(void)
         GS_INFO("the driver lacks the virtual memory management API: using managed memory");
 }
 
-/* Every block is created exportable as a POSIX file descriptor, so CUDA IPC (memory_ipc.c) can
+/* Every block is created exportable as a POSIX file descriptor, so CUDA IPC (memory/ipc.c) can
  * hand a block to a peer as it is: re-creating it at export would need a copy, the device and
  * twice the memory. Where the driver refuses the handle type, blocks are made without it and
  * IPC says it cannot work. */

@@ -1,7 +1,7 @@
 /*
  * CUDA graphs that allocate memory (mem-alloc nodes: cuGraphAddMemAllocNode, or cuMemAllocAsync
  * captured into a graph). The driver backs their memory when the graph is launched, from the
- * device's graph pool (memory_reserves.c counts what that pool holds). This file keeps, for each
+ * device's graph pool (memory/reserves.c counts what that pool holds). This file keeps, for each
  * instantiated graph with alloc nodes, how much its launch needs, so that a launch that would
  * take the process over its quota is refused with the shim's one line, before the driver backs
  * anything. A graph without memory nodes costs its launch one atomic load here.

@@ -6,7 +6,7 @@
  * A device-to-host copy into pageable memory runs at 1.4-2.4 GB/s on an H100 (the driver stages it
  * through its own small pinned buffer, one thread faulting the pages in); into pinned memory at
  * 54 GB/s. So the copy engine fills the ring's slots at the bus's speed while the engine's CPU
- * workers (memory_workers.c) copy each filled slot out into the block's pageable staging side by
+ * workers (memory/workers.c) copy each filled slot out into the block's pageable staging side by
  * side, faulting its huge pages in as they go: the slower of the two sets the pace, and several
  * cores keep up with the bus where one cannot.
  *
@@ -15,7 +15,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "memory_vmm.h"
+#include "vmm.h"
 
 #define SLOTS 4u
 

@@ -19,7 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "shim.h"
+#include "base/shim.h"
+#include "memory/api.h"
 
 /* ---- the table ---- */
 
@@ -33,14 +34,14 @@ struct gs_hook {
  * stored as data pointers: POSIX dlsym makes the same assumption. */
 #define GS_GATED(name, params, args, stream, per_thread) GS_EXPORT CUresult name params;
 #define GS_CUSTOM(name, ret, params, args, handler, lib) GS_EXPORT ret name params;
-#include "hooks.def"
+#include "base/hooks.def"
 #undef GS_GATED
 #undef GS_CUSTOM
 
 static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
 #define GS_GATED(name, params, args, stream, per_thread) {#name, (void *)name, GS_LIB_CUDA},
 #define GS_CUSTOM(name, ret, params, args, handler, lib) {#name, (void *)name, lib},
-#include "hooks.def"
+#include "base/hooks.def"
 #undef GS_GATED
 #undef GS_CUSTOM
 };
@@ -67,7 +68,7 @@ static const struct gs_hook gs_hooks[GS_N_HOOKS] = {
                                         : CUDA_ERROR_NOT_FOUND;                                  \
         return handler(real, GS_UNPAREN args);                                                   \
     }
-#include "hooks.def"
+#include "base/hooks.def"
 #undef GS_GATED
 #undef GS_CUSTOM
 

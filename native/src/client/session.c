@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "gpushare.h"
+#include "memory/client.h"
 #include "session.h"
 
 static struct gs_session the_session = {
@@ -124,7 +125,7 @@ void gs_session_reset_after_fork(struct gs_session *s)
     gs_gate_set_open(0);
 }
 
-/* ---- the memory engine's view of the session (shim.h) ---- */
+/* ---- what the memory engine needs of the client (memory/client.h) ---- */
 
 void gs_client_wake(void) { gs_session_wake(&the_session); }
 

@@ -1,6 +1,6 @@
 /*
  * The allocation table: every allocation the program made through the driver, counted on the
- * account of its device (memory_account.c) from the driver's answer to its free.
+ * account of its device (memory/account.c) from the driver's answer to its free.
  *
  * Allocation is not the hot path (caching allocators ask the driver rarely), so one mutex
  * (gs_mem_mu) guards the table and the accounts. The quota check reserves the bytes under it

@@ -142,7 +142,7 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
 } CUDA_ARRAY3D_DESCRIPTOR;
 
 /* Stream-ordered pools and graph memory (cuda.h 12.x/13.x layouts): the shim counts what a pool
- * keeps reserved (memory_reserves.c) and reads the sizes of a graph's mem-alloc nodes. */
+ * keeps reserved (memory/reserves.c) and reads the sizes of a graph's mem-alloc nodes. */
 enum {
     CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
     CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,

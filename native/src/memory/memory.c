@@ -1,7 +1,7 @@
 /*
  * The memory hooks: every allocation path of the driver API (hooks.def), counted against the
- * quota (memory_table.c), and the bulk moves done at a handoff. cudaMalloc's memory is explicit
- * (memory_vmm.c, moved by memory_move.c) unless GPUSHARE_MEMORY says otherwise; the program's own
+ * quota (memory/table.c), and the bulk moves done at a handoff. cudaMalloc's memory is explicit
+ * (memory/vmm.c, moved by memory/move.c) unless GPUSHARE_MEMORY says otherwise; the program's own
  * managed memory moves by prefetch.
  */
 #include <stdlib.h>
@@ -124,7 +124,7 @@ CUresult gs_mem_alloc_managed(gs_fn_cuMemAllocManaged real, CUdeviceptr *dptr, s
     return gs_memtab_settle(real(dptr, bytesize, flags), bytesize, dptr, NS_PTR, bytesize, KIND_MANAGED);
 }
 
-/* cuMemAllocAsync, cuMemAllocFromPoolAsync: memory_reserves.c (the pools' reserves too). */
+/* cuMemAllocAsync, cuMemAllocFromPoolAsync: memory/reserves.c (the pools' reserves too). */
 
 /* Physical memory of the virtual memory management API (PyTorch expandable segments, NCCL):
  * counted per handle from cuMemCreate to cuMemRelease, however often it is mapped. */

@@ -29,7 +29,7 @@ static int fallback_said;
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
-/* Populated a piece at a time by the engine's CPU workers (memory_workers.c), in transparent
+/* Populated a piece at a time by the engine's CPU workers (memory/workers.c), in transparent
  * huge pages where the kernel has them. One MAP_POPULATE of a whole block holds the process's
  * memory-map lock for as long as it takes to fault in every page, and the program's own
  * cudaMalloc (whose mapping needs that lock) waits behind it: seen on an H100, 40 blocks of 1 GiB

@@ -28,7 +28,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "memory_vmm.h"
+#include "vmm.h"
 
 enum { POSIX_FD_HANDLE = 1 }; /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
 enum { ST_OK = 0, ST_UNKNOWN = 1, ST_EVICTED = 2, ST_EXPORT_FAILED = 3 };

@@ -19,8 +19,9 @@
 #include <poll.h>
 #include <stdint.h>
 
-#include "protocol.h"
-#include "shim.h"
+#include "base/protocol.h"
+#include "base/shim.h"
+#include "memory/api.h"
 
 #define GS_RESUME_SECRET_LEN 32
 #define GS_RESUME_HOLDING 1
@@ -323,6 +324,10 @@ void gs_thread_start_locked(struct gs_session *s);
 /* ---- process.c: fork, exit and the fatal signals ---- */
 
 void gs_proc_install(struct gs_session *s);
+/* SIGINT while waiting: install/remove the chaining handler, read its counter. */
+void gs_sigint_begin(void);
+void gs_sigint_end(void);
+unsigned gs_sigint_count(void);
 
 /* ---- start.c: starting the session from a context ---- */
 

@@ -1,7 +1,7 @@
 /*
  * The work gate. Every work-submission entry point calls gs_gate_enter() (shim.h): while the
  * process holds the device the gate word is 1 and the call goes straight on. Otherwise the call
- * lands in gs_gate_slow(), which waits (client.c) until the scheduler grants the device.
+ * lands in gs_gate_slow(), which waits (client/wait.c) until the scheduler grants the device.
  *
  * Also here: the per-thread call counters and the table of recently used streams (for the idle
  * detector). The slow path itself is wait.c's.

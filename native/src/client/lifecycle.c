@@ -194,7 +194,7 @@ static void handle_evict(struct gs_session *s)
 /* PRECOPY: copy resident memory to the host at low priority while it stays resident, so that a
  * later eviction is an unmap. The copy runs on the memory engine's own thread (this one must stay
  * free to answer a revoke); the answer says what is valid now, MEMORY reports the rest as it
- * completes. Any gated call after the copy started makes it stale (memory_move.c). */
+ * completes. Any gated call after the copy started makes it stale (memory/move.c). */
 static void handle_precopy(struct gs_session *s)
 {
     pthread_mutex_lock(&s->mu);

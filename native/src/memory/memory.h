@@ -1,7 +1,7 @@
 /*
  * The memory engine's internal interface: memory.c keeps the quota, the allocation table and the
- * process's view; memory_vmm.c owns explicit device memory (reserved virtual ranges backed by
- * physical allocations) and moves it between the device and host staging; memory_staging.c owns
+ * process's view; memory/vmm.c owns explicit device memory (reserved virtual ranges backed by
+ * physical allocations) and moves it between the device and host staging; memory/staging.c owns
  * the host staging and its budget. Lock order: the engine's lock, then memory.c's.
  */
 #ifndef GPUSHARE_MEMORY_H
@@ -9,7 +9,9 @@
 
 #include <stdint.h>
 
-#include "shim.h"
+#include "api.h"
+#include "base/shim.h"
+#include "client.h"
 
 /* ---- the driver's virtual memory management ABI (cuda.h 12.x/13.x layouts) ---- */
 
@@ -37,14 +39,14 @@ typedef struct gs_mem_access_desc {
     int flags; /* CUmemAccess_flags */
 } gs_mem_access_desc;
 
-/* ---- memory_account.c: each device's account, quota and pool; the process's view ---- */
+/* ---- memory/account.c: each device's account, quota and pool; the process's view ---- */
 
 /* One device's account (under gs_mem_mu). */
 struct gs_mem_account {
     uint64_t managed, pinned_alloc, evicted, reserved; /* the table's allocations */
-    uint64_t engine, engine_evicted; /* explicit memory (memory_vmm.c) */
+    uint64_t engine, engine_evicted; /* explicit memory (memory/vmm.c) */
     uint64_t context;                /* the estimate, once the process has a context there */
-    uint64_t driver_reserve;         /* pools' reserves and graph memory (memory_reserves.c) */
+    uint64_t driver_reserve;         /* pools' reserves and graph memory (memory/reserves.c) */
     uint64_t quota, pool;            /* this device's registration's */
 };
 /* Guards the accounts and the allocation table (lock order: the engine's lock, then this). */
@@ -72,7 +74,7 @@ void gs_mem_account_totals(CUdevice dev, struct gs_mem_totals *out);
 void gs_mem_view(uint64_t real_total, uint64_t *total, uint64_t *free_out, uint64_t *used_out);
 void gs_mem_account_after_fork_child(void);
 
-/* ---- memory_table.c: the allocation table ---- */
+/* ---- memory/table.c: the allocation table ---- */
 
 enum { NS_EMPTY = 0, NS_PTR = 1, NS_HANDLE = 2, NS_ARRAY = 3, NS_MAP = 4 };
 enum {
@@ -80,7 +82,7 @@ enum {
     KIND_DEVICE = 1,  /* plain device memory (GPUSHARE_MEMORY=device): counted, pinned */
     KIND_POOL = 2,    /* stream-ordered pools: pinned */
     KIND_HANDLE = 3,  /* cuMemCreate handles: pinned until cuMemRelease */
-    KIND_ENGINE = 4,  /* explicit memory: counted by memory_vmm.c, never in the table */
+    KIND_ENGINE = 4,  /* explicit memory: counted by memory/vmm.c, never in the table */
     KIND_MAP = 5      /* a mapping of a counted handle: not counted itself */
 };
 
@@ -114,12 +116,12 @@ uint64_t gs_memtab_mark_moved(const struct gs_span *spans, const unsigned char *
 void gs_memtab_after_fork_child(void);
 void gs_memtab_forget_context(CUcontext ctx);
 /* Memory the driver keeps for the process on device `dev` outside the table (pool reserves,
- * graph memory: memory_reserves.c): counted as pinned on that device's account, against its
+ * graph memory: memory/reserves.c): counted as pinned on that device's account, against its
  * quota. Replaces the last. */
 enum { GS_RESERVE_DEVICES = 64 };
 void gs_memtab_set_driver_reserve(CUdevice dev, uint64_t bytes);
 
-/* ---- memory_reserves.c: what pools and graph memory hold for the process, per device ---- */
+/* ---- memory/reserves.c: what pools and graph memory hold for the process, per device ---- */
 
 /* After cuMemFreeAsync (memory.c): ask what the pool keeps. */
 void gs_reserves_after_free(void);
@@ -133,13 +135,13 @@ void gs_reserves_release(CUdevice dev, uint64_t held);
 void gs_reserves_graph_launched(CUdevice dev, uint64_t need, uint64_t net);
 void gs_reserves_context_gone(void);
 void gs_reserves_after_fork_child(void);
-/* memory_graphs.c */
+/* memory/graphs.c */
 void gs_graphs_after_fork_child(void);
 /* cuMemFree / cuMemFreeAsync of `dptr`: 1 when it is an allocation of a graph that never ran
  * (its launch refused, or never made): it has no memory, nothing to free (forgotten here). */
 int gs_graphs_free_unbacked(CUdeviceptr dptr);
 
-/* ---- memory_staging.c: host memory that copies run from/to at the bus's speed ---- */
+/* ---- memory/staging.c: host memory that copies run from/to at the bus's speed ---- */
 
 struct gs_staging {
     void *host;
@@ -162,17 +164,17 @@ struct gs_staging_totals {
 void gs_staging_totals(struct gs_staging_totals *out);
 void gs_staging_after_fork_child(void);
 
-/* ---- memory_workers.c: CPU threads for bulk host work ---- */
+/* ---- memory/workers.c: CPU threads for bulk host work ---- */
 
 /* Run fn(arg, i) for i in [0, n) on the workers and the calling thread; returns when all ran. */
 void gs_workers_run(void (*fn)(void *, unsigned), void *arg, unsigned n);
 /* How many threads a batch runs on (GPUSHARE_STAGING_THREADS, the caller included). */
 unsigned gs_workers_count(void);
 void gs_workers_after_fork_child(void);
-/* memory_bounce.c (its interface is the engine's own, in memory_vmm.h) */
+/* memory/bounce.c (its interface is the engine's own, in memory/vmm.h) */
 void gs_bounce_after_fork_child(void);
 
-/* ---- memory_vmm.c: the explicit engine ---- */
+/* ---- memory/vmm.c: the explicit engine ---- */
 
 /* cudaMalloc's memory, explicit. CUDA_ERROR_NOT_SUPPORTED when the driver lacks the VMM API (the
  * caller falls back). Counted against the quota (granularity-rounded; small allocations share
@@ -193,7 +195,7 @@ int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros);
 int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros);
 /* Prepare staging for every block that has none (off the critical path: on idle). */
 void gs_vmm_prepare_staging(void);
-/* memory_prepare.c: the background thread that prepares staging and runs pre-copies. */
+/* memory/prepare.c: the background thread that prepares staging and runs pre-copies. */
 void gs_vmm_preparer_start(void);
 /* A pre-copy of device `dev`'s blocks in the background, after every block's staging is ready;
  * progress shows in gs_vmm_totals (precopied_valid). */

@@ -1,6 +1,6 @@
 /*
- * The explicit engine's internals, shared by memory_vmm.c (blocks: allocation, free, lookup) and
- * memory_move.c (eviction, restore, pre-copy). Nothing else includes this file.
+ * The explicit engine's internals, shared by memory/vmm.c (blocks: allocation, free, lookup) and
+ * memory/move.c (eviction, restore, pre-copy). Nothing else includes this file.
  */
 #ifndef GPUSHARE_MEMORY_VMM_H
 #define GPUSHARE_MEMORY_VMM_H
@@ -25,18 +25,18 @@ struct block {
     CUmemGenericAllocationHandle handle; /* 0 while evicted */
     int resident;
     int precopied;         /* staging holds the contents as of precopy_mark */
-    int preparing;         /* memory_prepare.c is making its staging */
-    int staging_tried;     /* memory_prepare.c made (or failed to make) staging for it once */
+    int preparing;         /* memory/prepare.c is making its staging */
+    int staging_tried;     /* memory/prepare.c made (or failed to make) staging for it once */
     double made_at;        /* gs_now() when it was made (the log says how long staging took) */
     uint64_t id;           /* unique for the process's life: found again after the lock was let go */
     uint64_t precopy_mark; /* gs_total_gated_calls() when the pre-copy started */
     uint64_t last_use;     /* gs_vmm_use_clock when it was made, restored or backed: a partial
-                            * eviction takes the smallest first (memory_move.c) */
+                            * eviction takes the smallest first (memory/move.c) */
     int copying;           /* a pre-copy reads it, gs_vmm_mu let go: not freed or unmapped */
     int copy_spoiled;      /* an allocation was carved into it meanwhile: that copy is not whole */
     struct gs_staging staging;
     struct chunk *chunk; /* NULL: one allocation owns the block */
-    /* CUDA IPC (memory_ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
+    /* CUDA IPC (memory/ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
      * eviction and pre-copy skip a pinned block. */
     int unbacked; /* made while the process waited for the device: no physical memory yet, and
                    * nothing to copy back; the grant backs it (gs_vmm_back_deferred) */
@@ -120,7 +120,7 @@ void gs_vmm_unback(struct block *b);
 CUstream gs_vmm_move_stream(int low_priority);
 void gs_vmm_forget_streams(void);
 
-/* The background preparer (memory_prepare.c) waits on this condition (with gs_vmm_mu) for
+/* The background preparer (memory/prepare.c) waits on this condition (with gs_vmm_mu) for
  * blocks without staging, or for a pre-copy wanted (bit gs_mem_slot(dev) of each device that
  * wants one). Waking it is data, not a call into it, so the files below it can ask for work.
  * Under gs_vmm_mu. */
@@ -140,7 +140,7 @@ void gs_vmm_wait_copies_locked(const struct block *b);
 void gs_vmm_copies_begin_locked(size_t n);
 void gs_vmm_copies_end_locked(size_t n);
 
-/* memory_bounce.c: the pinned ring an eviction copies through when a block's staging is not
+/* memory/bounce.c: the pinned ring an eviction copies through when a block's staging is not
  * ready. gs_bounce_prepare makes it (a context current); gs_bounce_copy_out copies size bytes at
  * src into dst (pageable) on stream s and returns 0 once they are there, 1 when there is no ring
  * (nothing done), 2 when stop() said 1 between slots (the copy is incomplete), -1 when a copy

@@ -1,6 +1,6 @@
 /*
  * Memory the driver keeps for the process outside the per-allocation table, counted per device
- * as pinned, against the quota and in what the scheduler sees (memory_table.c holds the number):
+ * as pinned, against the quota and in what the scheduler sees (memory/table.c holds the number):
  *
  *  - Stream-ordered pools. cuMemAllocAsync / cuMemAllocFromPoolAsync are counted per allocation;
  *    after cuMemFreeAsync the pool keeps the memory reserved up to its release threshold (PyTorch's
@@ -11,7 +11,7 @@
  *    graph) is backed when the graph is launched, from the device's graph pool, which keeps it
  *    until cuDeviceGraphMemTrim. The driver's RESERVED_MEM_CURRENT of graph memory is counted; a
  *    captured allocation is never in the table (it has no memory until a launch), so nothing is
- *    counted twice. memory_graphs.c keeps what each instantiated graph's alloc nodes need, so that
+ *    counted twice. memory/graphs.c keeps what each instantiated graph's alloc nodes need, so that
  *    a launch that would take the process over its quota is refused before the driver backs it.
  *
  * The driver is asked at cheap points only: after a pool allocation, free (the graph pool too
@@ -392,7 +392,7 @@ CUresult gs_mem_device_set_pool(gs_fn_cuDeviceSetMemPool real, CUdevice dev, CUm
     return r;
 }
 
-/* ---- graph memory (memory_graphs.c keeps the graphs) ---- */
+/* ---- graph memory (memory/graphs.c keeps the graphs) ---- */
 
 CUresult gs_reserves_graph_reserve(CUdevice dev, uint64_t need, uint64_t *held)
 {
