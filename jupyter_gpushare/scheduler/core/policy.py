@@ -199,7 +199,7 @@ class Policy(FixedQuantumLock):
         keep = self.config.keep_free
         if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
             return 0
-        return keep.target(dev.pool_bytes, dev.arrivals)
+        return keep.target(dev.pool_bytes, dev.arrivals, dev.unmap_s_per_byte)
 
     def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
         """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
@@ -415,9 +415,9 @@ class Policy(FixedQuantumLock):
         A Released from a client that does not hold the device (a late answer to a Revoke that
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
-        if evt.evicted:
-            dev.measure("evict", evt.bytes_moved, evt.micros)
         part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
+        if evt.evicted:
+            dev.measure("evict", evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is not None:
             c.holding = None
             c.revoke_evict = False
@@ -461,7 +461,7 @@ class Policy(FixedQuantumLock):
         part, c.evict_asked = c.evict_asked, 0
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
-        dev.measure("evict", evt.bytes_moved, evt.micros)
+        dev.measure("evict", evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is None:
             self._set_evicted(c, part, evt.evicted_bytes)
 

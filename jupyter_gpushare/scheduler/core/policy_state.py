@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .costs import UNMAP_S_PER_GIB
 from .ordering import CellService
 
 __all__ = ["ARRIVAL_WINDOW", "ClientState", "DeviceState", "Holding", "Usage"]
@@ -138,6 +139,9 @@ class DeviceState:
     turns: bool = False  # the last pass found a waiter blocked by running clients
     # Bytes recent grants brought onto the GPU, newest last: keep_free "auto" reads them (.room).
     arrivals: deque[int] = field(default_factory=lambda: deque(maxlen=ARRIVAL_WINDOW))
+    # Seconds an eviction that copies nothing (pre-copied memory: an unmap) takes per byte freed
+    # (EWMA; keep_free "auto" weighs room made ahead against it, .room).
+    unmap_s_per_byte: float = UNMAP_S_PER_GIB / (1 << 30)
 
     @property
     def resident_bytes(self) -> int:
@@ -155,8 +159,13 @@ class DeviceState:
                 total += min(c.revoke_bytes, c.evictable)
         return total
 
-    def measure(self, direction: str, moved: int, micros: int) -> None:
-        """Fold a measured move into the device's bandwidth estimate (EWMA)."""
+    def measure(self, direction: str, moved: int, micros: int, freed: int = 0) -> None:
+        """Fold a measured move into the device's bandwidth estimate (EWMA); an eviction that
+        copied nothing but freed ``freed`` bytes (an unmap) into the unmap estimate."""
+        if direction == "evict" and moved < MIN_SAMPLE_BYTES <= freed and micros > 0:
+            rate = micros / 1e6 / freed
+            self.unmap_s_per_byte += EWMA_ALPHA * (rate - self.unmap_s_per_byte)
+            return
         if moved < MIN_SAMPLE_BYTES or micros <= 0:
             return
         rate = moved * 1e6 / micros
