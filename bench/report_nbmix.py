@@ -10,7 +10,9 @@ __all__ = ["nbmix_section"]
 VARIANT_TEXT = {
     "before": "before (10 GB/s eviction, whole kernels, no pre-copy model)",
     "engine": "the engine's measured costs, the old rules",
-    "after": "measured costs, partial eviction and cost-aware choice",
+    "after": "measured costs, the daemon's rules (partial, cost-aware, short cells first)",
+    "after-keep-free-always": "the same, keep_free room kept regardless of its cost",
+    "after-no-short-first": "the same without short cells first",
     "after-no-keep-free": "the same without keep_free",
     "fits": "the same cells, every working set fits",
 }
