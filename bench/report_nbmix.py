@@ -26,8 +26,10 @@ trace *nbmix* (`bench/trace.py`): 80% interactive cells (log-normal, median 0.25
 hold about twice the 40 GiB pool. The simulated engine's costs are the GPU measurements that
 `jupyter_gpushare/scheduler/core/costs.py` names (staged eviction 50.3 GB/s, restore 47.5 GB/s, an
 unmap of pre-copied memory 0.68 ms/GiB, pre-copy in the background 6.8 GB/s, a cold eviction
-before the host staging is ready 1.8 GB/s, a 12.5 ms drain, 1.65 ms per grant), with pre-copy and
-keep_free on as the daemon runs them. *Before* is the simulator and policy as they were. Each
+before the host staging is ready 8.9 GB/s, a 12.5 ms drain, 1.65 ms per grant), with pre-copy and
+keep_free as the daemon runs them (keep_free "auto" only where an unmap on demand would keep an
+arrival waiting 0.1 s: at these costs, never). *Before* is the simulator and policy as they were.
+*After* is the daemon's rules: partial eviction, cost-aware choice, short cells first. Each
 seed is one hour, the first 300 s left out; the table shows the mean p95 slowdown over the
 seeds ± the 95% confidence half-width. *Training beside interactive users*: one 24 GiB trainer
 in one long cell, three 8 GiB users with 0.3 s cells every 2-4 s, pool 40 GiB (80 GiB: no
