@@ -73,6 +73,19 @@ def nbmix_section(rep: Any) -> str:
                 "yes" if met else "**no**",
             )
         )
+    r32 = at.get((32, "after"))
+    if r32 is not None:  # issue 21: degrade gracefully, not by thrashing (no figure set)
+        rep.summary.append(
+            (
+                "nbmix, 32 users (simulator)",
+                "no thrashing (reported)",
+                f"{_f(r32['slowdown_p95_mean'])} ± {_f(r32['slowdown_p95_ci'])}x "
+                f"(before: {_f(at.get((32, 'before'), {}).get('slowdown_p95_mean'))}x, without "
+                f"short cells first: "
+                f"{_f(at.get((32, 'after-no-short-first'), {}).get('slowdown_p95_mean'))}x)",
+                "reported",
+            )
+        )
     cap = rec.get("users_per_gpu_p95_2x", [])
     cap_text = ", ".join(f"{c['trace']} {c['variant']}: {c['users']}" for c in cap)
     after = [c for c in cap if c["variant"] == "after"]

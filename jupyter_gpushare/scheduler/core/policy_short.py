@@ -21,9 +21,10 @@ needs room that a long one holds, two older rules stood in its way:
 
 Both are bounded: a cell leaves level 0 after ``first_level`` GPU-seconds (per unit of weight),
 so each cell passes a waiter, or pre-empts a holder, for at most that long; a pre-empted kernel is
-on a higher level and never pre-empts back. Measured in the simulator (nbmix, docs/performance.md):
-16 users 6.3x -> 5.2x, 32 users about 70x -> 9x (p95 slowdown); the first rule alone brings 32
-users to about 30x, the second alone to about 37x. ``PolicyConfig.short_first`` switches both.
+on a higher level and never pre-empts back. Measured in the simulator (nbmix, p95 slowdown,
+docs/perf-runs/2026-11-27-sim-b): 16 users 6.28x -> 5.31x, 32 users 58.88x -> 10.84x; on 4
+seeds at 32 users the first rule alone gave about 30x, the second alone about 37x, both 9-10x.
+``PolicyConfig.short_first`` switches both.
 """
 
 from __future__ import annotations
