@@ -64,3 +64,10 @@ def test_a_short_cell_does_not_move_another_short_cell():
     p = make_policy()
     assert cell(p, "a", 30, now=0) == [Grant("a")]
     assert cell(p, "s", 20, now=0.5) == []  # a's cell has had 0.5 s: short too
+
+
+def test_the_daemon_puts_short_cells_first_by_default():
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
+
+    assert GPUShareScheduler().policy_config().short_first
+    assert not GPUShareScheduler(short_first=False).policy_config().short_first

@@ -150,6 +150,14 @@ class SchedulerConfig(LoggingConfigurable):
         instead of in its wait. A kernel that comes back after such an eviction is held idle
         60 s (doubling with each return) before the next. Needs precopy_idle.""",
     ).tag(config=True)
+    short_first = Bool(
+        True,
+        help="""Under memory pressure, a notebook's cell still on the interactive ordering's first
+        level (less than ordering_first_level GPU-seconds) queues ahead of waiters that waited
+        long, and may have a longer busy cell's missing memory moved out before that cell's
+        quantum ends, when the move costs less than the cell is expected to run on
+        (docs/architecture.md, "Short cells first"). Off: short cells wait for the quantum.""",
+    ).tag(config=True)
     keep_free_wait = Float(
         KEEP_FREE_WAIT,
         help="""With keep_free "auto": keep room ahead only while making it on demand would keep
@@ -512,6 +520,7 @@ class SchedulerConfig(LoggingConfigurable):
             idle_check_interval=self.idle_check_interval,
             precopy_idle=self.precopy_idle,
             keep_free=self.keep_free_config(),
+            short_first=self.short_first,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,
