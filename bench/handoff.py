@@ -78,7 +78,10 @@ def context_bytes(workdir: Path, log: Any) -> int:
 def handoffs(workdir: Path, ctx: int, size: int, count: int, log: Any) -> dict[str, Any]:
     """``count`` handoffs between A and B, each holding ``size`` bytes of working set."""
     pool = int(1.5 * ctx) + 64 * MiB if size == 0 else 2 * ctx + int(1.5 * size) + 64 * MiB
-    with start_scheduler(workdir, "--pool", str(pool)) as sched:
+    # The handoff at a cell's end is measured: the waiter's new cell must not pre-empt the
+    # holder's (still busy) cell first, as short cells first would.
+    no_preempt = "--GPUShareScheduler.short_first=False"
+    with start_scheduler(workdir, "--pool", str(pool), no_preempt) as sched:
         a, b = _pair(sched)
         try:
             # Set up: A runs its first cell, then B (A is revoked when idle), so both have
@@ -146,7 +149,9 @@ def precopied_arrival(
     """
     # Room for every idle kernel side by side (with headroom), but not for the arrival too.
     pool = idle_count * (ctx + size) + size // 2 + 256 * MiB
-    args = ("--pool", str(pool), "--keep-free", keep_free)
+    # Room kept ahead is measured: kept whatever it costs (keep_free_wait 0), not only where an
+    # unmap on demand would be slow (the default, which at today's costs keeps none).
+    args = ("--pool", str(pool), "--keep-free", keep_free, "--GPUShareScheduler.keep_free_wait=0")
     with start_scheduler(workdir, *args) as sched:
         idle = [
             WorkerProc(shim_env(sched.socket, f"I{i}", GPUSHARE_IDLE_SECONDS="0"), f"I{i}")

@@ -10,8 +10,11 @@ each seed, their mean and 95% confidence half-width, and the users per GPU whose
   whole kernels moved, no cost-aware choice);
 - ``engine``: the engine's measured costs (:mod:`jupyter_gpushare.scheduler.core.costs`: staged and
   cold eviction, restore, pre-copy, unmap, keep_free as the daemon runs them), the old rules;
-- ``after``: the measured costs and issue 21's rules (partial eviction, cost-aware choice);
-- ``after-no-keep-free``: the same without keep_free (what room kept ahead costs here);
+- ``after``: the measured costs and issue 21's rules (partial eviction, cost-aware choice,
+  short cells first, keep_free kept only where it pays), the daemon's defaults;
+- ``after-keep-free-always``: the same, room kept ahead regardless of its cost
+  (``keep_free_wait`` 0: keep_free "auto" as it was);
+- ``after-no-short-first``: the same without short cells first (``PolicyConfig.short_first``);
 - ``fits``: the same cells on a pool that holds every working set (the memory-free floor).
 
 No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's rows.
@@ -33,25 +36,29 @@ from .common import GiB, percentile, record, write_json
 from .simulator import SimConfig, Simulation, legacy, policy_config, summarize
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
-VARIANTS = ("before", "engine", "after", "after-no-keep-free", "fits")
+VARIANTS = ("before", "engine", "after", "after-keep-free-always", "after-no-short-first", "fits")
 #: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
 TARGETS = {8: 3.0, 16: 6.0}
 WARMUP = 300.0
+#: The policy's switches for issue 21's rules, all off: the rules before it.
+OLD_RULES = {"partial_eviction": False, "cost_aware": False, "short_first": False}
 #: Short cells of the training scenario that arrive earlier are left out (allocation transient).
 TRAIN_WARMUP = 30.0
 
 
 def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
     """The simulator's and the policy's configuration of a variant."""
-    old_rules = {"partial_eviction": False, "cost_aware": False}
     if name == "before":
         sim = legacy(cfg)
-        return sim, replace(policy_config("gpushare", sim), **old_rules)
+        return sim, replace(policy_config("gpushare", sim), **OLD_RULES)
     if name == "engine":
-        return cfg, replace(policy_config("gpushare", cfg), **old_rules)
-    if name == "after-no-keep-free":
-        sim = replace(cfg, keep_free=False)
+        sim = replace(cfg, keep_free_wait=0.0)  # keep_free "auto" as it was
+        return sim, replace(policy_config("gpushare", sim), **OLD_RULES)
+    if name == "after-keep-free-always":
+        sim = replace(cfg, keep_free_wait=0.0)
         return sim, policy_config("gpushare", sim)
+    if name == "after-no-short-first":
+        return cfg, replace(policy_config("gpushare", cfg), short_first=False)
     if name == "fits":
         sim = replace(cfg, pool_bytes=10_000 * GiB, total_bytes=10_000 * GiB)
         return sim, policy_config("gpushare", sim)
@@ -121,7 +128,7 @@ def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, A
         pcfg = (
             policy_config(mode, cfg)
             if variant == "after"
-            else replace(policy_config(mode, cfg), partial_eviction=False, cost_aware=False)
+            else replace(policy_config(mode, cfg), **OLD_RULES)
         )
         short, done, spent = [], 0.0, 0.0
         for s in range(seeds):

@@ -37,7 +37,7 @@ from jupyter_gpushare.scheduler.core import costs
 from jupyter_gpushare.scheduler.core import events as ev
 from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
-from jupyter_gpushare.scheduler.core.room import KeepFree
+from jupyter_gpushare.scheduler.core.room import KEEP_FREE_WAIT, KeepFree
 
 from .common import GiB, percentile
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
@@ -84,6 +84,7 @@ class SimConfig:
     partial: bool = True
     block_bytes: int = costs.BLOCK_BYTES
     keep_free: bool = True  # the daemon's keep_free "auto" (needs model_precopy to act)
+    keep_free_wait: float = KEEP_FREE_WAIT  # ... kept only where on demand it would cost this
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
 
 
@@ -136,7 +137,7 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         idle_check_interval=cfg.idle_check_interval,
         # The daemon's defaults: pre-copy idle kernels and keep room for the next arrival.
         precopy_idle=True,
-        keep_free=KeepFree(auto=cfg.keep_free),
+        keep_free=KeepFree(auto=cfg.keep_free, min_wait=cfg.keep_free_wait),
         ordering=ordering,
     )
 
@@ -190,7 +191,12 @@ class Simulation:
         return min(u.on_gpu, blocks * self.cfg.block_bytes)
 
     def _evict(self, u: _U, asked: int) -> tuple[int, float]:
-        """Evict ``asked`` bytes of ``u`` now (pre-copied ones first): (bytes, seconds)."""
+        """Evict ``asked`` bytes of ``u`` now (pre-copied ones first): (bytes copied, seconds).
+
+        Like the engine (native/src/memory_move.c), the bytes reported are those copied: blocks
+        with a valid pre-copy are only unmapped and count as none, so the policy's bandwidth
+        estimate follows the copies, not the unmaps (which would put it at terabytes a second).
+        """
         n = self._evict_bytes(u, asked)
         cfg = self.cfg
         staged = (
@@ -206,10 +212,11 @@ class Simulation:
             cold_bps=cfg.cold_evict_bw or cfg.evict_bw,
             unmap_s_per_gib=cfg.unmap_s_per_gib,
         )
+        copied = n - min(n, u.copied)
         u.copied = max(0, u.copied - n)
         u.on_gpu -= n
         u.copy_gen += 1  # a copy in flight covered blocks that may have left
-        return n, secs
+        return copied, secs
 
     def _stale(self, u: _U) -> None:
         u.copied = 0

@@ -71,3 +71,17 @@ def test_without_it_the_arrival_waits_for_the_unmap():
     unmap = 10 * CFG.unmap_s_per_gib
     assert grant_wait(sim, "late") == pytest.approx(CFG.drain_s + unmap)
     assert unmap < 12 * GiB / CFG.evict_bw / 4
+
+
+def test_an_unmap_reports_no_bytes_copied_as_the_engine_does():
+    """The engine reports the bytes it copied (native/src/memory_move.c): evicting pre-copied
+    memory is an unmap and reports none, so the policy's eviction bandwidth (an EWMA of the
+    reports) follows the copies, and its unmap estimate the unmaps."""
+    sim = run(KeepFree())
+    assert sim.log is not None
+    (unmap,) = [e for e, _ in sim.log if isinstance(e, ev.Released) and e.evicted]
+    assert unmap.client == "u0" and unmap.bytes_moved == 0 and unmap.micros > 0
+    assert sim.policy is not None
+    (dev,) = sim.policy._devices.values()
+    assert dev.evict_bw == CFG.evict_bw  # no copy was measured
+    assert dev.unmap_s_per_byte == pytest.approx(CFG.unmap_s_per_gib / GiB, rel=0.01)

@@ -219,7 +219,8 @@ def test_auto_keeps_room_for_the_largest_recent_arrival_bounded_by_the_pool():
 def test_the_daemon_keeps_auto_room_by_default_and_parses_sizes():
     from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 
-    assert GPUShareScheduler().policy_config().keep_free == KeepFree(auto=True)
+    assert GPUShareScheduler().policy_config().keep_free == KeepFree(auto=True, min_wait=0.1)
+    assert GPUShareScheduler(keep_free_wait=0).policy_config().keep_free == KeepFree(auto=True)
     assert GPUShareScheduler(keep_free="12GiB").policy_config().keep_free == KeepFree(12 << 30)
     assert GPUShareScheduler(keep_free=4096).policy_config().keep_free == KeepFree(4096)
     assert not GPUShareScheduler(keep_free=0).policy_config().keep_free.on
@@ -234,3 +235,26 @@ def test_bad_keep_free_values_are_refused_in_one_line(value):
 
     with pytest.raises((TraitError, ValueError), match="keep_free"):
         GPUShareScheduler(keep_free=value)
+
+
+def slow_or_fast_unmap_story(micros: int) -> list:
+    """keep_free auto with min_wait 0.1 s: d (10 GB) arrives with 16 GB free, e (12 GB) must
+    evict a, which answers with an unmap (nothing copied) of ``micros``; what e's grant brings."""
+    p = make_policy(KeepFree(auto=True, min_wait=0.1))
+    three_idle_copied(p)
+    # auto wants 10 GB free (6 are): made on demand, 10 GB unmap in ~7 ms at the measured
+    # 0.68 ms/GiB, far below 0.1 s, so no room is made ahead (min_wait 0 evicts c here).
+    assert run(p, "d", 10, now=101) == [Grant("d")]
+    out = run(p, "e", 12, now=102)
+    assert Revoke("a", evict=True, reason="idle", evict_bytes=6006243328) in out
+    return p.handle(Released(102.5, "a", evicted=True, bytes_moved=0, micros=micros))
+
+
+def test_auto_keeps_room_only_where_making_it_on_demand_would_keep_an_arrival_waiting():
+    # The shim unmapped 6 GB in 4 ms: room made on demand stays cheap, none is made ahead.
+    assert slow_or_fast_unmap_story(4_000) == [Grant("e")]
+    # The same 6 GB took 1 s: 10 GB on demand would now take ~0.5 s; the rest of a goes ahead.
+    assert slow_or_fast_unmap_story(1_000_000) == [
+        Grant("e"),
+        Evict("a", reason=REASON_ROOM, bytes=0),
+    ]

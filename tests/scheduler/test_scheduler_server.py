@@ -537,10 +537,11 @@ async def test_an_idle_precopied_holder_is_evicted_for_room_over_the_wire(
     make_scheduler: Any, connect: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """c.GPUShareScheduler.keep_free (default "auto": room for the last arrival, at most a
-    quarter of the pool): an idle holder whose memory is fully copied to the host is revoked
-    with eviction before anyone asks, and the next arrival is granted without waiting."""
+    quarter of the pool; keep_free_wait 0: kept even where an unmap on demand is cheap): an idle
+    holder whose memory is fully copied to the host is revoked with eviction before anyone asks,
+    and the next arrival is granted without waiting."""
     caplog.set_level(logging.INFO)
-    await make_scheduler(precopy_idle=True)
+    await make_scheduler(precopy_idle=True, keep_free_wait=0)
     a = await idle_holder_asked_to_precopy(connect)
     await a.expect_nothing(0.2)  # the copy is not complete yet: a stays
     await a.send(MsgType.PRECOPIED, bytes_moved=0, micros=0, precopied_bytes=BIG)

@@ -21,8 +21,8 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    the room they free is reserved for it.
 3. **Turns.** The first waiter that cannot fit even then is *blocked* by running clients: the
    device is in ``turns`` mode. Holders that are idle (their cell finished) are revoked at once;
-   holders whose current run has lasted a full quantum are revoked with eviction, oldest run
-   first, only as many as the blocked waiter needs. A client's quantum grows with its memory,
+   holders past a full quantum (or on a higher level than a short cell's, .policy_short) with
+   eviction, oldest run first, only as many as the blocked waiter needs. The quantum grows,
    ``clamp(base, move_factor * (movable/evict_bw + movable/restore_bw), max)``, so that moving
    memory out and back never takes more than ``1/move_factor`` of a turn. The bandwidths are the
    client's own, measured from its reports (each cut to what the hardware can do) once it has
@@ -32,21 +32,16 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    Waiters order by fair share (lowest decayed per-user GPU-seconds / weight first, waiters Jupyter
    calls idle after busy ones, then first come first served) until they have waited
    ``max_quantum``; from then on they are *overdue* and served first, in arrival order, ahead of
-   fair share. A waiter is thus granted within about (clients + 1) * max_quantum of contention.
+   fair share, after short cells only (.policy_short). A waiter is thus granted within about
+   (clients + 1) * max_quantum of contention, each cell passing it for ``first_level`` at most.
 5. **Last resort.** A waiter that cannot fit even with every other client evicted (memory that
    cannot be evicted, or a footprint above the pool) is granted alone once nobody holds the
    device and no eviction is in flight: running it alone is better than never running it.
 
-Residency is tracked from the policy's own decisions and their answers (Grant → resident;
-Released(evicted) and Evicted → not resident, restore at the next grant), not from the coalesced
-``evicted`` counters, which are only displayed. A client's footprint on the GPU is ``used`` while
-resident and ``pinned`` (context, stream-ordered pools, ``cuMemCreate``) otherwise. A client that
-has never held the device is not resident either: managed memory that no kernel touched has no
-pages on the GPU (and needs no restore).
-
-``PolicyConfig(policy="fixed-quantum")`` replaces rules 2-5 with a baseline to measure against
-(:mod:`.policy_fixed`): an exclusive lock, first come first served, held for a fixed
-quantum unless a periodic timer finds the holder idle.
+Residency follows the policy's decisions and their answers (Grant: resident; Released(evicted),
+Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
+``used`` while resident, else ``pinned``; a client that never held the device is not resident.
+``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
 """
 
 from __future__ import annotations
@@ -81,6 +76,7 @@ from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import ask, note_cell_end, order_candidates, room_for, worth_evicting
+from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
 from .room import REASON_ROOM, precopy_candidates, room_deadline, room_evictions
@@ -201,7 +197,7 @@ class Policy(FixedQuantumLock):
         keep = self.config.keep_free
         if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
             return 0
-        return keep.target(dev.pool_bytes, dev.arrivals)
+        return keep.target(dev.pool_bytes, dev.arrivals, dev.unmap_s_per_byte)
 
     def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
         """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
@@ -417,9 +413,10 @@ class Policy(FixedQuantumLock):
         A Released from a client that does not hold the device (a late answer to a Revoke that
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
+        part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
         if evt.evicted:
             c.measure(dev, "evict", evt.bytes_moved, evt.micros)
-        part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
+            dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is not None:
             c.holding = None
             c.revoke_evict = False
@@ -464,6 +461,7 @@ class Policy(FixedQuantumLock):
         if not evt.ok:
             return  # still resident: the room it was to free does not exist (the next pass retries)
         c.measure(dev, "evict", evt.bytes_moved, evt.micros)
+        dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is None:
             self._set_evicted(c, part, evt.evicted_bytes)
 
@@ -556,6 +554,15 @@ class Policy(FixedQuantumLock):
     def _expired(self, dev: DeviceState, c: ClientState) -> bool:
         return self._clock >= self._expires_at(dev, c)
 
+    def _yields_to(self, dev: DeviceState, w: ClientState, h: ClientState, n: int) -> str | None:
+        """Why the busy holder ``h`` may be revoked for ``w``, ``n`` bytes missing (None: not):
+        past its quantum, or for a short cell (.policy_short); cost-aware, only when its cell is
+        expected to last longer than the move would take."""
+        if self.config.cost_aware and not worth_evicting(dev, h, ask(h, n), self._clock):
+            return None
+        pre = self.config.short_first and preempts(self._order, w, h, self._clock)
+        return REASON_QUANTUM if self._expired(dev, h) else REASON_ORDER if pre else None
+
     def _reserves(self, c: ClientState, now: float) -> bool:
         assert c.waiting_since is not None
         return now >= c.waiting_since + self.config.base_quantum
@@ -572,19 +579,17 @@ class Policy(FixedQuantumLock):
     def _queue(self, dev: DeviceState, now: float) -> list[ClientState]:
         """Waiters, highest priority first.
 
-        Overdue waiters (waited ≥ max_quantum) come first in arrival order: that bounds every
-        wait. The rest order by: not marked idle by Jupyter, then fair share (the user's decayed
-        GPU-seconds divided by the client's weight), then arrival.
+        Short cells first (``short_first``, .policy_short), then overdue waiters (waited ≥
+        max_quantum) in arrival order: that bounds every wait. The rest order by: not marked
+        idle by Jupyter, then fair share (the user's decayed GPU-seconds divided by the
+        client's weight), then arrival.
         """
 
         def key(c: ClientState) -> tuple[int, int, int, float, float, int]:
-            since = c.waiting_since
-            assert since is not None
-            if self._overdue(c, now):
-                return (0, 0, 0, 0.0, since, c.seq)
-            rank = self._order.rank(c, now)
-            return (1, int(c.idle), rank, self._share(dev, c, now), since, c.seq)
+            share, late, first = self._share(dev, c, now), self._overdue(c, now), short_first
+            return queue_key(self._order, c, now, share, late, first)
 
+        short_first = self.config.short_first and self.config.policy == "gpushare"
         return sorted((c for c in dev.clients.values() if c.waiting_since is not None), key=key)
 
     def _eviction_candidates(
@@ -623,6 +628,7 @@ class Policy(FixedQuantumLock):
         for c in dev.clients.values():
             if c.holding == "running" and not c.idle:
                 yield self._expires_at(dev, c)
+                yield c.run_start + self.config.ordering.min_slice  # a short waiter may pre-empt
                 if self.config.cost_aware and c.cell_start is not None:
                     yield c.cell_start + c.turn_s  # it outlives its usual cell: weigh it again
             elif c.waiting_since is not None:
@@ -749,14 +755,12 @@ class Policy(FixedQuantumLock):
             if evict:
                 deficit -= h.revoke_bytes
                 freed += h.revoke_bytes
-        for h in (c for c in running if not c.idle and self._expired(dev, c)):
-            if deficit <= 0:
-                break
-            if self.config.cost_aware and not worth_evicting(dev, h, ask(h, deficit), self._clock):
-                continue  # its cell is expected to end sooner than the move would take
-            out.append(self._revoke(h, True, REASON_QUANTUM, deficit))
-            deficit -= h.revoke_bytes
-            freed += h.revoke_bytes
+        for h in (c for c in running if not c.idle):
+            why = None if deficit <= 0 else self._yields_to(dev, w, h, deficit)
+            if why is not None:
+                out.append(self._revoke(h, True, why, deficit))
+                deficit -= h.revoke_bytes
+                freed += h.revoke_bytes
         if deficit <= 0:
             return out + self._evict_for(cands, short - freed, f"room for {w.id}")
         if any(c.holding is not None for c in dev.clients.values()):

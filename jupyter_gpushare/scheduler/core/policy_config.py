@@ -45,6 +45,9 @@ class PolicyConfig:
     # (cost-aware).
     partial_eviction: bool = True
     cost_aware: bool = True
+    # Short cells first under memory pressure (.policy_short): a short cell queues ahead of
+    # overdue waiters and pre-empts a longer busy holder's memory before its quantum ends.
+    short_first: bool = True
     # A holder whose memory grew past its grant's room_bytes is granted again, with more room,
     # once the pool can give it. Off until the shim defers backing past room_bytes (today it
     # reads the field and backs everything): a second GRANT to a holder would only restart its

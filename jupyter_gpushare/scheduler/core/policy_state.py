@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .costs import BUS_BPS, SLOWEST_MOVE_BPS
+from .costs import BUS_BPS, SLOWEST_MOVE_BPS, UNMAP_S_PER_GIB
 from .ordering import CellService
 
 __all__ = ["ARRIVAL_WINDOW", "ClientState", "DeviceState", "Holding", "Usage"]
@@ -163,6 +163,9 @@ class DeviceState:
     turns: bool = False  # the last pass found a waiter blocked by running clients
     # Bytes recent grants brought onto the GPU, newest last: keep_free "auto" reads them (.room).
     arrivals: deque[int] = field(default_factory=lambda: deque(maxlen=ARRIVAL_WINDOW))
+    # Seconds an eviction that copies nothing (pre-copied memory: an unmap) takes per byte freed
+    # (EWMA; keep_free "auto" weighs room made ahead against it, .room).
+    unmap_s_per_byte: float = UNMAP_S_PER_GIB / (1 << 30)
 
     @property
     def resident_bytes(self) -> int:
@@ -179,3 +182,13 @@ class DeviceState:
             elif c.holding == "revoking" and c.revoke_evict:
                 total += min(c.revoke_bytes, c.evictable)
         return total
+
+    def measure_unmap(self, moved: int, micros: int, freed: int) -> None:
+        """Fold an eviction that copied nothing but freed ``freed`` bytes (an unmap of pre-copied
+        memory) into the device's unmap estimate (EWMA). A report is cut to the slowest copy
+        measured: an unmap is never slower, and one client's forged timing must not make the
+        policy keep room ahead at others' cost (A28)."""
+        if moved >= MIN_SAMPLE_BYTES or freed < MIN_SAMPLE_BYTES or micros <= 0:
+            return
+        rate = min(micros / 1e6 / freed, 1.0 / SLOWEST_MOVE_BPS)
+        self.unmap_s_per_byte += EWMA_ALPHA * (rate - self.unmap_s_per_byte)

@@ -20,6 +20,16 @@ The target (:class:`KeepFree`) is a size, or ``auto``: the largest of the last
 memory, or an evicted one's restore), at most :data:`AUTO_POOL_FRACTION` of the pool. Before any
 arrival was seen, ``auto`` keeps nothing free.
 
+**Only where it pays** (``auto``, :attr:`KeepFree.min_wait`). Room made ahead saves the next
+arrival the unmap of the idle kernels' pre-copied memory, and costs each kernel evicted for it a
+restore if it comes back before the room is used. At the engine's measured costs
+(:mod:`.costs`: an unmap 0.68 ms/GiB, a restore 21 ms/GiB) the saving is a few milliseconds and
+the restore thirty times dearer per byte: in the simulator keep_free "auto" raised nbmix's p95
+slowdown at 8 users from 3.18x to 3.62x (docs/performance.md). So ``auto`` keeps room only while
+making it on demand would keep the arrival waiting at least ``min_wait`` seconds: the target's
+bytes at the device's measured unmap time per byte (an EWMA of the evictions that copied nothing,
+starting from :data:`~.costs.UNMAP_S_PER_GIB`). A size set by the operator is kept as set.
+
 **No thrashing.** Room is kept for *another* kernel; when the one evicted for room is the one that
 comes back, the room cost it a restore and saved nobody anything. Such a client is held: it is
 not evicted for room again until it has been idle :func:`room_hold` seconds (60 s after its first
@@ -39,6 +49,7 @@ from .policy_state import ARRIVAL_WINDOW, ClientState, DeviceState
 __all__ = [
     "AUTO_POOL_FRACTION",
     "AUTO_WINDOW",
+    "KEEP_FREE_WAIT",
     "REASON_ROOM",
     "KeepFree",
     "precopy_candidates",
@@ -55,6 +66,10 @@ AUTO_WINDOW = ARRIVAL_WINDOW
 RETURN_HOLD = 60.0
 #: The hold's ceiling (it doubles with each return).
 RETURN_HOLD_MAX = 3600.0
+#: keep_free "auto" keeps room only where making it on demand would keep an arrival waiting this
+#: long (seconds): the arrival's target in docs/performance.md (an arrival at pre-copied idle
+#: kernels granted within 100 ms). The scheduler's c.GPUShareScheduler.keep_free_wait.
+KEEP_FREE_WAIT = 0.1
 #: The reason an eviction for room gives (the scheduler logs it; the shim ignores it).
 REASON_ROOM = "room for the next arrival"
 
@@ -65,19 +80,28 @@ class KeepFree:
 
     size: int = 0  # bytes, when not auto
     auto: bool = False
+    # auto: keep room only while making it on demand (an unmap) would take this long (seconds)
+    min_wait: float = 0.0
 
     def __post_init__(self) -> None:
         if self.size < 0:
             raise ValueError(f"keep_free cannot be negative (got {self.size})")
+        if not self.min_wait >= 0:
+            raise ValueError(f"keep_free's min_wait must be >= 0 (got {self.min_wait})")
 
     @property
     def on(self) -> bool:
         return self.auto or self.size > 0
 
-    def target(self, pool_bytes: int, recent_arrivals: Iterable[int]) -> int:
-        """The bytes to keep free on a device of ``pool_bytes`` (never more than the pool)."""
+    def target(
+        self, pool_bytes: int, recent_arrivals: Iterable[int], unmap_s_per_byte: float = 0.0
+    ) -> int:
+        """The bytes to keep free on a device of ``pool_bytes`` (never more than the pool);
+        ``unmap_s_per_byte``: what making room on demand costs there (``auto`` and ``min_wait``)."""
         if self.auto:
             want = min(max(recent_arrivals, default=0), int(pool_bytes * AUTO_POOL_FRACTION))
+            if want * unmap_s_per_byte < self.min_wait:
+                return 0  # made on demand, the room costs the arrival less than min_wait
         else:
             want = self.size
         return max(0, min(want, pool_bytes))
