@@ -237,7 +237,15 @@ def _start_both(sched: Any, *args: str) -> tuple[Any, list[str], threading.Threa
     both = start_workload("two_gpus.py", *args, env=env)
     lines: list[str] = []
     assert both.stdout is not None
-    reader = threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True)
+    err: list[str] = []
+    both.err_lines = err  # its info log is read as it comes too: a full stderr pipe stalls it
+    readers = [
+        threading.Thread(target=lambda: lines.extend(both.stdout or []), daemon=True),
+        threading.Thread(target=lambda: err.extend(both.stderr or []), daemon=True),
+    ]
+    for r in readers:
+        r.start()
+    reader = threading.Thread(target=lambda: [r.join() for r in readers], daemon=True)
     reader.start()
     return both, lines, reader
 
@@ -261,7 +269,7 @@ def _both_output(both: Any, reader: threading.Thread, lines: list[str]) -> tuple
     """Wait for "both" to end: its stdout and stderr."""
     both.wait(timeout=300)
     reader.join(timeout=30)
-    return "".join(lines), both.stderr.read() if both.stderr else ""
+    return "".join(lines), "".join(getattr(both, "err_lines", []))
 
 
 def _record(summary: dict[str, Any], name: str) -> None:
