@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -376,12 +377,17 @@ def test_each_gpu_of_one_process_reports_and_moves_its_own_memory(tmp_path: Path
         assert both.returncode == 0, err  # both tensors exactly right (two_gpus.py checks)
         log = sched.log_text()
         moved = [(who, int(n)) for who, n in re.findall(r"evicted client=(\S+) bytes=(\d+)", log)]
-        assert any(who == "both/1" and n >= 8 * GIB for who, n in moved), log
+        # Partial eviction (issue 21): GPU 1's pool needs only the room "other" is missing, about
+        # 2 GiB beside the two contexts, so at least that of both/1's 8 GiB moves, never more.
+        assert any(who == "both/1" and 2 * GIB <= n <= 8 * GIB + slack for who, n in moved), log
         assert all(who != "both" for who, _ in moved), log  # GPU 0's memory never moved
         assert "device 1: restored" in err, err
         gpu0 = _steps(out, 0, t_other_start, t_other_done)
         gaps = [b - a for a, b in itertools.pairwise(gpu0)]
-        assert gpu0 and max(gaps) < 0.5, gaps  # GPU 0 went on through GPU 1's moves
+        # GPU 0 went on through GPU 1's moves at its own pace: no gap more than 0.1 s over its
+        # steps' median before "other" came (a step of this size took 0.54 s on an H200).
+        alone = [b - a for a, b in itertools.pairwise(_steps(out, 0, 0.0, t_other_start))]
+        assert gpu0 and alone and max(gaps) < statistics.median(alone) + 0.1, (gaps, alone)
         evicted = [n for who, n in moved if who == "both/1"]
         summary = {"evicted_gpu1_bytes": evicted, "gpu0_max_gap_s": round(max(gaps), 3)}
         _record(summary, "multi_gpu_memory.json")
