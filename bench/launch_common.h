@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "cuda_abi.h"
+#include "base/cuda_abi.h"
 
 #ifndef BENCH_NAME
 #error "define BENCH_NAME before including launch_common.h"

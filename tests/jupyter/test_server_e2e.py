@@ -99,6 +99,10 @@ def gpushare_config(e2e_kernelspec: str) -> dict[str, Any]:
             "pool_size": "512MiB",
             "base_quantum": 60.0,
             "max_quantum": 60.0,
+            # These tests time the handoff when a cell ends (as bench/handoff.py does): a new
+            # short cell must not pre-empt the running one first (short cells first's own tests
+            # are tests/policy/test_policy_short.py).
+            "short_first": False,
         },
     }
 

@@ -185,6 +185,9 @@ class Lab:
             "c.GPUShareScheduler.pool_size = '1GiB'\n"
             "c.GPUShareScheduler.base_quantum = 60.0\n"
             "c.GPUShareScheduler.max_quantum = 60.0\n"
+            # The views under test show turns that end with a cell or a quantum; with short cells
+            # first, a new short cell would have the running one's memory moved out at once.
+            "c.GPUShareScheduler.short_first = False\n"
             "c.GPUShareScheduler.history_resolution = 0.5\n" + APP_CONFIG[app]
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
