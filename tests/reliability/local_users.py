@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,38 @@ def local_users() -> Iterator[Callable[[str], LocalUser]]:
         yield make
     finally:
         for name in made:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+            remove_user(name)
+
+
+def _kill_processes_of(uid: int) -> None:
+    """SIGKILL every process whose real uid is ``uid`` (a child a test left waiting for a stop
+    that never came kept its user from being removed: userdel refuses a user with processes)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                uids = next(line for line in status if line.startswith("Uid:")).split()[1:]
+        except (OSError, StopIteration):
+            continue
+        if int(uids[0]) == uid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def remove_user(name: str) -> None:
+    """Remove a user a test made, after stopping whatever of its processes is left."""
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return
+    for _ in range(40):  # another process may hold /etc/passwd's lock; the kills take a moment
+        _kill_processes_of(uid)
+        done = subprocess.run(["userdel", name], capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        time.sleep(0.25)
+    warnings.warn(f"could not remove the test user {name}: {done.stderr.strip()}", stacklevel=1)
 
 
 @contextlib.contextmanager
