@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -38,7 +40,8 @@ def _hold_then_hand_over(path: str, stop: str) -> int:
         keep = sock.fileno()
         os.closerange(3, keep)
         os.closerange(keep + 1, 4096)
-        while not os.path.exists(stop):
+        deadline = time.monotonic() + 60  # never outlive the test, whatever happens to it
+        while not os.path.exists(stop) and time.monotonic() < deadline:
             time.sleep(0.05)
         os._exit(0)
     return os.getpid()
@@ -73,8 +76,11 @@ async def test_a_reused_pid_is_never_signalled(
     )
     open_to_everyone(node)
     path = node.socket_path
-    stop = str(tmp_path / "stop")
-    os.chmod(tmp_path, 0o755)
+    # The stop file where alice can see it: tmp_path's parents are root's alone (0700), so alice's
+    # child never saw a stop file there and slept on after every run, keeping alice's user.
+    shared = tempfile.mkdtemp(prefix="gs-pidfd-")
+    os.chmod(shared, 0o755)
+    stop = os.path.join(shared, "stop")
     old_pid = await asyncio.get_running_loop().run_in_executor(
         None, collect, *spawn_as(alice, _hold_then_hand_over, path, stop), 30
     )
@@ -94,6 +100,7 @@ async def test_a_reused_pid_is_never_signalled(
         assert f"pid {old_pid} has exited" in caplog.text or "gone" in caplog.text, caplog.text
     finally:
         open(stop, "w").close()
+        shutil.rmtree(shared, ignore_errors=True)
         bystander.kill()
         bystander.wait()
         kill(pid_c)
