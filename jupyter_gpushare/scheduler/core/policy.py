@@ -34,9 +34,8 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    ``max_quantum``; from then on they are *overdue* and served first, in arrival order, ahead of
    fair share, after short cells only (.policy_short). A waiter is thus granted within about
    (clients + 1) * max_quantum of contention, each cell passing it for ``first_level`` at most.
-5. **Last resort.** A waiter that cannot fit even with every other client evicted (memory that
-   cannot be evicted, or a footprint above the pool) is granted alone once nobody holds the
-   device and no eviction is in flight: running it alone is better than never running it.
+5. **Last resort.** A waiter that cannot fit even with every other client evicted is granted
+   alone once nobody holds the device and no eviction is in flight.
 
 Residency follows the policy's decisions and their answers (Grant: resident; Released(evicted),
 Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
