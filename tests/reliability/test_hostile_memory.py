@@ -30,6 +30,23 @@ from jupyter_gpushare.scheduler.shell.devices import nvml_pids_comparable
 GIB = 1 << 30
 
 
+@pytest.fixture
+def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNVMLProcesses:
+    """A stand-in NVML whose per-process list the test fills, in place of pynvml."""
+    if not nvml_pids_comparable():
+        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
+    fake = FakeNVMLProcesses()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
+
+
+async def _nvml_node(make_scheduler: Any, **extra: Any) -> Any:
+    """A scheduler reading that NVML every 50 ms, a 4 GiB pool, open to every local user."""
+    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB", **extra)
+    open_to_everyone(node)
+    return node
+
+
 def _evicted_liar(path: str, stop: str) -> list[int]:
     """mallory: takes a turn with 3 GiB, then claims it all evicted and keeps it."""
     import socket
@@ -52,15 +69,10 @@ def _evicted_liar(path: str, stop: str) -> list[int]:
 
 
 async def test_a14d_memory_claimed_evicted_that_nvml_sees_on_the_card_counts(
-    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    local_users: Any, make_scheduler: Any, nvml: FakeNVMLProcesses, tmp_path: Any
 ) -> None:
-    if not nvml_pids_comparable():
-        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
-    nvml = FakeNVMLProcesses()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     mallory = local_users("mallory")
-    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    open_to_everyone(node)
+    node = await _nvml_node(make_scheduler)
     stop = str(tmp_path / "stop")
     pid, rfd = spawn_as(mallory, _evicted_liar, node.socket_path, stop)
     nvml.processes[pid] = 3 * GIB
@@ -93,22 +105,15 @@ def _sleep(seconds: float) -> None:
 async def test_memory_of_gpu_processes_that_never_registered_is_counted(
     local_users: Any,
     make_scheduler: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    nvml: FakeNVMLProcesses,
     caplog: pytest.LogCaptureFixture,
     policy: str,
 ) -> None:
     """carol runs a GPU program without the shim (NVML lists it with 3 GiB); alice's and bob's
     2 GiB kernels would fit the 4 GiB pool together, but not beside carol's 3 GiB. Before, the
     scheduler ran them side by side on a card that did not have the room."""
-    if not nvml_pids_comparable():
-        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
-    nvml = FakeNVMLProcesses()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     carol, alice, bob = local_users("carol"), local_users("alice"), local_users("bob")
-    node = await make_scheduler(
-        use_nvml=True, utilization_interval=0.05, pool_size="4GiB", unmanaged_memory=policy
-    )
-    open_to_everyone(node)
+    node = await _nvml_node(make_scheduler, unmanaged_memory=policy)
     path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
     pid_c, rfd_c = spawn_as(carol, _sleep, 30.0)
     await _until(lambda: os.stat(f"/proc/{pid_c}").st_uid == carol.uid)  # it became carol
@@ -140,19 +145,14 @@ async def test_memory_of_gpu_processes_that_never_registered_is_counted(
 
 
 async def test_a_client_that_left_is_not_unmanaged_while_its_process_exits(
-    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
+    local_users: Any, make_scheduler: Any, nvml: FakeNVMLProcesses
 ) -> None:
     """Seen on an H100 (tests/gpu/test_gpu_captures.py, 2026-11-27): a kernel that said GOODBYE
     stays in NVML's list while its process exits, and was counted as an unmanaged process: the
     2 GiB pool fell to 0.75 GiB under the kernel still running. A process that was a client is
     not unmanaged while NVML still lists it."""
-    if not nvml_pids_comparable():
-        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
-    nvml = FakeNVMLProcesses()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     alice = local_users("alice")
-    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    open_to_everyone(node)
+    node = await _nvml_node(make_scheduler)
     gpu = {"device_uuid": NVML_UUID}
     pid, rfd = spawn_as(alice, _shim, node.socket_path, {**gpu, "client_id": "a"}, 2 * GIB, 30.0)
     try:
@@ -207,20 +207,15 @@ async def test_a13b_without_nvml_the_driver_sizes_the_gpu_not_a_hello(
 
 
 async def test_a20b_memory_a_registered_process_takes_past_its_shim_counts(
-    local_users: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
+    local_users: Any, make_scheduler: Any, nvml: FakeNVMLProcesses
 ) -> None:
     """mallory's kernel registers and reports 1 GiB through its shim, but calls the real driver
     directly for 2 GiB more (bypassing the shim's hooks): NVML sees 3 GiB for her process. Her
     client counts as 3 GiB, the 2 GiB its shim never declared as pinned (no eviction can move
     them), and status shows it; alice's 2 GiB kernel waits instead of being run beside her in
     the 4 GiB pool. When NVML sees the memory go, alice runs."""
-    if not nvml_pids_comparable():
-        pytest.skip("the tests run in a pid namespace of their own: NVML's pids are not theirs")
-    nvml = FakeNVMLProcesses()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     mallory, alice = local_users("mallory"), local_users("alice")
-    node = await make_scheduler(use_nvml=True, utilization_interval=0.05, pool_size="4GiB")
-    open_to_everyone(node)
+    node = await _nvml_node(make_scheduler)
     path, gpu = node.socket_path, {"device_uuid": NVML_UUID}
     pid_m, rfd_m = spawn_as(mallory, _shim, path, {**gpu, "client_id": "m"}, GIB, 30.0)
     nvml.processes[pid_m] = 3 * GIB  # her shim's 1 GiB and 2 GiB straight from the driver
