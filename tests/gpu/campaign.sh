@@ -180,7 +180,11 @@ for n in $names; do
     rc=$?
     secs=$((SECONDS - t0))
     log=$OUT/logs/$base.log
-    # the scheduler's own log lines out (each test prints its scheduler's log), test ids kept
+    # the scheduler's own log lines out (each test prints its scheduler's log), test ids kept;
+    # for a file that failed they are kept apart, gzipped, to find out why
+    if [ "$rc" != 0 ]; then
+        grep -aE 'SchedulerApp\]' "$OUT/logs/$base.raw" | gzip > "$OUT/logs/$base.scheduler.log.gz"
+    fi
     sed -E '/^\[[A-Z] [0-9:.]+ SchedulerApp\]/d; s/ ?\[[A-Z] [0-9:.]+ SchedulerApp\].*$//' \
         "$OUT/logs/$base.raw" > "$log"
     rm -f "$OUT/logs/$base.raw"
