@@ -34,7 +34,7 @@ test_gpu_deep_idle.py 160
 test_gpu_deep_idle_service_account.py 45
 test_mps.py 110
 test_gpu_programs.py 420
-test_multi_gpu.py 70
+test_multi_gpu.py 150
 "
 BENCH="
 cold_eviction 150

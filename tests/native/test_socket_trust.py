@@ -6,11 +6,13 @@ runs unshared (docs/protocol.md, "Trusting the socket")."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
-import subprocess
 import uuid
 
 import pytest
+
+from tests.reliability.local_users import add_user, remove_user
 
 
 def test_a_directory_others_can_write_is_refused(harness):
@@ -45,13 +47,11 @@ def other_user():
     if os.geteuid() != 0 or not shutil.which("useradd"):
         pytest.skip("creating a user needs root and useradd")
     name = f"gs{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--system", name], check=True)
+    add_user(name, "--no-create-home", "--system")
     try:
-        import pwd
-
         yield pwd.getpwnam(name).pw_uid
     finally:
-        subprocess.run(["userdel", name], check=False)
+        remove_user(name)
 
 
 def test_a_socket_of_another_user_is_refused(harness, other_user):

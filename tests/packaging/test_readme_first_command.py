@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.packaging.test_readme_commands import _readme_commands
+from tests.reliability.local_users import add_user, remove_user
 
 ROOT = Path(__file__).resolve().parents[2]
 #: One install and start: measured 9 min as root, 11 min as the new user (empty pip and npm
@@ -60,13 +61,11 @@ def new_user() -> Iterator[pwd.struct_passwd]:
     if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
         pytest.skip("needs root, useradd and runuser to run it as a new user (CI runs as root)")
     name = f"gsreadme{secrets.token_hex(3)}"
-    subprocess.run(
-        ["useradd", "--create-home", "--shell", "/bin/bash", name], check=True, capture_output=True
-    )
+    add_user(name, "--create-home", "--shell", "/bin/bash")
     try:
         yield pwd.getpwnam(name)
     finally:
-        subprocess.run(["userdel", "--remove", name], check=False, capture_output=True)
+        remove_user(name, "--remove")
 
 
 def _reach_the_lab(command: str, cwd: Path, user: pwd.struct_passwd | None, log: Path) -> None:

@@ -49,16 +49,7 @@ def local_users() -> Iterator[Callable[[str], LocalUser]]:
 
     def make(role: str) -> LocalUser:
         name = f"gs{role[:6]}{secrets.token_hex(3)}"
-        for attempt in range(60):  # another process may hold /etc/passwd's lock a while
-            made_it = subprocess.run(
-                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                capture_output=True,
-                text=True,
-            )
-            if made_it.returncode == 0 or "cannot lock" not in made_it.stderr or attempt == 59:
-                break
-            time.sleep(1.0)
-        made_it.check_returncode()
+        add_user(name)
         made.append(name)
         entry = pwd.getpwnam(name)
         return LocalUser(name, entry.pw_uid, entry.pw_gid)
@@ -86,15 +77,28 @@ def _kill_processes_of(uid: int) -> None:
                 os.kill(int(entry), signal.SIGKILL)
 
 
-def remove_user(name: str) -> None:
-    """Remove a user a test made, after stopping whatever of its processes is left."""
+def add_user(name: str, *options: str) -> None:
+    """``useradd`` a test user (no home and no login shell unless ``options`` say otherwise),
+    waiting for /etc/passwd's lock when another process (a parallel test run) holds it."""
+    options = options or ("--no-create-home", "--shell", "/usr/sbin/nologin")
+    for attempt in range(60):
+        made_it = subprocess.run(["useradd", *options, name], capture_output=True, text=True)
+        if made_it.returncode == 0 or "cannot lock" not in made_it.stderr or attempt == 59:
+            break
+        time.sleep(1.0)
+    made_it.check_returncode()
+
+
+def remove_user(name: str, *options: str) -> None:
+    """Remove a user a test made (``options``: e.g. ``--remove`` for its home), after stopping
+    whatever of its processes is left; a user that cannot be removed is reported."""
     try:
         uid = pwd.getpwnam(name).pw_uid
     except KeyError:
         return
     for _ in range(40):  # another process may hold /etc/passwd's lock; the kills take a moment
         _kill_processes_of(uid)
-        done = subprocess.run(["userdel", name], capture_output=True, text=True)
+        done = subprocess.run(["userdel", *options, name], capture_output=True, text=True)
         if done.returncode == 0:
             return
         time.sleep(0.25)
