@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,7 +115,10 @@ def device_of(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-async def test_idle_kernel_hands_the_gpu_over(jp_fetch: Any, jp_serverapp: Any) -> None:
+async def test_idle_kernel_hands_the_gpu_over(
+    jp_fetch: Any, jp_serverapp: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     ext = await started(jp_serverapp)
     a = await start_kernel(jp_fetch, KERNEL, path="a.ipynb")
     b = await start_kernel(jp_fetch, KERNEL, path="b.ipynb")
@@ -164,8 +169,16 @@ async def test_idle_kernel_hands_the_gpu_over(jp_fetch: Any, jp_serverapp: Any) 
         assert out_a["launches"] > 10
         assert waited > 1.0, "B did not wait for A"
         assert out_b["first_launch"] >= out_a["end"], "B ran while A held the device"
-        # Measured 0.20-0.25 s on 2 cores, most of it the stand-in's copy of A's 300 MiB.
-        assert -0.05 < latency < 0.75, f"A's idle -> B's launch took {latency:.3f}s"
+        # Most of it is the stand-in's copy of A's 300 MiB (0.20-0.25 s in all on 2 cores; over
+        # 1.5 s under load, when A's host staging is not made yet): the scheduler logs it.
+        moved = [
+            float(m.group(1)) / 1000
+            for m in re.finditer(rf"release client={a} evicted=1 .* ms=([0-9.]+)", caplog.text)
+        ]
+        assert moved, "no eviction of A logged"
+        overhead = latency - moved[-1]
+        print(f"of which A's eviction {moved[-1] * 1000:.1f} ms, the rest {overhead * 1000:.1f} ms")
+        assert latency > moved[-1] and overhead < 0.5, (latency, moved)
 
         doc = await status()
         dev = device_of(doc)

@@ -59,7 +59,8 @@ async def test_busy_idle_reach_the_scheduler(jp_fetch: Any, jp_serverapp: Any) -
             # Requests that run no user code (kernel_info, completion) are not cells.
             before = len(transitions(ext, kid))
             await kc.kernel_info(reply=True, timeout=10)
-            await kc.complete("pri", reply=True, timeout=10)
+            # A first completion loads jedi's view of the builtins: over 10 s on a loaded machine.
+            await kc.complete("pri", reply=True, timeout=90)
             await asyncio.sleep(0.3)
             assert transitions(ext, kid)[before:] == []
             # The status shows the kernel's notebook through the session manager.
