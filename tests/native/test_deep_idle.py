@@ -120,12 +120,14 @@ def test_an_idle_process_sleeps_holds_nothing_and_its_next_call_wakes_it(harness
 
 def test_a_busy_notebook_wakes_a_sleeping_kernel_before_its_first_call(harness, ckpt):
     sched = start(harness, ckpt, IDLE_S)
-    a = spawn(harness, ckpt, 10.0)
+    # The program makes its next call after 20 s: on a loaded machine the eviction and the
+    # checkpoint alone took several seconds, and the busy must come before that call.
+    a = spawn(harness, ckpt, 20.0)
     as_notebook(harness, sched)
-    sched.wait_log("asleep client=A", 20)
+    sched.wait_log("asleep client=A", 60)
     assert device_bytes(harness, a.pid) == 0
     kernel_state(harness, "A", "busy")
-    sched.wait_log("woke client=A", 10)
+    sched.wait_log("woke client=A", 30)
     # Awake again while the program has made no GPU call yet: its context is back.
     assert device_bytes(harness, a.pid) >= CONTEXT
     assert client_status(sched, "A")["state"] != "asleep"

@@ -42,16 +42,18 @@ def test_a_release_waits_for_calls_inside_the_driver(harness, shim_probe, tmp_pa
     """The stand-in keeps each launch 150 ms inside the driver before its work is queued. Two
     processes take turns (short quanta): every synchronisation the shim's thread makes for a
     release must find no launch of its process still inside the driver."""
-    harness.scheduler(pool="1GiB", quantum=0.3)
+    # Small memory and several launches: turns are taken even when a loaded machine copies
+    # slowly (600 MiB each took 6.4 s to evict, and one process ended before the other's turn).
+    harness.scheduler(pool="256MiB", quantum=0.3)
     traces = [tmp_path / "a.trace", tmp_path / "b.trace"]
     procs = [
         spawn_probe(
             harness,
             shim_probe,
             "launches",
-            4,
+            8,
             20000,
-            600 << 20,  # two do not fit in the pool: they take turns
+            150 << 20,  # two do not fit in the pool: they take turns
             context_bytes="16MiB",
             extra={"GPUSHARE_FAKE_TRACE": str(t), "GPUSHARE_FAKE_LAUNCH_DELAY_US": "150000"},
             idle_seconds=0,
