@@ -65,7 +65,7 @@ AGREEMENT = 0.15
 #: Seconds between a notebook user's GPU bursts in real use (the replay compresses it).
 REALISTIC_THINK = 4.0 * TIME_SCALE
 #: A warm start waits at most this long for one user's memory to settle, and says so.
-SETTLE_S = 60.0
+SETTLE_S = 15.0
 #: Seconds between progress lines (and checkpoints) while a replay plays.
 PROGRESS_S = 30.0
 CAPACITY_USERS = [2, 4, 6, 8, 12, 16, 24, 32]

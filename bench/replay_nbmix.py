@@ -15,7 +15,8 @@ slowdown are within :data:`bench.replay.AGREEMENT` of the real ones, and whether
 users' memory was out of the pool when the clocks started (``warm_pool``).
 
 Memory: the users' total must fit the card's free memory (never oversubscribe: the pressure
-comes from a pool smaller than the card), and the users must hold about twice the pool, as in
+comes from a pool smaller than the card) and the host's available memory (evicted memory
+lives in host staging), and the users must hold about twice the pool, as in
 nbmix (:func:`pressure`). :data:`FORMS` gives the choices; the first that fits the card found
 is played: the working sets as they are with a 40 GiB pool (an H200: seed 1's 8 users hold
 91 GiB), or halved with a 22 GiB pool (an H100: 45.5 GiB). The pool keeps the pressure of
@@ -39,7 +40,7 @@ from . import replay
 from .common import GiB, MiB
 from .simulator import SimConfig, Simulation, summarize
 from .trace import TraceConfig, generate
-from .worker import operand_bytes
+from .worker import operand_bytes, process_host_bytes
 
 #: (memory scale, label), the first whose users fit the card's free memory is played.
 FORMS = (
@@ -53,6 +54,10 @@ CONTEXT = 512 * MiB
 ALLOWANCE = int(1.5 * GiB)
 #: Left free on the card beyond the users' allowance.
 HEADROOM = 2 * GiB
+#: What the host keeps free beside the users' memory and processes (bench.worker's
+#: process_host_bytes): evicted memory lives in host staging, so the users' memory must fit the
+#: host too (the device machines have 128 GiB; seed 1's unscaled users need about 118 GiB).
+HOST_HEADROOM = 8 * GiB
 #: nbmix's pool at 8 users (issue 21).
 NBMIX_POOL = 40 * GiB
 #: A working set's allocations at memory scale 1 (a notebook's tensors; the engine evicts whole
@@ -93,6 +98,25 @@ def demand(tc: TraceConfig) -> int:
     return sum(u.working_set for u in generate(tc)) + ALLOWANCE * tc.users
 
 
+def host_available() -> int:
+    """The host's available memory (MemAvailable), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def host_need(tc: TraceConfig) -> int:
+    """What the users need of the host's memory: each evicted byte's staging (as much as the
+    working sets and operands), each worker's own (PyTorch, CUDA), and headroom."""
+    held = sum(u.working_set for u in generate(tc))
+    return held + tc.users * (operand_bytes() + process_host_bytes()) + HOST_HEADROOM
+
+
 def choose_form(
     free: int,
     users: int,
@@ -100,16 +124,18 @@ def choose_form(
     horizon: float,
     memory_scale: float = 0.0,
     pool_gib: float = 0.0,
+    host: int = 0,
 ) -> dict[str, Any]:
-    """The memory form to play on a card with ``free`` bytes free: the first of :data:`FORMS`
-    whose users fit (or ``memory_scale`` where given), its pool (or ``pool_gib``)."""
+    """The memory form to play on a card with ``free`` bytes free and a host with ``host``
+    bytes available (0: not checked): the first of :data:`FORMS` whose users fit both (or
+    ``memory_scale`` where given), its pool (or ``pool_gib``)."""
     forms = [(memory_scale, "memory scale given")] if memory_scale > 0 else list(FORMS)
     tried = []
     for scale, label in forms:
         tc = trace_config(users, seed, horizon, scale)
-        need = demand(tc)
-        tried.append(f"x{scale:g}: {need / GiB:.1f} GiB")
-        if need + HEADROOM <= free:
+        need, on_host = demand(tc), host_need(tc)
+        tried.append(f"x{scale:g}: {need / GiB:.1f} GiB, host {on_host / GiB:.1f} GiB")
+        if need + HEADROOM <= free and (host <= 0 or on_host <= host):
             pool = int(pool_gib * GiB) if pool_gib > 0 else pool_for(scale, users)
             held = sum(u.working_set for u in generate(tc))
             return {
@@ -118,14 +144,16 @@ def choose_form(
                 "pool_bytes": pool,
                 "chunk_bytes": chunk_for(scale),
                 "card_free_bytes": free,
+                "host_available_bytes": host,
+                "host_need_bytes": on_host,
                 "users_bytes": held,
                 "demand_bytes": need,
                 "pressure": pressure(held, pool, users),
             }
     raise SystemExit(
-        f"nbmix-replay: no form fits the card's {free / GiB:.1f} GiB free "
-        f"(users' memory with {ALLOWANCE / GiB:g} GiB each and {HEADROOM / GiB:g} GiB headroom: "
-        f"{'; '.join(tried)}); give --nbmix-memory-scale"
+        f"nbmix-replay: no form fits the card's {free / GiB:.1f} GiB free and the host's "
+        f"{host / GiB:.1f} GiB available (users' memory with {ALLOWANCE / GiB:g} GiB each and "
+        f"{HEADROOM / GiB:g} GiB headroom: {'; '.join(tried)}); give --nbmix-memory-scale"
     )
 
 
@@ -162,7 +190,8 @@ def run(
     also every ``progress_s`` seconds of the replay."""
     cal = replay.calibrate(log)
     free = int(cal.get("free_fresh") or cal.get("free") or 0)
-    form = choose_form(free, users, seed, horizon, memory_scale, pool_gib)
+    host = host_available()
+    form = choose_form(free, users, seed, horizon, memory_scale, pool_gib, host)
     tc = trace_config(users, seed, horizon, form["memory_scale"])
     log(
         f"nbmix-replay: {form['label']}: memory x{form['memory_scale']:g}, pool "

@@ -151,9 +151,11 @@ training cells 10x shorter (medium: median 0.8 s), every cell cut at 10 s (train
 all 10 s), so that seed 1's 8 users send about 260 cells (asked: at least 200); each user's
 duty is then about 7.5% (nbmix: 4%), the GPU about 65% busy. *Memory*: the card found picks
 the form, never oversubscribed (the pressure comes from a pool smaller than the card): where
-the working sets fit as they are (an H200: seed 1's users hold 91 GiB, with 1.5 GiB each for
-context and operands) the pool is 40 GiB; on an 80 GB card (an H100) the working sets are
-halved (45.5 GiB) and the pool is 22 GiB. Both keep nbmix's pressure: the working sets fill
+the working sets fit as they are, on the card (an H200: seed 1's users hold 91 GiB, with
+1.5 GiB each for context and operands) and in the host's available memory (evicted memory
+lives in host staging: about 118 GiB of a device machine's 128 GiB with the workers), the
+pool is 40 GiB; otherwise (an H100) the working sets are halved (45.5 GiB) and the pool is
+22 GiB. Both keep nbmix's pressure: the working sets fill
 the pool's room beside the users' 512 MiB contexts 2.5 times. A worker holds its working set
 in 256 MiB tensors (128 MiB halved), as a notebook holds many tensors: the engine evicts whole
 allocations, and the simulator's blocks are the same size. *Warm start*: before the clock

@@ -438,6 +438,12 @@ def operand_bytes() -> int:
     return 0 if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin" else 3 * N * N * 2
 
 
+def process_host_bytes() -> int:
+    """A replay worker's own host memory, about: PyTorch with a CUDA context and its libraries
+    (2 GiB); a small Python process on the stand-in."""
+    return (128 << 20) if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin" else 2 << 30
+
+
 def make_worker() -> Worker | StandinWorker:
     """PyTorch, unless GPUSHARE_BENCH_BACKEND=standin (the harnesses' tests)."""
     if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin":

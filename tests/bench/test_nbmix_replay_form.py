@@ -147,3 +147,14 @@ def restored_by_first_cell(sim: Simulation, user: str) -> bool:
         if isinstance(e, ev.Idle):
             return False
     raise AssertionError(f"{user} ran no cell")
+
+
+def test_the_host_must_hold_the_evicted_memory_too():
+    """Evicted memory lives in host staging: a form whose users do not fit the host's available
+    memory (a device machine has 128 GiB) is not played."""
+    roomy = replay_nbmix.choose_form(H200_FREE, 8, 1, HORIZON, host=124 * GiB)
+    assert roomy["memory_scale"] == 1.0 and roomy["host_need_bytes"] <= 124 * GiB
+    tight = replay_nbmix.choose_form(H200_FREE, 8, 1, HORIZON, host=100 * GiB)
+    assert tight["memory_scale"] == 0.5 and tight["host_need_bytes"] <= 100 * GiB
+    with pytest.raises(SystemExit, match="host"):
+        replay_nbmix.choose_form(H200_FREE, 8, 1, HORIZON, host=40 * GiB)
