@@ -141,33 +141,34 @@ REPLAY_COMMAND = (
 
 REPLAY_METHOD = f"""### 8a. The notebook-shaped trace on the GPU: a real-time replay
 
-*Method.* `bench/replay_nbmix.py`, one device command: 8 real PyTorch processes under the
-shim, one per user, against a real scheduler with the daemon's defaults (interactive ordering,
-pre-copy, keep_free "auto"), play the shortened trace *nbmix-replay* (`bench/trace.py`) for
-360 s of arrivals and 20 s of grace. *Real*: the interactive cells (80%, median 0.25 s,
-0.01-5 s), the mix's proportions, the working sets and every cost of moving them. *Scaled*:
-think times and long breaks 28x shorter (median 3.9 s; breaks 5%, mean 43 s), medium and
-training cells 10x shorter (medium: median 0.8 s), every cell cut at 10 s (training cells are
-all 10 s), so that seed 1's 8 users send about 260 cells (asked: at least 200); each user's
-duty is then about 7.5% (nbmix: 4%), the GPU about 65% busy. *Memory*: the card found picks
-the form, never oversubscribed (the pressure comes from a pool smaller than the card): where
-the working sets fit as they are, on the card (an H200: seed 1's users hold 91 GiB, with
-1.5 GiB each for context and operands) and in the host's available memory (evicted memory
-lives in host staging: about 118 GiB of a device machine's 128 GiB with the workers), the
-pool is 40 GiB; otherwise (an H100) the working sets are halved (45.5 GiB) and the pool is
-22 GiB. Both keep nbmix's pressure: the working sets fill
-the pool's room beside the users' 512 MiB contexts 2.5 times. A worker holds its working set
-in 256 MiB tensors (128 MiB halved), as a notebook holds many tensors: the engine evicts whole
-allocations, and the simulator's blocks are the same size. *Warm start*: before the clock
-starts the users load their memory one at a time, in the trace's order (allocated before
-their first kernel, so that the request carries it, as a later cell's does), each once the
-previous one's has settled (no holder, no waiter, every resident byte pre-copied); the pool
-then holds what the policy kept. The simulator (the daemon's own policy object) plays the
-same users through the same warm start with the costs measured in the run (eviction and
-restore bandwidths from the scheduler's log, the time per matmul iteration and per GiB of
-working set, the context the shim counts), and the record says whether its p50 and p95
-slowdown are within {AGREEMENT:.0%} of the real ones, and whether the same users' memory was
-out of the pool when the two clocks started. Before the replay the simulator also predicts
+*Method.* `bench/replay_nbmix.py`, one device command: 8 real PyTorch processes under the shim,
+one per user, against a real scheduler with the daemon's defaults (interactive ordering,
+pre-copy, keep_free "auto"), play the shortened trace *nbmix-replay* (`bench/trace.py`) for 360
+s of arrivals and 20 s of grace. *Real*: the interactive cells (80%, median 0.25 s, 0.01-5 s),
+the mix's proportions, the working sets and every cost of moving them. *Scaled*: think times and
+long breaks 28x shorter (median 3.9 s; breaks 5%, mean 43 s), medium and training cells 10x
+shorter (medium: median 0.8 s), every cell cut at 10 s (training cells are all 10 s), so that
+seed 1's 8 users send about 260 cells (asked: at least 200); each user's duty is then about 7.5%
+(nbmix: 4%), the GPU about 65% busy. *Memory*: the card found picks the form, never
+oversubscribed (the pressure comes from a pool smaller than the card): where the working sets
+fit as they are, on the card (an H200: seed 1's users hold 91 GiB, with 1.5 GiB each for context
+and operands) and in the host's available memory (evicted memory lives in host staging: about
+118 GiB of a device machine's 128 GiB with the workers), the pool is 40 GiB; otherwise (an H100)
+the working sets are halved (45.5 GiB) and the pool is 22 GiB. Both keep nbmix's pressure: the
+working sets fill the pool's room beside the users' 512 MiB contexts 2.5 times. They are not the
+same run: halved working sets move in half the time (at the committed costs the simulator
+predicts a p95 of 4.9x halved and 7.8x unscaled for seed 1), so each run is compared with its
+own simulation. A worker holds its working set in 256 MiB tensors (128 MiB halved), as a
+notebook holds many tensors: the engine evicts whole allocations, and the simulator's blocks are
+the same size. *Warm start*: before the clock starts the users load their memory one at a time,
+in the trace's order (allocated before their first kernel, so that the request carries it, as a
+later cell's does), each once the previous one's has settled (no holder, no waiter, every
+resident byte pre-copied); the pool then holds what the policy kept. The simulator (the daemon's
+own policy object) plays the same users through the same warm start with the costs measured in
+the run (eviction and restore bandwidths from the scheduler's log, the time per matmul iteration
+and per GiB of working set, the context the shim counts), and the record says whether its p50
+and p95 slowdown are within {AGREEMENT:.0%} of the real ones, and whether the same users' memory
+was out of the pool when the two clocks started. Before the replay the simulator also predicts
 the run at the committed costs; the record (`nbmix_replay.json`, with `nbmix_replay.txt`) is
 written every 30 s, so a run cut short keeps its cells so far. Without a GPU,
 `tests/bench/test_nbmix_replay_standin.py` plays 20 s of the trace on the stand-in driver.
