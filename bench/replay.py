@@ -28,6 +28,12 @@ references (equal sharing, ideal LAS, clairvoyant SRPT) on the same cells.
 At real time (``run_campaign --only replay-real``) the trace is :func:`bench.trace.scaled` by
 ``TIME_SCALE``: think times of minutes, cells of seconds, every timer of every policy at its
 real value; nothing is compressed.
+
+A *warm start* (``run(..., warm=True)``; the nbmix replay, :mod:`bench.replay_nbmix`): the users
+load their memory one at a time in the trace's order, each once the previous one's memory has
+settled (no holder, no waiter, every resident client's memory pre-copied: what an idle pool
+holds in steady state), and the clock starts after the last; the simulator plays the same
+warm-up (:class:`bench.simulator.Simulation` with ``warm=True``).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from .handoff import bandwidths
 from .procs import WorkerProc
 from .simulator import SimConfig, Simulation, capacity_sweep, summarize
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled, to_json
-from .worker import N
+from .worker import operand_bytes
 
 MODES = ("gpushare", "gpushare-fair", "colocate", "fixed-quantum")
 #: Simulated references shown beside the real modes, on the same trace.
@@ -58,6 +64,10 @@ SIM_REFERENCES = ("equal-share", "las", "srpt")
 AGREEMENT = 0.15
 #: Seconds between a notebook user's GPU bursts in real use (the replay compresses it).
 REALISTIC_THINK = 4.0 * TIME_SCALE
+#: A warm start waits at most this long for one user's memory to settle, and says so.
+SETTLE_S = 15.0
+#: Seconds between progress lines (and checkpoints) while a replay plays.
+PROGRESS_S = 30.0
 CAPACITY_USERS = [2, 4, 6, 8, 12, 16, 24, 32]
 
 
@@ -84,6 +94,8 @@ def calibrate(log: Any) -> dict[str, Any]:
         "t_iter": cal["t_iter"],
         "touch_s_per_gib": cal["touch_s_per_gib"],
         "context_bytes_real": ctx,
+        # free beside one bare context (``free`` is read with the calibration's 4 GiB held)
+        "free_fresh": int(first["free"]),
         **free,
     }
 
@@ -144,6 +156,83 @@ class UtilizationSampler:
         return sum(xs) / len(xs) / 100.0 if xs else None
 
 
+def settled(status: dict[str, Any]) -> bool:
+    """The pool at rest: nobody holds or waits, and every client's resident memory has a host
+    copy (the scheduler pre-copies idle kernels), so that what it holds is what an idle pool
+    holds in steady state."""
+    for dev in status.get("devices", []):
+        if dev.get("holders") or dev.get("queue"):
+            return False
+        for c in dev.get("clients", []):
+            resident = int(c.get("managed_bytes", 0)) - int(c.get("evicted_bytes", 0))
+            if resident > 0 and int(c.get("precopied_bytes", 0)) < resident:
+                return False
+    return True
+
+
+def _warm_up(procs: dict[str, WorkerProc], sched: Any, log: Any) -> dict[str, Any]:
+    """Load the users one at a time (the trace's order), each after the last has settled."""
+    waits: dict[str, float] = {}
+    unsettled = []
+    pools = []  # after each load: every client's (managed, evicted, pre-copied) MiB
+    for name, p in procs.items():
+        p.write_line("load")
+        p.read(300)  # "ready": loaded, idle, the device given back
+        t = time.monotonic()
+        while not settled(status := sched.status()):
+            if time.monotonic() - t > SETTLE_S:
+                unsettled.append(name)
+                break
+            time.sleep(0.05)
+        waits[name] = round(time.monotonic() - t, 3)
+        pools.append(
+            {
+                c["id"]: [
+                    c.get(k, 0) >> 20 for k in ("managed_bytes", "evicted_bytes", "precopied_bytes")
+                ]
+                for dev in status.get("devices", [])
+                for c in dev.get("clients", [])
+            }
+        )
+    log(
+        f"warm start: {len(procs)} users loaded one at a time; settled in "
+        f"{sum(waits.values()):.1f} s"
+        + (f"; NOT settled after {', '.join(unsettled)}" if unsettled else "")
+    )
+    return {"settle_s": waits, "unsettled": unsettled, "pool_mib_after_each": pools}
+
+
+def _collect(
+    procs: dict[str, WorkerProc],
+    deadline: float,
+    t0: float,
+    on_progress: Any,
+    every: float = PROGRESS_S,
+) -> list[dict[str, Any]]:
+    """Every user's cell records until all have ended or the deadline; ``on_progress(cells,
+    elapsed)`` every ``every`` seconds."""
+    cells: list[dict[str, Any]] = []
+    ended: set[str] = set()
+    note = time.monotonic() + every
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        for name, p in procs.items():
+            while name not in ended:
+                try:
+                    rec = p.read(0)
+                except TimeoutError:
+                    break
+                except RuntimeError:
+                    ended.add(name)  # the process ended: all its cells are in
+                    break
+                rec["user"] = name
+                cells.append(rec)
+        if on_progress is not None and time.monotonic() >= note:
+            note += every
+            on_progress(list(cells), time.monotonic() - t0)
+        time.sleep(0.1)
+    return cells
+
+
 def _play(
     mode: str,
     users: list[Any],
@@ -153,6 +242,10 @@ def _play(
     grace: float,
     workdir: Path,
     log: Any,
+    warm: bool = False,
+    on_progress: Any = None,
+    progress_s: float = PROGRESS_S,
+    chunk_bytes: int = 0,
 ) -> dict[str, Any]:
     specdir = Path(tempfile.mkdtemp(prefix=f"gsb-{mode}-"))
     iters_per_s = 1.0 / cal["t_iter"]
@@ -196,6 +289,8 @@ def _play(
                 "iters_per_s": iters_per_s,
                 "working_set": u.working_set,
                 "cells": u.cells,
+                "warm": bool(warm and socket),
+                "chunk_bytes": chunk_bytes,
             }
             path = specdir / f"{u.name}.json"
             path.write_text(json.dumps(spec))
@@ -206,24 +301,27 @@ def _play(
                 p.read(180)  # "context": every user has its CUDA context ...
             for p in procs.values():
                 p.write_line("load")  # ... before any loads its data
-        for p in procs.values():
-            p.read(180)  # "ready": context up, device given back
+        if warm and sched_cm is not None:
+            for p in procs.values():
+                p.read(180)  # "context": every user is up before the first loads
+            extra["warm_start"] = _warm_up(procs, sched, log)
+        else:
+            for p in procs.values():
+                p.read(180)  # "ready": context up, device given back
         if sched_cm is not None:
             extra["clients_at_start"] = sched.clients()
         t0 = time.monotonic() + 0.5
         sampler.start()
         for p in procs.values():
             p.write_line(repr(t0))
-        deadline = t0 + trace_cfg.horizon + grace
-        for name, p in procs.items():
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    rec = p.read(max(0.01, left))
-                except (TimeoutError, RuntimeError):
-                    break  # cut at the deadline (or the process ended: all its cells are in)
-                rec["user"] = name
-                cells.append(rec)
+        log(f"replay {mode}: the clock started ({trace_cfg.horizon:g} s of arrivals)")
+
+        def progress(so_far: list[dict[str, Any]], elapsed: float) -> None:
+            if on_progress is not None:  # the checkpoint first: the line says it is written
+                on_progress(_cell_results(so_far, users, cal, min(elapsed, trace_cfg.horizon)))
+            log(f"replay {mode}: {elapsed:.0f} s, {len(so_far)} cells done")
+
+        cells = _collect(procs, t0 + trace_cfg.horizon + grace, t0, progress, progress_s)
         sampler.stop()
         for name, p in procs.items():
             if p.proc.poll() not in (None, 0):  # a user that crashed: say why in the record
@@ -239,7 +337,22 @@ def _play(
             ballast.kill()
         if sched_cm is not None:
             sched_cm.__exit__(None, None, None)
-    # Cells that arrived but did not finish by the cut: unfinished (their users' next cell).
+    out = _cell_results(cells, users, cal, trace_cfg.horizon)
+    summary = summarize(out, trace_cfg.horizon)
+    summary["nvml_utilization"] = sampler.mean(t0, t0 + summary["makespan"])
+    log(
+        f"replay {mode}: p50 {summary['slowdown_p50']:.2f}x, p95 {summary['slowdown_p95']:.2f}x, "
+        f"{summary['failed']} failed, {summary['unfinished']} unfinished of {summary['cells']}, "
+        f"GPU busy {summary['gpu_busy_fraction'] * 100:.0f}%"
+    )
+    return {"mode": mode, "summary": summary, "cells": out, **extra}
+
+
+def _cell_results(
+    cells: list[dict[str, Any]], users: list[Any], cal: dict[str, Any], horizon: float
+) -> list[dict[str, Any]]:
+    """The users' cell records with their solo times, and the cells that arrived by
+    ``horizon`` but did not finish (their users' next cell): unfinished."""
     by_user = {u.name: u for u in users}
     out: list[dict[str, Any]] = []
     last_end: dict[str, float] = {}
@@ -254,7 +367,7 @@ def _play(
         nxt = len(done)
         if nxt < len(u.cells):
             arrival = last_end.get(u.name, 0.0) + u.cells[nxt]["think"]
-            if arrival <= trace_cfg.horizon:
+            if arrival <= horizon:
                 out.append(
                     {
                         "user": u.name,
@@ -266,14 +379,29 @@ def _play(
                         "solo": solo_seconds(u.cells[nxt]["gpu"], u.working_set, cal),
                     }
                 )
-    summary = summarize(out, trace_cfg.horizon)
-    summary["nvml_utilization"] = sampler.mean(t0, t0 + summary["makespan"])
-    log(
-        f"replay {mode}: p50 {summary['slowdown_p50']:.2f}x, p95 {summary['slowdown_p95']:.2f}x, "
-        f"{summary['failed']} failed, {summary['unfinished']} unfinished of {summary['cells']}, "
-        f"GPU busy {summary['gpu_busy_fraction'] * 100:.0f}%"
-    )
-    return {"mode": mode, "summary": summary, "cells": out, **extra}
+    return out
+
+
+def warm_pool(real_clients: dict[str, Any], simulated: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Whose memory was on the GPU when the clock started, really (the scheduler's status) and
+    in the simulator: each user's resident and evicted bytes, and whether the same users had
+    memory evicted."""
+    real = {
+        name: {
+            "resident": max(0, int(c.get("managed_bytes", 0)) - int(c.get("evicted_bytes", 0))),
+            "evicted": int(c.get("evicted_bytes", 0)),
+        }
+        for name, c in real_clients.items()
+    }
+    evicted_real = sorted(n for n, c in real.items() if c["evicted"] > 0)
+    evicted_sim = sorted(n for n, c in simulated.items() if c["evicted"] > 0)
+    return {
+        "real": real,
+        "simulated": simulated,
+        "evicted_real": evicted_real,
+        "evicted_simulated": evicted_sim,
+        "same": evicted_real == evicted_sim,
+    }
 
 
 def solo_seconds(gpu: float, working_set: int, cal: dict[str, Any]) -> float:
@@ -292,24 +420,35 @@ def run(
     checkpoint: Any = None,
     sweeps: bool = True,
     users: list[User] | None = None,
+    warm: bool = False,
+    cal: dict[str, Any] | None = None,
+    progress_s: float = PROGRESS_S,
+    chunk_bytes: int = 0,
 ) -> dict[str, Any]:
     """The replay's record. ``checkpoint(partial)``, if given, receives the record so far after
-    each mode, so that a run cut short (the device's time limit) still leaves results.
+    each mode and every ``PROGRESS_S`` seconds while one plays (its cells so far), so that a run
+    cut short (the device's time limit) still leaves results.
     ``sweeps``: also the capacity sweeps and what-ifs of the compressed replay (bench/capacity.py
     does the real-time ones). ``users``: play these instead of the trace's (a scenario such as
-    bench/train_beside.py's; ``trace_cfg`` then gives the horizon and the user count)."""
+    bench/train_beside.py's; ``trace_cfg`` then gives the horizon and the user count).
+    ``warm``: start from a warm pool (the module docstring), the simulator too. ``cal``: a
+    calibration already made in this run (:func:`calibrate`). ``progress_s``: seconds between
+    progress lines and checkpoints while a mode plays. ``chunk_bytes``: the workers hold their
+    working sets in allocations of this size (0: one each), the simulator's engine evicts
+    blocks of it (bench.worker.chunks)."""
     trace_cfg = trace_cfg or TraceConfig()
     given = users
     users = given if given is not None else generate(trace_cfg)
     pool = int(pool_gib * GiB)
-    cal = calibrate(log)
+    cal = cal or calibrate(log)
     # Never ask for more managed memory than the card has free (all users at once, with a
     # generous 1.5 GiB each for context, matmul operands and library workspaces).
     demand = sum(u.working_set for u in users) + int(1.5 * GiB) * len(users)
-    if cal.get("free") and demand > cal["free"]:
+    free = cal.get("free_fresh") or cal.get("free")
+    if free and demand > free:
         raise SystemExit(
             f"the users' memory ({demand / GiB:.1f} GiB) exceeds the card's free memory "
-            f"({cal['free'] / GiB:.1f} GiB): fewer users or smaller working sets"
+            f"({free / GiB:.1f} GiB): fewer users or smaller working sets"
         )
     biggest = max(u.working_set for u in users) + int(1.5 * GiB)
     if biggest > pool:
@@ -320,12 +459,8 @@ def run(
     if pool >= demand:
         log(f"note: the pool ({pool_gib} GiB) holds every user at once: no memory pressure")
     runs: dict[str, Any] = {}
-    for m in modes:
-        try:  # a mode that breaks is reported; the others still run
-            runs[m] = _play(m, users, trace_cfg, cal, pool, grace, workdir, log)
-        except Exception as exc:
-            log(f"replay {m}: FAILED: {type(exc).__name__}: {exc}")
-            runs[m] = {"mode": m, "error": f"{type(exc).__name__}: {exc}"}
+
+    def save(partial_runs: dict[str, Any]) -> None:
         if checkpoint is not None:
             checkpoint(
                 {
@@ -334,9 +469,27 @@ def run(
                     "pool_bytes": pool,
                     "calibration": cal,
                     "grace_s": grace,
-                    "runs": dict(runs),
+                    "warm_start": warm,
+                    "runs": partial_runs,
                 }
             )
+
+    for m in modes:
+
+        def playing(cells: list[dict[str, Any]], m: str = m) -> None:
+            # The cells so far: what a run cut by the device's time limit keeps of this mode.
+            run = {"mode": m, "in_progress": True, "cells": cells}
+            save({**runs, m: run})
+
+        try:  # a mode that breaks is reported; the others still run
+            runs[m] = _play(
+                m, users, trace_cfg, cal, pool, grace, workdir, log, warm, playing, progress_s,
+                chunk_bytes,
+            )  # fmt: skip
+        except Exception as exc:
+            log(f"replay {m}: FAILED: {type(exc).__name__}: {exc}")
+            runs[m] = {"mode": m, "error": f"{type(exc).__name__}: {exc}"}
+        save(dict(runs))
     # (d) one dedicated GPU per user: every cell at its solo time (see the module docstring).
     ded_cells = []
     for u in users:
@@ -368,6 +521,7 @@ def run(
     ]
     sim_cfg = SimConfig(
         pool_bytes=pool,
+        total_bytes=int(cal.get("total") or SimConfig.total_bytes),
         context_bytes=int(statistics.median(ctx)) if ctx else 512 * MiB,
         evict_bw=bw["evict_warm"]["median"] or bw["evict_cold"]["median"] or 10e9,
         restore_bw=bw["restore"]["median"] or 48e9,
@@ -375,13 +529,18 @@ def run(
         grace=grace,
         # The real workers also hold their matmul operands (bench/worker.py: a, b and the
         # product, bf16 N x N each) beside their working sets: they move too.
-        extra_bytes=3 * N * N * 2,
+        extra_bytes=operand_bytes(),
+        **({"block_bytes": chunk_bytes} if chunk_bytes else {}),
     )
     sim = {}
     sim_cells = {}  # the simulated latency of each real cell, for the per-cell comparison
+    warm_pools = {}  # a warm start's pool when the clock started, real and simulated
     for m in (*(m for m in modes if "summary" in runs[m]), "dedicated", *SIM_REFERENCES):
         played = copy.deepcopy(given) if given is not None else generate(trace_cfg)
-        cells = Simulation(played, m, trace_cfg.horizon, sim_cfg).run()
+        simulation = Simulation(played, m, trace_cfg.horizon, sim_cfg, warm=warm)
+        cells = simulation.run()
+        if simulation.warm_pool and "clients_at_start" in runs[m]:
+            warm_pools[m] = warm_pool(runs[m]["clients_at_start"], simulation.warm_pool)
         if m in ("gpushare", "gpushare-fair"):
             sim_cells[m] = [
                 {k: c[k] for k in ("user", "cell", "arrival", "end", "ok", "solo")} for c in cells
@@ -412,6 +571,7 @@ def run(
     common = {
         "trace": to_json(trace_cfg, users),
         "time_scale": TIME_SCALE,
+        "warm_start": warm,
         "pool_bytes": pool,
         "calibration": cal,
         "grace_s": grace,
@@ -420,6 +580,7 @@ def run(
         "simulated": sim,
         "simulated_cells": sim_cells,
         "agreement": agreement,
+        "warm_pool": warm_pools,
     }
     if not sweeps:
         return {**common, "real_time": trace_cfg.think_mean >= REALISTIC_THINK - 1e-9}

@@ -27,13 +27,14 @@ from typing import Any
 
 from .common import ROOT, GiB, meta_line, percentile
 from .replay import REALISTIC_THINK
-from .report_nbmix import nbmix_section
+from .report_nbmix import nbmix_replay_section, nbmix_section
 from .report_realtime import ordering_section, replay_real_section
 
 RUN_PARTS = (
     "python3 -m bench.run_campaign OUT_DIR --only launch,train,handoff,kernel_start\n"
     "python3 -m bench.run_campaign OUT_DIR --only replay\n"
     "python3 -m bench.run_campaign OUT_DIR --only replay-real\n"
+    "python3 -m bench.run_campaign OUT_DIR --only nbmix-replay   # nbmix, 8 users, on the GPU\n"
     "python3 -m bench.capacity OUT_DIR   # the simulator's campaign: no GPU, ~1 CPU minute\n"
     "python3 -m bench.nbmix OUT_DIR   # memory that does not fit (simulator): ~20 CPU minutes\n"
     "python3 -m bench.report OUT_DIR   # writes OUT_DIR/performance.md; or OUT_DIR1 OUT_DIR2 ...\n"
@@ -720,7 +721,8 @@ interval. Target: **at most +50 ms**.
     def render(self) -> str:
         sections = [self.launch(), self.train(), self.handoff(), self.memory(), self.replay(),
                     self.kernel_start(), ordering_section(self),
-                    replay_real_section(self), nbmix_section(self)]  # fmt: skip
+                    replay_real_section(self), nbmix_section(self),
+                    nbmix_replay_section(self)]  # fmt: skip
         table = ["## Summary", ""]
         if any(r.get("driver") == "stand-in" for r in self.recs.values()):
             table += ["> **Some results below come from the stand-in driver (no GPU).**", ""]

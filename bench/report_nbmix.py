@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["nbmix_section"]
+from .common import meta_line
+from .replay import AGREEMENT
+
+__all__ = ["nbmix_replay_section", "nbmix_section"]
 
 VARIANT_TEXT = {
     "before": "before (10 GB/s eviction, whole kernels, no pre-copy model)",
@@ -129,3 +132,101 @@ def nbmix_section(rep: Any) -> str:
             "",
         ]
     )
+
+
+REPLAY_COMMAND = (
+    "python3 -m bench.run_campaign OUT_DIR --only nbmix-replay   # ~7.5 min, an H100 or an H200\n"
+    "OUT=DIR bash tests/gpu/campaign.sh COMMIT bench   # FILES=nbmix_replay: the same, packed"
+)
+
+REPLAY_METHOD = f"""### 8a. The notebook-shaped trace on the GPU: a real-time replay
+
+*Method.* `bench/replay_nbmix.py`, one device command: 8 real PyTorch processes under the shim,
+one per user, against a real scheduler with the daemon's defaults (interactive ordering,
+pre-copy, keep_free "auto"), play the shortened trace *nbmix-replay* (`bench/trace.py`) for 360
+s of arrivals and 20 s of grace. *Real*: the interactive cells (80%, median 0.25 s, 0.01-5 s),
+the mix's proportions, the working sets and every cost of moving them. *Scaled*: think times and
+long breaks 28x shorter (median 3.9 s; breaks 5%, mean 43 s), medium and training cells 10x
+shorter (medium: median 0.8 s), every cell cut at 10 s (training cells are all 10 s), so that
+seed 1's 8 users send about 260 cells (asked: at least 200); each user's duty is then about 7.5%
+(nbmix: 4%), the GPU about 65% busy. *Memory*: the card found picks the form, never
+oversubscribed (the pressure comes from a pool smaller than the card): where the working sets
+fit as they are, on the card (an H200: seed 1's users hold 91 GiB, with 1.5 GiB each for context
+and operands) and in the host's available memory (evicted memory lives in host staging: about
+118 GiB of a device machine's 128 GiB with the workers), the pool is 40 GiB; otherwise (an H100)
+the working sets are halved (45.5 GiB) and the pool is 22 GiB. Both keep nbmix's pressure: the
+working sets fill the pool's room beside the users' 512 MiB contexts 2.5 times. They are not the
+same run: halved working sets move in half the time (at the committed costs the simulator
+predicts a p95 of 4.9x halved and 7.8x unscaled for seed 1), so each run is compared with its
+own simulation. A worker holds its working set in 256 MiB tensors (128 MiB halved), as a
+notebook holds many tensors: the engine evicts whole allocations, and the simulator's blocks are
+the same size. *Warm start*: before the clock starts the users load their memory one at a time,
+in the trace's order (allocated before their first kernel, so that the request carries it, as a
+later cell's does), each once the previous one's has settled (no holder, no waiter, every
+resident byte pre-copied); the pool then holds what the policy kept. The simulator (the daemon's
+own policy object) plays the same users through the same warm start with the costs measured in
+the run (eviction and restore bandwidths from the scheduler's log, the time per matmul iteration
+and per GiB of working set, the context the shim counts), and the record says whether its p50
+and p95 slowdown are within {AGREEMENT:.0%} of the real ones, and whether the same users' memory
+was out of the pool when the two clocks started. Before the replay the simulator also predicts
+the run at the committed costs; the record (`nbmix_replay.json`, with `nbmix_replay.txt`) is
+written every 30 s, so a run cut short keeps its cells so far. Without a GPU,
+`tests/bench/test_nbmix_replay_standin.py` plays 20 s of the trace on the stand-in driver.
+
+<!-- commands: need a GPU -->
+```sh
+{REPLAY_COMMAND}
+```
+"""
+
+
+def nbmix_replay_section(rep: Any) -> str:
+    """Section 8a: ``nbmix_replay.json`` (bench/replay_nbmix.py), or its method alone."""
+    rec = rep.recs.get("nbmix_replay")
+    if rec is None:
+        return REPLAY_METHOD + "\n*Not measured yet.*\n"
+    run = rec.get("runs", {}).get("gpushare", {})
+    real = run.get("summary")
+    form = rec.get("form", {})
+    where = (
+        f"Form: {form.get('label', '?')}: working sets x{form.get('memory_scale', '?')}, pool "
+        f"{form.get('pool_bytes', 0) / (1 << 30):.1f} GiB, the working sets "
+        f"{_f(form.get('pressure'))}x its room."
+    )
+    if real is None:
+        left = "in progress when cut" if run.get("in_progress") else run.get("error", "?")
+        body = [f"*Partial result* ({left}): {len(run.get('cells', []))} cells recorded.", where]
+        return "\n".join([REPLAY_METHOD, *body, "", meta_line(rec), ""])
+    rows = ["| run | cells | p50 slowdown | p95 slowdown |", "| --- | --- | --- | --- |"]
+    for label, s in (
+        ("real (GPU)", real),
+        ("simulated, this run's costs", rec.get("simulated", {}).get("gpushare")),
+        ("predicted, the committed costs", rec.get("prediction")),
+    ):
+        if s:
+            rows.append(
+                f"| {label} | {s['cells']} | {_f(s['slowdown_p50'])}x | {_f(s['slowdown_p95'])}x |"
+            )
+    notes = [where]
+    a = rec.get("agreement", {}).get("gpushare")
+    if a:
+        rel = ", ".join(f"{q} {a[q]['relative']:+.0%}" for q in ("p50", "p95"))
+        word = "within" if a["within"] else "**not within**"
+        notes.append(f"Simulated vs real: {rel}: {word} {AGREEMENT:.0%}.")
+        rep.summary.append(
+            (
+                "nbmix, 8 users, real-time GPU replay",
+                f"within {AGREEMENT:.0%} of the simulator, ≥ {rec.get('cells_target', 200)} cells",
+                f"{rel} ({real['cells']} cells)",
+                "yes" if rec.get("met") else "**no**",
+            )
+        )
+    pool = rec.get("warm_pool", {}).get("gpushare")
+    if pool:
+        same = "the same users" if pool["same"] else "**not** the same users"
+        notes.append(
+            f"Warm pool at the start: memory out of the pool for "
+            f"{', '.join(pool['evicted_real']) or 'nobody'} (GPU) and "
+            f"{', '.join(pool['evicted_simulated']) or 'nobody'} (simulator): {same}."
+        )
+    return "\n".join([REPLAY_METHOD, *rows, "", *notes, "", meta_line(rec), ""])

@@ -17,6 +17,10 @@ turns them into docs/performance.md and its plots. Parts and their time on an H1
                              --real-shape nbmix replays the notebook-shaped trace instead
     nbmix         no GPU     the simulator on the nbmix trace, before/after (nbmix.py; ~10 CPU
                              minutes at --nbmix-seeds 20)
+    nbmix-replay  ~7.5 min   the shortened nbmix trace, 8 users, ~260 cells in 360 s, from a warm
+                             pool, gpushare only, and the simulator on the same cells with this
+                             run's costs (replay_nbmix.py); writes nbmix_replay.json (checkpointed
+                             every 30 s) and nbmix_replay.txt
 
 ``--driver-dir DIR`` runs every part but ``train`` against the tests' stand-in driver (a
 directory holding its libcuda.so.1), the workers on ctypes instead of PyTorch: for checking the
@@ -37,7 +41,9 @@ from typing import Any
 
 from .common import record, write_json
 
-PARTS = ("launch", "train", "handoff", "kernel_start", "replay", "replay-real", "nbmix")
+PARTS = (
+    "launch", "train", "handoff", "kernel_start", "replay", "replay-real", "nbmix", "nbmix-replay"
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--real-modes", default="gpushare", help="replay-real: modes, in order")
     ap.add_argument("--real-grace", type=float, default=30.0, help="replay-real: grace seconds")
+    ap.add_argument(
+        "--nbmix-horizon", type=float, default=360.0, help="nbmix-replay: seconds of arrivals"
+    )
+    ap.add_argument("--nbmix-grace", type=float, default=20.0, help="nbmix-replay: grace s")
+    ap.add_argument(
+        "--nbmix-memory-scale",
+        type=float,
+        default=0.0,
+        help="nbmix-replay: working sets x this (0: by the card, see bench/replay_nbmix.py)",
+    )
+    ap.add_argument(
+        "--nbmix-pool-gib", type=float, default=0.0, help="nbmix-replay: pool (0: by the form)"
+    )
+    ap.add_argument(
+        "--progress-s", type=float, default=30.0, help="nbmix-replay: s between checkpoints"
+    )
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -219,6 +241,21 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
             sweeps=False,
         )  # fmt: skip
         return {"replay_real": res}
+    if part == "nbmix-replay":
+        from . import replay_nbmix
+
+        def checkpoint_nbmix(partial: dict[str, Any]) -> None:
+            driver = "stand-in" if args.driver_dir else "system"
+            rec = record("nbmix_replay", args.command, **partial, driver=driver)
+            write_json(args.out / "nbmix_replay.json", rec)
+            (args.out / "nbmix_replay.txt").write_text(replay_nbmix.summary_text(partial))
+
+        res = replay_nbmix.run(
+            work / part, args.users, args.seed, args.nbmix_horizon, args.nbmix_grace,
+            args.nbmix_memory_scale, args.nbmix_pool_gib, log, checkpoint_nbmix, args.progress_s,
+        )  # fmt: skip
+        (args.out / "nbmix_replay.txt").write_text(replay_nbmix.summary_text(res))
+        return {"nbmix_replay": res}
     if part == "nbmix":
         from . import nbmix
 

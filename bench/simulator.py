@@ -21,6 +21,14 @@ the limit, not a bound on the p95 of every scheduler).
 
 Every timer of every policy is in seconds of the trace, so a trace at real time
 (:func:`bench.trace.scaled` with ``TIME_SCALE``) runs the idle check and the quanta at real time.
+
+A *warm start* (``Simulation(..., warm=True)``, the policy's modes) plays what the real replay
+does before its clock starts (:func:`bench.replay.run` with ``warm=True``): the users load their
+memory one at a time, in the trace's order, each in a tiny cell after which its notebook says
+idle and gives the device back (``release``), the next one starting only once every move and
+pre-copy has ended; the trace's clock starts when the last has settled. The pool then holds what
+the policy kept, pre-copied, and every allocation is old enough for its host staging to be
+ready. Cells' times are reported on the trace's clock.
 """
 
 from __future__ import annotations
@@ -49,6 +57,13 @@ MODES = (*POLICY_MODES, "colocate", *REFERENCES)
 SHORT_CELL = 1.0
 #: Cells at least this long (solo seconds) are the "long" ones whose throughput is compared.
 LONG_CELL = 10.0
+#: A warm start's loading cell (GPU seconds beside its pass over the working set), the gap
+#: between one user's settled memory and the next one's load, and the longest warm-up allowed.
+WARM_CELL_S = 0.005
+WARM_GAP_S = 0.5
+WARM_LIMIT_S = 3600.0
+#: The events of memory moving: a warm start waits until none is pending.
+_MOVES = ("drained", "released", "evicted", "precopied", "restored")
 
 
 @dataclass
@@ -118,6 +133,7 @@ class _U:
     copy_gen: int = 0  # bumped whenever a copy in flight goes stale (a cell, an eviction)
     on_gpu: int = 0  # bytes of its working set on the GPU
     allocated_at: float | None = None  # when its working set was first backed (staging clock)
+    warming: bool = False  # its current cell is a warm start's loading cell (not recorded)
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -150,12 +166,22 @@ class Simulation:
         horizon: float,
         cfg: SimConfig,
         config: PolicyConfig | None = None,
+        warm: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (one of: {', '.join(MODES)})")
         self.mode, self.horizon, self.cfg = mode, horizon, cfg
         self.users = {u.name: _U(u) for u in users}
         self.now = 0.0
+        #: When the trace's clock started (after a warm start's loading; 0 without one).
+        self.t0 = 0.0
+        # A warm start (policy modes only: without a scheduler memory does not move): the
+        # users still to load, and whether one's loading cell is on its way or running.
+        self._to_warm = list(self.users.values()) if warm and mode in POLICY_MODES else []
+        self._warming = bool(self._to_warm)
+        self._warm_busy = False
+        #: A warm start's pool when the clock started: each user's bytes on the GPU and off it.
+        self.warm_pool: dict[str, dict[str, int]] = {}
         self.heap: list[tuple[float, int, str, str, Any]] = []
         self._seq = 0
         self.cells: list[dict[str, Any]] = []
@@ -297,10 +323,15 @@ class Simulation:
                 self._send(
                     ev.Join(0.0, name, "GPU-sim", name, context_bytes=self.cfg.context_bytes)
                 )
-        for u in self.users.values():
-            self._next_cell(u, 0.0)
-        end = self.horizon + self.cfg.grace
+        if self._warming:
+            self._warm_step()
+        else:
+            for u in self.users.values():
+                self._next_cell(u, 0.0)
         while True:
+            end = math.inf if self._warming else self.t0 + self.horizon + self.cfg.grace
+            if self.now > WARM_LIMIT_S and self._warming:
+                raise RuntimeError(f"the warm start did not settle in {WARM_LIMIT_S:.0f} s")
             active = self._active()
             t_next = self.heap[0][0] if self.heap else math.inf
             if self.policy is not None:
@@ -330,8 +361,10 @@ class Simulation:
                 self._on(kind, self.users[name], arg)
             if self.policy is not None:
                 self._send(ev.Tick(self.now))
+            if self._warming:
+                self._warm_step()
         for u in self.users.values():
-            if u.in_cell:
+            if u.in_cell and not u.warming:
                 self.cells.append(self._cell_record(u, None, ok=False, error="unfinished"))
         return sorted(self.cells, key=lambda c: (c["arrival"], c["user"]))
 
@@ -340,16 +373,34 @@ class Simulation:
         if u.cell >= len(u.user.cells):
             return
         arrival = ready + u.user.cells[u.cell]["think"]
-        if arrival <= self.horizon:
+        if arrival <= self.t0 + self.horizon:
             self._at(arrival, "arrive", u.user.name)
+
+    def _warm_step(self) -> None:
+        """A warm start: load the next user once nothing moves; start the clock after the last."""
+        if self._warm_busy or any(kind in _MOVES for _, _, kind, _, _ in self.heap):
+            return
+        if self._to_warm:
+            u = self._to_warm.pop(0)
+            self._warm_busy = True
+            self._at(self.now + WARM_GAP_S, "warm", u.user.name)
+            return
+        self._warming = False
+        self.t0 = self.now + WARM_GAP_S
+        self.warm_pool = {
+            u.user.name: {"resident": u.on_gpu, "evicted": self._movable(u) - u.on_gpu}
+            for u in self.users.values()
+        }
+        for u in self.users.values():
+            self._next_cell(u, self.t0)
 
     def _cell_record(self, u: _U, end: float | None, ok: bool, error: str = "") -> dict[str, Any]:
         cell = u.user.cells[u.cell]
         return {
             "user": u.user.name,
             "cell": u.cell,
-            "arrival": u.arrival,
-            "end": end,
+            "arrival": u.arrival - self.t0,
+            "end": None if end is None else end - self.t0,
             "ok": ok,
             "error": error,
             "solo": solo_seconds(u.user, cell, self.cfg),
@@ -358,6 +409,11 @@ class Simulation:
     def _finish(self, u: _U, ok: bool, error: str = "") -> None:
         u.in_cell = False
         u.work = 0.0
+        if u.warming:  # loaded: its notebook says idle and gives the device back (the worker)
+            u.warming = self._warm_busy = False
+            self._send(ev.Idle(self.now, u.user.name))
+            self._send(ev.AdminRelease(self.now, u.user.name))
+            return
         self.cells.append(self._cell_record(u, self.now, ok, error))
         if self.policy is not None:
             self._send(ev.Idle(self.now, u.user.name))
@@ -365,11 +421,13 @@ class Simulation:
 
     def _on(self, kind: str, u: _U, arg: Any) -> None:
         name = u.user.name
-        if kind == "arrive":
+        if kind in ("arrive", "warm"):
             u.in_cell = True
+            u.warming = kind == "warm"
             u.arrival = self.now
             self._stale(u)  # its cell writes its memory: a copy is no longer valid
-            u.work = u.solo = solo_seconds(u.user, u.user.cells[u.cell], self.cfg)
+            cell = {"gpu": WARM_CELL_S} if u.warming else u.user.cells[u.cell]
+            u.work = u.solo = solo_seconds(u.user, cell, self.cfg)
             if self.mode == "colocate" and not u.allocated:
                 used = sum(
                     self._movable(x) for x in self.users.values() if x.allocated

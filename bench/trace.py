@@ -19,7 +19,20 @@ medium (median 8 s, sigma 1.0, 1-120 s), 3% training cells (Pareto alpha 1.5 fro
 30 min); think time log-normal (median 110 s, sigma 1.2, at least 2 s) plus, with probability
 5%, a long break (exponential, mean 20 min); about 4% duty; working sets dealt from {1, 2, 3, 4,
 6, 8, 12, 16, 20, 24} GiB, so that 8 users hold about twice a 40 GiB pool. Its distributions are
-fixed (:data:`NBMIX`): only users, seed and horizon of the TraceConfig apply.
+fixed (:data:`NBMIX`): only users, seed, horizon and memory_scale of the TraceConfig apply.
+
+The shortened form ``nbmix-replay`` (:data:`NBMIX_REPLAY`, issue 21 item 7) is what a real-time
+GPU replay can play in one device command: 8 users send about 260 cells in 360 s (nbmix at
+real time: about 13). What is REAL: the interactive class (80% of the cells, median 0.25 s,
+0.01-5 s: the cells whose latency the targets are about), the mix's proportions, the working
+sets (up to ``memory_scale``) and every cost of moving them. What is SCALED:
+think times and long breaks are :data:`REPLAY_THINK_DIVISOR` (28) times shorter (median 3.9 s,
+at least 0.07 s; breaks 5%, mean 43 s); medium and training cells are
+:data:`REPLAY_LONG_DIVISOR` (10) times shorter (medium: median 0.8 s, 0.1-10 s) and every cell is
+cut at :data:`REPLAY_CELL_CAP` (10 s, 1/36 of the window), so training cells (3%) are all 10 s.
+At real length, 260 cells of the mix would ask the GPU for more seconds than the window has.
+The cost: each user's duty is about 7.5% (nbmix: 4%), so 8 users keep the GPU about 65% busy
+(nbmix: ~31%).
 
 The same seed gives the same trace in every process and on every machine (``random.Random``).
 """
@@ -34,7 +47,7 @@ GiB = 1 << 30
 #: How much faster than real use the default trace runs (think time and GPU bursts alike).
 TIME_SCALE = 30.0
 #: The trace shapes: today's time-scaled one and the notebook-shaped mix.
-SHAPES = ("uniform", "nbmix")
+SHAPES = ("uniform", "nbmix", "nbmix-replay")
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,32 @@ class NbmixShape:
 
 
 NBMIX = NbmixShape()
+#: The shortened form's divisors of think times and of medium and training cells, and its cap
+#: on a cell (see the module docstring).
+REPLAY_THINK_DIVISOR = 28.0
+REPLAY_LONG_DIVISOR = 10.0
+REPLAY_CELL_CAP = 10.0
+
+
+def _shortened(shape: NbmixShape, think_div: float, long_div: float, cap: float) -> NbmixShape:
+    """``shape`` with think times and breaks ``think_div`` x shorter, medium and training cells
+    ``long_div`` x shorter, every cell cut at ``cap``; the interactive class and the mix
+    unchanged."""
+    median, sigma, lo, hi = shape.medium
+    alpha, start, cut = shape.training
+    t_median, t_sigma, t_least = shape.think
+    return replace(
+        shape,
+        interactive=(*shape.interactive[:3], min(shape.interactive[3], cap)),
+        medium=(median / long_div, sigma, lo / long_div, min(hi / long_div, cap)),
+        training=(alpha, start / long_div, min(cut / long_div, cap)),
+        think=(t_median / think_div, t_sigma, t_least / think_div),
+        break_mean=shape.break_mean / think_div,
+    )
+
+
+#: nbmix shortened for a real-time GPU replay of one device command (``shape="nbmix-replay"``).
+NBMIX_REPLAY = _shortened(NBMIX, REPLAY_THINK_DIVISOR, REPLAY_LONG_DIVISOR, REPLAY_CELL_CAP)
 
 
 @dataclass(frozen=True)
@@ -67,7 +106,9 @@ class TraceConfig:
     gpu_min: float = 0.02
     gpu_max: float = 3.0
     working_sets_gib: tuple[float, ...] = (2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0)
-    shape: str = "uniform"  # or "nbmix": the fields above but users, seed, horizon do not apply
+    shape: str = "uniform"  # or "nbmix", "nbmix-replay": of the fields above only users, seed,
+    # horizon apply
+    memory_scale: float = 1.0  # working sets x this (a replay fitting a smaller card)
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -76,6 +117,8 @@ class TraceConfig:
             raise ValueError(f"invalid trace configuration {self}")
         if not self.working_sets_gib:
             raise ValueError("working_sets_gib: at least one size is needed")
+        if self.memory_scale <= 0:
+            raise ValueError(f"memory_scale must be positive, not {self.memory_scale}")
 
 
 @dataclass
@@ -92,20 +135,25 @@ def generate(cfg: TraceConfig) -> list[User]:
     i modulo the list), so the total is known in advance: the pool can be chosen below it.
     """
     rng = random.Random(cfg.seed)
-    nbmix = cfg.shape == "nbmix"
-    sizes = list(NBMIX.working_sets_gib if nbmix else cfg.working_sets_gib)
+    shape = nbmix_shape(cfg)
+    sizes = list(shape.working_sets_gib if shape else cfg.working_sets_gib)
     rng.shuffle(sizes)
     users = []
     for i in range(cfg.users):
-        u = User(f"u{i:02d}", int(sizes[i % len(sizes)] * GiB))
+        u = User(f"u{i:02d}", int(sizes[i % len(sizes)] * cfg.memory_scale * GiB))
         t = 0.0
         while t <= cfg.horizon:
-            think = nbmix_think(rng) if nbmix else _uniform_think(rng, cfg)
-            gpu = nbmix_cell(rng) if nbmix else _uniform_gpu(rng, cfg)
+            think = nbmix_think(rng, shape) if shape else _uniform_think(rng, cfg)
+            gpu = nbmix_cell(rng, shape) if shape else _uniform_gpu(rng, cfg)
             u.cells.append({"think": round(think, 6), "gpu": round(gpu, 6)})
             t += think
         users.append(u)
     return users
+
+
+def nbmix_shape(cfg: TraceConfig) -> NbmixShape | None:
+    """The distributions of a notebook-shaped trace (None: the uniform one)."""
+    return {"nbmix": NBMIX, "nbmix-replay": NBMIX_REPLAY}.get(cfg.shape)
 
 
 def _uniform_think(rng: random.Random, cfg: TraceConfig) -> float:
@@ -157,8 +205,8 @@ def nbmix_duty_cycle(samples: int = 200_000, shape: NbmixShape = NBMIX) -> float
 def scaled(cfg: TraceConfig, factor: float, horizon: float | None = None) -> TraceConfig:
     """The same users ``factor`` times slower: think and GPU times alike (the duty cycle stays).
 
-    A nbmix trace is at real time already: only its horizon changes."""
-    if cfg.shape == "nbmix":
+    A nbmix trace (either form) is at its own time already: only its horizon changes."""
+    if nbmix_shape(cfg) is not None:
         return replace(cfg, horizon=cfg.horizon * factor if horizon is None else horizon)
     return replace(
         cfg,
@@ -173,8 +221,9 @@ def scaled(cfg: TraceConfig, factor: float, horizon: float | None = None) -> Tra
 
 def duty_cycle(cfg: TraceConfig, samples: int = 200_000) -> float:
     """A user's expected fraction of wall time on the GPU (Monte Carlo of the distributions)."""
-    if cfg.shape == "nbmix":
-        return nbmix_duty_cycle(samples)
+    shape = nbmix_shape(cfg)
+    if shape is not None:
+        return nbmix_duty_cycle(samples, shape)
     rng = random.Random(12345)
     think = gpu = 0.0
     for _ in range(samples):
@@ -182,6 +231,21 @@ def duty_cycle(cfg: TraceConfig, samples: int = 200_000) -> float:
         g = cfg.gpu_median * rng.lognormvariate(0.0, cfg.gpu_sigma)
         gpu += min(cfg.gpu_max, max(cfg.gpu_min, g))
     return gpu / (think + gpu)
+
+
+def solo_arrivals(cfg: TraceConfig) -> int:
+    """Cells of ``cfg``'s users that arrive within its horizon when every cell takes its solo
+    GPU time (a replay, slowed by sharing, sees somewhat fewer)."""
+    cells = 0
+    for u in generate(cfg):
+        t = 0.0
+        for c in u.cells:
+            t += c["think"]
+            if t > cfg.horizon:
+                break
+            cells += 1
+            t += c["gpu"]
+    return cells
 
 
 def to_json(cfg: TraceConfig, users: list[User]) -> dict[str, Any]:

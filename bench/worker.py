@@ -47,7 +47,8 @@ class Worker:
         # harness says so (``init_context``), not wherever torch.cuda is first touched.
         if os.environ.get("GPUSHARE_SOCKET"):
             self.init_context()
-        self.ws: torch.Tensor | None = None
+        self.ws: list[torch.Tensor] | None = None
+        self.ws_fresh = self.operands_fresh = False  # reserved, not yet written (reserve())
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
         self.tiny: torch.Tensor | None = None
@@ -60,18 +61,46 @@ class Worker:
         """Create the CUDA context (no kernel, no allocation)."""
         torch.cuda.mem_get_info()
 
-    def alloc(self, nbytes: int) -> None:
-        if self.ws is not None and self.ws.numel() * 4 >= nbytes:
+    def alloc(self, nbytes: int, chunk: int = 0) -> None:
+        """The working set: one tensor, or tensors of ``chunk`` bytes (see :func:`chunks`)."""
+        if self.ws is not None and sum(t.numel() * 4 for t in self.ws) >= nbytes:
+            if self.ws_fresh:
+                for t in self.ws:
+                    t.fill_(1.0)
+                self.ws_fresh = False
+                self._sync()
             return
         self.ws = None
         if nbytes > 0:
-            self.ws = torch.empty(nbytes // 4, dtype=torch.float32, device=self.dev)
-            self.ws.fill_(1.0)
+            self.ws = [
+                torch.empty(n // 4, dtype=torch.float32, device=self.dev)
+                for n in chunks(nbytes, chunk)
+            ]
+            for t in self.ws:
+                t.fill_(1.0)
             self._sync()
 
+    def reserve(self, nbytes: int, chunk: int = 0) -> None:
+        """Allocate the working set and the matmul operands (with room for their product, kept
+        in PyTorch's cache) without running a kernel. Under the shim a process that does not
+        hold the device has its new memory deferred, so its first kernel's request carries all
+        of it and the scheduler makes room before the grant, as for every later cell."""
+        if self.ws is None and nbytes > 0:
+            self.ws = [
+                torch.empty(n // 4, dtype=torch.float32, device=self.dev)
+                for n in chunks(nbytes, chunk)
+            ]
+            self.ws_fresh = True
+        if self.a is None:
+            self.a = torch.empty(N, N, dtype=torch.bfloat16, device=self.dev)
+            self.b = torch.empty(N, N, dtype=torch.bfloat16, device=self.dev)
+            product = torch.empty(N, N, dtype=torch.bfloat16, device=self.dev)
+            del product
+            self.operands_fresh = True
+
     def touch(self) -> None:
-        if self.ws is not None:
-            self.ws.add_(1.0)
+        for t in self.ws or []:
+            t.add_(1.0)
         self._sync()
 
     def compute(self, iters: int) -> None:
@@ -79,6 +108,10 @@ class Worker:
             self.a = torch.randn(N, N, dtype=torch.bfloat16, device=self.dev)
             self.b = torch.randn(N, N, dtype=torch.bfloat16, device=self.dev)
         assert self.b is not None
+        if self.operands_fresh:  # reserved: as randn would have made them
+            self.a.normal_()
+            self.b.normal_()
+            self.operands_fresh = False
         c = self.a
         for i in range(iters):
             c = torch.mm(self.a, self.b)
@@ -115,6 +148,7 @@ class Worker:
     def drop_ws(self) -> None:
         """After a failed allocation: nothing half-made stays behind."""
         self.ws = None
+        self.ws_fresh = False
         torch.cuda.empty_cache()
 
     @staticmethod
@@ -298,7 +332,7 @@ class StandinWorker:
         self._check(cu.cuModuleLoadData(ctypes.byref(mod), b"stand-in image"), "cuModuleLoadData")
         self.fn = ctypes.c_void_p()
         self._check(cu.cuModuleGetFunction(ctypes.byref(self.fn), mod, b"sleep"), "function")
-        self.ws: int | None = None
+        self.ws: list[int] | None = None
         self.ws_bytes = 0
 
     @staticmethod
@@ -315,19 +349,30 @@ class StandinWorker:
         self._check(rc, "launch")
         self._check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
-    def alloc(self, nbytes: int) -> None:
+    def alloc(self, nbytes: int, chunk: int = 0, launch: bool = True) -> None:
         if self.ws is not None and self.ws_bytes >= nbytes:
             return
         self.drop_ws()
         if nbytes > 0:
-            ptr = ctypes.c_uint64()
-            self._check(self.cu.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), "cuMemAlloc")
-            self.ws, self.ws_bytes = ptr.value, nbytes
-            self._sleep(1)
+            self.ws = []
+            for n in chunks(nbytes, chunk):
+                ptr = ctypes.c_uint64()
+                rc = self.cu.cuMemAlloc_v2(ctypes.byref(ptr), n)
+                if rc == 0:
+                    self.ws.append(ptr.value)
+                self._check(rc, "cuMemAlloc")
+            self.ws_bytes = nbytes
+            if launch:
+                self._sleep(1)
+
+    def reserve(self, nbytes: int, chunk: int = 0) -> None:
+        """The working set's allocations without a kernel (:meth:`Worker.reserve`)."""
+        if self.ws is None and nbytes > 0:
+            self.alloc(nbytes, chunk, launch=False)
 
     def drop_ws(self) -> None:
-        if self.ws is not None:
-            self.cu.cuMemFree_v2(self.ws)
+        for ptr in self.ws or []:
+            self.cu.cuMemFree_v2(ptr)
         self.ws, self.ws_bytes = None, 0
 
     def touch(self) -> None:
@@ -375,6 +420,28 @@ class StandinWorker:
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def chunks(nbytes: int, chunk: int) -> list[int]:
+    """A working set of ``nbytes`` as allocations of ``chunk`` bytes (the last one smaller;
+    0: one allocation). A notebook holds many tensors, and the shim's engine evicts whole
+    allocations: a working set in chunks can leave the GPU in part, as the simulator's
+    blocks of ``chunk`` bytes do (bench/replay_nbmix.py)."""
+    if chunk <= 0 or nbytes <= chunk:
+        return [nbytes]
+    return [chunk] * (nbytes // chunk) + ([nbytes % chunk] if nbytes % chunk else [])
+
+
+def operand_bytes() -> int:
+    """What a replay worker holds beside its working set: the matmul operands (a, b and the
+    product, bf16 N x N each) with PyTorch; nothing on the stand-in (its "matmuls" are sleeps)."""
+    return 0 if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin" else 3 * N * N * 2
+
+
+def process_host_bytes() -> int:
+    """A replay worker's own host memory, about: PyTorch with a CUDA context and its libraries
+    (2 GiB); a small Python process on the stand-in."""
+    return (128 << 20) if os.environ.get("GPUSHARE_BENCH_BACKEND") == "standin" else 2 << 30
 
 
 def make_worker() -> Worker | StandinWorker:
@@ -430,7 +497,8 @@ def serve() -> None:
 def replay(path: str) -> None:
     """Play one user's cells (closed loop: each think time starts when the previous cell ends).
 
-    The file: ``{"socket": path or "", "client": id, "horizon": s,
+    The file: ``{"socket": path or "", "client": id, "horizon": s, "warm": bool,
+    "chunk_bytes": the working set's allocations (0: one, see :func:`chunks`),
     "iters_per_s": matmul iterations per GPU-second, "working_set": bytes, "cells": [{"think":
     s, "gpu": s}]}``; the start of the clock (time.monotonic()) comes on stdin once every user is
     ready. Before and after each cell the user's "Jupyter" says busy / idle to the
@@ -454,11 +522,13 @@ def replay(path: str) -> None:
             print(f"control {action} failed: {exc}", file=sys.stderr, flush=True)
 
     w = make_worker()
-    if not spec.get("socket"):
+    if not spec.get("socket") or spec.get("warm"):
         # Plain co-location: every user makes its context first, and only when all have one
         # does anyone load data (the harness sends a line). Otherwise a late starter's context
         # could find the card already filled by the others' working sets, and fail to start:
-        # not the "did not fit" a co-located user meets in its cells.
+        # not the "did not fit" a co-located user meets in its cells. A warm start (under the
+        # shim) waits the same way: the harness lets the users load one at a time, in the
+        # trace's order, each once the previous one's memory has settled (bench/replay.py).
         w.init_context()
         print(json.dumps({"context": True}), flush=True)
         sys.stdin.readline()
@@ -468,9 +538,14 @@ def replay(path: str) -> None:
     # lock the next user's warm-up can run. Under plain co-location an allocation that does
     # not fit fails here, and again in each cell.
     control("kernel_state", state="busy")
+    chunk = int(spec.get("chunk_bytes", 0))
+    if spec.get("warm"):
+        # A warm start (under the shim): the memory is allocated before the first kernel, so
+        # that the request carries it, as a later cell's does (the simulator's warm start).
+        w.reserve(int(spec["working_set"]), chunk)
     w.launch1()
     try:
-        w.alloc(int(spec["working_set"]))
+        w.alloc(int(spec["working_set"]), chunk)
         w.touch()
         w.compute(2)
     except Exception as exc:
@@ -493,7 +568,7 @@ def replay(path: str) -> None:
         control("kernel_state", state="busy")
         ok, error = True, ""
         try:
-            w.alloc(int(spec["working_set"]))
+            w.alloc(int(spec["working_set"]), chunk)
             w.touch()
             w.compute(max(1, round(float(cell["gpu"]) * float(spec["iters_per_s"]))))
         except Exception as exc:  # out of memory (co-location), or the shim's pool refusal

@@ -7,7 +7,16 @@ import dataclasses
 import pytest
 
 from bench.simulator import MODES, SimConfig, Simulation, capacity_sweep, simulate, summarize
-from bench.trace import TIME_SCALE, GiB, TraceConfig, duty_cycle, generate, scaled, to_json
+from bench.trace import (
+    TIME_SCALE,
+    GiB,
+    TraceConfig,
+    duty_cycle,
+    generate,
+    scaled,
+    solo_arrivals,
+    to_json,
+)
 from jupyter_gpushare.scheduler.core import events as ev
 
 SMALL = TraceConfig(users=4, seed=7, horizon=60.0, think_mean=6.0, gpu_median=0.4)
@@ -119,16 +128,7 @@ def test_default_trace_has_a_notebook_duty_cycle_and_enough_cells():
     one replay horizon for a stable p95 (>= 150 at solo speed)."""
     cfg = TraceConfig()
     assert 0.03 <= duty_cycle(cfg, 50_000) <= 0.05
-    cells = 0
-    for u in generate(cfg):
-        t = 0.0
-        for c in u.cells:
-            t += c["think"]
-            if t > cfg.horizon:
-                break
-            cells += 1
-            t += c["gpu"]
-    assert cells >= 150
+    assert solo_arrivals(cfg) >= 150
     # Memory pressure, not absurd: the working sets exceed the replay's 40 GiB pool, by little.
     assert 40 < sum(cfg.working_sets_gib) <= 60
 

@@ -41,6 +41,7 @@ cold_eviction 150
 handoff 250
 train_beside 260
 kernel_start 80
+nbmix_replay 470
 "
 
 commit=${1:?usage: OUT=DIR bash tests/gpu/campaign.sh COMMIT [bench]}
@@ -150,6 +151,8 @@ run_one() {  # NAME TIMEOUT BASE: one file or bench part into logs/BASE.raw and 
                     --duration 60 > "$raw" 2>&1 ;;
         bench:kernel_start) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
                     --only kernel_start --kernel-pairs 12 > "$raw" 2>&1 ;;
+        bench:nbmix_replay) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
+                    --only nbmix-replay > "$raw" 2>&1 ;;
         *) echo "unknown $mode part: $n" > "$raw"; return 201 ;;
     esac
 }
