@@ -12,6 +12,7 @@ unmapping the block).
 
 from __future__ import annotations
 
+import re
 import time
 
 from jupyter_gpushare.scheduler_client import SchedulerClient
@@ -71,6 +72,8 @@ def test_two_processes_taking_turns_never_exceed_the_pool(harness):
         time.sleep(0.05)
     for run in (a.finish(60).ok(), b.finish(60).ok()):
         assert run.event("hold_end")["data_ok"], run.stderr
-    # Turns happened (A was evicted for B, several times), seen by enough samples.
+    # Turns happened (A was evicted for B, several times), seen by enough samples; the log says
+    # what each revoke asked to free beside the client's managed bytes.
     assert sched.log.count("evicted client=A") >= 2 and samples >= 20, (samples, sched.log)
+    assert re.search(r"revoke client=A evict=1 bytes=\d+ \([^)]*\) asked=\S+ ", sched.log)
     assert 0 < peak <= POOL, f"peak {peak} > pool {POOL}: {at_peak}"
