@@ -3,7 +3,7 @@ reports is the memory it moved off the device, whatever the program freed before
 
 Seen on an H100 (tests/gpu/test_gpu_captures.py, 2026-11-27): a PyTorch process that freed
 memory while it held the device (CUDA-graph pool segments) reported an evicted total short by
-what it had freed, 438 MiB: right after evicting 512 MiB it said 74 MiB were on the host. The
+what it had freed, 438 MiB: with 520 MiB off the device it said 82 MiB (the policy's state). The
 scheduler counted the rest as still on the GPU and, taking it for memory that cannot move, granted
 the waiter beside it: 2158 MiB counted in a 2 GiB pool. The engine's counter of evicted bytes lost
 each resident block's size at its free (memory/vmm.c, destroy_block read ``resident`` after

@@ -232,9 +232,10 @@ def test_what_a_release_moved_is_off_the_gpu_whatever_the_total_says():
     """Replays tests/gpu/test_gpu_captures.py on an H100 (2026-11-27; MiB as there): two torch
     processes (512 MiB of data, a 600 MiB context estimate each) in a 2 GiB pool. b's shim had
     lost 438 MiB from its evicted total (frees of resident blocks, memory/vmm.c): right after
-    moving 512 MiB off the GPU it said 74 MiB were on the host. The policy took the other 438 MiB
-    for memory that could not move and granted a beside it (rule 5): 2158 MiB counted in the
-    pool. What a move reports it moved has left the GPU, whatever total comes with it."""
+    moving 512 MiB off the GPU it said 74 MiB were on the host (82 after 8 MiB more left: the
+    policy's state at the peak). The policy took the other 438 MiB for memory that could not
+    move and granted a beside it (rule 5): 2158 MiB counted in the pool. What a move reports it
+    moved has left the GPU, whatever total comes with it."""
     mib, pool = 1 << 20, 2048 << 20
     p = make_policy(pool=pool, base_quantum=0.5)
 
