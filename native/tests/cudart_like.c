@@ -24,8 +24,11 @@
  *   copies N                    every cuMemcpy and cuMemset path, each checked
  *   paths                       every gated entry point once, with the status API's gated_calls and
  *                               the stand-in's call counts before and after
- *   hold SECONDS [BYTES [US]]   launch "sleep" kernels (US microseconds each) back to back for
- *                               SECONDS after the first launch got through, holding BYTES
+ *   hold SECONDS [BYTES [US [TEMP]]]
+ *                               launch "sleep" kernels (US microseconds each) back to back for
+ *                               SECONDS after the first launch got through, holding BYTES; with
+ *                               TEMP, a scratch buffer of TEMP bytes is allocated and freed twice
+ *                               once the device is granted (before the kernels)
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
@@ -1045,7 +1048,23 @@ static long long fake_device_bytes(void) {
     return p ? atoll(p + strlen("\"live_device_bytes\":")) : -1;
 }
 
-static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
+/* A scratch buffer of `temp` bytes allocated, written and freed twice while the process holds
+ * the device (its block is resident when freed); the status right after says what the shim
+ * reports. */
+static int free_a_resident_temporary(size_t temp) {
+    for (int i = 0; i < 2; i++) {
+        CUdeviceptr t = 0;
+        CHECK(p_cuMemAlloc(&t, temp));
+        CHECK(p_cuMemsetD8(t, 3, temp));
+        CHECK(p_cuMemFree(t));
+    }
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("temporary_freed", ",\"bytes\":%zu%s", temp, st);
+    return 0;
+}
+
+static int scenario_hold(double seconds, size_t bytes, unsigned long long us, size_t temp) {
     CUdeviceptr d = 0;
     unsigned char *h = NULL, *g = NULL;
     size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
@@ -1073,6 +1092,7 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us) {
         emit("first_copy", ",\"waited\":%.6f,\"device_bytes\":%lld%s", waited,
              fake_device_bytes(), st);
     }
+    if (temp && free_a_resident_temporary(temp)) return 1;
     if (hold(seconds, us, &launches, 1)) return 1;
     int ok = 1;
     if (bytes) {
@@ -1539,7 +1559,8 @@ int main(int argc, char **argv) {
         rc = scenario_paths();
     } else if (strcmp(scenario, "hold") == 0 && i < argc) {
         rc = scenario_hold(atof(argv[i]), arg_bytes(argc, argv, i + 1, 0),
-                           i + 2 < argc ? strtoull(argv[i + 2], NULL, 0) : 20000);
+                           i + 2 < argc ? strtoull(argv[i + 2], NULL, 0) : 20000,
+                           arg_bytes(argc, argv, i + 3, 0));
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));

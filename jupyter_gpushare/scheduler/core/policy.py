@@ -74,7 +74,14 @@ from .idle_timer import next_idle_check
 from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
-from .policy_moves import ask, note_cell_end, order_candidates, room_for, worth_evicting
+from .policy_moves import (
+    ask,
+    count_evicted,
+    note_cell_end,
+    order_candidates,
+    room_for,
+    worth_evicting,
+)
 from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
@@ -365,7 +372,7 @@ class Policy(FixedQuantumLock):
                 # a partial eviction before the restart: the rest is on the GPU (it ran)
                 c.resident, c.away, c.evicted, c.restore = True, evt.evicted, evt.evicted, True
             elif evt.evicted > 0:
-                self._set_evicted(c)
+                count_evicted(c)
         c.gpu_seconds = max(0.0, evt.gpu_seconds)
         if not self.recovering(self._clock):
             return []
@@ -404,7 +411,7 @@ class Policy(FixedQuantumLock):
                 c.restore = True
                 c.evicted = c.away
             else:
-                self._set_evicted(c)
+                count_evicted(c)
 
     def _on_released(self, dev: DeviceState, c: ClientState, evt: Released) -> None:
         """The client stopped using the device (answer to Revoke, or unsolicited).
@@ -423,36 +430,7 @@ class Policy(FixedQuantumLock):
             c.last_active = self._clock
             c.resident = True
         if evt.evicted:
-            self._set_evicted(c, part, evt.evicted_bytes)
-
-    @staticmethod
-    def _set_evicted(c: ClientState, nbytes: int = 0, total: int = -1) -> None:
-        """``nbytes`` of its memory left the GPU (0, or all it had there: everything); ``total``,
-        when the shim said it: its evicted bytes now, which stand for the ask (a shim may free
-        more than asked, up to everything)."""
-        if total >= 0 and c.resident and total < c.movable:
-            gone = max(0, total - c.away)
-            c.away += gone
-            c.evicted = c.away
-            c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
-            c.restore = c.restore or c.away > 0
-            if nbytes == 0 or gone < nbytes:
-                # It moved less than asked: the rest cannot move now. Asking again at once
-                # would answer the same, on every event (an EVICT storm on the H100).
-                c.stuck = max(0, c.movable - c.away)
-            return
-        if total >= 0:
-            nbytes = 0  # all of it
-        c.restore = True
-        if c.resident and 0 < nbytes < c.evictable:  # a partial eviction: the rest stays
-            c.away += nbytes
-            c.evicted = c.away
-            c.precopied = max(0, c.precopied - nbytes)  # pre-copied blocks leave first
-            return
-        c.resident = False
-        c.away = 0
-        c.evicted = c.managed
-        c.precopied = 0  # nothing resident left to have a copy of
+            count_evicted(c, part, evt.evicted_bytes, evt.bytes_moved)
 
     def _on_evicted(self, dev: DeviceState, c: ClientState, evt: Evicted) -> None:
         c.evict_pending = False
@@ -462,7 +440,7 @@ class Policy(FixedQuantumLock):
         c.measure(dev, "evict", evt.bytes_moved, evt.micros)
         dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is None:
-            self._set_evicted(c, part, evt.evicted_bytes)
+            count_evicted(c, part, evt.evicted_bytes, evt.bytes_moved)
 
     def _on_admin_release(
         self, dev: DeviceState, c: ClientState, evt: AdminRelease

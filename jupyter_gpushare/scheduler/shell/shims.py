@@ -47,6 +47,12 @@ def _bytes(n: int) -> str:
     return f"bytes={n} ({format_size(n)})"
 
 
+def _asked(n: int) -> str:
+    """What an eviction asks to free (REVOKE/EVICT evict_bytes): the logged ``bytes`` are the
+    client's managed memory, not the ask."""
+    return f"asked={format_size(n) if n > 0 else 'all'}"
+
+
 class ShimSessions:
     """Shim clients' sessions; mixed into the scheduler, whose state it reads (below)."""
 
@@ -597,10 +603,11 @@ class ShimSessions:
                 held = None if conn.granted_at is None else now - conn.granted_at
                 self._info(
                     conn,
-                    "revoke client=%s evict=%d %s held_ms=%s reason=%r",
+                    "revoke client=%s evict=%d %s%s held_ms=%s reason=%r",
                     decision.client,
                     int(decision.evict),
                     _bytes(mem["managed"] if decision.evict else mem["used"]),
+                    " " + _asked(decision.evict_bytes) if decision.evict else "",
                     _ms(held),
                     decision.reason,
                 )
@@ -611,9 +618,10 @@ class ShimSessions:
             else:
                 self._info(
                     conn,
-                    "evict client=%s %s reason=%r",
+                    "evict client=%s %s %s reason=%r",
                     decision.client,
                     _bytes(mem["managed"]),
+                    _asked(decision.bytes),
                     decision.reason,
                 )
             message = tr.decision_message(decision)

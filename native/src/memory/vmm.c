@@ -280,11 +280,14 @@ static void destroy_block(struct block *b)
 {
     gs_vmm_last_change = gs_now();
     index_remove(b);
+    /* Read before the unmap, which clears it: a resident block was never counted as evicted
+     * (reading it after took every freed resident block's size off the evicted total). */
+    int evicted = !b->resident;
     if (b->resident)
         gs_vmm_unback(b);
     gs_vmm_drv.addr_free(b->va, b->size);
     gs_staging_put(&b->staging);
-    gs_mem_engine_account(b->dev, 0, -(int64_t)b->size, b->resident ? 0 : -(int64_t)b->size);
+    gs_mem_engine_account(b->dev, 0, -(int64_t)b->size, evicted ? -(int64_t)b->size : 0);
     free(b->chunk);
     free(b);
 }
