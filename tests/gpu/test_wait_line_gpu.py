@@ -18,6 +18,7 @@ from typing import Any
 from test_jupyter_gpu import CELL_A, CELL_B, Server, wait_until_holding_14gib
 
 from jupyter_gpushare.units import parse_size
+from jupyter_gpushare.waitline import RELEASING_TEXT
 
 # A's cell computes for 16 s rather than 8: B starts once the status shows A holding its 14 GiB,
 # which it reports with a delay, and on an H100 B then waited 8.1 s once, 2.5 s another time and
@@ -86,7 +87,16 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         }
         assert len({s[2] for s in shown}) == 1, "more than one line"
         first, last = shown[0][3], shown[-1][3]
-        assert first.startswith("Waiting for the GPU: ") and "a.ipynb" in first, first
+        # B's cell starts while B may still hold the GPU beside A (the scheduler learns its 14
+        # GiB with its allocation): B is then revoked and its fresh 14 GiB move to host memory,
+        # about 4 s on an H100. Either B's next call blocks during that release (the line's
+        # first version then says so, then names A: 1c5b1bd's failure, where no line was shown
+        # for the release), or it passed the gate before the revoke and its synchronisation
+        # waits behind the eviction's copies, uncounted and unseen (no gated call waits yet);
+        # its next call then waits in line behind A.
+        during_release = first == RELEASING_TEXT
+        assert during_release or (first.startswith("Waiting for the GPU: ") and "a.ipynb" in first)
+        assert any("a.ipynb" in s[3] for s in shown), shown
         assert last.startswith("Got the GPU after "), last
         # The restore the line names is the one the shim really made, as the scheduler logged it
         # (RESTORED). B's 14 GiB allocated while it waited are backed at the grant with nothing
@@ -107,13 +117,20 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         waited = float(last.split("after ")[1].split(" s")[0])
         span = shown[-1][0] - shown[0][0]
         print(f"record {b['record']}, line span {span:.2f} s, first line at {shown[0][0]:.3f}")
-        # The line's figure is the shim's own wait. Its first version is shown once the wait has
-        # lasted about a second (the kernel thread polls once a second), and it is updated until
-        # the grant: so the figure exceeds the span of the line's own updates by 1 to 2 s (0.2 s
-        # of margin each way for the messages' travel). Seen on an H100: 8.1 s against 7.13 s.
+        # The line's figure is the shim's own wait (from the moment a call blocked, its own
+        # release included, to the grant's restore done). Its first version is shown once the
+        # wait has lasted a second (the kernel thread reads the status every 0.25 s, never
+        # waiting for a move in flight), and it is updated until the grant: so the figure
+        # exceeds the span of the line's own updates by 1 to 1.25 s, less at most a poll (0.1 s)
+        # at the grant (0.8-2.2 s: margin for the messages' travel). Seen on an H100: 8.1 s
+        # against 7.13 s; at 1c5b1bd, 16.3 s against 12.07 s (the line appeared only once B's
+        # own release had ended).
         assert waited >= 1.0, (waited, shown)  # the line is shown once a wait passes ~1 s
         assert 0.8 <= waited - span <= 2.2, (waited, span)
         appeared = waited - span
-        print(f"B waited {waited:.1f} s; its line appeared {appeared:.1f} s into the wait")
+        print(
+            f"B waited {waited:.1f} s; its line appeared {appeared:.1f} s into the wait"
+            f" ({'during its own release' if during_release else 'in line'})"
+        )
     finally:
         server.stop()
