@@ -1,9 +1,11 @@
 """The wait, in the cell, on a real GPU with PyTorch: two notebooks on the shipped "Python 3 (GPU
 shared)" kernel (the server of test_jupyter_gpu.py: embedded scheduler, 24 GiB pool, 60 s
-quantum). A's cell holds 14 GiB for 8 s; B's cell allocates 14 GiB and waits. B's cell must show
-one live line naming a.ipynb, updated in place, that ends as "Got the GPU after N s"; A's cell,
-which never waits, shows no such line. This is also the check that PyTorch releases the GIL while
-its allocation blocks in the shim (the wait line's thread needs it to run).
+quantum). A's cell holds 14 GiB for 16 s; B's cell allocates 14 GiB and waits. B's cell must
+show one live line naming a.ipynb, updated in place, that ends as "Got the GPU after N s"; A's
+cell, which never waits, shows no such line. When B's allocation ran beside A, B's next call
+waits from B's own release (its 14 GiB moving out), and the line shows that first. This is also
+the check that PyTorch releases the GIL while its call blocks in the shim (the wait line's thread
+needs it to run).
 """
 
 from __future__ import annotations
@@ -25,6 +27,23 @@ from jupyter_gpushare.waitline import RELEASING_TEXT
 # under 1 s a third (no line: the line is shown once a wait passes ~1 s).
 CELL_A_LONG = CELL_A.replace("< 8:", "< 16:")
 assert CELL_A_LONG != CELL_A
+
+# B's cell, whose allocation may run beside A (the scheduler learns its 14 GiB with it): its next
+# call then comes once B's shim is releasing (revoked, its fresh 14 GiB moving to host memory,
+# about 4 s), not racing the revoke. That is the order of 1c5b1bd's failure, made certain: the
+# call waits from then, and its line must say so within about a second. "seen": the shim's state
+# the cell went on at ("holding" after 5 s: never revoked).
+_AFTER_THE_ALLOCATION = "torch.cuda.synchronize()\nfirst = time.time()"
+CELL_B_AFTER_REVOKE = CELL_B.replace(
+    _AFTER_THE_ALLOCATION,
+    """torch.cuda.synchronize()
+from jupyter_gpushare import shim
+deadline = time.time() + 5
+while (seen := shim.read_status()["state"]) == "holding" and time.time() < deadline:
+    time.sleep(0.005)
+first = time.time()""",
+).replace('"k": k}', '"k": k, "seen": seen}')
+assert CELL_B_AFTER_REVOKE.count("seen") == 3 and _AFTER_THE_ALLOCATION in CELL_B
 
 
 def run_cell_with_displays(kc: Any, code: str, out: dict[str, Any]) -> None:
@@ -70,7 +89,7 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         ta.start()
         wait_until_holding_14gib(server, ka)
         b: dict[str, Any] = {}
-        tb = threading.Thread(target=run_cell_with_displays, args=(kcb, CELL_B, b))
+        tb = threading.Thread(target=run_cell_with_displays, args=(kcb, CELL_B_AFTER_REVOKE, b))
         tb.start()
         ta.join(timeout=300)
         tb.join(timeout=300)
@@ -87,15 +106,14 @@ def test_a_waiting_notebook_cell_shows_the_wait_then_the_grant(tmp_path: Path) -
         }
         assert len({s[2] for s in shown}) == 1, "more than one line"
         first, last = shown[0][3], shown[-1][3]
-        # B's cell starts while B may still hold the GPU beside A (the scheduler learns its 14
-        # GiB with its allocation): B is then revoked and its fresh 14 GiB move to host memory,
-        # about 4 s on an H100. Either B's next call blocks during that release (the line's
-        # first version then says so, then names A: 1c5b1bd's failure, where no line was shown
-        # for the release), or it passed the gate before the revoke and its synchronisation
-        # waits behind the eviction's copies, uncounted and unseen (no gated call waits yet);
-        # its next call then waits in line behind A.
-        during_release = first == RELEASING_TEXT
-        assert during_release or (first.startswith("Waiting for the GPU: ") and "a.ipynb" in first)
+        # When B's allocation ran beside A, B's next call blocked during B's own release: the
+        # line's first version says so, then it names A (at 1c5b1bd no line was shown for the
+        # release). When B's allocation itself waited, the line names A from the start.
+        during_release = b["record"]["seen"] == "releasing"
+        if during_release:
+            assert first == RELEASING_TEXT, shown
+        else:
+            assert first.startswith("Waiting for the GPU: ") and "a.ipynb" in first, shown
         assert any("a.ipynb" in s[3] for s in shown), shown
         assert last.startswith("Got the GPU after "), last
         # The restore the line names is the one the shim really made, as the scheduler logged it
