@@ -8,6 +8,7 @@ it) and says what is happening *in the waiting cell itself*::
     Waiting for the GPU: 2nd in line, behind alice's kernel (turn ends in ~12 s)
     Waiting for the GPU: moving another kernel's memory to host memory
     Waiting for the GPU: waking from sleep
+    Waiting for the GPU: this kernel's turn ended; its GPU work is finishing and its memory ...
     Got the GPU after 14.2 s (restored 6.00 GiB in 0.2 s)
 
 How: the main thread is blocked inside the CUDA call, so a daemon thread polls the shim's status
@@ -39,6 +40,7 @@ from .scheduler_view import find_own_entry, socket_path
 from .units import format_size
 
 __all__ = [
+    "RELEASING_TEXT",
     "THRESHOLD_SECONDS",
     "WaitLine",
     "got_text",
@@ -56,6 +58,13 @@ POLL_SECONDS = 0.1
 IDLE_POLL_SECONDS = 0.25
 #: How often, at most, it asks the scheduler why the kernel waits (one socket round trip).
 SCHEDULER_EVERY_SECONDS = 1.0
+#: The line while a call waits for this kernel's own release to end: the shim says "releasing"
+#: (revoked, it lets its queued GPU work finish, then may move its memory to the host) and a call
+#: that came meanwhile is blocked at the gate. Its wait counts from then.
+RELEASING_TEXT = (
+    "Waiting for the GPU: this kernel's turn ended; its GPU work is finishing and its memory "
+    "may move to host memory"
+)
 #: The mime type the JupyterLab extension recognises (it raises the "your turn came" toast).
 MIME_TYPE = "application/vnd.gpushare.wait+json"
 
@@ -118,6 +127,8 @@ def wait_text(
     state = str(status.get("state", ""))
     if state in ("asleep", "6"):
         return "Waiting for the GPU: waking from sleep"
+    if state == "releasing":
+        return RELEASING_TEXT
     entry = entry or {}
     if entry.get("state") in ("running", "revoking"):
         # The scheduler granted the device; the shim is moving this kernel's memory back.
@@ -165,6 +176,16 @@ def got_text(waited: float, restored_bytes: int, restore_seconds: float | None) 
     return text
 
 
+def _waits(status: dict[str, Any]) -> bool:
+    """Whether a GPU call of this kernel waits: the shim says so, or it is releasing the device
+    while a call that came meanwhile is blocked at the gate (its wait has begun: the shim counts
+    it, and the line's figure includes it)."""
+    state = str(status.get("state"))
+    if state == "releasing":
+        return float(status.get("current_wait_seconds") or 0.0) > 0
+    return state in ("waiting", "asleep", "6")
+
+
 def _content(text: str, display_id: str, phase: str, seconds: float) -> dict[str, Any]:
     colour = {
         "waiting": "var(--jp-warn-color1)",
@@ -207,6 +228,7 @@ class WaitLine:
     _display_id: str | None = None
     _shown: str = ""
     _asked_at: float = field(default=float("-inf"))
+    _asked_state: str = ""
     _entry: dict[str, Any] | None = None
     _device: dict[str, Any] | None = None
     _waited: float = 0.0
@@ -235,7 +257,8 @@ class WaitLine:
                 error = self.apply_quota(status, quota)
                 if error:
                     self.publish(_notice(f"gpushare: cannot set the quota: {error}"), False)
-        waiting = str(status.get("state")) in ("waiting", "asleep", "6")
+        state = str(status.get("state"))
+        waiting = _waits(status)
         now = self.clock()
         if waiting:
             waited = float(status.get("current_wait_seconds") or 0.0)
@@ -247,8 +270,10 @@ class WaitLine:
                     return
                 self._display_id = f"gpushare-wait-{uuid.uuid4().hex}-{next(self._ids)}"
                 self._shown = ""
-            if now - self._asked_at >= self.scheduler_every:
-                self._asked_at = now
+            # Asked again at once when the shim's state changes (its release ends): the entry
+            # the scheduler gave while this kernel released says "revoking", not why it waits.
+            if now - self._asked_at >= self.scheduler_every or state != self._asked_state:
+                self._asked_at, self._asked_state = now, state
                 self._entry, self._device = self.scheduler_view(status)
             text = wait_text(status, self._entry, self._device, self.me)
             if text != self._shown:
@@ -283,14 +308,16 @@ class WaitLine:
         self._display_id = None
         self._shown = ""
         self._asked_at = float("-inf")
+        self._asked_state = ""
         self._entry = self._device = None
         self._waited = 0.0
         self._held_at_start = None
 
     def _was_granted(self, status: dict[str, Any]) -> bool:
         """Whether the wait ended with the GPU: the shim holds it, or has held it since (a short
-        turn may be over by the time of this poll); an interrupted wait held nothing."""
-        if status.get("state") in ("holding", "releasing"):
+        turn may be over, or being released, by the time of this poll); an interrupted wait held
+        nothing (also one interrupted while its kernel was still releasing)."""
+        if status.get("state") == "holding":
             return True
         held = float(status.get("holding_seconds") or 0.0)
         return self._held_at_start is not None and held > self._held_at_start

@@ -49,8 +49,9 @@
  * cuCtxSynchronize), GPUSHARE_FAKE_STATS_FILE (the stats document is written there at exit),
  * GPUSHARE_FAKE_LAUNCH_DELAY_US (a launch stays that long inside the driver before its work is
  * queued; cuCtxSynchronize traces how many are), GPUSHARE_FAKE_MAP_DELAY_US (each cuMemMap takes
- * that long), GPUSHARE_FAKE_OTHER_BYTES (memory other processes hold on the device: cuMemGetInfo's
- * free shrinks by it, and cuMemCreate refuses what would not fit beside it).
+ * that long), GPUSHARE_FAKE_UNMAP_DELAY_US (each cuMemUnmap: an eviction that lasts),
+ * GPUSHARE_FAKE_OTHER_BYTES (memory other processes hold on the device: cuMemGetInfo's free
+ * shrinks by it, and cuMemCreate refuses what would not fit beside it).
  *
  * Test-only exports: fakecuda_stats_json(buf, n) (snprintf-like: returns the length needed),
  * fakecuda_call_count(name) and fakecuda_process_device_bytes(pid) (fake_checkpoint.c: the process
@@ -1383,6 +1384,10 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     COUNT();
     NEED_INIT();
+    /* GPUSHARE_FAKE_UNMAP_DELAY_US: an unmap takes that long, so an eviction lasts as a real
+     * one of many GiB does (seconds), and what waits on it can be seen. */
+    static long unmap_delay = -1;
+    delay_us(env_delay_us("GPUSHARE_FAKE_UNMAP_DELAY_US", &unmap_delay));
     pthread_mutex_lock(&g_lock);
     for (size_t i = 0; i < g_nmaps; i++) {
         if (g_maps[i].base != (uintptr_t)ptr || g_maps[i].size != size) continue;

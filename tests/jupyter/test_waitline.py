@@ -16,7 +16,14 @@ from typing import Any
 from provisioner_helpers import CONTEXT, GPU_PRELUDE, MiB, async_wait_for, execute
 
 from jupyter_gpushare.shim import library_path, shim_environment
-from jupyter_gpushare.waitline import MIME_TYPE, WaitLine, got_text, ordinal, wait_text
+from jupyter_gpushare.waitline import (
+    MIME_TYPE,
+    RELEASING_TEXT,
+    WaitLine,
+    got_text,
+    ordinal,
+    wait_text,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -338,6 +345,48 @@ def test_an_interrupted_wait_says_it_stopped_not_that_it_got_the_gpu() -> None:
     assert s.published[-1][0]["data"]["text/plain"] == "Got the GPU after 3.0 s"
 
 
+def test_a_wait_that_begins_during_the_kernels_own_release_is_shown() -> None:
+    """A call blocked while the shim still hands the GPU back (state "releasing", its wait
+    counting) is a wait like another: the line appears once it passed the threshold, not when the
+    release ends. Once the shim waits in line, the scheduler is asked again at once (its entry
+    from the release said "revoking"). A release with no call waiting shows nothing, and a wait
+    interrupted during the release says it stopped."""
+    s = Script()
+    line = s.line()
+    s.status = {"state": "releasing", "current_wait_seconds": 0.0, "holding_seconds": 9.0}
+    line.poll()
+    s.wait(0.6, state="releasing", holding_seconds=9.0)
+    line.poll()
+    assert s.published == []
+    s.entry = {"state": "revoking"}
+    s.wait(1.1, state="releasing", holding_seconds=9.0)
+    line.poll()
+    (first, update), *_ = s.published
+    assert not update and first["data"]["text/plain"] == RELEASING_TEXT
+    assert s.asked == 1
+    s.entry = {"state": "waiting", "queue_position": 1, "wait": {"reason": "turn"}}
+    s.entry["wait"]["holders"] = [_holder()]
+    s.wait(1.3, holding_seconds=9.0)  # released; now in line (0.1 s after the last ask)
+    line.poll()
+    assert s.asked == 2
+    assert s.published[-1][0]["data"]["text/plain"].startswith(
+        "Waiting for the GPU: 1st in line, behind alice's kernel"
+    )
+    s.status = {"state": "holding", "evicted_bytes": 0}
+    line.poll()
+    assert s.published[-1][0]["data"]["text/plain"] == "Got the GPU after 1.3 s"
+    # Interrupted while the release still ran: nothing was held since.
+    s.status = {"state": "idle", "holding_seconds": 12.0}
+    line.poll()
+    count = len(s.published)
+    s.wait(1.5, state="releasing", holding_seconds=12.0)
+    line.poll()
+    s.status = {"state": "releasing", "current_wait_seconds": 0.0, "holding_seconds": 12.0}
+    line.poll()
+    assert len(s.published) == count + 2
+    assert s.published[-1][0]["data"]["text/plain"] == "Stopped waiting for the GPU after 1.5 s"
+
+
 def test_no_display_outside_a_cell_and_a_pending_quota_is_applied_once() -> None:
     from jupyter_gpushare import waitline
 
@@ -396,6 +445,21 @@ def _displays(msgs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     ]
 
 
+def _spawn_train_holder(harness: Any, seconds: float) -> Any:
+    """Another process of the same user, labelled train.ipynb, that holds the GPU with 640 MiB
+    for ``seconds`` once granted (it and the kernel's 640 MiB do not fit a 1 GiB pool)."""
+    return harness.spawn(
+        "hold",
+        seconds,
+        640 * MiB,
+        20000,
+        client_id="holder",
+        context_bytes=CONTEXT,
+        idle_seconds=0,
+        label="/home/me/train.ipynb",
+    )
+
+
 async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernels: Any) -> None:
     """Another process (same user, labelled train.ipynb) holds the GPU for a few seconds and both
     do not fit the pool: the kernel's cell shows one live line that names the holder, then turns
@@ -407,16 +471,7 @@ async def test_a_waiting_cell_shows_the_wait_then_the_grant(harness: Any, kernel
     assert _displays(quiet) == []
     (await execute(kc, "%gpushare release")).ok()
 
-    holder = harness.spawn(
-        "hold",
-        4.0,
-        640 * MiB,
-        20000,
-        client_id="holder",
-        context_bytes=CONTEXT,
-        idle_seconds=0,
-        label="/home/me/train.ipynb",
-    )
+    holder = _spawn_train_holder(harness, 4.0)
     holder.wait_event("first_launch", 30)
 
     def holder_runs() -> bool:
@@ -530,3 +585,78 @@ async def test_interrupt_stops_the_wait_and_the_line_says_so(harness: Any, kerne
     assert re.fullmatch(r"Stopped waiting for the GPU after \d+\.\d s", shown[-1][2]), shown
     assert len({d for _, d, _ in shown}) == 1, shown
     holder.kill()
+
+
+#: The cell tells the test it runs, then waits (on the CPU) until its kernel is revoked; its next
+#: launch then finds the gate closed while the shim still hands the GPU back.
+_LAUNCH_DURING_THE_RELEASE = """
+import json, time
+from jupyter_gpushare import shim
+open(MARK, "w").close()
+deadline = time.time() + 60
+while shim.read_status()["state"] != "releasing" and time.time() < deadline:
+    time.sleep(0.005)
+blocked = time.time()
+rc = launch(1000), sync()
+print(json.dumps({"blocked": blocked, "rc": rc}))
+"""
+
+
+async def test_a_call_blocked_while_its_kernel_releases_shows_the_line_within_a_second(
+    harness: Any, kernels: Any, tmp_path: Path
+) -> None:
+    """The H100 failure at 1c5b1bd (docs/gpu-verification.md): B's next launch blocked while B's
+    own shim was still handing the GPU back (revoked, its fresh 14 GiB moving to host memory for
+    about 4 s). The shim counts a wait from the moment a call blocks, but (1) its state said
+    "releasing", not "waiting", and the line waited for "waiting"; (2) a status read waited for
+    the eviction to end (the engine's lock). The line appeared only ~1 s after the release had
+    ended: its figure exceeded the span of its updates by 4.2 s. Here another process's request
+    revokes the kernel (its quantum is over), and the stand-in makes the eviction last 3 s and
+    the restore 1.5 s. The line must appear about a second into the wait, as the docs say,
+    while the release still runs; then name the holder; then the grant, with the whole wait."""
+    sched = harness.scheduler(pool="1GiB", quantum=3.0)
+    slow = kernels.kernel_env(
+        GPUSHARE_FAKE_UNMAP_DELAY_US="3000000", GPUSHARE_FAKE_MAP_DELAY_US="1500000"
+    )
+    _km, kc = await kernels.start(env=slow)
+    (await execute(kc, GPU_PRELUDE + "\nprint(alloc(640 << 20)[0], launch(1000), sync())")).ok()
+    # Past its quantum, the kernel is revoked at once for a waiter, and that waiter's 2 s are
+    # less than its own quantum: one handoff each way (a quantum shorter than the slow restore
+    # would hand the GPU back and forth).
+    await asyncio.sleep(3.5)
+    mark = tmp_path / "running"
+    cell = asyncio.ensure_future(
+        _run_collecting(kc, f"MARK = {str(mark)!r}\n" + _LAUNCH_DURING_THE_RELEASE)
+    )
+    await async_wait_for(mark.exists, timeout=60, what="the kernel's cell")
+    holder = _spawn_train_holder(harness, 2.0)
+    msgs = await asyncio.wait_for(cell, 90)
+    stdout = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    record = json.loads(stdout.strip().splitlines()[-1])
+    assert record["rc"] == [0, 0], (stdout, sched.log)
+    # (the kernel's clock when it sent each version, its text)
+    shown = [
+        (m["header"]["date"].timestamp(), m["content"]["data"]["text/plain"])
+        for m in msgs
+        if m["msg_type"] in ("display_data", "update_display_data")
+    ]
+    assert len({d for _, d, _ in _displays(msgs)}) == 1, shown  # one line, updated in place
+    print("\n".join(f"{t - record['blocked']:6.2f} {text}" for t, text in shown))
+    assert shown, (msgs, sched.log)
+    assert shown[0][1] == RELEASING_TEXT, shown
+    named = [i for i, (_, text) in enumerate(shown) if "behind your train.ipynb" in text]
+    assert named and all(text == RELEASING_TEXT for _, text in shown[: named[0]]), shown
+    last = shown[-1][1]
+    assert re.fullmatch(
+        r"Got the GPU after \d+\.\d s \(restored 640\.00 MiB in \d+\.\d s\)", last
+    ), (shown, sched.log)
+    waited = float(last.split("after ")[1].split(" s")[0])
+    span = shown[-1][0] - shown[0][0]
+    # The claim the H100 test checks: the figure exceeds the span of the line's own updates by
+    # the threshold (1 s) plus at most an idle poll (0.25 s), less at most a poll (0.1 s) at the
+    # grant; the bounds leave 0.2 s below and about a second above for a loaded machine.
+    assert 0.8 <= waited - span <= 2.2, (waited, span, shown)
+    # The figure is the wait the cell saw, from its blocked launch to the grant (the restore's
+    # 1.5 s included: the call passes once it is over).
+    assert abs(shown[-1][0] - record["blocked"] - waited) <= 0.5, (waited, record, shown)
+    holder.finish(30)

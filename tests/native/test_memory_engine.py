@@ -192,3 +192,30 @@ def test_a_release_does_not_wait_for_staging_being_made(harness):
     assert run.calls("cuMemHostRegister_v2") >= 1, run.stats["calls"]
     # Measured 4-15 ms (4-9 ms beside a CPU hog); waiting for the registration takes up to 1.5 s.
     assert released and released[0] < 100, run.stderr
+
+
+def test_a_status_read_does_not_wait_for_an_eviction(harness):
+    """An eviction holds the engine's lock while it moves the blocks out (on an H100, ~4 s for
+    14 GiB just written); the status API must not wait for it: the notebook's wait line polls it
+    exactly then, and at 1c5b1bd it stood still until the eviction ended (the line came 4.2 s
+    into the wait, not 1 s). Here each unmap takes 1.5 s: A, idle and ticking (a status read
+    every 0.1 s), is evicted for B."""
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    slow_unmap = {"GPUSHARE_FAKE_UNMAP_DELAY_US": "1500000"}
+    idle = 6.0
+    a = harness.spawn(
+        "precopy_cycle", BIG, idle, 0.3, 0.3, extra=slow_unmap, **common(client_id="A")
+    )
+    start = a.wait_event("idle1_start", 30)["t_mono"]
+    b = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="B"))
+    rb, ra = b.finish(60).ok(), a.finish(60).ok()
+    assert rb.event("hold_end")["data_ok"] and ra.event("cycle_end")["data_ok"]
+    evicts = evictions(sched.log, "A")
+    assert evicts and evicts[0][1] >= 1500, (evicts, ra.stderr)
+    # The idle phase, from its start (the eviction falls in it, often at once).
+    ticks = [start] + [e["t_mono"] for e in ra.events if e["event"] == "tick"]
+    ticks = [t for t in ticks if start <= t <= start + idle]
+    gap = max(b - a for a, b in itertools.pairwise(ticks))
+    # Ticks come every 0.1 s plus the program's own time (0.10-0.11 s measured, idle); a read
+    # stuck behind the eviction leaves a gap of the eviction's length (1.5 s).
+    assert gap < 0.75, (gap, len(ticks), evicts)
