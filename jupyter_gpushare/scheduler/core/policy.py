@@ -48,9 +48,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .ahead import ahead_choices, on_ahead_restored, start_ahead
 from .events import (
     AdminRelease,
     Busy,
+    Coming,
     Decision,
     Event,
     Evict,
@@ -64,6 +66,7 @@ from .events import (
     Precopy,
     Released,
     Request,
+    RestoreAhead,
     Restored,
     Revoke,
     SetQuota,
@@ -74,7 +77,14 @@ from .idle_timer import next_idle_check
 from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
-from .policy_moves import ask, note_cell_end, order_candidates, room_for, worth_evicting
+from .policy_moves import (
+    ask,
+    note_cell_end,
+    order_candidates,
+    room_for,
+    set_evicted,
+    worth_evicting,
+)
 from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
@@ -154,9 +164,12 @@ class Policy(FixedQuantumLock):
             return self._keep_room(dev, [])  # a complete copy makes it evictable for room
         elif isinstance(event, Restored):
             client.measure(dev, "restore", event.bytes_moved, event.micros)
-            client.evicted = 0
-            client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
-            return []
+            if event.ahead:  # its room is settled now: the pass may use what stayed free
+                on_ahead_restored(client, event)
+            else:
+                client.evicted = 0
+                client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
+                return []
         elif isinstance(event, Idle):
             if event.precopied >= 0 or not client.idle:
                 client.precopy_asked = False  # a new idle period (the shim says IDLE once per)
@@ -165,10 +178,13 @@ class Policy(FixedQuantumLock):
             if not client.idle:
                 client.idle_since = self._clock
                 note_cell_end(client, self._clock)
-            client.idle = True
+            client.idle, client.coming = True, False
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
-        elif isinstance(event, Busy):
+        elif isinstance(event, Busy | Coming):
+            client.coming = client.holding is None  # a cell comes: its memory may come ahead
+            if isinstance(event, Coming):
+                return self._restore_ahead(dev, [])
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
@@ -189,7 +205,17 @@ class Policy(FixedQuantumLock):
         decisions += self._keep_room(dev, decisions)
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
-        return decisions
+        return decisions + self._restore_ahead(dev, decisions)
+
+    def _restore_ahead(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
+        """Evicted memory back before its owner's turn where the pool has room to spare (.ahead)."""
+        cfg, now = self.config, self._clock
+        if not cfg.restore_ahead or cfg.policy != "gpushare" or self.recovering(now):
+            return []
+        choices = ahead_choices(dev, self._queue(dev, now), self._room_target(dev), now, decided)
+        for c, _need in choices:
+            start_ahead(c)
+        return [RestoreAhead(c.id, need) for c, need in choices]
 
     def _room_target(self, dev: DeviceState) -> int:
         """Bytes to keep free on ``dev`` now (0: none), see .room."""
@@ -365,7 +391,7 @@ class Policy(FixedQuantumLock):
                 # a partial eviction before the restart: the rest is on the GPU (it ran)
                 c.resident, c.away, c.evicted, c.restore = True, evt.evicted, evt.evicted, True
             elif evt.evicted > 0:
-                self._set_evicted(c)
+                set_evicted(c)
         c.gpu_seconds = max(0.0, evt.gpu_seconds)
         if not self.recovering(self._clock):
             return []
@@ -397,14 +423,14 @@ class Policy(FixedQuantumLock):
             since = c.resume_since
             c.waiting_since = self._clock if since is None else min(since, self._clock)
         c.resume_since = None
-        if evt.evicted > 0 and not c.evict_pending:
+        if evt.evicted > 0 and not c.moving:
             # Some of its memory is on the host (the shim's total): the grant restores it.
             if c.resident and evt.evicted < c.movable:
                 c.away = max(c.away, evt.evicted)
                 c.restore = True
                 c.evicted = c.away
             else:
-                self._set_evicted(c)
+                set_evicted(c)
 
     def _on_released(self, dev: DeviceState, c: ClientState, evt: Released) -> None:
         """The client stopped using the device (answer to Revoke, or unsolicited).
@@ -423,36 +449,7 @@ class Policy(FixedQuantumLock):
             c.last_active = self._clock
             c.resident = True
         if evt.evicted:
-            self._set_evicted(c, part, evt.evicted_bytes)
-
-    @staticmethod
-    def _set_evicted(c: ClientState, nbytes: int = 0, total: int = -1) -> None:
-        """``nbytes`` of its memory left the GPU (0, or all it had there: everything); ``total``,
-        when the shim said it: its evicted bytes now, which stand for the ask (a shim may free
-        more than asked, up to everything)."""
-        if total >= 0 and c.resident and total < c.movable:
-            gone = max(0, total - c.away)
-            c.away += gone
-            c.evicted = c.away
-            c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
-            c.restore = c.restore or c.away > 0
-            if nbytes == 0 or gone < nbytes:
-                # It moved less than asked: the rest cannot move now. Asking again at once
-                # would answer the same, on every event (an EVICT storm on the H100).
-                c.stuck = max(0, c.movable - c.away)
-            return
-        if total >= 0:
-            nbytes = 0  # all of it
-        c.restore = True
-        if c.resident and 0 < nbytes < c.evictable:  # a partial eviction: the rest stays
-            c.away += nbytes
-            c.evicted = c.away
-            c.precopied = max(0, c.precopied - nbytes)  # pre-copied blocks leave first
-            return
-        c.resident = False
-        c.away = 0
-        c.evicted = c.managed
-        c.precopied = 0  # nothing resident left to have a copy of
+            set_evicted(c, part, evt.evicted_bytes)
 
     def _on_evicted(self, dev: DeviceState, c: ClientState, evt: Evicted) -> None:
         c.evict_pending = False
@@ -462,7 +459,7 @@ class Policy(FixedQuantumLock):
         c.measure(dev, "evict", evt.bytes_moved, evt.micros)
         dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
         if c.holding is None:
-            self._set_evicted(c, part, evt.evicted_bytes)
+            set_evicted(c, part, evt.evicted_bytes)
 
     def _on_admin_release(
         self, dev: DeviceState, c: ClientState, evt: AdminRelease
@@ -471,7 +468,7 @@ class Policy(FixedQuantumLock):
         out: list[Decision] = []
         if c.holding == "running":
             out.append(self._revoke(c, evt.evict, REASON_ADMIN))
-        elif c.holding is None and evt.evict and c.resident and not c.evict_pending:
+        elif c.holding is None and evt.evict and c.resident and not c.moving:
             out.append(self._evict(c, REASON_ADMIN))
         return out + self._schedule(dev)
 
@@ -490,8 +487,10 @@ class Policy(FixedQuantumLock):
         if c.room_evicted and c.restore:  # it came back after its memory left for room
             c.room_returns += 1  # (.room holds it longer before the next room eviction)
         c.room_evicted = False
-        restore = c.restore
-        c.restore = False
+        restore = (
+            c.restore or c.ahead_pending
+        )  # a restore ahead in flight ends before the gate opens
+        c.restore = c.coming = c.ahead_short = False
         c.holding = "running"
         c.run_start = self._clock
         c.waiting_since = None
@@ -610,7 +609,7 @@ class Policy(FixedQuantumLock):
         waiters = [c for c in reversed(list(behind)) if c.resident]
         now = self._clock if self.config.cost_aware else None
         cands = order_candidates(idle, waiters, now)
-        return [c for c in cands if not c.evict_pending and c.evictable > 0]
+        return [c for c in cands if not c.moving and c.evictable > 0]
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         if self.config.policy == "gpushare":
@@ -767,7 +766,7 @@ class Policy(FixedQuantumLock):
         # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
         if cands:  # everything that can move moves: w does not fit even so
             out += [self._evict(c, f"room for {w.id}") for c in cands]
-        elif not any(c.evict_pending for c in dev.clients.values()):
+        elif not any(c.moving for c in dev.clients.values()):
             out.append(self._grant(w))
         return out
 

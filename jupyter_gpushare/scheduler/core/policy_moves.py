@@ -26,7 +26,15 @@ from collections.abc import Iterable
 from .costs import BLOCK_BYTES, restore_seconds
 from .policy_state import ClientState, DeviceState
 
-__all__ = ["ask", "expected_left", "move_seconds", "order_candidates", "room_for", "worth_evicting"]
+__all__ = [
+    "ask",
+    "expected_left",
+    "move_seconds",
+    "order_candidates",
+    "room_for",
+    "set_evicted",
+    "worth_evicting",
+]
 
 #: Weight of a finished cell in a kernel's typical cell length.
 TURN_ALPHA = 0.3
@@ -108,3 +116,32 @@ def room_for(dev: DeviceState, c: ClientState) -> int:
         if o is not c and not (o.idle and o.waiting_since is None)
     )
     return dev.pool_bytes - busy
+
+
+def set_evicted(c: ClientState, nbytes: int = 0, total: int = -1) -> None:
+    """``nbytes`` of its memory left the GPU (0, or all it had there: everything); ``total``,
+    when the shim said it: its evicted bytes now, which stand for the ask (a shim may free
+    more than asked, up to everything)."""
+    if total >= 0 and c.resident and total < c.movable:
+        gone = max(0, total - c.away)
+        c.away += gone
+        c.evicted = c.away
+        c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
+        c.restore = c.restore or c.away > 0
+        if nbytes == 0 or gone < nbytes:
+            # It moved less than asked: the rest cannot move now. Asking again at once
+            # would answer the same, on every event (an EVICT storm on the H100).
+            c.stuck = max(0, c.movable - c.away)
+        return
+    if total >= 0:
+        nbytes = 0  # all of it
+    c.restore = True
+    if c.resident and 0 < nbytes < c.evictable:  # a partial eviction: the rest stays
+        c.away += nbytes
+        c.evicted = c.away
+        c.precopied = max(0, c.precopied - nbytes)  # pre-copied blocks leave first
+        return
+    c.resident = False
+    c.away = 0
+    c.evicted = c.managed
+    c.precopied = 0  # nothing resident left to have a copy of
