@@ -35,12 +35,13 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    fair share, after short cells only (.policy_short). A waiter is thus granted within about
    (clients + 1) * max_quantum of contention, each cell passing it for ``first_level`` at most.
 5. **Last resort.** A waiter that cannot fit even with every other client evicted is granted
-   alone once nobody holds the device and no eviction is in flight.
+   alone once nobody holds the device and no eviction (or restore ahead) is in flight.
 
 Residency follows the policy's decisions and their answers (Grant: resident; Released(evicted),
 Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
+``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
 """
 
 from __future__ import annotations
