@@ -52,3 +52,10 @@ def test_jupyter_says_a_cell_is_coming() -> None:
     assert action.reply()["state"] == "coming"
     refused = check_client_action("kernel_state", {"client": "k1", "state": "soon"})
     assert isinstance(refused, Refusal)
+
+
+def test_the_switch_reaches_the_policy_and_is_off_by_default() -> None:
+    from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
+
+    assert GPUShareScheduler(restore_ahead=True).policy_config().restore_ahead
+    assert not GPUShareScheduler().policy_config().restore_ahead
