@@ -17,6 +17,7 @@ from jupyter_gpushare.scheduler.core.events import (
     RestoreAhead,
     Restored,
     Revoke,
+    Tick,
 )
 from jupyter_gpushare.scheduler.core.policy_state import ClientState, DeviceState
 from jupyter_gpushare.scheduler.core.room import KeepFree
@@ -140,6 +141,12 @@ def test_a_grant_during_the_restore_ahead_still_restores_and_the_request_keeps_t
     )
     assert out == [Grant("a", restore=True)]
     assert _resident(p) == 60 * GB  # not counted off the GPU by the stale evicted figure
+    assert not p._clients["a"].moving  # the grant restores what is left: it may be evicted
+    # a's revoke evicts it all; the restore ahead's answer, come late, changes nothing
+    p.handle(Tick(20))
+    p.handle(Released(21, "a", evicted=True))
+    assert p.handle(Restored(22, "a", part(20), 1000, ahead=True, evicted_bytes=0)) == []
+    assert p._clients["a"].restore and p._clients["a"].on_gpu == GB // 2
 
 
 def test_memory_restored_ahead_is_not_evicted_in_flight_and_leaves_as_an_unmap_after():

@@ -20,6 +20,7 @@ from jupyter_gpushare.scheduler.core.events import (
     Decision,
     Event,
     Evict,
+    Grant,
     RestoreAhead,
     Restored,
     Revoke,
@@ -58,6 +59,11 @@ class AheadMachine(PolicyMachine):
             return
         if isinstance(d, Evict):
             assert d.client not in self.ahead, f"{d} while its restore ahead is in flight"
+        if isinstance(d, Grant) and d.client in self.ahead:
+            # The shim answers the restore ahead before it takes the grant (one thread, in
+            # order), and the grant restores whatever is left: that answer says nothing new.
+            self.ahead.discard(d.client)
+            self.send(Restored(self.now, d.client, 0, 1, ahead=True, evicted_bytes=0))
         super().apply(d)
 
     @precondition(lambda self: bool(self.shims))

@@ -126,9 +126,9 @@ def start_ahead(c: ClientState) -> None:
 def on_ahead_restored(c: ClientState, evt: Restored) -> None:
     """The answer to a RestoreAhead: what stayed on the host (if the shim said) is away again,
     and the next grant restores it; the restored bytes' host copy makes them cheap to evict."""
+    if not c.ahead_pending:
+        return  # a grant came first: it restored whatever stayed behind (and since, who knows)
     c.ahead_pending = False
-    if c.holding is not None:
-        return  # granted meanwhile: the grant restored whatever stayed behind
     if evt.precopied >= 0:
         c.precopied = min(evt.precopied, c.movable)
     left = min(evt.evicted_bytes, c.movable)

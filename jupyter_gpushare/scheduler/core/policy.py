@@ -491,7 +491,7 @@ class Policy(FixedQuantumLock):
         restore = (
             c.restore or c.ahead_pending
         )  # a restore ahead in flight ends before the gate opens
-        c.restore = c.coming = c.ahead_short = False
+        c.restore = c.coming = c.ahead_short = c.ahead_pending = False
         c.holding = "running"
         c.run_start = self._clock
         c.waiting_since = None
