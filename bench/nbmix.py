@@ -15,6 +15,8 @@ each seed, their mean and 95% confidence half-width, and the users per GPU whose
 - ``after-keep-free-always``: the same, room kept ahead regardless of its cost
   (``keep_free_wait`` 0: keep_free "auto" as it was);
 - ``after-no-short-first``: the same without short cells first (``PolicyConfig.short_first``);
+- ``after-restore-ahead``: the same with restore ahead (``PolicyConfig.restore_ahead``, the
+  policy's ``core/ahead.py``): evicted memory moves back before its owner's turn;
 - ``fits``: the same cells on a pool that holds every working set (the memory-free floor).
 
 No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's rows.
@@ -36,7 +38,15 @@ from .common import GiB, percentile, record, write_json
 from .simulator import SimConfig, Simulation, legacy, policy_config, summarize
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
-VARIANTS = ("before", "engine", "after", "after-keep-free-always", "after-no-short-first", "fits")
+VARIANTS = (
+    "before",
+    "engine",
+    "after",
+    "after-keep-free-always",
+    "after-no-short-first",
+    "after-restore-ahead",
+    "fits",
+)
 #: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
 TARGETS = {8: 3.0, 16: 6.0}
 WARMUP = 300.0
@@ -59,6 +69,9 @@ def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
         return sim, policy_config("gpushare", sim)
     if name == "after-no-short-first":
         return cfg, replace(policy_config("gpushare", cfg), short_first=False)
+    if name == "after-restore-ahead":
+        sim = replace(cfg, restore_ahead=True)
+        return sim, policy_config("gpushare", sim)
     if name == "fits":
         sim = replace(cfg, pool_bytes=10_000 * GiB, total_bytes=10_000 * GiB)
         return sim, policy_config("gpushare", sim)

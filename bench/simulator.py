@@ -100,6 +100,9 @@ class SimConfig:
     block_bytes: int = costs.BLOCK_BYTES
     keep_free: bool = True  # the daemon's keep_free "auto" (needs model_precopy to act)
     keep_free_wait: float = KEEP_FREE_WAIT  # ... kept only where on demand it would cost this
+    # Restore ahead (the policy's .ahead): evicted memory moves back at restore_bw before its
+    # owner's turn, overlapping others' compute; a grant that comes first waits for the move.
+    restore_ahead: bool = False
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
 
 
@@ -134,6 +137,7 @@ class _U:
     on_gpu: int = 0  # bytes of its working set on the GPU
     allocated_at: float | None = None  # when its working set was first backed (staging clock)
     warming: bool = False  # its current cell is a warm start's loading cell (not recorded)
+    ahead_until: float = 0.0  # a restore ahead moves its memory back until then
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -155,6 +159,7 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         precopy_idle=True,
         keep_free=KeepFree(auto=cfg.keep_free, min_wait=cfg.keep_free_wait),
         ordering=ordering,
+        restore_ahead=cfg.restore_ahead,
     )
 
 
@@ -266,7 +271,8 @@ class Simulation:
                 u.allocated_at = self.now  # its working set is backed now: staging starts
             u.on_gpu = ws
             move = back / self.cfg.restore_bw if d.restore else 0.0
-            u.blocked_until = self.now + self.cfg.handoff_s + move
+            # A restore ahead still in flight ends before the gate opens.
+            u.blocked_until = max(self.now + self.cfg.handoff_s + move, u.ahead_until)
             if d.restore:
                 self._at(u.blocked_until, "restored", u.user.name, back)
         elif isinstance(d, ev.Revoke):
@@ -277,6 +283,12 @@ class Simulation:
         elif isinstance(d, ev.Evict):
             moved, secs = self._evict(u, d.bytes)
             self._at(self.now + secs, "evicted", u.user.name, (moved, secs))
+        elif isinstance(d, ev.RestoreAhead):
+            back = ws - u.on_gpu
+            u.on_gpu = ws  # counted on the GPU from now on, as the policy counts it
+            secs = back / self.cfg.restore_bw
+            u.ahead_until = self.now + secs
+            self._at(u.ahead_until, "ahead", u.user.name, (back, secs, u.copy_gen))
         elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
             todo = max(0, u.on_gpu - u.copied)
             self._at(self.now + todo / self.cfg.precopy_bw, "precopied", u.user.name, u.copy_gen)
@@ -457,6 +469,12 @@ class Simulation:
             u.copied = u.on_gpu
             mem = self._mem(u)
             self._send(ev.Memory(self.now, name, **mem, precopied=u.copied))
+        elif kind == "ahead":
+            back, secs, gen = arg
+            if self.cfg.model_precopy and gen == u.copy_gen:
+                u.copied = u.on_gpu  # restored blocks keep their host copy until the next cell
+            copied = u.copied if self.cfg.model_precopy else 0
+            self._send(ev.Restored(self.now, name, back, int(secs * 1e6), True, 0, copied))
         elif kind == "restored":
             self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
 

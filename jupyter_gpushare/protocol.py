@@ -83,6 +83,7 @@ class MsgType(enum.IntEnum):
     ERROR = 0x86
     PRECOPY = 0x87
     SLEEP = 0x88  # deep idle: flag 1 = checkpointed (asleep), 0 = restored (docs/protocol.md)
+    RESTORE_AHEAD = 0x89  # restore evicted memory without a grant; answered by RESTORED flag 1
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1

@@ -34,6 +34,7 @@ from ..hub import SCHEDULER_ENV
 from ..lab_runtime import remove_runtime_file, write_runtime_file
 from ..paths import SYSTEM_SOCKET
 from .backend import NotifyingScheduler, SchedulerBackend
+from .cell_hint import install as install_cell_hint
 from .handlers import default_handlers
 from .kernel_watch import KernelWatcher
 from .status import StatusBroadcaster, enrich
@@ -225,6 +226,9 @@ class GPUShareExtension(ExtensionApp):
             on_kernels_changed=self.broadcaster.wake,
         )
         self.watcher.start()
+        web_app = getattr(self.serverapp, "web_app", None)
+        if web_app is not None:  # a cell queued behind another: its memory may come ahead
+            install_cell_hint(web_app.settings, self.watcher.coming)
         self.broadcaster.start()
         await self._adopt_kernels()
 

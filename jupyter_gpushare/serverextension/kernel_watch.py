@@ -274,6 +274,15 @@ class KernelWatcher:
 
     # -- sending -----------------------------------------------------------------------------
 
+    def coming(self, kernel_id: str) -> None:
+        """An execute request for ``kernel_id`` passed the server (.cell_hint): while the kernel
+        runs another cell, the scheduler hears that one is coming (``kernel_state coming``: its
+        evicted memory may move back before its turn). An idle kernel's ``busy`` follows at once
+        and says the same."""
+        w = self.watches.get(kernel_id)
+        if w is not None and w.state == "busy":
+            self._enqueue(kernel_id, "coming", time.time())
+
     def _enqueue(self, kernel_id: str, state: str, at: float) -> None:
         if not self._running:
             return

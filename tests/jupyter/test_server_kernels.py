@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from jupyter_client.session import Session
 from server_helpers import *  # noqa: F403
 from server_helpers import (
     FakeShim,
@@ -253,3 +254,36 @@ class TestBaseUrl:
         with pytest.raises(HTTPClientError) as info:
             await http_server_client.fetch("/gpushare/api/status", headers=jp_auth_header)
         assert info.value.code == 404
+
+
+async def test_a_cell_queued_behind_another_says_it_is_coming(
+    jp_fetch: Any, jp_ws_fetch: Any, jp_serverapp: Any
+) -> None:
+    """Through the server's kernel websocket (serverextension/cell_hint.py): an execute request
+    sent while the kernel runs a cell reaches the scheduler as ``kernel_state coming``; the first
+    cell, sent while the kernel was idle, does not (its busy says the same)."""
+    ext = await started(jp_serverapp)
+    kid = await start_kernel(jp_fetch)
+    await wait_until(lambda: kid in ext.watcher.watches, what="the kernel to be watched")
+    ws = await jp_ws_fetch("api", "kernels", kid, "channels")
+    session = Session()
+
+    def execute(code: str) -> str:
+        msg = session.msg("execute_request", {"code": code, "silent": False})
+        msg["channel"] = "shell"
+        return json.dumps(msg, default=str)
+
+    try:
+        await ws.write_message(execute("import time; time.sleep(3)"))
+        await wait_until(
+            lambda: ext.watcher.watches[kid].state == "busy", what="the first cell to run"
+        )
+        await ws.write_message(execute("x = 1"))
+        await wait_until(
+            lambda: any(state == "coming" for state, _ in transitions(ext, kid)),
+            what=f"a coming transition (got {transitions(ext, kid)})",
+        )
+        states = [state for state, _ in transitions(ext, kid)]
+        assert states.count("coming") == 1 and states.index("coming") > states.index("busy")
+    finally:
+        ws.close()

@@ -101,6 +101,16 @@ def until_closed(conn: socket.socket) -> None:
         pass
 
 
+def granted_until_idle(conn: socket.socket, idle: threading.Event) -> None:
+    """A scheduler's side until the program is idle: welcome it, grant its first request, and
+    wait until the test sets ``idle``."""
+    expect(conn, MsgType.HELLO)
+    conn.sendall(frame(MsgType.WELCOME, []))
+    expect(conn, MsgType.REQUEST)
+    conn.sendall(frame(MsgType.GRANT, [(c_tags()["FLAG"], u64(0))]))
+    assert idle.wait(30), "the program did not go idle"
+
+
 def evict_while_idle(
     conn: socket.socket, idle: threading.Event, revoke: list[tuple[int, bytes]]
 ) -> dict[str, dict[int, bytes]]:
@@ -108,11 +118,7 @@ def evict_while_idle(
     program went idle), revoke with ``revoke``'s fields, grant again with restore when the
     program asks; the RELEASED and RESTORED the shim answered with."""
     tags = c_tags()
-    expect(conn, MsgType.HELLO)
-    conn.sendall(frame(MsgType.WELCOME, []))
-    expect(conn, MsgType.REQUEST)
-    conn.sendall(frame(MsgType.GRANT, [(tags["FLAG"], u64(0))]))
-    assert idle.wait(30), "the program did not go idle"
+    granted_until_idle(conn, idle)
     conn.sendall(frame(MsgType.REVOKE, revoke))
     released = expect(conn, MsgType.RELEASED)
     expect(conn, MsgType.REQUEST)  # the program reads its memory back

@@ -85,9 +85,11 @@ class Shim:
 
 
 class PolicyMachine(RuleBasedStateMachine):
+    config = CONFIG  # a subclass may run the same properties under another configuration
+
     def __init__(self) -> None:
         super().__init__()
-        self.policy = Policy(CONFIG)
+        self.policy = Policy(self.config)
         for uuid, pool in POOLS.items():
             self.policy.add_device(uuid, name=uuid, total_bytes=pool * 2, pool_bytes=pool)
         self.now = 0.0

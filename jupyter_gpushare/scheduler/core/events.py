@@ -110,12 +110,19 @@ class Precopied:
 
 @dataclass(frozen=True)
 class Restored:
-    """After a Grant with restore: the client's memory is back on the device."""
+    """After a Grant with restore, or a RestoreAhead (``ahead``): the memory is back on the device.
+
+    ``evicted_bytes``: what stayed on the host (a restore stops where the device has no room; -1:
+    not said); ``precopied``: restored bytes whose host copy is still current (-1: not said).
+    """
 
     now: float
     client: str
     bytes_moved: int = 0
     micros: int = 0
+    ahead: bool = False
+    evicted_bytes: int = -1
+    precopied: int = -1
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,16 @@ class Idle:
 @dataclass(frozen=True)
 class Busy:
     """Jupyter says the kernel started executing a cell: it gets priority over idle holders."""
+
+    now: float
+    client: str
+
+
+@dataclass(frozen=True)
+class Coming:
+    """Jupyter says a cell is coming for a kernel that does not hold the device (an execute
+    request arrived while it is paused, evicted or waiting): its evicted memory may move back
+    ahead of its turn (:mod:`.ahead`)."""
 
     now: float
     client: str
@@ -190,6 +207,7 @@ Event = (
     | Restored
     | Idle
     | Busy
+    | Coming
     | Leave
     | Tick
     | AdminRelease
@@ -247,4 +265,17 @@ class Precopy:
     client: str
 
 
-Decision = Grant | Revoke | Evict | Precopy
+@dataclass(frozen=True)
+class RestoreAhead:
+    """Ask a client that does not hold the device to move its evicted memory back to the GPU now,
+    without a grant: its launches stay gated until one comes, and its turn then starts warm.
+
+    ``bytes``: what the policy counts as coming back (it counts them on the GPU from now on, so
+    the pool is never exceeded). Answered by :class:`Restored` with ``ahead`` (:mod:`.ahead`).
+    """
+
+    client: str
+    bytes: int = 0
+
+
+Decision = Grant | Revoke | Evict | Precopy | RestoreAhead

@@ -35,12 +35,13 @@ The rules, in the order a scheduling pass applies them (:meth:`Policy._schedule`
    fair share, after short cells only (.policy_short). A waiter is thus granted within about
    (clients + 1) * max_quantum of contention, each cell passing it for ``first_level`` at most.
 5. **Last resort.** A waiter that cannot fit even with every other client evicted is granted
-   alone once nobody holds the device and no eviction is in flight.
+   alone once nobody holds the device and no eviction (or restore ahead) is in flight.
 
 Residency follows the policy's decisions and their answers (Grant: resident; Released(evicted),
 Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
+``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .ahead import ahead_choices, on_ahead_restored, start_ahead
 from .events import (
     AdminRelease,
     Busy,
+    Coming,
     Decision,
     Event,
     Evict,
@@ -64,6 +67,7 @@ from .events import (
     Precopy,
     Released,
     Request,
+    RestoreAhead,
     Restored,
     Revoke,
     SetQuota,
@@ -161,9 +165,12 @@ class Policy(FixedQuantumLock):
             return self._keep_room(dev, [])  # a complete copy makes it evictable for room
         elif isinstance(event, Restored):
             client.measure(dev, "restore", event.bytes_moved, event.micros)
-            client.evicted = 0
-            client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
-            return []
+            if event.ahead:  # its room is settled now: the pass may use what stayed free
+                on_ahead_restored(client, event)
+            else:
+                client.evicted = 0
+                client.last_restore = (max(0, event.bytes_moved), max(0, event.micros) / 1e6)
+                return []
         elif isinstance(event, Idle):
             if event.precopied >= 0 or not client.idle:
                 client.precopy_asked = False  # a new idle period (the shim says IDLE once per)
@@ -172,10 +179,13 @@ class Policy(FixedQuantumLock):
             if not client.idle:
                 client.idle_since = self._clock
                 note_cell_end(client, self._clock)
-            client.idle = True
+            client.idle, client.coming = True, False
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
-        elif isinstance(event, Busy):
+        elif isinstance(event, Busy | Coming):
+            client.coming = client.holding is None  # a cell comes: its memory may come ahead
+            if isinstance(event, Coming):
+                return self._restore_ahead(dev, [])
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
@@ -196,7 +206,17 @@ class Policy(FixedQuantumLock):
         decisions += self._keep_room(dev, decisions)
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
-        return decisions
+        return decisions + self._restore_ahead(dev, decisions)
+
+    def _restore_ahead(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
+        """Evicted memory back before its owner's turn where the pool has room to spare (.ahead)."""
+        cfg, now = self.config, self._clock
+        if not cfg.restore_ahead or cfg.policy != "gpushare" or self.recovering(now):
+            return []
+        choices = ahead_choices(dev, self._queue(dev, now), self._room_target(dev), now, decided)
+        for c, _need in choices:
+            start_ahead(c)
+        return [RestoreAhead(c.id, need) for c, need in choices]
 
     def _room_target(self, dev: DeviceState) -> int:
         """Bytes to keep free on ``dev`` now (0: none), see .room."""
@@ -404,7 +424,7 @@ class Policy(FixedQuantumLock):
             since = c.resume_since
             c.waiting_since = self._clock if since is None else min(since, self._clock)
         c.resume_since = None
-        if evt.evicted > 0 and not c.evict_pending:
+        if evt.evicted > 0 and not c.moving:
             # Some of its memory is on the host (the shim's total): the grant restores it.
             if c.resident and evt.evicted < c.movable:
                 c.away = max(c.away, evt.evicted)
@@ -449,7 +469,7 @@ class Policy(FixedQuantumLock):
         out: list[Decision] = []
         if c.holding == "running":
             out.append(self._revoke(c, evt.evict, REASON_ADMIN))
-        elif c.holding is None and evt.evict and c.resident and not c.evict_pending:
+        elif c.holding is None and evt.evict and c.resident and not c.moving:
             out.append(self._evict(c, REASON_ADMIN))
         return out + self._schedule(dev)
 
@@ -468,8 +488,10 @@ class Policy(FixedQuantumLock):
         if c.room_evicted and c.restore:  # it came back after its memory left for room
             c.room_returns += 1  # (.room holds it longer before the next room eviction)
         c.room_evicted = False
-        restore = c.restore
-        c.restore = False
+        restore = (
+            c.restore or c.ahead_pending
+        )  # a restore ahead in flight ends before the gate opens
+        c.restore = c.coming = c.ahead_short = c.ahead_pending = False
         c.holding = "running"
         c.run_start = self._clock
         c.waiting_since = None
@@ -588,7 +610,7 @@ class Policy(FixedQuantumLock):
         waiters = [c for c in reversed(list(behind)) if c.resident]
         now = self._clock if self.config.cost_aware else None
         cands = order_candidates(idle, waiters, now)
-        return [c for c in cands if not c.evict_pending and c.evictable > 0]
+        return [c for c in cands if not c.moving and c.evictable > 0]
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         if self.config.policy == "gpushare":
@@ -745,7 +767,7 @@ class Policy(FixedQuantumLock):
         # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
         if cands:  # everything that can move moves: w does not fit even so
             out += [self._evict(c, f"room for {w.id}") for c in cands]
-        elif not any(c.evict_pending for c in dev.clients.values()):
+        elif not any(c.moving for c in dev.clients.values()):
             out.append(self._grant(w))
         return out
 

@@ -53,6 +53,11 @@ class PolicyConfig:
     # reads the field and backs everything): a second GRANT to a holder would only restart its
     # hold (issue 21, item 2).
     room_grants: bool = False
+    # Restore ahead (.ahead): a waiter near the head of the line, a kernel Jupyter says has a cell
+    # coming, or (nobody waiting) a recently idle kernel gets its evicted memory back before its
+    # turn, into room nobody else is owed. Off in the bare core; the scheduler sets it from
+    # c.GPUShareScheduler.restore_ahead.
+    restore_ahead: bool = False
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

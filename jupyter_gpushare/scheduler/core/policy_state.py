@@ -64,6 +64,9 @@ class ClientState:
     evict_pending: bool = False  # an Evict was sent, the Evicted answer has not come
     precopy_asked: bool = False  # a Precopy was sent in this idle period
     precopied: int = 0  # resident bytes with a current host copy, as last reported
+    coming: bool = False  # Jupyter said a cell is coming (Coming, Busy) and it holds nothing
+    ahead_pending: bool = False  # a RestoreAhead was sent, the Restored answer has not come
+    ahead_short: bool = False  # one came back short (no room on the device): not again until run
     room_tried: bool = False  # evicted for room (.room) in this idle period, refused or not
     room_evicted: bool = False  # its memory left for room and it has not run since
     room_returns: int = 0  # how often it came back after a room eviction (.room's hold)
@@ -100,6 +103,11 @@ class ClientState:
     def movable(self) -> int:
         """Bytes an eviction moves to the host (and a restore moves back)."""
         return max(0, self.used - self.pinned)
+
+    @property
+    def moving(self) -> bool:
+        """An eviction or a restore ahead of it is in flight (it is not asked for another)."""
+        return self.evict_pending or self.ahead_pending
 
     @property
     def on_gpu(self) -> int:

@@ -126,7 +126,17 @@ class DeepIdleShell:
             self._run_deep_idle(self._deep_idle.activity(event.client, event.now))
 
     def _deep_idle_holds(self, decision: ev.Decision) -> bool:
-        """A grant to a client that is not awake waits for its wake (True: held here)."""
+        """A grant to a client that is not awake waits for its wake (True: held here); a restore
+        ahead of one is not sent (its process is locked, or about to be): the policy hears at
+        once that everything stayed on the host, and the grant after the wake restores it."""
+        if isinstance(decision, ev.RestoreAhead):
+            if self._deep_idle.phase(decision.client) is Phase.AWAKE:
+                return False
+            stayed = ev.Restored(
+                time.monotonic(), decision.client, ahead=True, evicted_bytes=1 << 62
+            )
+            asyncio.get_running_loop().call_soon(self._handle, stayed)
+            return True
         if not isinstance(decision, ev.Grant):
             return False
         if not self._deep_idle.hold_grant(decision.client, time.monotonic()):

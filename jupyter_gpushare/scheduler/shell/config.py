@@ -158,6 +158,16 @@ class SchedulerConfig(LoggingConfigurable):
         quantum ends, when the move costs less than the cell is expected to run on
         (docs/architecture.md, "Short cells first"). Off: short cells wait for the quantum.""",
     ).tag(config=True)
+    restore_ahead = Bool(
+        False,
+        help="""Move a kernel's evicted memory back to the GPU before its turn (RESTORE_AHEAD), into
+        room nobody else is owed: a waiter at or near the head of the line, a kernel Jupyter says
+        has a cell coming (kernel_state busy or coming), or, while nobody waits, a kernel idle
+        for at most 10 minutes. Never evicts anyone for it, never into keep_free's room; the
+        memory comes back with a current host copy, so taking it back is an unmap
+        (docs/architecture.md, "Restore ahead"). Off by default: the simulator found no room to
+        use on the notebook-shaped trace (docs/performance.md, section 8).""",
+    ).tag(config=True)
     keep_free_wait = Float(
         KEEP_FREE_WAIT,
         help="""With keep_free "auto": keep room ahead only while making it on demand would keep
@@ -521,6 +531,7 @@ class SchedulerConfig(LoggingConfigurable):
             precopy_idle=self.precopy_idle,
             keep_free=self.keep_free_config(),
             short_first=self.short_first,
+            restore_ahead=self.restore_ahead,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

@@ -446,8 +446,9 @@ class ShimSessions:
         elif isinstance(event, (ev.Evicted, ev.Restored)):
             # The scheduler's log and metrics name the two directions of a move.
             evict = isinstance(event, ev.Evicted)
-            if not evict:
-                conn.memory["evicted"] = 0
+            if not evict:  # a restore ahead may leave some on the host (no room): it says so
+                ahead = isinstance(event, ev.Restored) and event.ahead
+                conn.memory["evicted"] = max(0, event.evicted_bytes) if ahead else 0
             done = "evicted" if evict else "restored"
             ms = event.micros / 1000.0
             if isinstance(event, ev.Evicted) and not event.ok:
@@ -615,6 +616,10 @@ class ShimSessions:
                 self._watch_revoke(conn, now)
             elif isinstance(decision, ev.Precopy):
                 self._info(conn, "precopy client=%s %s", decision.client, _bytes(mem["managed"]))
+            elif isinstance(decision, ev.RestoreAhead):
+                self._info(
+                    conn, "restore_ahead client=%s %s", decision.client, _bytes(decision.bytes)
+                )
             else:
                 self._info(
                     conn,

@@ -53,6 +53,9 @@ MAX_CLIENT_ID = 256
 MAX_LABEL = 512
 #: Actions on one client (each names it) and actions on the scheduler.
 CLIENT_ACTIONS = ("release", "evict", "set_quota", "kernel_state")
+#: What Jupyter tells of a kernel: a cell started (busy), ended (idle), or an execute request
+#: arrived while it does not hold the device (coming: its memory may be restored ahead).
+KERNEL_STATES = ("busy", "idle", "coming")
 SCHEDULER_ACTIONS = (
     "reload",
     "place",
@@ -273,7 +276,10 @@ def shim_event(
             now, client_id, moved, micros, ok=bool(msg.get("flag", 1)), evicted_bytes=total
         )
     if mtype == MsgType.RESTORED:
-        return ev.Restored(now, client_id, moved, micros)
+        # flag 1: the answer to a RESTORE_AHEAD (what stayed on the host, what is clean).
+        said = "precopied_bytes" in msg
+        pre = precopied(msg, memory_after(memory, msg)) if said else -1
+        return ev.Restored(now, client_id, moved, micros, bool(msg.get("flag", 0)), total, pre)
     if mtype == MsgType.GOODBYE:
         return ev.Leave(now, client_id)
     raise ValueError(f"{msg.type_name} is not a shim message")  # the dispatcher checked
@@ -297,6 +303,8 @@ def decision_message(decision: ev.Decision) -> Message:
         return Message(MsgType.REVOKE, fields)
     if isinstance(decision, ev.Precopy):
         return Message(MsgType.PRECOPY, {})
+    if isinstance(decision, ev.RestoreAhead):
+        return Message(MsgType.RESTORE_AHEAD, {})  # everything evicted comes back
     fields = {"reason": decision.reason}
     if decision.bytes > 0:
         fields["evict_bytes"] = decision.bytes
@@ -384,6 +392,8 @@ class ClientAction:
         if self.action == "kernel_state":
             if self.state == "busy":
                 return ev.Busy(now, self.client_id)
+            if self.state == "coming":
+                return ev.Coming(now, self.client_id)
             return ev.Idle(now, self.client_id, from_jupyter=True)
         return ev.AdminRelease(now, self.client_id, evict=self.action == "evict")
 
@@ -413,8 +423,10 @@ def check_client_action(action: str, body: Mapping[str, Any]) -> ClientAction | 
         return ClientAction(action, client_id, quota=quota)
     if action == "kernel_state":
         state = body.get("state")
-        if state not in ("busy", "idle"):
-            return Refusal(ErrorCode.BAD_REQUEST, "kernel_state: 'state' must be 'busy' or 'idle'")
+        if state not in KERNEL_STATES:
+            return Refusal(
+                ErrorCode.BAD_REQUEST, "kernel_state: 'state' must be 'busy', 'idle' or 'coming'"
+            )
         return ClientAction(action, client_id, state=str(state))
     return ClientAction(action, client_id)
 

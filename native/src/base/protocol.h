@@ -39,6 +39,9 @@ enum gs_msg_type {
     /* Deep idle: flag 1 = the scheduler checkpointed this process (memory and context on the
      * host), 0 = it restored it; a GRANT follows a wake (docs/protocol.md, "Deep idle"). */
     GS_MSG_SLEEP = 0x88,
+    /* Restore ahead: bring the evicted memory back while not holding the device (launches stay
+     * gated); answered by RESTORED with flag 1 (docs/protocol.md, "Restore ahead"). */
+    GS_MSG_RESTORE_AHEAD = 0x89,
     GS_MSG_STATUS = 0xA0,
     GS_MSG_CONTROL_REPLY = 0xA1
 };

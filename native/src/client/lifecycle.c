@@ -11,6 +11,23 @@
 #include "gpushare.h"
 #include "session.h"
 
+/* The answer to a move (RELEASED, EVICTED, RESTORED): its flag, what it moved in how long, and
+ * what is on the host now; a RESTORED also says what is clean (restored blocks are). */
+static void answer_move(struct gs_session *s, uint8_t type, int flag, uint64_t moved, uint64_t us)
+{
+    struct gs_mem_totals t;
+    gs_mem_totals_dev(s->devs.dev, &t);
+    struct gs_writer w;
+    gs_conn_begin(s, &w, type);
+    gs_w_u64(&w, GS_TAG_FLAG, flag ? 1 : 0);
+    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
+    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
+    gs_w_u64(&w, GS_TAG_MICROS, us);
+    if (type == GS_MSG_RESTORED)
+        gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
+    gs_conn_send(s, &w);
+}
+
 void gs_life_release(struct gs_session *s, int evict, const char *reason, int solicited)
 {
     pthread_mutex_lock(&s->mu);
@@ -42,15 +59,7 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
     if (evict && !evicted)
         GS_WARN("the eviction failed: the scheduler keeps counting this process's memory on the "
                 "device");
-    struct gs_mem_totals t;
-    gs_mem_totals_dev(dev, &t);
-    struct gs_writer w;
-    gs_conn_begin(s, &w, GS_MSG_RELEASED);
-    gs_w_u64(&w, GS_TAG_FLAG, evicted ? 1 : 0);
-    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
-    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
-    gs_w_u64(&w, GS_TAG_MICROS, us);
-    gs_conn_send(s, &w);
+    answer_move(s, GS_MSG_RELEASED, evicted, moved, us);
     const char *why = reason && *reason ? reason : "no reason";
     if (evict) {
         char b[32];
@@ -113,6 +122,7 @@ static int eviction_unneeded(void *arg, uint64_t freed)
     return 0;
 }
 
+
 static void handle_grant(struct gs_session *s, int restore, const struct gs_msg *m)
 {
     /* An eviction cut short left memory off the device that this grant's sender may not have
@@ -131,11 +141,7 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
     if (restore) {
         uint64_t moved = 0, us = 0;
         gs_drain_restore(s, "the restore", s->devs.dev, &moved, &us);
-        struct gs_writer w;
-        gs_conn_begin(s, &w, GS_MSG_RESTORED);
-        gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
-        gs_w_u64(&w, GS_TAG_MICROS, us);
-        gs_conn_send(s, &w);
+        answer_move(s, GS_MSG_RESTORED, 0, moved, us);
         pthread_mutex_lock(&s->mu); /* before the state says holding: the wait line reads both */
         s->stats.restores++;
         s->stats.last_restore_bytes = moved;
@@ -170,16 +176,8 @@ static void handle_evict(struct gs_session *s)
     /* The scheduler evicts only clients that do not hold the device; a holder's memory stays. */
     if (!holding)
         gs_drain_work(s, "the eviction", s->devs.dev, 1, 0, &evicted, &moved, &us);
-    struct gs_mem_totals t;
-    gs_mem_totals_dev(s->devs.dev, &t);
-    struct gs_writer w;
-    gs_conn_begin(s, &w, GS_MSG_EVICTED);
     /* FLAG 0: the memory is still on the device; the scheduler must not count it as gone. */
-    gs_w_u64(&w, GS_TAG_FLAG, evicted ? 1 : 0);
-    gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
-    gs_w_u64(&w, GS_TAG_MICROS, us);
-    gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
-    gs_conn_send(s, &w);
+    answer_move(s, GS_MSG_EVICTED, evicted, moved, us);
     char b[32];
     if (evicted)
         GS_INFO("evicted %s to the host in %.1f ms", gs_format_size(moved, b, sizeof b),
@@ -213,6 +211,24 @@ static void handle_precopy(struct gs_session *s)
     GS_DEBUG("pre-copy %s", waiting ? "skipped: a thread waits for the device" : "started");
 }
 
+/* RESTORE_AHEAD: bring the evicted memory back while this process does not hold the device, so
+ * that its turn starts warm. The gate stays as it is (closed: launches wait for a GRANT); the
+ * answer is RESTORED with flag 1, what stayed on the host (no room on the device) and what is
+ * clean (a restored block keeps its host copy until the next gated call: memory/move.c). */
+static void handle_restore_ahead(struct gs_session *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int holding = s->state == GPUSHARE_STATE_HOLDING, asleep = s->asleep;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t moved = 0, us = 0;
+    if (!holding && !asleep) /* a holder's grant restored it; a sleeper's process is locked */
+        gs_drain_restore(s, "the restore ahead", s->devs.dev, &moved, &us);
+    answer_move(s, GS_MSG_RESTORED, 1, moved, us);
+    char b[32];
+    GS_INFO("restored %s ahead of the grant in %.1f ms", gs_format_size(moved, b, sizeof b),
+            us / 1000.0);
+}
+
 static void dispatch(struct gs_session *s, const struct gs_msg *m)
 {
     char text[256];
@@ -238,6 +254,9 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
         break;
     case GS_MSG_PRECOPY:
         handle_precopy(s);
+        break;
+    case GS_MSG_RESTORE_AHEAD:
+        handle_restore_ahead(s);
         break;
     case GS_MSG_SLEEP: {
         /* Only the status changes: the driver itself blocks this process's CUDA calls while it

@@ -43,9 +43,9 @@ static void answer(struct gs_session *s, CUdevice dev, uint8_t type, int flag, u
     uint8_t buf[128];
     struct gs_writer w;
     gs_w_begin(&w, buf, sizeof buf, type);
-    if (type == GS_MSG_RELEASED || type == GS_MSG_EVICTED)
-        gs_w_u64(&w, GS_TAG_FLAG, (uint64_t)flag);
-    if (type == GS_MSG_PRECOPIED)
+    if (type == GS_MSG_RELEASED || type == GS_MSG_EVICTED || type == GS_MSG_RESTORED)
+        gs_w_u64(&w, GS_TAG_FLAG, (uint64_t)flag); /* RESTORED: 1 answers a RESTORE_AHEAD */
+    if (type == GS_MSG_PRECOPIED || type == GS_MSG_RESTORED)
         gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
     gs_w_u64(&w, GS_TAG_EVICTED_BYTES, t.evicted);
     gs_w_u64(&w, GS_TAG_BYTES_MOVED, moved);
@@ -303,6 +303,20 @@ static void evict_or_precopy(struct gs_session *s, CUdevice dev, int evict)
                 gs_format_size(moved, b, sizeof b), us / 1000.0);
 }
 
+/* RESTORE_AHEAD (lifecycle.c says what): this device's evicted memory back; its gate is left as
+ * it is, so launches on it wait for the GRANT. */
+static void restore_ahead(struct gs_session *s, CUdevice dev)
+{
+    pthread_mutex_lock(&s->mu);
+    struct gs_link *l = gs_session_link_locked(s, dev);
+    int holding = l && l->state == GS_LINK_HOLDING;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t moved = 0, us = 0;
+    if (!holding)
+        gs_drain_restore(s, "the restore ahead", dev, &moved, &us);
+    answer(s, dev, GS_MSG_RESTORED, 1, moved, us);
+}
+
 static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
 {
     char text[256] = "";
@@ -321,6 +335,9 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
         gs_mem_set_evict_target(dev, gs_msg_u64(m, GS_TAG_EVICT_BYTES, 0));
         evict_or_precopy(s, dev, m->type == GS_MSG_EVICT);
         gs_mem_set_evict_target(dev, 0);
+        break;
+    case GS_MSG_RESTORE_AHEAD:
+        restore_ahead(s, dev);
         break;
     case GS_MSG_SET_QUOTA:
         gs_mem_set_quota(dev, gs_msg_u64(m, GS_TAG_QUOTA, 0)); /* this device's registration's */

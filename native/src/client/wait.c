@@ -93,9 +93,15 @@ static CUresult wait_for_device(struct gs_session *s, CUstream stream)
             break;
         }
     }
-    if (result == CUDA_SUCCESS)
+    if (result == CUDA_SUCCESS) {
+        /* A call that waited was counted before its wait: it counts again as it passes, so a
+         * host copy made meanwhile (a restore, a pre-copy: memory/move.c) is seen as older than
+         * what this call may write. */
+        if (waiting)
+            gs_count_call();
         gs_gate_inflight_begin(); /* under the lock: a release that closes the gate after this
                                      point sees the flag, one that closed it before was seen */
+    }
     if (waiting) {
         if (link)
             link->waiters--;
