@@ -23,12 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gpushare-gpu-test"
 GIB = 1 << 30
 
+# A's cell outlasts B's own release: B's 14 GiB are backed beside A's, then B is revoked as the
+# grower and moves them out cold (6.3-7 s on an H100, 2026-11-27); with an 8 s cell A's ended
+# first once, and B went from releasing to holding without ever being seen waiting.
 CELL_A = """
 import json, time, torch
 x = torch.zeros((14 << 30) // 4, dtype=torch.float32, device="cuda")
 torch.cuda.synchronize()
 start = time.time(); k = 0
-while time.time() - start < 8:
+while time.time() - start < 14:
     for _ in range(5):
         x.add_(1.0); k += 1
     torch.cuda.synchronize()

@@ -519,6 +519,12 @@ class ShimSessions:
     def _count_unmanaged(self, found: dict[str, list[nc.ProcessMemory]]) -> None:
         """GPU processes that never registered (``unmanaged_memory``): shown in the status,
         logged once each, and with "count" taken off their device's pool while NVML sees them."""
+        if self.policy.recovering(time.monotonic()):
+            # Just restarted: the GPU processes NVML lists are the previous run's clients, which
+            # come back within the window. Counted as unmanaged, they shrank the pool a
+            # resuming holder's WELCOME gives its shim, and its next allocation failed there
+            # (H100, tests/gpu/test_gpu_reliability.py: 24 GiB less 15.1 GiB under 14.5 GiB).
+            return
         # Under MPS, the control daemon the scheduler started is no one's client.
         mps_uid = self.own_uid if self._mps is not None else None
         totals: dict[str, int] = {}
