@@ -38,10 +38,17 @@ def _control(sock: str, action: str, **body: object) -> dict:
 
 def test_an_eviction_after_a_primary_context_reset_succeeds(harness, shim_probe):
     sched = harness.scheduler(pool="1GiB", quantum=30)
-    proc = spawn_probe(harness, shim_probe, "reset", client_id="resetter", context_bytes="16MiB")
+    # No idle detection: a pre-copy while the probe waits would make an eviction an unmap (0 B
+    # moved), and this test counts what each eviction moves.
+    proc = spawn_probe(
+        harness, shim_probe, "reset", client_id="resetter", context_bytes="16MiB", idle_seconds=0
+    )
     for step in (1, 2):
         proc.wait_event("ready", where=lambda e, step=step: e["step"] == step)
-        time.sleep(0.2)
+        # After the host staging is made (0.23 s after the allocation): an eviction that meets
+        # the staging as it becomes ready can fail to copy ("eviction incomplete"), a race this
+        # test is not about (seen once the status read stopped waiting for the engine's lock).
+        time.sleep(1.0)
         reply = _control(str(sched.socket_path), "evict", client="resetter")
         assert reply.get("ok", True), reply
     run = proc.finish(60).ok()
@@ -50,5 +57,5 @@ def test_an_eviction_after_a_primary_context_reset_succeeds(harness, shim_probe)
     # Both revokes moved the live 64 MiB to the host: the second one too, after the reset (the
     # table's cleanup of the first context's allocations is the memory engine's: at least 64 MiB).
     moved = [re.search(r"evicted ([\d.]+) MiB", line) for line in released]
-    assert all(m and float(m.group(1)) >= 64 for m in moved), released
+    assert all(m and float(m.group(1)) >= 64 for m in moved), run.describe()
     assert not [line for line in run.shim_lines if "eviction failed" in line], run.describe()

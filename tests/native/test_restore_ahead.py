@@ -1,8 +1,9 @@
 """Restore ahead (issue 21 item 6; docs/protocol.md, "Restore ahead"): a RESTORE_AHEAD brings a
 process's evicted memory back while it does not hold the device. Its launches stay gated until
-the GRANT, which then has nothing left to restore; the restored blocks keep their host copy, so
-taking the room back before the process runs is an unmap, not a copy. The scheduler is a
-stand-in that sends the messages itself."""
+the GRANT, which then has nothing left to restore. Taking the room back before the process runs
+copies the blocks out again: a restore does not mark them clean (a write by a call the gate does
+not count, a copy into device memory, would then be lost: tests/native/test_contexts.py). The
+scheduler is a stand-in that sends the messages itself."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def test_a_restore_ahead_moves_the_memory_back_while_launches_wait_for_the_grant
     assert field_u64(ahead, FLAG) == 1  # the answer to the RESTORE_AHEAD, not to a grant
     assert field_u64(ahead, MOVED) == everything, (ahead, run.stderr)
     assert field_u64(ahead, EVICTED) == 0
-    assert field_u64(ahead, PRECOPIED) == everything  # clean: its host copy is current
-    assert field_u64(seen["evicted"], MOVED) == 0, run.stderr  # an unmap: nothing copied
+    assert field_u64(ahead, PRECOPIED) == 0  # not taken for clean (see the docstring)
+    assert field_u64(seen["evicted"], MOVED) == everything, run.stderr  # copied out again
     assert field_u64(seen["evicted"], EVICTED) == everything
     assert field_u64(seen["ahead2"], MOVED) == everything
     # The grant found nothing left to restore, and the program's read (a gated call) ran after
@@ -89,6 +90,6 @@ def test_a_restore_ahead_moves_the_memory_back_while_launches_wait_for_the_grant
     end = run.event("blocks_end")
     assert end["data_ok"], run.stderr
     assert end["t_mono"] > seen["granted_at"], (end, seen["granted_at"])
-    # Copied out once (the first eviction), back twice (both restores ahead).
-    assert run.stats["copy_to_host_bytes"] < everything + BLOCK, run.stats  # + the program's reads
+    # Copied out twice (both evictions), back twice (both restores ahead).
+    assert run.stats["copy_to_host_bytes"] >= 2 * everything, run.stats
     assert run.stats["copy_to_device_bytes"] >= 2 * everything, run.stats

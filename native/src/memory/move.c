@@ -266,7 +266,7 @@ int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
     if (!gs_vmm_drv.ok)
         return 0;
     pthread_mutex_lock(&gs_vmm_mu);
-    uint64_t moved = 0, backed = 0, calls = gs_total_gated_calls();
+    uint64_t moved = 0, backed = 0;
     int failed = 0;
     CUstream s = NULL;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
@@ -302,10 +302,6 @@ int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
             failed = 1;
             break;
         }
-        /* Its staging still holds what the device now holds: until the next gated call an
-         * eviction is an unmap (a restore ahead's memory is taken back at no copy). */
-        b->precopied = 1;
-        b->precopy_mark = calls;
         moved += b->size;
     }
     if (s && gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)
