@@ -38,17 +38,10 @@ def _control(sock: str, action: str, **body: object) -> dict:
 
 def test_an_eviction_after_a_primary_context_reset_succeeds(harness, shim_probe):
     sched = harness.scheduler(pool="1GiB", quantum=30)
-    # No idle detection: a pre-copy while the probe waits would make an eviction an unmap (0 B
-    # moved), and this test counts what each eviction moves.
-    proc = spawn_probe(
-        harness, shim_probe, "reset", client_id="resetter", context_bytes="16MiB", idle_seconds=0
-    )
+    proc = spawn_probe(harness, shim_probe, "reset", client_id="resetter", context_bytes="16MiB")
     for step in (1, 2):
         proc.wait_event("ready", where=lambda e, step=step: e["step"] == step)
-        # After the host staging is made (0.23 s after the allocation): an eviction that meets
-        # the staging as it becomes ready can fail to copy ("eviction incomplete"), a race this
-        # test is not about (seen once the status read stopped waiting for the engine's lock).
-        time.sleep(1.0)
+        time.sleep(0.2)
         reply = _control(str(sched.socket_path), "evict", client="resetter")
         assert reply.get("ok", True), reply
     run = proc.finish(60).ok()
