@@ -26,18 +26,26 @@ GIB = 1 << 30
 # A's cell outlasts B's own release: B's 14 GiB are backed beside A's, then B is revoked as the
 # grower and moves them out cold (6.3-7 s on an H100, 2026-11-27); with an 8 s cell A's ended
 # first once, and B went from releasing to holding without ever being seen waiting.
-CELL_A = """
+_CELL_A_TEMPLATE = """
 import json, time, torch
 x = torch.zeros((14 << 30) // 4, dtype=torch.float32, device="cuda")
 torch.cuda.synchronize()
 start = time.time(); k = 0
-while time.time() - start < 14:
+while time.time() - start < {seconds}:
     for _ in range(5):
         x.add_(1.0); k += 1
     torch.cuda.synchronize()
 lo, hi = float(x.min()), float(x.max())
 print(json.dumps({"start": start, "end": time.time(), "correct": lo == hi == float(k), "k": k}))
 """
+
+
+def cell_a(seconds: int) -> str:
+    """A's cell: 14 GiB of float32 += 1 for ``seconds``, then checked."""
+    return _CELL_A_TEMPLATE.replace("{seconds}", str(seconds))
+
+
+CELL_A = cell_a(14)
 
 CELL_B = """
 import json, time, torch

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from conftest import running_scheduler, shimmed_env, start_workload
-from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 8 s, checked
+from test_jupyter_gpu import CELL_A as COMPUTE  # 14 GiB of float32 += 1 for 14 s, checked
 from test_jupyter_gpu import run_cell
 
 from jupyter_gpushare.scheduler_client import SchedulerClient

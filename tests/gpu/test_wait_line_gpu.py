@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from test_jupyter_gpu import CELL_A, CELL_B, Server, wait_until_holding_14gib
+from test_jupyter_gpu import CELL_B, Server, cell_a, wait_until_holding_14gib
 
 from jupyter_gpushare.units import parse_size
 from jupyter_gpushare.waitline import RELEASING_TEXT
 
-# A's cell computes for 16 s rather than 8: B starts once the status shows A holding its 14 GiB,
-# which it reports with a delay, and on an H100 B then waited 8.1 s once, 2.5 s another time and
-# under 1 s a third (no line: the line is shown once a wait passes ~1 s).
-CELL_A_LONG = CELL_A.replace("< 8:", "< 16:")
-assert CELL_A_LONG != CELL_A
+# A's cell computes for 20 s, longer than test_jupyter_gpu's 14: B starts once the status shows A
+# holding its 14 GiB, which it reports with a delay, and on an H100 with an 8 s cell B then waited
+# 8.1 s once, 2.5 s another time and under 1 s a third (no line: the line is shown once a wait
+# passes ~1 s).
+CELL_A_LONG = cell_a(20)
 
 # B's cell, whose allocation may run beside A (the scheduler learns its 14 GiB with it): its next
 # call then comes once B's shim is releasing (revoked, its fresh 14 GiB moving to host memory,
