@@ -17,6 +17,9 @@
  *   shim_probe launches SECONDS US [BYTES]
  *                                 launch "sleep" kernels of US microseconds back to back, holding
  *                                 BYTES of memory
+ *   shim_probe grantedlaunches SECONDS US [BYTES]
+ *                                 the same, SECONDS counted from the first launch's end (once the
+ *                                 gate let it through), not from the start
  *   shim_probe twoctx US          contexts on devices 0 and 1; a US-long kernel on device 1's
  *                                 context, then gpushare_release(): how long the release took
  *   shim_probe twodev SECONDS US BYTES
@@ -258,7 +261,7 @@ static int scenario_longcapture(double seconds, size_t bytes)
 
 /* ---- launches ---- */
 
-static int scenario_launches(double seconds, unsigned long long us, size_t bytes)
+static int scenario_launches(double seconds, unsigned long long us, size_t bytes, int from_grant)
 {
     if (setup_on(0))
         return 1;
@@ -266,6 +269,11 @@ static int scenario_launches(double seconds, unsigned long long us, size_t bytes
     if (bytes)
         CHECK(cuMemAlloc_v2(&p, bytes));
     int n = 0;
+    if (from_grant) {
+        CHECK(launch_sleep(g_stream, us));
+        CHECK(cuStreamSynchronize(g_stream));
+        n++;
+    }
     for (double end = now() + seconds; now() < end; n++) {
         CHECK(launch_sleep(g_stream, us));
         CHECK(cuStreamSynchronize(g_stream)); /* one at a time: the queue never runs ahead */
@@ -506,7 +514,9 @@ int main(int argc, char **argv)
     else if (!strcmp(s, "longcapture"))
         rc = scenario_longcapture(a, (size_t)b);
     else if (!strcmp(s, "launches"))
-        rc = scenario_launches(a, (unsigned long long)b, (size_t)c);
+        rc = scenario_launches(a, (unsigned long long)b, (size_t)c, 0);
+    else if (!strcmp(s, "grantedlaunches"))
+        rc = scenario_launches(a, (unsigned long long)b, (size_t)c, 1);
     else if (!strcmp(s, "twoctx"))
         rc = scenario_twoctx((unsigned long long)a);
     else if (!strcmp(s, "twodev"))

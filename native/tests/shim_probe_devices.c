@@ -10,11 +10,14 @@
  *       checks and frees its memory after FREE1_AFTER seconds (0: at the end, like device 0's):
  *       {"event":"verified","dev":N,"ptr":P,"ok":B} then {"event":"freed","dev":N}. Both done,
  *       {"event":"done"} and two seconds more with the contexts alive (the accounting after the
- *       frees can be read meanwhile).
+ *       frees can be read meanwhile). With PROBE_STEP_DIR set (see hold_until_told), device 1
+ *       frees only once the file "free1" is there too, and "done" lasts until the file "done".
  *   shim_probe twoquota BYTES
  *       BYTES on device 0, BYTES on device 1, BYTES more on device 1, each cuMemAlloc's result and
- *       cuMemGetInfo on each device in {"event":"quota",...}; a second later device 1's memory
- *       freed ({"event":"freed1"}), a second later device 0's ({"event":"freed0"}), a second.
+ *       cuMemGetInfo on each device in {"event":"quota",...}; then device 1's memory freed
+ *       ({"event":"freed1"}), then device 0's ({"event":"freed0"}), then the end, each a second
+ *       after the last, or with PROBE_STEP_DIR set once the file named after the last event is
+ *       there.
  */
 
 CUresult cuMemFree_v2(CUdeviceptr);
@@ -48,6 +51,30 @@ static int pattern_intact(CUdeviceptr p, size_t bytes, int dev)
     return ok;
 }
 
+/* Has the test created $PROBE_STEP_DIR/STEP? (Always yes without PROBE_STEP_DIR.) */
+static int told(const char *step)
+{
+    const char *dir = getenv("PROBE_STEP_DIR");
+    if (!dir)
+        return 1;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, step);
+    return access(path, F_OK) == 0;
+}
+
+/* With PROBE_STEP_DIR, until the test creates STEP there (two minutes at most): the test has seen
+ * the scheduler's view of what came before, which a fixed pause races on a loaded host. Without
+ * it, FALLBACK seconds. */
+static void hold_until_told(const char *step, double fallback)
+{
+    if (!getenv("PROBE_STEP_DIR")) {
+        sleep_s(fallback);
+        return;
+    }
+    for (double end = now() + 120.0; now() < end && !told(step);)
+        sleep_s(0.01);
+}
+
 struct twomem_arg {
     int ordinal;
     double seconds, free_after;
@@ -70,7 +97,8 @@ static void *twomem_thread(void *p)
          a->bytes);
     double t0 = now();
     for (double end = t0 + a->seconds; now() < end || mem;) {
-        if (mem && (now() >= end || (a->free_after > 0 && now() - t0 >= a->free_after))) {
+        int free_now = a->free_after > 0 && now() - t0 >= a->free_after && told("free1");
+        if (mem && (now() >= end || free_now)) {
             int ok = pattern_intact(mem, a->bytes, a->ordinal);
             emit("verified", ",\"dev\":%d,\"ptr\":%llu,\"ok\":%s", a->ordinal,
                  (unsigned long long)mem, ok ? "true" : "false");
@@ -102,7 +130,7 @@ static int scenario_twomem(double seconds, unsigned long long us, size_t bytes0,
     for (int i = 0; i < 2; i++)
         pthread_join(tids[i], NULL);
     emit("done", NULL);
-    sleep_s(2.0);
+    hold_until_told("done", 2.0);
     return args[0].rc || args[1].rc;
 }
 
@@ -127,17 +155,17 @@ static int scenario_twoquota(size_t bytes)
          ",\"rc0\":%d,\"rc1\":%d,\"rc1_again\":%d,\"free0\":%zu,\"total0\":%zu,\"free1\":%zu,"
          "\"total1\":%zu",
          r0, r1, r2, free0, total0, free1, total1);
-    sleep_s(1.0);
+    hold_until_told("quota", 1.0);
     if (p2)
         CHECK(cuMemFree_v2(p2));
     if (p1)
         CHECK(cuMemFree_v2(p1));
     emit("freed1", NULL);
-    sleep_s(1.0);
+    hold_until_told("freed1", 1.0);
     CHECK(cuCtxSetCurrent(g_ctx));
     if (p0)
         CHECK(cuMemFree_v2(p0));
     emit("freed0", NULL);
-    sleep_s(1.0);
+    hold_until_told("freed0", 1.0);
     return 0;
 }

@@ -58,8 +58,9 @@ def _launches(run: Any, dev: int, after: float, before: float = float("inf")) ->
 def _twomem(harness: Any, probe: Any, seconds: float, free1_after: float, **gpushare: Any) -> Any:
     """shim_probe twomem as client "both": ON_DEV0 on device 0, ON_DEV1 on device 1."""
     args = ("twomem", seconds, KERNEL_US, ON_DEV0, ON_DEV1, free1_after)
+    extra = gpushare.pop("extra", DEVICES)
     return spawn_probe(
-        harness, probe, *args, client_id="both", context_bytes=CONTEXT, extra=DEVICES, **gpushare
+        harness, probe, *args, client_id="both", context_bytes=CONTEXT, extra=extra, **gpushare
     )
 
 
@@ -90,7 +91,7 @@ def test_evicting_one_device_moves_only_its_memory(harness, shim_probe, memory):
     other = spawn_probe(
         harness,
         shim_probe,
-        "launches",
+        "grantedlaunches",  # 1.5 s from its grant, however late the loaded host makes it
         1.5,
         KERNEL_US,
         ON_DEV1,
@@ -135,20 +136,23 @@ def test_evicting_one_device_moves_only_its_memory(harness, shim_probe, memory):
     assert "device 1: restored 320.00 MiB" in run.stderr, run.describe()
 
 
-def test_each_device_reports_exactly_what_it_holds_after_a_free(harness, shim_probe):
+def test_each_device_reports_exactly_what_it_holds_after_a_free(harness, shim_probe, tmp_path):
     sched = harness.scheduler(pool="1GiB", quantum=30, fake_devices=2)
-    proc = _twomem(harness, shim_probe, 3, 1.0)
+    # Device 1 frees once told, and the process stays until told: each state is seen, not raced.
+    proc = _twomem(harness, shim_probe, 3, 1.0, extra={**DEVICES, "PROBE_STEP_DIR": str(tmp_path)})
     _wait_usage(sched, CONTEXT + ON_DEV0, CONTEXT + ON_DEV1)
+    (tmp_path / "free1").touch()
     proc.wait_event("freed", where=lambda e: e["dev"] == 1)
     # Device 1's memory is gone from device 1's registration; device 0's is untouched.
     _wait_usage(sched, CONTEXT + ON_DEV0, CONTEXT)
     proc.wait_event("done", 30)
     _wait_usage(sched, CONTEXT, CONTEXT)
+    (tmp_path / "done").touch()
     run = proc.finish(60).ok()
     assert all(e["ok"] for e in run.all("verified")) and len(run.all("verified")) == 2
 
 
-def test_the_quota_holds_on_each_device_on_its_own(harness, shim_probe):
+def test_the_quota_holds_on_each_device_on_its_own(harness, shim_probe, tmp_path):
     quota = 300 * MiB
     each = 160 * MiB  # one fits each device's quota with its context; two do not
     sched = harness.scheduler(pool="1GiB", quantum=30, fake_devices=2)
@@ -160,7 +164,7 @@ def test_the_quota_holds_on_each_device_on_its_own(harness, shim_probe):
         client_id="both",
         context_bytes=CONTEXT,
         memory_limit="300MiB",
-        extra=DEVICES,
+        extra={**DEVICES, "PROBE_STEP_DIR": str(tmp_path)},
     )
     q = proc.wait_event("quota")
     assert q["rc0"] == 0 and q["rc1"] == 0, q  # device 1's allocation is not device 0's quota
@@ -168,11 +172,15 @@ def test_the_quota_holds_on_each_device_on_its_own(harness, shim_probe):
     # Each device's view is its own quota, less what the process holds there.
     assert q["total0"] == q["total1"] == quota, q
     assert q["free0"] == q["free1"] == quota - CONTEXT - each, q
+    # The probe holds each step until told (PROBE_STEP_DIR): the scheduler's view is never raced.
     _wait_usage(sched, CONTEXT + each, CONTEXT + each)
+    (tmp_path / "quota").touch()
     proc.wait_event("freed1")
     _wait_usage(sched, CONTEXT + each, CONTEXT)
+    (tmp_path / "freed1").touch()
     proc.wait_event("freed0")
     _wait_usage(sched, CONTEXT, CONTEXT)
+    (tmp_path / "freed0").touch()
     run = proc.finish(30).ok()
     refusal = "would take this process to 384.00 MiB on device 1, over its quota of 300.00 MiB"
     assert refusal in run.stderr, run.describe()

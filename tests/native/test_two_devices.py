@@ -64,14 +64,16 @@ def test_a_revoke_of_one_device_leaves_the_other_running(harness, shim_probe):
     device 0's grant does not open device 1."""
     # Room for one context per device: "other" and "both/1" cannot run on device 1 together.
     sched = harness.scheduler(pool="700MiB", quantum=30, fake_devices=2)
+    # "both" runs 10 s: long enough to outlast "other" on a loaded host, whose 1.5 s start once
+    # it is granted (after the revoke, however late that comes).
     proc = spawn_probe(
-        harness, shim_probe, "twodev", 6, KERNEL_US, 1 << 20, client_id="both", extra=DEVICES
+        harness, shim_probe, "twodev", 10, KERNEL_US, 1 << 20, client_id="both", extra=DEVICES
     )
     proc.wait_event("launch", where=lambda e: e["dev"] == 1)
     # A second process on device 1 alone (its ordinal 0 there), waiting behind "both/1".
     other_env = {**DEVICES, "CUDA_VISIBLE_DEVICES": "1"}
     other = spawn_probe(
-        harness, shim_probe, "launches", 1.5, KERNEL_US, client_id="other", extra=other_env
+        harness, shim_probe, "grantedlaunches", 1.5, KERNEL_US, client_id="other", extra=other_env
     )
     _wait_for(lambda: any(c["id"] == "other" for c in _clients_by_device(sched.status())[1]))
     t_revoke = time.monotonic()
