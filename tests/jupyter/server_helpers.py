@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403
+from server_cleanup import jp_server_cleanup  # noqa: F401  (pytest-jupyter's, bounded)
 from tornado.httpclient import HTTPClientError
 
 from jupyter_gpushare.protocol import FrameDecoder, Message, MsgType, encode
