@@ -14,8 +14,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,10 +50,26 @@ def gpushare_config() -> dict[str, Any]:
 
 @pytest.fixture
 def jp_server_config(gpushare_config: dict[str, Any]) -> dict[str, Any]:  # type: ignore[no-redef]
-    config: dict[str, Any] = {"ServerApp": {"jpserver_extensions": {"jupyter_gpushare": True}}}
+    config: dict[str, Any] = {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpushare": True}},
+        # Kernels on Unix sockets in the runtime directory (jp_runtime_dir): a TCP port picked
+        # free can be taken by another process before the kernel binds it ("Address already in
+        # use", a kernel that dies at its start; seen once on a loaded host).
+        "KernelManager": {"transport": "ipc"},
+    }
     for section, values in gpushare_config.items():
         config.setdefault(section, {}).update(values)
     return config
+
+
+@pytest.fixture
+def jp_runtime_dir() -> Iterator[Path]:  # type: ignore[no-redef]
+    """A short runtime directory of its own (pytest-jupyter's is under tmp_path): the kernels'
+    Unix sockets are named after their connection files there, and a socket's path has at most
+    107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="jr-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
