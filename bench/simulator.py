@@ -288,10 +288,12 @@ class Simulation:
             u.on_gpu = ws  # counted on the GPU from now on, as the policy counts it
             secs = back / self.cfg.restore_bw
             u.ahead_until = self.now + secs
-            self._at(u.ahead_until, "ahead", u.user.name, (back, secs, u.copy_gen))
+            self._at(u.ahead_until, "ahead", u.user.name, (back, secs))
         elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
             todo = max(0, u.on_gpu - u.copied)
-            self._at(self.now + todo / self.cfg.precopy_bw, "precopied", u.user.name, u.copy_gen)
+            # It copies what is resident now (not what a restore ahead brings back meanwhile).
+            arg = (u.copy_gen, u.on_gpu)
+            self._at(self.now + todo / self.cfg.precopy_bw, "precopied", u.user.name, arg)
 
     def _active(self) -> list[_U]:
         return [
@@ -465,14 +467,14 @@ class Simulation:
         elif kind == "evicted":
             moved, secs = arg
             self._send(ev.Evicted(self.now, name, moved, int(secs * 1e6)))
-        elif kind == "precopied" and arg == u.copy_gen:  # still valid: no cell, no eviction since
-            u.copied = u.on_gpu
+        elif kind == "precopied" and arg[0] == u.copy_gen:  # valid: no cell, no eviction since
+            u.copied = min(u.on_gpu, arg[1])
             mem = self._mem(u)
             self._send(ev.Memory(self.now, name, **mem, precopied=u.copied))
         elif kind == "ahead":
-            back, secs, gen = arg
-            if self.cfg.model_precopy and gen == u.copy_gen:
-                u.copied = u.on_gpu  # restored blocks keep their host copy until the next cell
+            back, secs = arg
+            # As the engine: a restore does not mark its blocks clean (no valid host copy), so
+            # only the bytes that stayed resident keep theirs; a later PRECOPY copies the rest.
             copied = u.copied if self.cfg.model_precopy else 0
             self._send(ev.Restored(self.now, name, back, int(secs * 1e6), True, 0, copied))
         elif kind == "restored":

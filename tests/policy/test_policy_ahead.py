@@ -12,6 +12,8 @@ from jupyter_gpushare.scheduler.core.events import (
     Grant,
     Idle,
     Leave,
+    Precopied,
+    Precopy,
     Released,
     Request,
     RestoreAhead,
@@ -156,7 +158,8 @@ def test_memory_restored_ahead_is_not_evicted_in_flight_and_leaves_as_an_unmap_a
     # c needs 60: a (60, its restore ahead in flight) is not asked yet
     out = request(p, "c", 60, now=6)
     assert not any(d.client == "a" for d in out)
-    # the answer: everything back, and the host copy still current (clean): now a gives
+    # the answer: everything back, and (as the shim says here) the host copy still current: now
+    # a gives
     out = p.handle(
         Restored(7, "a", part(20), 400_000, ahead=True, evicted_bytes=0, precopied=int(59.5 * GB))
     )
@@ -171,3 +174,25 @@ def test_what_a_restore_ahead_left_on_the_host_is_restored_by_the_grant():
     a = p._clients["a"]
     assert a.restore and a.on_gpu == 60 * GB - (part(20) - GB)
     assert request(p, "a", 60, now=8) == [Grant("a", restore=True)]
+
+
+def test_memory_restored_ahead_is_pre_copied_again_in_the_same_idle_period():
+    # A restore does not mark its blocks clean (native/src/memory/move.c): what came back has no
+    # host copy, so evicting it would be a copy. The policy asks for a pre-copy again although a
+    # was already asked in this idle period (before its memory left).
+    p = make_policy(restore_ahead=True, precopy_idle=True)
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 60)
+    assert p.handle(Idle(1, "a")) == [Precopy("a")]
+    p.handle(Precopied(2, "a", precopied=int(59.5 * GB)))
+    request(p, "b", 60, now=3)  # b's 60 GB takes 20 of a's (pre-copied: an unmap)
+    p.handle(Released(4, "a", evicted=True))
+    p.handle(Idle(5, "b"))
+    assert p.handle(Leave(6, "b")) == [RestoreAhead("a", part(20))]
+    clean = int(59.5 * GB) - part(20)  # what stayed resident kept its copy
+    out = p.handle(
+        Restored(7, "a", part(20), 400_000, ahead=True, evicted_bytes=0, precopied=clean)
+    )
+    assert out == [Precopy("a")]
+    assert p._clients["a"].precopied == clean

@@ -24,11 +24,13 @@ gated, and the grant that follows opens the gate at once.
   waits, one idle kernel at a time whose memory left within :data:`IDLE_AHEAD_WINDOW` seconds
   of its last use, most recently used first (the likeliest to come back soonest).
 
-**Taken back freely.** Restored memory has a current host copy (the shim keeps each block's
-staging, and a restore marks the block clean until the next gated call: native/src/memory/move.c),
-so a kernel restored ahead is an idle, pre-copied kernel to the eviction rules: when someone
-needs the room, evicting it again is an unmap. While its restore is in flight it is not evicted
-(the answer, :class:`~.events.Restored` with ``ahead``, ends that).
+**Copied again before it is cheap to take back.** A restore does not mark its blocks clean
+(native/src/memory/move.c): restored memory has no current host copy, so evicting it again is a
+copy until a pre-copy has run. The answer (:class:`~.events.Restored` with ``ahead``) says which
+resident bytes are still clean, and the kernel may be asked for a pre-copy again in the same idle
+period (:func:`on_ahead_restored`), after which the eviction rules find an idle, pre-copied kernel
+whose memory leaves as an unmap. While its restore is in flight it is not evicted (the answer
+ends that).
 """
 
 from __future__ import annotations
@@ -125,12 +127,15 @@ def start_ahead(c: ClientState) -> None:
 
 def on_ahead_restored(c: ClientState, evt: Restored) -> None:
     """The answer to a RestoreAhead: what stayed on the host (if the shim said) is away again,
-    and the next grant restores it; the restored bytes' host copy makes them cheap to evict."""
+    and the next grant restores it; the restored bytes have no host copy, so the kernel may be
+    asked for a pre-copy again (.room.precopy_candidates asks once per idle period)."""
     if not c.ahead_pending:
         return  # a grant came first: it restored whatever stayed behind (and since, who knows)
     c.ahead_pending = False
     if evt.precopied >= 0:
         c.precopied = min(evt.precopied, c.movable)
+    if evt.bytes_moved > 0:
+        c.precopy_asked = False  # what came back is not copied: a pre-copy makes it an unmap
     left = min(evt.evicted_bytes, c.movable)
     if left > 0:  # the device had no room for the rest: asking again would answer the same
         c.ahead_short = True

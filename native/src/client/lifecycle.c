@@ -12,7 +12,7 @@
 #include "session.h"
 
 /* The answer to a move (RELEASED, EVICTED, RESTORED): its flag, what it moved in how long, and
- * what is on the host now; a RESTORED also says what is clean (restored blocks are). */
+ * what is on the host now; a RESTORED also says what is clean (restored blocks are not). */
 static void answer_move(struct gs_session *s, uint8_t type, int flag, uint64_t moved, uint64_t us)
 {
     struct gs_mem_totals t;
@@ -214,7 +214,7 @@ static void handle_precopy(struct gs_session *s)
 /* RESTORE_AHEAD: bring the evicted memory back while this process does not hold the device, so
  * that its turn starts warm. The gate stays as it is (closed: launches wait for a GRANT); the
  * answer is RESTORED with flag 1, what stayed on the host (no room on the device) and what is
- * clean (a restored block keeps its host copy until the next gated call: memory/move.c). */
+ * clean (a restored block has no current host copy: memory/move.c). */
 static void handle_restore_ahead(struct gs_session *s)
 {
     pthread_mutex_lock(&s->mu);
