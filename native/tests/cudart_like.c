@@ -1390,11 +1390,18 @@ static int scenario_status(size_t bytes) {
 
 /* A temporary: allocated, freed LIVE seconds later while the shim may still be preparing its
  * host staging in the background; the status SETTLE seconds after says whether that staging was
- * released. */
+ * released. A negative LIVE keeps it until the shim has registered host memory with the driver
+ * (its staging made), -LIVE seconds at most: a fixed time races the preparer on a loaded host. */
 static int scenario_temporary(size_t bytes, double live, double settle) {
     CUdeviceptr d = 0;
     CHECK(p_cuMemAlloc(&d, bytes));
-    sleep_s(live);
+    if (live >= 0) {
+        sleep_s(live);
+    } else {
+        for (double end = clock_s(CLOCK_MONOTONIC) - live;
+             fake_count("cuMemHostRegister_v2") < 1 && clock_s(CLOCK_MONOTONIC) < end;)
+            sleep_s(0.01);
+    }
     CHECK(p_cuMemFree(d));
     sleep_s(settle);
     char buf[2048];
