@@ -125,7 +125,9 @@ def test_evicting_one_device_moves_only_its_memory(harness, shim_probe, memory):
     away = on_dev1.index(ON_DEV1) if ON_DEV1 in on_dev1 else len(on_dev1)
     assert away >= 3 and set(on_dev1[:away]) == {0}, on_dev1
     assert set(on_dev1[away:]) <= {ON_DEV1}, on_dev1  # once back, all of it
-    assert _launches(run, 1, t_back)[0]["resident"] == [ON_DEV0, ON_DEV1], run.describe()
+    # (Device 1's part only: on a loaded host its turn can come after device 0's thread has
+    # ended its 8 s and freed device 0's memory; device 0 kept it all through the window, above.)
+    assert _launches(run, 1, t_back)[0]["resident"][1] == ON_DEV1, run.describe()
     gaps = [b["t_mono"] - a["t_mono"] for a, b in itertools.pairwise(window)]
     assert max(gaps) < 0.5, gaps
     # Contents and addresses survived: each device's pattern, at the pointer it was allocated at.
