@@ -70,6 +70,7 @@ from .events import (
     RestoreAhead,
     Restored,
     Revoke,
+    Room,
     SetQuota,
     SetWeight,
     Tick,
@@ -133,6 +134,26 @@ class Policy(FixedQuantumLock):
 
     def handle(self, event: Event) -> list[Decision]:
         """Apply one event; return what the shell must tell the clients, in order."""
+        decisions = self._handle(event)
+        if self.config.room_updates and self.config.policy == "gpushare":
+            decisions += self._rooms()
+        return decisions
+
+    def _rooms(self) -> list[Decision]:
+        """Holders whose room changed since their grant or their last Room: the kernels beside
+        them started or ended a cell, or their memory came or left (``room_updates``)."""
+        out: list[Decision] = []
+        for dev in self._devices.values():
+            for c in dev.clients.values():
+                if c.holding != "running" or c.room is None:
+                    continue
+                room = max(c.used - c.deferred, room_for(dev, c))
+                if room != c.room:
+                    c.room = room
+                    out.append(Room(c.id, room))
+        return out
+
+    def _handle(self, event: Event) -> list[Decision]:
         self._advance(event.now)
         if isinstance(event, Tick):
             out: list[Decision] = []
@@ -440,6 +461,10 @@ class Policy(FixedQuantumLock):
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
+        deferred = c.deferred  # past its room: never on the GPU, still not once it released
+        if deferred and not evt.evicted:
+            c.away = max(c.away, deferred)
+            c.evicted, c.restore = c.away, True
         if evt.evicted:
             c.measure(dev, "evict", evt.bytes_moved, evt.micros)
             dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
@@ -642,22 +667,7 @@ class Policy(FixedQuantumLock):
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev) + self._pause(dev) + self._more_room(dev)
-
-    def _more_room(self, dev: DeviceState) -> list[Decision]:
-        """A holder whose memory grew past its grant's room waits for a grant with more (its
-        allocation is not backed): grant it again once the pool can give more."""
-        out: list[Decision] = []
-        if not self.config.room_grants:
-            return out
-        for c in dev.clients.values():
-            if c.holding != "running" or c.room is None or c.used <= c.room:
-                continue
-            room = room_for(dev, c)
-            if room > c.room:
-                c.room = room
-                out.append(Grant(c.id, restore=False, room_bytes=room))
-        return out
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
 
     def _relieve(self, dev: DeviceState) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
@@ -675,7 +685,9 @@ class Policy(FixedQuantumLock):
             (c for c in dev.clients.values() if c.holding == "running"),
             key=lambda c: (not c.idle, -c.grew_at, c.run_start, c.seq),
         )
-        total = sum(c.used for c in running)
+        # What a holder allocated past its grant's room is not on the GPU (ClientState.deferred):
+        # its shim gives the device back and asks again, and admission makes the room.
+        total = sum(c.used - c.deferred for c in running)
         while len(running) > 1 and total > dev.pool_bytes:
             c = running.pop(0)
             out.append(self._revoke(c, True, REASON_GREW, total - dev.pool_bytes))
