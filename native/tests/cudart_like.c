@@ -31,7 +31,8 @@
  *                               once the device is granted (before the kernels)
  *   grow FIRST BYTES HOLD       launches for FIRST seconds with no memory (a small first cell),
  *                               then allocate BYTES and write them (that copy may wait: memory
- *                               past the grant's room), hold HOLD seconds, read them back
+ *                               past the grant's room), hold HOLD seconds, read them back; with
+ *                               PROBE_GROW_AFTER=FILE it allocates once FILE exists
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
@@ -1133,6 +1134,9 @@ static int scenario_grow(double first_s, size_t bytes, double hold_s) {
     status_fields(st, sizeof(st));
     emit("granted", ",\"launches\":%ld,\"device_bytes\":%lld%s", launches, fake_device_bytes(),
          st);
+    /* PROBE_GROW_AFTER: a file the test makes once the kernel beside has its memory. */
+    const char *after = getenv("PROBE_GROW_AFTER");
+    while (after && *after && access(after, F_OK) != 0) sleep_s(0.02);
     CUdeviceptr d = 0;
     CHECK(p_cuMemAlloc(&d, bytes));
     status_fields(st, sizeof(st));

@@ -1,6 +1,6 @@
-"""Issue 21 item 2: memory that would only be evicted is never backed. B holds the device beside
-A from a small first cell; its grant's room is the pool less A's memory. B then allocates more than
-that room: the allocation succeeds without physical memory, B gives the device back and waits (its
+"""Issue 21 item 2: memory that would only be evicted is never backed. B holds the device beside A
+from a small first cell; its room is the pool less A's memory. B then allocates more than that
+room: the allocation succeeds without physical memory, B gives the device back and waits (its
 status says waiting, the scheduler's too), and once A has left B is granted again and the memory
 is backed, copying nothing. Before the fix, B's allocation was backed beside A's, B was revoked
 ("memory grew past the pool") and its fresh memory copied to the host (6.2 s for 14 GiB on an
@@ -15,14 +15,8 @@ import time
 from tests.native.test_deferred_backing import BIG, MiB, common
 
 
-def test_an_allocation_past_the_grants_room_waits_unbacked_for_a_grant_with_room(harness):
-    # A's quantum outlasts its cell: B waits for A to leave, not for A's eviction.
-    sched = harness.scheduler(pool="1GiB", quantum=30.0)
-    a = harness.spawn("hold", 8.0, BIG, 20000, **common("A"))
-    a.wait_event("first_copy", 30)
-    b = harness.spawn("grow", 0.3, BIG, 0.3, **common("B"))
-    granted = b.wait_event("granted", 30)
-    assert granted["status"]["state"] == "holding", granted["status"]  # beside A: it fitted
+def b_waits_unbacked_then_runs(sched, a, b) -> None:
+    """From B's allocation past its room to the end of both runs (see the module docstring)."""
     allocated = b.wait_event("allocated", 30)
     # The allocation succeeded, and none of it is on the device: it counts as on the host.
     assert allocated["device_bytes"] < BIG, "memory past the grant's room was backed"
@@ -39,7 +33,7 @@ def test_an_allocation_past_the_grants_room_waits_unbacked_for_a_grant_with_room
         if entry.get("state") == "waiting" and entry.get("evicted_bytes") == BIG:
             break
         time.sleep(0.05)
-    assert entry.get("state") == "waiting" and entry.get("evicted_bytes") == BIG, (entry, sched.log)
+    assert entry.get("state") == "waiting" and entry.get("evicted_bytes") == BIG, entry
     assert device["resident_bytes"] < 2 * BIG, device
     first = b.wait_event("first_copy", 60)
     assert first["waited"] > 1.0, "B's copy into its new memory should have waited for A"
@@ -57,3 +51,39 @@ def test_an_allocation_past_the_grants_room_waits_unbacked_for_a_grant_with_room
     assert "grew past the pool" not in sched.log, sched.log
     assert re.search(r"restored client=B bytes=0 ", sched.log), sched.log
     assert any("past its grant's room" in line for line in rb.shim_lines), rb.stderr
+
+
+def test_an_allocation_past_the_grants_room_waits_unbacked_for_a_grant_with_room(harness):
+    """B is granted while A holds its memory: B's grant's room is the pool less A's."""
+    # A's quantum outlasts its cell: B waits for A to leave, not for A's eviction.
+    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+    a = harness.spawn("hold", 8.0, BIG, 20000, **common("A"))
+    a.wait_event("first_copy", 30)
+    b = harness.spawn("grow", 0.3, BIG, 0.3, **common("B"))
+    granted = b.wait_event("granted", 30)
+    assert granted["status"]["state"] == "holding", granted["status"]  # beside A: it fitted
+    b_waits_unbacked_then_runs(sched, a, b)
+
+
+def test_a_holders_room_shrinks_when_memory_comes_beside_it(harness):
+    """B is granted alone (its room: the whole pool); A is granted beside it and fills most of
+    the pool. The scheduler tells B its smaller room (ROOM): B's next big allocation waits
+    unbacked, where the room of B's grant would have had it backed beside A's, then evicted."""
+    sched = harness.scheduler(pool="1GiB", quantum=30.0)
+    go = harness.tmp / "grow-now"
+    b = harness.spawn("grow", 0.3, BIG, 0.3, extra={"PROBE_GROW_AFTER": str(go)}, **common("B"))
+    granted = b.wait_event("granted", 30)
+    assert granted["status"]["state"] == "holding", granted["status"]
+    a = harness.spawn("hold", 8.0, BIG, 20000, **common("A"))
+    a.wait_event("first_copy", 30)
+
+    def b_room() -> int:
+        rooms = re.findall(r"room client=B bytes=(\d+)", sched.log)
+        return int(rooms[-1]) if rooms else 1 << 40
+
+    deadline = time.monotonic() + 10.0  # A's memory reaches the scheduler, then B's room
+    while time.monotonic() < deadline and b_room() >= BIG:
+        time.sleep(0.05)
+    assert b_room() == (1 << 30) - BIG - 64 * MiB, sched.log  # the pool less A's 704 MiB
+    go.touch()
+    b_waits_unbacked_then_runs(sched, a, b)
