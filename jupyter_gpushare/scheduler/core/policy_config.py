@@ -50,9 +50,9 @@ class PolicyConfig:
     short_first: bool = True
     # A holder's room follows its neighbours (Room decisions): when the memory of the kernels
     # beside it that are not idle grows or leaves, its grant's room_bytes is told again, so that
-    # its shim leaves unbacked what would only be evicted (docs/architecture.md, "A grant's
-    # room"). Off in the bare core (its scenario tests read exact decision lists); the scheduler
-    # sets it from c.GPUShareScheduler.room_updates.
+    # its shim leaves unbacked what would only be evicted (docs/architecture.md, "Room in
+    # grants"). Off in the bare core (its scenario tests read exact decision lists); the
+    # scheduler sets it from c.GPUShareScheduler.room_updates.
     room_updates: bool = False
     # Restore ahead (.ahead): a waiter near the head of the line, a kernel Jupyter says has a cell
     # coming, or (nobody waiting) a recently idle kernel gets its evicted memory back before its

@@ -163,7 +163,7 @@ class SchedulerConfig(LoggingConfigurable):
         help="""Tell a kernel that holds the GPU when the room its grant gave it changes (the
         kernels beside it started or ended a cell, or their memory grew or left), so that memory
         it allocates past the room is left unbacked and the kernel waits for room, instead of
-        being backed beside the others and then evicted (docs/architecture.md, "A grant's room").
+        being backed beside the others and then evicted (docs/architecture.md, "Room in grants").
         Off: a grant's room stays what it was at the grant.""",
     ).tag(config=True)
     restore_ahead = Bool(
