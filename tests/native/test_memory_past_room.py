@@ -11,8 +11,20 @@ from __future__ import annotations
 import re
 import time
 
+from jupyter_gpushare.protocol import MsgType
+
 # A's and B's BIG together (plus contexts) do not fit the 1 GiB pool.
-from tests.native.test_deferred_backing import BIG, MiB, common
+from tests.native.test_deferred_backing import BIG, CONTEXT, MiB, common
+from tests.native.wire import (
+    StandInScheduler,
+    c_tags,
+    expect,
+    field_u64,
+    frame,
+    read_frame,
+    u64,
+    until_closed,
+)
 
 
 def b_waits_unbacked_then_runs(sched, a, b) -> None:
@@ -87,3 +99,44 @@ def test_a_holders_room_shrinks_when_memory_comes_beside_it(harness):
     assert b_room() == (1 << 30) - BIG - 64 * MiB, sched.log  # the pool less A's 704 MiB
     go.touch()
     b_waits_unbacked_then_runs(sched, a, b)
+
+
+def test_what_the_shim_says_when_it_goes_past_its_room(harness):
+    """The wire, against a stand-in scheduler: past its room the holder says RELEASED (flag 0:
+    nothing evicted, the new memory on the host) and REQUEST (its new memory in evicted_bytes),
+    sends no MEMORY as a holder first, drops a REVOKE that crosses its release, and is backed
+    by the next GRANT even without the restore flag: nothing copied, the data right."""
+    tags = c_tags()
+    said: dict[str, dict[int, bytes]] = {}
+
+    def script(conn) -> None:
+        expect(conn, MsgType.HELLO)
+        conn.sendall(frame(MsgType.WELCOME, []))
+        expect(conn, MsgType.REQUEST)
+        room = [(tags["FLAG"], u64(0)), (tags["ROOM_BYTES"], u64(CONTEXT + 32 * MiB))]
+        conn.sendall(frame(MsgType.GRANT, room))
+        while True:  # MEMORY reports before the allocation say nothing of it
+            mtype, fields = read_frame(conn)
+            if mtype != MsgType.MEMORY:
+                break
+            assert field_u64(fields, tags["USED_BYTES"]) < BIG, fields
+        assert mtype == MsgType.RELEASED, mtype
+        said["released"] = fields
+        said["request"] = expect(conn, MsgType.REQUEST)
+        conn.sendall(frame(MsgType.REVOKE, [(tags["FLAG"], u64(1))]))  # crossed: dropped
+        time.sleep(0.5)
+        conn.sendall(frame(MsgType.GRANT, [(tags["FLAG"], u64(0))]))  # no room: no limit
+        until_closed(conn)
+
+    sched = StandInScheduler(harness.socket_path, script)
+    b = harness.spawn("grow", 0.3, BIG, 0.3, **common("B"))
+    run = b.finish(60).ok()
+    sched.join()
+    assert field_u64(said["released"], tags["FLAG"]) == 0
+    assert field_u64(said["released"], tags["EVICTED_BYTES"]) == BIG
+    assert field_u64(said["request"], tags["EVICTED_BYTES"]) == BIG
+    assert field_u64(said["request"], tags["USED_BYTES"]) == CONTEXT + BIG
+    assert run.event("hold_end")["data_ok"]
+    first = run.event("first_copy")
+    assert first["device_bytes"] >= BIG and first["status"]["evicted_bytes"] == 0, first
+    assert run.stats["copy_to_host_bytes"] <= 4 * MiB, run.stats  # the REVOKE evicted nothing
