@@ -42,6 +42,8 @@ Evicted: restore at the next grant), not the displayed ``evicted`` counters. A f
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
 ``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
+``room_updates``: holders hear their grant's room change (:class:`~.events.Room`); memory past it
+waits unbacked, off the GPU's count (``ClientState.deferred``), while its shim asks again.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import (
     ask,
     count_evicted,
+    new_rooms,
     note_cell_end,
     order_candidates,
     room_for,
@@ -136,22 +139,8 @@ class Policy(FixedQuantumLock):
         """Apply one event; return what the shell must tell the clients, in order."""
         decisions = self._handle(event)
         if self.config.room_updates and self.config.policy == "gpushare":
-            decisions += self._rooms()
+            decisions += [Room(c.id, c.room) for d in self._devices.values() for c in new_rooms(d)]
         return decisions
-
-    def _rooms(self) -> list[Decision]:
-        """Holders whose room changed since their grant or their last Room: the kernels beside
-        them started or ended a cell, or their memory came or left (``room_updates``)."""
-        out: list[Decision] = []
-        for dev in self._devices.values():
-            for c in dev.clients.values():
-                if c.holding != "running" or c.room is None:
-                    continue
-                room = max(c.used - c.deferred, room_for(dev, c))
-                if room != c.room:
-                    c.room = room
-                    out.append(Room(c.id, room))
-        return out
 
     def _handle(self, event: Event) -> list[Decision]:
         self._advance(event.now)
@@ -461,8 +450,7 @@ class Policy(FixedQuantumLock):
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
-        deferred = c.deferred  # past its room: never on the GPU, still not once it released
-        if deferred and not evt.evicted:
+        if (deferred := c.deferred) and not evt.evicted:  # past its room: never on the GPU
             c.away = max(c.away, deferred)
             c.evicted, c.restore = c.away, True
         if evt.evicted:
