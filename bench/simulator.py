@@ -160,6 +160,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         keep_free=KeepFree(auto=cfg.keep_free, min_wait=cfg.keep_free_wait),
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
+        # The daemon's default; a simulated working set is whole from its grant, so a Room
+        # decision changes nothing the simulator models.
+        room_updates=True,
     )
 
 

@@ -84,6 +84,7 @@ class MsgType(enum.IntEnum):
     PRECOPY = 0x87
     SLEEP = 0x88  # deep idle: flag 1 = checkpointed (asleep), 0 = restored (docs/protocol.md)
     RESTORE_AHEAD = 0x89  # restore evicted memory without a grant; answered by RESTORED flag 1
+    ROOM = 0x8A  # a holder's room_bytes changed (others' memory came or left); no answer
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1

@@ -29,6 +29,10 @@
  *                               SECONDS after the first launch got through, holding BYTES; with
  *                               TEMP, a scratch buffer of TEMP bytes is allocated and freed twice
  *                               once the device is granted (before the kernels)
+ *   grow FIRST BYTES HOLD       launches for FIRST seconds with no memory (a small first cell),
+ *                               then allocate BYTES and write them (that copy may wait: memory
+ *                               past the grant's room), hold HOLD seconds, read them back; with
+ *                               PROBE_GROW_AFTER=FILE it allocates once FILE exists
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
@@ -59,6 +63,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1108,6 +1113,58 @@ static int scenario_hold(double seconds, size_t bytes, unsigned long long us, si
     return !ok;
 }
 
+/* Issue 21 item 2, memory past the grant's room: the device is granted for a small first cell
+ * (beside another kernel that holds most of the pool), then BYTES are allocated, more than the
+ * grant's room. The allocation succeeds; a thread reports the status while the first copy into
+ * the new memory waits for a grant with room ("blocked", half a second in); then the memory is
+ * written, held HOLD seconds and read back. */
+static void *report_blocked(void *arg) {
+    (void)arg;
+    sleep_s(0.5);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("blocked", ",\"device_bytes\":%lld%s", fake_device_bytes(), st);
+    return NULL;
+}
+
+static int scenario_grow(double first_s, size_t bytes, double hold_s) {
+    long launches = 0;
+    if (hold(first_s, 20000, &launches, 0)) return 1;
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("granted", ",\"launches\":%ld,\"device_bytes\":%lld%s", launches, fake_device_bytes(),
+         st);
+    /* PROBE_GROW_AFTER: a file the test makes once the kernel beside has its memory. */
+    const char *after = getenv("PROBE_GROW_AFTER");
+    while (after && *after && access(after, F_OK) != 0) sleep_s(0.02);
+    CUdeviceptr d = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    status_fields(st, sizeof(st));
+    emit("allocated", ",\"bytes\":%zu,\"device_bytes\":%lld%s", bytes, fake_device_bytes(), st);
+    size_t n = bytes < (4u << 20) ? bytes : (4u << 20);
+    unsigned char *h = malloc(n), *g = malloc(n);
+    if (!h || !g) return 1;
+    for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(i * 31 + 7);
+    pthread_t reporter;
+    if (pthread_create(&reporter, NULL, report_blocked, NULL) != 0) return 1;
+    double t0 = clock_s(CLOCK_MONOTONIC);
+    CHECK(p_cuMemsetD8(d, 0, bytes));
+    CHECK(p_cuMemcpyHtoD(d, h, n));
+    double waited = clock_s(CLOCK_MONOTONIC) - t0;
+    pthread_join(reporter, NULL);
+    status_fields(st, sizeof(st));
+    emit("first_copy", ",\"waited\":%.6f,\"device_bytes\":%lld%s", waited, fake_device_bytes(),
+         st);
+    if (hold(hold_s, 20000, &launches, 0)) return 1;
+    CHECK(p_cuMemcpyDtoH(g, d, n));
+    int ok = memcmp(g, h, n) == 0;
+    CHECK(p_cuMemFree(d));
+    emit("hold_end", ",\"launches\":%ld,\"data_ok\":%s", launches, ok ? "true" : "false");
+    free(h);
+    free(g);
+    return !ok;
+}
+
 /* The device is granted before any cudaMalloc (a program whose first memory comes from its own
  * allocator, as PyTorch's expandable segments), then cudaMalloc'd memory must be usable at once:
  * a grant made before the engine's first block must not leave later blocks unbacked. */
@@ -1568,6 +1625,8 @@ int main(int argc, char **argv) {
         rc = scenario_hold(atof(argv[i]), arg_bytes(argc, argv, i + 1, 0),
                            i + 2 < argc ? strtoull(argv[i + 2], NULL, 0) : 20000,
                            arg_bytes(argc, argv, i + 3, 0));
+    } else if (strcmp(scenario, "grow") == 0 && i + 2 < argc) {
+        rc = scenario_grow(atof(argv[i]), arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {
         rc = scenario_idle(atof(argv[i]), i + 1 < argc ? atof(argv[i + 1]) : 0.3,
                            arg_bytes(argc, argv, i + 2, 0));

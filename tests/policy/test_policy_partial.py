@@ -20,6 +20,7 @@ from jupyter_gpushare.scheduler.core.events import (
     Request,
     Restored,
     Revoke,
+    Room,
     Tick,
 )
 from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
@@ -148,12 +149,10 @@ def test_a_request_after_a_partial_eviction_counts_what_the_shim_says_once():
     assert a.resident and a.away == part(20) and a.on_gpu == used - part(20)
 
 
-def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
+def _a_past_its_room(p):
     """c's long cell is paused for a's short one, its memory in place: a's room is the pool less
-    c's 30 GB. a allocates past it (not backed: its launches wait for more room); c's memory
-    gives the 10 GB missing and a is granted again, with the room now free (room_grants: off
-    until the shim defers backing past its room)."""
-    p = make_policy(ordering=OrderingConfig(), room_grants=True)
+    c's 30 GB. a allocates past it: its shim leaves the 10 GB past the room unbacked (on the
+    host in its report) and says so in MEMORY before it gives the device back."""
     join(p, "c")
     join(p, "a", user="bob")
     p.handle(Busy(0, "c"))
@@ -164,15 +163,69 @@ def test_a_holder_past_its_room_is_granted_again_when_the_pool_can_give_more():
     assert pause == Revoke("c", evict=False, reason="paused: shorter cells first")
     p.handle(Released(5.01, "c"))
     used = 80 * GB
-    grew = Memory(6, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0)
-    assert p.handle(grew) == [Evict("c", reason="memory pressure", bytes=part(10))]
+    past = 10 * GB  # its room is 70 GB, its context included
+    return Memory(6, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=past)
+
+
+def test_memory_past_a_holders_room_is_not_on_the_gpu_and_is_backed_at_its_next_grant():
+    """Issue 21 item 2. What a holder allocated past its room is not on the GPU: nobody is
+    evicted for it while the holder holds (before: c's memory was evicted for "memory pressure",
+    and without c a holder past the pool was revoked with eviction, its fresh memory copied out).
+    The holder gives the device back and asks again; as a waiter its deferred memory is what it
+    needs, c's memory gives the missing part, and the grant restores it (a backing: no copy),
+    with room for all of it."""
+    p = make_policy(ordering=OrderingConfig())
+    grew = _a_past_its_room(p)
+    assert p.handle(grew) == []
+    a = p._clients["a"]
+    assert a.deferred == grew.evicted and a.on_gpu == 80 * GB - grew.evicted
+    assert p.handle(Released(6.1, "a")) == []
+    past = grew.evicted
+    ask = Request(6.1, "a", used=80 * GB, managed=grew.managed, pinned=GB // 2, evicted=past)
+    (evict,) = p.handle(ask)
+    # The pool is full (a's 70 GB on the GPU, c's 30 GB): c gives what a's deferred part needs.
+    assert evict == Evict("c", reason="room for a", bytes=part(10))
     (again,) = p.handle(Evicted(7, "c"))
-    assert again == Grant("a") and again.room_bytes == 100 * GB - (30 * GB - part(10))
+    assert again == Grant("a", restore=True) and again.room_bytes >= 80 * GB
+
+
+def test_a_holders_room_follows_the_kernels_beside_it():
+    """room_updates: b was granted while a was idle (its room: the whole pool, a's memory can
+    leave for it). a's cell starts and its memory grows: b's room shrinks to what the pool leaves
+    beside a, so that b's next big allocation waits unbacked instead of being backed and evicted
+    (the H100 run of issue 21: B's 14 GiB backed beside A's, then evicted in 6.2 s). When a's cell
+    ends b's room is the pool again."""
+    p = make_policy(room_updates=True)
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 1)
+    p.handle(Idle(1, "a"))
+    grant, room = request(p, "b", 1, now=2)
+    assert grant == Grant("b") and grant.room_bytes == 100 * GB
+    assert room == Room("a", 99 * GB)  # a (idle) still holds: b's cell is beside it now
+    assert p.handle(Busy(3, "a")) == [Room("b", 99 * GB)]  # a's 1 GB stays
+    used = 40 * GB
+    grew = Memory(4, "a", used=used, managed=used - GB // 2, pinned=GB // 2, evicted=0)
+    assert p.handle(grew) == [Room("b", 60 * GB)]
+    assert decision_message(Room("b", 60 * GB)).fields == {"room_bytes": 60 * GB}
+    assert p.handle(Idle(5, "a")) == [Room("b", 100 * GB)]
+
+
+def test_without_room_updates_a_holders_room_stays_its_grants():
+    """The bare core (scenario tests read exact decision lists): no Room decisions."""
+    p = make_policy()
+    join(p, "a")
+    join(p, "b", user="bob")
+    request(p, "a", 1)
+    p.handle(Idle(1, "a"))
+    request(p, "b", 1, now=2)
+    assert p.handle(Busy(3, "a")) == []
 
 
 def test_without_room_grants_a_holder_is_never_granted_twice():
-    """The grant invariant (a grant answers a request, never a second grant) while the shim
-    backs everything it allocates: the same story, and c's memory still makes the room."""
+    """The grant invariant (a grant answers a request, never a second grant): a holder whose
+    memory grew on the GPU (memory its shim cannot leave unbacked, reported resident) makes c's
+    memory leave for it, and is not granted again."""
     p = make_policy(ordering=OrderingConfig())
     join(p, "c")
     join(p, "a", user="bob")

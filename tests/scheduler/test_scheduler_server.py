@@ -48,9 +48,12 @@ async def test_clients_that_fit_run_side_by_side(scheduler: Any, connect: Any) -
     await a.hello("a")
     await b.hello("b")
     await a.request(SMALL)
-    await a.expect(MsgType.GRANT)
+    granted = await a.expect(MsgType.GRANT)
     await b.request(SMALL)
     await b.expect(MsgType.GRANT)
+    # a's room shrinks by what b brought (ROOM, room_updates): nothing else is said to a.
+    room = await a.expect(MsgType.ROOM)
+    assert room.fields["room_bytes"] == granted.fields["room_bytes"] - SMALL
     await a.expect_nothing()
     (dev,) = scheduler.status_document()["devices"]
     assert dev["mode"] == "shared" and sorted(dev["holders"]) == ["a", "b"]

@@ -278,4 +278,16 @@ class RestoreAhead:
     bytes: int = 0
 
 
-Decision = Grant | Revoke | Evict | Precopy | RestoreAhead
+@dataclass(frozen=True)
+class Room:
+    """Tell a holder its grant's room changed: the most device memory it may hold backed from now
+    on (None: no limit). Kernels beside it became busy or idle, or their memory grew or left, so
+    the room its grant gave is no longer what the pool can give it. An allocation past it is not
+    backed: the holder gives the device back and asks again (docs/protocol.md, "Room"). Sent
+    only while ``room_updates`` is on."""
+
+    client: str
+    room_bytes: int | None = None
+
+
+Decision = Grant | Revoke | Evict | Precopy | RestoreAhead | Room

@@ -42,6 +42,8 @@ Evicted: restore at the next grant), not the displayed ``evicted`` counters. A f
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
 ``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
+``room_updates``: holders hear their grant's room change (:class:`~.events.Room`); memory past it
+waits unbacked, off the GPU's count (``ClientState.deferred``), while its shim asks again.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from .events import (
     RestoreAhead,
     Restored,
     Revoke,
+    Room,
     SetQuota,
     SetWeight,
     Tick,
@@ -81,6 +84,7 @@ from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import (
     ask,
     count_evicted,
+    new_rooms,
     note_cell_end,
     order_candidates,
     room_for,
@@ -133,6 +137,12 @@ class Policy(FixedQuantumLock):
 
     def handle(self, event: Event) -> list[Decision]:
         """Apply one event; return what the shell must tell the clients, in order."""
+        decisions = self._handle(event)
+        if self.config.room_updates and self.config.policy == "gpushare":
+            decisions += [Room(c.id, c.room) for d in self._devices.values() for c in new_rooms(d)]
+        return decisions
+
+    def _handle(self, event: Event) -> list[Decision]:
         self._advance(event.now)
         if isinstance(event, Tick):
             out: list[Decision] = []
@@ -440,6 +450,9 @@ class Policy(FixedQuantumLock):
         crossed an unsolicited release) changes nothing but residency: a waiter stays waiting.
         """
         part = c.revoke_bytes if c.holding == "revoking" and c.revoke_evict else 0
+        if (deferred := c.deferred) and not evt.evicted:  # past its room: never on the GPU
+            c.away = max(c.away, deferred)
+            c.evicted, c.restore = c.away, True
         if evt.evicted:
             c.measure(dev, "evict", evt.bytes_moved, evt.micros)
             dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
@@ -642,22 +655,7 @@ class Policy(FixedQuantumLock):
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
             return self._relieve(dev) + self._admit_fixed(dev)
-        return self._relieve(dev) + self._admit(dev) + self._pause(dev) + self._more_room(dev)
-
-    def _more_room(self, dev: DeviceState) -> list[Decision]:
-        """A holder whose memory grew past its grant's room waits for a grant with more (its
-        allocation is not backed): grant it again once the pool can give more."""
-        out: list[Decision] = []
-        if not self.config.room_grants:
-            return out
-        for c in dev.clients.values():
-            if c.holding != "running" or c.room is None or c.used <= c.room:
-                continue
-            room = room_for(dev, c)
-            if room > c.room:
-                c.room = room
-                out.append(Grant(c.id, restore=False, room_bytes=room))
-        return out
+        return self._relieve(dev) + self._admit(dev) + self._pause(dev)
 
     def _relieve(self, dev: DeviceState) -> list[Decision]:
         """Rule 1: restore the fit after a holder grew, revoking or evicting as little as needed.
@@ -675,7 +673,9 @@ class Policy(FixedQuantumLock):
             (c for c in dev.clients.values() if c.holding == "running"),
             key=lambda c: (not c.idle, -c.grew_at, c.run_start, c.seq),
         )
-        total = sum(c.used for c in running)
+        # What a holder allocated past its grant's room is not on the GPU (ClientState.deferred):
+        # its shim gives the device back and asks again, and admission makes the room.
+        total = sum(c.used - c.deferred for c in running)
         while len(running) > 1 and total > dev.pool_bytes:
             c = running.pop(0)
             out.append(self._revoke(c, True, REASON_GREW, total - dev.pool_bytes))

@@ -48,11 +48,12 @@ class PolicyConfig:
     # Short cells first under memory pressure (.policy_short): a short cell queues ahead of
     # overdue waiters and pre-empts a longer busy holder's memory before its quantum ends.
     short_first: bool = True
-    # A holder whose memory grew past its grant's room_bytes is granted again, with more room,
-    # once the pool can give it. Off until the shim defers backing past room_bytes (today it
-    # reads the field and backs everything): a second GRANT to a holder would only restart its
-    # hold (issue 21, item 2).
-    room_grants: bool = False
+    # A holder's room follows its neighbours (Room decisions): when the memory of the kernels
+    # beside it that are not idle grows or leaves, its grant's room_bytes is told again, so that
+    # its shim leaves unbacked what would only be evicted (docs/architecture.md, "Room in
+    # grants"). Off in the bare core (its scenario tests read exact decision lists); the
+    # scheduler sets it from c.GPUShareScheduler.room_updates.
+    room_updates: bool = False
     # Restore ahead (.ahead): a waiter near the head of the line, a kernel Jupyter says has a cell
     # coming, or (nobody waiting) a recently idle kernel gets its evicted memory back before its
     # turn, into room nobody else is owed. Off in the bare core; the scheduler sets it from

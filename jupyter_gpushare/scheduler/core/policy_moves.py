@@ -31,6 +31,7 @@ __all__ = [
     "count_evicted",
     "expected_left",
     "move_seconds",
+    "new_rooms",
     "order_candidates",
     "room_for",
     "worth_evicting",
@@ -153,3 +154,18 @@ def room_for(dev: DeviceState, c: ClientState) -> int:
         if o is not c and not (o.idle and o.waiting_since is None)
     )
     return dev.pool_bytes - busy
+
+
+def new_rooms(dev: DeviceState) -> list[ClientState]:
+    """Holders on ``dev`` whose room changed since their grant or their last Room (the kernels
+    beside them started or ended a cell, or their memory came or left), each one's ``room`` set
+    to the new one: :func:`room_for`, never less than what it holds on the GPU."""
+    out: list[ClientState] = []
+    for c in dev.clients.values():
+        if c.holding != "running" or c.room is None:
+            continue
+        room = max(c.used - c.deferred, room_for(dev, c))
+        if room != c.room:
+            c.room = room
+            out.append(c)
+    return out

@@ -110,10 +110,20 @@ class ClientState:
         return self.evict_pending or self.ahead_pending
 
     @property
+    def deferred(self) -> int:
+        """Bytes a holder allocated past its grant's room: the shim left them unbacked (they
+        count as on the host in its report) and gives the device back to wait for room, so they
+        are not on the GPU. Bounded by what the room leaves: a report cannot hide more of a
+        holder's memory than lies past the room it was granted."""
+        if self.holding is None or self.room is None:
+            return 0
+        return min(self.evicted, max(0, self.used - self.room))
+
+    @property
     def on_gpu(self) -> int:
         """Bytes this client occupies on the GPU now (as the policy accounts them)."""
         return (
-            self.used - min(self.away, self.movable)
+            self.used - min(self.away + self.deferred, self.movable)
             if self.resident
             else min(self.pinned, self.used)
         )
@@ -121,7 +131,9 @@ class ClientState:
     @property
     def evictable(self) -> int:
         """Bytes an eviction of this client can free on the GPU now."""
-        return max(0, self.movable - self.away - self.stuck) if self.resident else 0
+        if not self.resident:
+            return 0
+        return max(0, self.movable - self.away - self.deferred - self.stuck)
 
     @property
     def state(self) -> str:

@@ -158,6 +158,14 @@ class SchedulerConfig(LoggingConfigurable):
         quantum ends, when the move costs less than the cell is expected to run on
         (docs/architecture.md, "Short cells first"). Off: short cells wait for the quantum.""",
     ).tag(config=True)
+    room_updates = Bool(
+        True,
+        help="""Tell a kernel that holds the GPU when the room its grant gave it changes (the
+        kernels beside it started or ended a cell, or their memory grew or left), so that memory
+        it allocates past the room is left unbacked and the kernel waits for room, instead of
+        being backed beside the others and then evicted (docs/architecture.md, "Room in grants").
+        Off: a grant's room stays what it was at the grant.""",
+    ).tag(config=True)
     restore_ahead = Bool(
         False,
         help="""Move a kernel's evicted memory back to the GPU before its turn (RESTORE_AHEAD), into
@@ -532,6 +540,7 @@ class SchedulerConfig(LoggingConfigurable):
             keep_free=self.keep_free_config(),
             short_first=self.short_first,
             restore_ahead=self.restore_ahead,
+            room_updates=self.room_updates,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

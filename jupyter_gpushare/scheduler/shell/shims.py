@@ -626,6 +626,11 @@ class ShimSessions:
                 self._info(
                     conn, "restore_ahead client=%s %s", decision.client, _bytes(decision.bytes)
                 )
+            elif isinstance(decision, ev.Room):
+                room = decision.room_bytes
+                self.log.debug(
+                    "room client=%s %s", decision.client, "none" if room is None else _bytes(room)
+                )
             else:
                 self._info(
                     conn,

@@ -305,6 +305,9 @@ def decision_message(decision: ev.Decision) -> Message:
         return Message(MsgType.PRECOPY, {})
     if isinstance(decision, ev.RestoreAhead):
         return Message(MsgType.RESTORE_AHEAD, {})  # everything evicted comes back
+    if isinstance(decision, ev.Room):
+        room = {} if decision.room_bytes is None else {"room_bytes": max(0, decision.room_bytes)}
+        return Message(MsgType.ROOM, room)
     fields = {"reason": decision.reason}
     if decision.bytes > 0:
         fields["evict_bytes"] = decision.bytes

@@ -141,8 +141,30 @@ void gs_gate_set_open(int open)
     if (open) /* before the gate first opens: the fast path reads gs_gate_self_fence */
         pthread_once(&barrier_once, choose_barrier);
     /* release: work the client thread did before opening (a restore) happens-before the calls
-     * that see the gate open. */
-    atomic_store_explicit(&gs_gate_word, open ? 1 : 0, memory_order_release);
+     * that see the gate open. One read-modify-write of the one word: a hold set meanwhile is
+     * never overwritten (the word is open only while it is exactly 1). */
+    if (open)
+        atomic_fetch_or_explicit(&gs_gate_word, GS_GATE_GRANTED, memory_order_acq_rel);
+    else
+        atomic_fetch_and_explicit(&gs_gate_word, ~GS_GATE_GRANTED, memory_order_acq_rel);
+}
+
+void gs_gate_hold(unsigned devices)
+{
+    atomic_fetch_or_explicit(&gs_gate_word, (int)((devices & GS_GATE_HOLD_MASK) << 1),
+                             memory_order_acq_rel);
+}
+
+void gs_gate_unhold(unsigned devices)
+{
+    atomic_fetch_and_explicit(&gs_gate_word, ~(int)((devices & GS_GATE_HOLD_MASK) << 1),
+                              memory_order_acq_rel);
+}
+
+unsigned gs_gate_holds(void)
+{
+    return ((unsigned)atomic_load_explicit(&gs_gate_word, memory_order_acquire) >> 1) &
+           GS_GATE_HOLD_MASK;
 }
 
 void gs_streams_after_fork_child(void)

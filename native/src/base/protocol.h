@@ -42,6 +42,9 @@ enum gs_msg_type {
     /* Restore ahead: bring the evicted memory back while not holding the device (launches stay
      * gated); answered by RESTORED with flag 1 (docs/protocol.md, "Restore ahead"). */
     GS_MSG_RESTORE_AHEAD = 0x89,
+    /* A holder's room changed (room_bytes; absent: no limit); a stale one (not holding) is
+     * dropped, no answer (docs/protocol.md, "Room"). */
+    GS_MSG_ROOM = 0x8A,
     GS_MSG_STATUS = 0xA0,
     GS_MSG_CONTROL_REPLY = 0xA1
 };

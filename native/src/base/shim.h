@@ -133,7 +133,12 @@ static inline int gs_log_enabled(int level) { return gs_log_level_now() >= level
 
 /* ---- the gate (gate.c) ---- */
 
-/* 1 = open (calls pass), 0 = closed (calls take the slow path). */
+/* Exactly GS_GATE_GRANTED = open (calls pass); anything else = closed (calls take the slow
+ * path). Bit 0: the process holds every device it uses; bit 1 + d: device slot d is held shut
+ * (gs_gate_hold: the memory engine left memory unbacked past the grant's room, and no call may
+ * reach it until the next grant backs it). */
+#define GS_GATE_GRANTED 1
+#define GS_GATE_HOLD_MASK 0xFFu
 extern atomic_int gs_gate_word;
 /* Set by a gated call when it is 0; cleared by the client thread when it samples activity. */
 extern atomic_int gs_activity;
@@ -219,7 +224,7 @@ static inline CUresult gs_gate_enter(CUstream s, int per_thread)
 {
     gs_count_call();
     gs_gate_inflight_begin();
-    if (GS_LIKELY(atomic_load_explicit(&gs_gate_word, memory_order_acquire))) {
+    if (GS_LIKELY(atomic_load_explicit(&gs_gate_word, memory_order_acquire) == GS_GATE_GRANTED)) {
         if (!atomic_load_explicit(&gs_activity, memory_order_relaxed))
             atomic_store_explicit(&gs_activity, 1, memory_order_relaxed);
         gs_note_stream(s, per_thread);
@@ -229,6 +234,11 @@ static inline CUresult gs_gate_enter(CUstream s, int per_thread)
 }
 
 void gs_gate_set_open(int open);
+/* Hold the gate shut for the device slots in `devices` (bit d: slot d), whatever the grant says,
+ * until gs_gate_unhold; the slow path lets no call on such a device through (client/wait.c). */
+void gs_gate_hold(unsigned devices);
+void gs_gate_unhold(unsigned devices);
+unsigned gs_gate_holds(void);
 /* After closing the gate: wait (at most `seconds`) until no thread is inside a gated call.
  * Returns the number still inside (0: drained). */
 int gs_gate_drain(double seconds);

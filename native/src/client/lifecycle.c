@@ -138,6 +138,12 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
             ok = isxdigit((unsigned char)secret[i]);
         memcpy(s->resume.secret, ok ? secret : "", ok ? sizeof s->resume.secret : 1);
     }
+    /* The room this grant gives (absent: no limit); before the deferred memory is backed, so
+     * that an allocation after it is weighed against this grant's room, not an older one. */
+    if (gs_msg_has(m, GS_TAG_ROOM_BYTES))
+        gs_mem_set_room(s->devs.dev, gs_room_of(m));
+    else
+        gs_mem_set_room(s->devs.dev, 0);
     if (restore) {
         uint64_t moved = 0, us = 0;
         gs_drain_restore(s, "the restore", s->devs.dev, &moved, &us);
@@ -164,6 +170,27 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
                 restore ? gs_ms(gs_now() - t0) : 0.0);
     }
     pthread_mutex_unlock(&s->mu);
+}
+
+void gs_life_wait_for_room(struct gs_session *s)
+{
+    if (!(gs_mem_past_room() & (1u << gs_mem_slot(s->devs.dev))))
+        return;
+    pthread_mutex_lock(&s->mu);
+    int holding = s->conn.connected && !s->quitting && s->state == GPUSHARE_STATE_HOLDING;
+    pthread_mutex_unlock(&s->mu);
+    if (!holding) /* released meanwhile: the next grant backs what waits */
+        return;
+    /* Unsolicited, without eviction: what is backed stays on the device (the scheduler counts it
+     * there), what waits unbacked is on the host in every report; the REQUEST says how much. */
+    gs_life_release(s, 0, "memory past the grant's room: waiting for room", 0);
+    pthread_mutex_lock(&s->mu);
+    int ask = s->conn.connected && s->state == GPUSHARE_STATE_IDLE && !s->requested;
+    if (ask)
+        s->requested = 1;
+    pthread_mutex_unlock(&s->mu);
+    if (ask)
+        gs_conn_send_request(s);
 }
 
 static void handle_evict(struct gs_session *s)
@@ -258,6 +285,16 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
     case GS_MSG_RESTORE_AHEAD:
         handle_restore_ahead(s);
         break;
+    case GS_MSG_ROOM: {
+        /* Only this thread changes the state: a holder's room is the grant's it holds now. One
+         * that is not holding (it gave the device back as this crossed on the wire) drops it. */
+        pthread_mutex_lock(&s->mu);
+        int holding = s->state == GPUSHARE_STATE_HOLDING;
+        pthread_mutex_unlock(&s->mu);
+        if (holding)
+            gs_mem_set_room(s->devs.dev, gs_msg_has(m, GS_TAG_ROOM_BYTES) ? gs_room_of(m) : 0);
+        break;
+    }
     case GS_MSG_SLEEP: {
         /* Only the status changes: the driver itself blocks this process's CUDA calls while it
          * is locked, and the scheduler grants nothing before it restored and unlocked it. */

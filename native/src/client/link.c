@@ -266,9 +266,36 @@ static void release(struct gs_session *s, CUdevice dev, int evict, const char *r
         send_request(s, dev);
 }
 
-/* GRANT (flag 1: bring this device's evicted memory back, in its own context, first). */
-static void grant(struct gs_session *s, CUdevice dev, int restore)
+void gs_link_wait_for_room(struct gs_session *s)
 {
+    unsigned past = gs_mem_past_room();
+    CUdevice todo[GS_MAX_LINKS];
+    int n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; past && i < s->links.n; i++) {
+        struct gs_link *l = &s->links.l[i];
+        if ((past >> gs_mem_slot(l->dev) & 1u) && l->state == GS_LINK_HOLDING && !s->quitting)
+            todo[n++] = l->dev;
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        release(s, todo[i], 0, "memory past the grant's room: waiting for room");
+        pthread_mutex_lock(&s->mu);
+        struct gs_link *l = gs_session_link_locked(s, todo[i]);
+        int ask = l && l->state == GS_LINK_IDLE && !l->requested;
+        if (ask)
+            l->requested = 1;
+        pthread_mutex_unlock(&s->mu);
+        if (ask)
+            send_request(s, todo[i]);
+    }
+}
+
+/* GRANT (flag 1: bring this device's evicted memory back, in its own context, first). */
+static void grant(struct gs_session *s, CUdevice dev, int restore, const struct gs_msg *m)
+{
+    /* Its room (absent: no limit), before what waited is backed (lifecycle.c says why). */
+    gs_mem_set_room(dev, gs_msg_has(m, GS_TAG_ROOM_BYTES) ? gs_room_of(m) : 0);
     if (restore) {
         uint64_t moved = 0, us = 0;
         gs_drain_restore(s, "the restore", dev, &moved, &us);
@@ -322,7 +349,7 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
     char text[256] = "";
     switch (m->type) {
     case GS_MSG_GRANT:
-        grant(s, dev, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0);
+        grant(s, dev, gs_msg_u64(m, GS_TAG_FLAG, 0) != 0, m);
         break;
     case GS_MSG_REVOKE:
         gs_msg_str(m, GS_TAG_REASON, text, sizeof text);
@@ -336,6 +363,15 @@ static void dispatch(struct gs_session *s, CUdevice dev, const struct gs_msg *m)
         evict_or_precopy(s, dev, m->type == GS_MSG_EVICT);
         gs_mem_set_evict_target(dev, 0);
         break;
+    case GS_MSG_ROOM: { /* as on the first device (lifecycle.c): a holder's only */
+        pthread_mutex_lock(&s->mu);
+        struct gs_link *l = gs_session_link_locked(s, dev);
+        int holding = l && l->state == GS_LINK_HOLDING;
+        pthread_mutex_unlock(&s->mu);
+        if (holding)
+            gs_mem_set_room(dev, gs_msg_has(m, GS_TAG_ROOM_BYTES) ? gs_room_of(m) : 0);
+        break;
+    }
     case GS_MSG_RESTORE_AHEAD:
         restore_ahead(s, dev);
         break;

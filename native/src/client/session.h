@@ -296,6 +296,8 @@ void gs_link_send_requests(struct gs_session *s);
 int gs_link_pollfds(struct gs_session *s, struct pollfd *pfd, int cap, CUdevice *devs);
 /* Read and handle what arrived on the link of `dev` (thread side). */
 void gs_link_on_readable(struct gs_session *s, CUdevice dev);
+/* The gs_life_wait_for_room of every linked device (thread side). */
+void gs_link_wait_for_room(struct gs_session *s);
 /* Give back every linked device this process holds (unsolicited RELEASED; thread side). */
 void gs_link_release_all(struct gs_session *s, const char *reason);
 /* MEMORY on every link whose device's memory changed (coalesced like the first device's);
@@ -307,6 +309,16 @@ void gs_link_close_all(struct gs_session *s, int goodbye);
 /* ---- lifecycle.c: grant, revoke, evict ---- */
 
 void gs_life_release(struct gs_session *s, int evict, const char *reason, int solicited);
+/* The first device's memory went past its grant's room (memory/api.h, gs_mem_past_room): give
+ * the device back (no eviction) and ask for it again at once, so that the scheduler sees a waiter
+ * whose deferred memory is on the host, and grants it with room once there is some. */
+void gs_life_wait_for_room(struct gs_session *s);
+/* The room a GRANT gives (its room_bytes; 1 for 0: no memory may be backed past the grant). */
+static inline uint64_t gs_room_of(const struct gs_msg *m)
+{
+    uint64_t room = gs_msg_u64(m, GS_TAG_ROOM_BYTES, 0);
+    return room ? room : 1;
+}
 
 /* Dispatch every complete frame in s->conn.rx. */
 void gs_life_drain(struct gs_session *s);

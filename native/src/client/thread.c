@@ -187,6 +187,10 @@ static void *thread_main(void *arg)
             gs_link_release_all(s, "released by the program");
             gs_life_release(s, 0, "released by the program", 0);
         }
+        /* Memory past a grant's room: that device is given back and asked for again, before any
+         * MEMORY report could show a holder with memory the scheduler would think resident. */
+        gs_life_wait_for_room(s);
+        gs_link_wait_for_room(s);
 
         now = gs_now();
         gs_idle_sample(s, now);
@@ -195,7 +199,14 @@ static void *thread_main(void *arg)
             if (gs_mem_generation() != s->mem_report.gen_sent) {
                 struct gs_mem_totals t;
                 gs_mem_totals_dev(s->devs.dev, &t);
-                if (!gs_conn_memory_differs(&s->mem_report, &t))
+                /* Read after the totals: a block past the room sets the bit before it counts. */
+                int past = gs_mem_past_room() >> gs_mem_slot(s->devs.dev) & 1u;
+                pthread_mutex_lock(&s->mu);
+                past = past && s->state == GPUSHARE_STATE_HOLDING;
+                pthread_mutex_unlock(&s->mu);
+                if (past)
+                    mem_dirty = 1; /* the next pass gives the device back first (above) */
+                else if (!gs_conn_memory_differs(&s->mem_report, &t))
                     s->mem_report.gen_sent = gs_mem_generation(); /* nothing the scheduler would see */
                 else if (now - s->mem_report.sent_at >= MEMORY_REPORT_MIN_S)
                     gs_conn_send_memory(s);

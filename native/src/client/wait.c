@@ -15,11 +15,19 @@
 static int may_pass_locked(struct gs_session *s, struct gs_link *link)
 {
     int st = s->state;
+    /* Memory past the grant's room waits unbacked on this device (memory/api.h): no call on it
+     * passes, whatever the state says, until the next grant backs that memory. A holder's
+     * thread gives the device back and asks for it again. */
+    int held = (gs_gate_holds() >> gs_mem_slot(link ? link->dev : s->devs.dev)) & 1u;
+    if (held && (link ? link->state == GS_LINK_HOLDING : st == GPUSHARE_STATE_HOLDING)) {
+        gs_session_wake(s);
+        return 0;
+    }
     if (s->quitting || st == GPUSHARE_STATE_UNSHARED)
-        return 1;
+        return !held;
     if (link) {
         if (link->state == GS_LINK_HOLDING || link->state == GS_LINK_UNSHARED)
-            return 1;
+            return !held;
         if (link->state == GS_LINK_IDLE && !link->requested && !link->want_request) {
             link->want_request = 1;
             gs_session_wake(s);

@@ -20,6 +20,12 @@ static void snapshot(struct gs_session *s, struct gpushare_status *out)
      * link.c) is what the wait line reports. */
     if ((st == GPUSHARE_STATE_IDLE && s->waiters > 0) || gs_session_link_waiters_locked(s) > 0)
         st = GPUSHARE_STATE_WAITING;
+    /* A holder whose calls wait because its memory went past the grant's room (memory/api.h):
+     * the thread is giving the device back to ask for more. (Only then: a waiter the grant has
+     * not woken yet is a holder's call about to pass.) */
+    if (st == GPUSHARE_STATE_HOLDING && s->waiters > 0 &&
+        (gs_gate_holds() >> gs_mem_slot(s->devs.dev) & 1u))
+        st = GPUSHARE_STATE_WAITING;
     if (s->asleep && st != GPUSHARE_STATE_HOLDING)
         st = GPUSHARE_STATE_ASLEEP; /* a waiter of a sleeping process waits for the wake */
     out->state = (uint32_t)st;

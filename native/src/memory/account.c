@@ -104,6 +104,27 @@ void gs_mem_set_pool(CUdevice dev, uint64_t pool)
     pthread_mutex_unlock(&gs_mem_mu);
 }
 
+void gs_mem_set_room(CUdevice dev, uint64_t room)
+{
+    pthread_mutex_lock(&gs_mem_mu);
+    for (int i = 0; i < GS_MEM_DEVICES; i++)
+        if (dev == GS_MEM_ALL_DEVICES || i == gs_mem_slot(dev))
+            gs_mem_acct[i].room = room;
+    pthread_mutex_unlock(&gs_mem_mu);
+}
+
+int gs_mem_past_room_on(CUdevice dev, uint64_t *backed, uint64_t *room)
+{
+    pthread_mutex_lock(&gs_mem_mu);
+    const struct gs_mem_account *a = &gs_mem_acct[gs_mem_slot(dev)];
+    uint64_t off = a->evicted + a->engine_evicted;
+    uint64_t in_use = used_locked(a) + a->reserved;
+    *backed = in_use > off ? in_use - off : 0;
+    *room = a->room;
+    pthread_mutex_unlock(&gs_mem_mu);
+    return *room && *backed > *room;
+}
+
 void gs_mem_count_context(CUdevice dev)
 {
     pthread_mutex_lock(&gs_mem_mu);

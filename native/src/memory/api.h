@@ -60,6 +60,17 @@ void gs_mem_precopy_async(CUdevice dev);
  * before the gate opens (and every path that lets the process run: GS_MEM_ALL_DEVICES). */
 void gs_mem_defer_backing(CUdevice dev);
 void gs_mem_back_deferred(CUdevice dev);
+/* Room (issue 21, "memory that would only be evicted is never backed"): the GRANT's room_bytes
+ * for device `dev` (0: no limit). While the process holds `dev` with a room, a new block that
+ * would take its backed memory there past the room gets no physical memory: the engine defers
+ * backing on `dev` (as for a waiter), holds the gate shut for it (gs_gate_hold) and wakes the
+ * client, which gives the device back and asks for it again (gs_mem_past_room says which
+ * devices); the next grant's gs_mem_back_deferred backs the blocks, copying nothing, and lifts
+ * the hold. A release (gs_mem_defer_backing) forgets the room; gs_mem_back_deferred of
+ * GS_MEM_ALL_DEVICES (running without the scheduler's grants) forgets every device's. */
+void gs_mem_set_room(CUdevice dev, uint64_t room);
+/* The device slots (bit gs_mem_slot(dev)) whose memory went past the room and waits for a grant. */
+unsigned gs_mem_past_room(void);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);

@@ -396,11 +396,19 @@ void gs_mem_precopy_async(CUdevice dev) { gs_vmm_precopy_async(dev); }
 
 void gs_mem_defer_backing(CUdevice dev)
 {
+    gs_mem_set_room(dev, 0); /* the grant it was given ended */
     if (gs_config()->memory_mode == GS_MEMORY_VMM)
         gs_vmm_defer_backing(dev);
 }
 
-void gs_mem_back_deferred(CUdevice dev) { gs_vmm_back_deferred(dev); }
+void gs_mem_back_deferred(CUdevice dev)
+{
+    if (dev == GS_MEM_ALL_DEVICES) /* the process runs without grants from now on */
+        gs_mem_set_room(dev, 0);
+    gs_vmm_back_deferred(dev);
+}
+
+unsigned gs_mem_past_room(void) { return gs_vmm_past_room_bits(); }
 
 /* At idle, with the application's context current: also what the pools and graphs hold now. */
 void gs_mem_prepare_staging(void)

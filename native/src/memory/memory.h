@@ -48,6 +48,7 @@ struct gs_mem_account {
     uint64_t context;                /* the estimate, once the process has a context there */
     uint64_t driver_reserve;         /* pools' reserves and graph memory (memory/reserves.c) */
     uint64_t quota, pool;            /* this device's registration's */
+    uint64_t room; /* the current grant's room_bytes (0: no limit): see gs_mem_past_room_on */
 };
 /* Guards the accounts and the allocation table (lock order: the engine's lock, then this). */
 extern pthread_mutex_t gs_mem_mu;
@@ -59,6 +60,10 @@ int gs_mem_current_slot(void);
  * says why and returns CUDA_ERROR_OUT_OF_MEMORY. Without _on: on the current context's device. */
 CUresult gs_mem_reserve_on(CUdevice dev, uint64_t size);
 void gs_mem_unreserve_on(CUdevice dev, uint64_t size);
+/* Whether device `dev`'s backed memory (what it holds there, less what is on the host, plus the
+ * reservations in flight: the new block's included) is past the room its grant gave it. 0 when
+ * the grant set no room. */
+int gs_mem_past_room_on(CUdevice dev, uint64_t *backed, uint64_t *room);
 CUresult gs_mem_reserve(uint64_t size);
 void gs_mem_unreserve(uint64_t size);
 /* Drop `reserved` from device `dev`'s reservations, then change its explicit memory's counted
@@ -211,6 +216,8 @@ void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out);
  * backs them (and stops deferring there) before the gate opens. */
 void gs_vmm_defer_backing(CUdevice dev);
 void gs_vmm_back_deferred(CUdevice dev);
+/* The slots whose memory went past the grant's room (memory/api.h, gs_mem_past_room). */
+unsigned gs_vmm_past_room_bits(void);
 /* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */
 void gs_vmm_forget_context(CUcontext ctx);
 void gs_vmm_after_fork_child(void);

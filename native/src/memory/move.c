@@ -320,6 +320,8 @@ static unsigned slot_bits(CUdevice dev)
 
 void gs_vmm_defer_backing(CUdevice dev) { atomic_fetch_or(&gs_vmm_defer, slot_bits(dev)); }
 
+unsigned gs_vmm_past_room_bits(void) { return atomic_load(&gs_vmm_past_room); }
+
 /* The grant (or running unshared) backs what waited on the shim's own thread, which has no
  * context current: the driver's memory calls need the block's (CUDA_ERROR_INVALID_CONTEXT
  * otherwise). Pushed and popped, so a caller's own current context is left as it was. */
@@ -344,7 +346,11 @@ void gs_vmm_back_deferred(CUdevice dev)
      * before the first cudaMalloc (PyTorch's expandable segments allocate with cuMemCreate, and
      * cuDNN's first cudaMalloc follows the grant) must not leave later blocks unbacked. */
     atomic_fetch_and(&gs_vmm_defer, ~slot_bits(dev));
+    /* The hold of memory past a room is lifted here, with the lock held: the gate then opens as
+     * the grant says, once the blocks below are backed (the caller opens it after this). */
+    unsigned held = atomic_fetch_and(&gs_vmm_past_room, ~slot_bits(dev)) & slot_bits(dev);
     if (!gs_vmm_drv.ok) {
+        gs_gate_unhold(held);
         pthread_mutex_unlock(&gs_vmm_mu);
         return;
     }
@@ -367,6 +373,7 @@ void gs_vmm_back_deferred(CUdevice dev)
         backed += b->size;
         gs_mem_engine_account(b->dev, 0, 0, -(int64_t)b->size);
     }
+    gs_gate_unhold(held);
     pthread_mutex_unlock(&gs_vmm_mu);
     if (backed) {
         char a[32];

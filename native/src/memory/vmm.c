@@ -67,6 +67,31 @@ static void load_driver(void)
  * IPC says it cannot work. */
 int gs_vmm_exportable = 1;
 atomic_uint gs_vmm_defer;
+atomic_uint gs_vmm_past_room;
+
+/* Whether a new block of `size` on `dev` is left unbacked: the process waits for the device
+ * there, or (holding it) the block would take its backed memory past the grant's room, which
+ * makes it wait from now on: the gate is held shut for dev before the block's address is given
+ * out, so no call can reach the block before the next grant backs it (gs_vmm_back_deferred).
+ * Under gs_vmm_mu, the block's size reserved. */
+static int defer_new_block(CUdevice dev, uint64_t size)
+{
+    unsigned bit = 1u << gs_mem_slot(dev);
+    if (atomic_load(&gs_vmm_defer) & bit)
+        return 1;
+    uint64_t backed, room;
+    if (!gs_mem_past_room_on(dev, &backed, &room))
+        return 0;
+    atomic_fetch_or(&gs_vmm_defer, bit);
+    atomic_fetch_or(&gs_vmm_past_room, bit);
+    gs_gate_hold(bit);
+    char a[32], b[32], c[32];
+    GS_INFO("allocating %s on device %d would take this process to %s there, past its grant's "
+            "room of %s: not backed; its GPU calls wait for a grant with room",
+            gs_format_size(size, a, sizeof a), (int)dev, gs_format_size(backed, b, sizeof b),
+            gs_format_size(room, c, sizeof c));
+    return 1;
+}
 
 static CUmemAllocationProp prop_for(CUdevice dev)
 {
@@ -247,7 +272,7 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         b->dev = dev;
         gs_vmm_drv.ctx_cur(&b->ctx);
         r = gs_vmm_drv.reserve(&b->va, size, granularity, 0, 0);
-        b->unbacked = r == CUDA_SUCCESS && (atomic_load(&gs_vmm_defer) >> gs_mem_slot(dev) & 1u);
+        b->unbacked = r == CUDA_SUCCESS && defer_new_block(dev, size);
         if (r == CUDA_SUCCESS) {
             r = b->unbacked ? CUDA_SUCCESS : gs_vmm_back(b);
             if (r == CUDA_SUCCESS && index_add(b) != 0) {
@@ -460,6 +485,7 @@ void gs_vmm_after_fork_child(void)
     gs_vmm_nblocks = capblocks = 0;
     granularity = 0;
     atomic_store(&gs_vmm_defer, 0);
+    gs_gate_unhold(atomic_exchange(&gs_vmm_past_room, 0)); /* the parent's wait is not the child's */
     gs_vmm_forget_streams();
     pthread_cond_init(&gs_vmm_prepare_cv, NULL);
     gs_vmm_prepare_pending = gs_vmm_precopy_wanted = 0;

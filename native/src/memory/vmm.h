@@ -109,6 +109,9 @@ extern int gs_vmm_exportable;
  * address range but no physical memory until the grant (so a waiter's memory never needs
  * evicting). Read under gs_vmm_mu. */
 extern atomic_uint gs_vmm_defer;
+/* Bit gs_mem_slot(dev) set from the moment a block on dev went past the grant's room (memory/
+ * vmm.c: left unbacked, gate held shut for dev) until gs_vmm_back_deferred(dev) backs it. */
+extern atomic_uint gs_vmm_past_room;
 /* 1 when block b counts on device dev's account (dev GS_MEM_ALL_DEVICES: every block). */
 static inline int gs_vmm_on(const struct block *b, CUdevice dev)
 {
