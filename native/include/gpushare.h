@@ -67,7 +67,9 @@ struct gpushare_status {
 
 /* Fill *out (of `size` bytes, normally sizeof(struct gpushare_status)). Returns 0, or -1 when
  * `out` is NULL or `size` is too small for the fields this library knows. Never blocks on the
- * scheduler: it copies the shim's own state under a short lock. */
+ * scheduler: it copies the shim's own state under a short lock. Nor does it wait for a move of
+ * memory in flight (an eviction or a restore holds the engine for seconds): `precopied_bytes`
+ * is then the figure last read, or 0 after a GPU call since; the other fields are current. */
 int gpushare_get_status(struct gpushare_status *out, size_t size);
 
 /* Hand the device back now, as if the scheduler had revoked it: outstanding work is synchronised

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from provisioner_helpers import CONTEXT, GPU_PRELUDE, MiB, async_wait_for, execute
 
 from jupyter_gpushare.shim import library_path, shim_environment
@@ -603,12 +602,6 @@ print(json.dumps({"blocked": blocked, "rc": rc}))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the status read waits for the memory engine again: its non-blocking form made "
-    "the first eviction of tests/native/test_contexts.py fail (eviction incomplete), cause "
-    "not yet found",
-)
 async def test_a_call_blocked_while_its_kernel_releases_shows_the_line_within_a_second(
     harness: Any, kernels: Any, tmp_path: Path
 ) -> None:

@@ -13,8 +13,6 @@ import itertools
 import re
 import time
 
-import pytest
-
 from jupyter_gpushare.scheduler_client import SchedulerClient
 
 MiB = 1 << 20
@@ -198,12 +196,6 @@ def test_a_release_does_not_wait_for_staging_being_made(harness):
     assert released and released[0] < 100, run.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the status read waits for the memory engine again: its non-blocking form made "
-    "the first eviction of tests/native/test_contexts.py fail (eviction incomplete), cause "
-    "not yet found",
-)
 def test_a_status_read_does_not_wait_for_an_eviction(harness):
     """An eviction holds the engine's lock while it moves the blocks out (on an H100, ~4 s for
     14 GiB just written); the status API must not wait for it: the notebook's wait line polls it

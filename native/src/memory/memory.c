@@ -373,13 +373,35 @@ int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
     return move_everything(0, dev, bytes_moved, micros);
 }
 
-void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out)
+/* The engine's figures of every device as the last gs_mem_totals_now() read them, and the count
+ * of gated calls then (under gs_mem_mu): what it reports while a move holds the engine's lock. */
+static struct {
+    struct gs_vmm_totals v;
+    uint64_t calls;
+} last_vmm;
+
+static void totals(CUdevice dev, struct gs_mem_totals *out, int wait)
 {
     *out = (struct gs_mem_totals){0};
     gs_mem_account_totals(dev, out);
     struct gs_vmm_totals v;
     struct gs_staging_totals st;
-    gs_vmm_totals(dev, &v);
+    if (wait) {
+        gs_vmm_totals(dev, &v);
+    } else {
+        uint64_t calls = gs_total_gated_calls();
+        int fresh = gs_vmm_totals_try(dev, &v) == 0;
+        pthread_mutex_lock(&gs_mem_mu);
+        if (fresh) {
+            last_vmm.v = v;
+            last_vmm.calls = calls;
+        } else {
+            v = last_vmm.v;
+            if (calls != last_vmm.calls) /* a GPU call since makes every pre-copy stale */
+                v.precopied_valid = 0;
+        }
+        pthread_mutex_unlock(&gs_mem_mu);
+    }
     gs_staging_totals(&st);
     out->precopied = v.precopied_valid;
     /* Memory shared through CUDA IPC stays on the device while imported: pinned, not evictable. */
@@ -390,7 +412,9 @@ void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out)
     out->staging_fallbacks = st.fallbacks; /* the host's: one budget for every device */
 }
 
-void gs_mem_totals(struct gs_mem_totals *out) { gs_mem_totals_dev(GS_MEM_ALL_DEVICES, out); }
+void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out) { totals(dev, out, 1); }
+
+void gs_mem_totals_now(struct gs_mem_totals *out) { totals(GS_MEM_ALL_DEVICES, out, 0); }
 
 void gs_mem_precopy_async(CUdevice dev) { gs_vmm_precopy_async(dev); }
 

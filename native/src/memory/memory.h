@@ -212,6 +212,9 @@ struct gs_vmm_totals {
 };
 /* Device `dev`'s blocks (GS_MEM_ALL_DEVICES: every device's). */
 void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out);
+/* The same without waiting: -1 while another thread holds the engine's lock (an eviction, a
+ * restore or a pre-copy holds it for as long as it copies: seconds for many GiB). */
+int gs_vmm_totals_try(CUdevice dev, struct gs_vmm_totals *out);
 /* From now on, new blocks on `dev` get no physical memory until gs_vmm_back_deferred(dev), which
  * backs them (and stops deferring there) before the gate opens. */
 void gs_vmm_defer_backing(CUdevice dev);

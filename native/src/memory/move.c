@@ -443,10 +443,9 @@ void gs_vmm_prepare_staging(void)
     pthread_mutex_unlock(&gs_vmm_mu);
 }
 
-void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out)
+static void totals_locked(CUdevice dev, struct gs_vmm_totals *out)
 {
     *out = (struct gs_vmm_totals){0};
-    pthread_mutex_lock(&gs_vmm_mu);
     uint64_t calls = gs_vmm_nblocks ? gs_total_gated_calls() : 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++) {
         struct block *b = gs_vmm_blocks[i];
@@ -461,5 +460,20 @@ void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out)
         else if (precopy_valid(b, calls))
             out->precopied_valid += b->size;
     }
+}
+
+void gs_vmm_totals(CUdevice dev, struct gs_vmm_totals *out)
+{
+    pthread_mutex_lock(&gs_vmm_mu);
+    totals_locked(dev, out);
     pthread_mutex_unlock(&gs_vmm_mu);
+}
+
+int gs_vmm_totals_try(CUdevice dev, struct gs_vmm_totals *out)
+{
+    if (pthread_mutex_trylock(&gs_vmm_mu) != 0)
+        return -1;
+    totals_locked(dev, out);
+    pthread_mutex_unlock(&gs_vmm_mu);
+    return 0;
 }
