@@ -7,9 +7,11 @@ the GPU from A to B within the test is the server seeing A's cell end.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -72,7 +74,10 @@ class Server:
         require("jupyter_server")
         require("torch")
         self.port = _free_port()
-        self.runtime = tmp / "runtime"
+        # Kernels on Unix sockets in a short runtime directory of their own (a socket's path has
+        # at most 107 bytes; pytest's tmp_path is longer): a TCP port picked free can be taken
+        # before the kernel binds it (tests/jupyter/server_helpers.py, seen on a loaded host).
+        self.runtime = Path(tempfile.mkdtemp(prefix="jr-"))
         data = tmp / "data" / "kernels" / "python3-gpushare"
         data.mkdir(parents=True)
         spec = json.loads(
@@ -89,7 +94,8 @@ class Server:
             f"c.GPUShareScheduler.ordering = {ordering!r}\n"
             # Both notebooks on one GPU, also on a machine with several (where the provisioner
             # would otherwise place them on different GPUs and they would never take turns).
-            "c.GPUShareProvisioner.device = '0'\n" + more_config
+            "c.GPUShareProvisioner.device = '0'\n"
+            "c.KernelManager.transport = 'ipc'\n" + more_config
         )
         env = {
             **__import__("os").environ,
@@ -175,6 +181,8 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
 
 def scheduler_events(log: str) -> list[tuple[float, str]]:
