@@ -47,13 +47,20 @@ class Kernel:
     """A sleepy_tensor.py (or sleepy_cells.py) process under the shim, its stderr in a file."""
 
     def __init__(
-        self, sched: Scheduler, tmp: Path, name: str, gib: float, script: str = "sleepy_tensor.py"
+        self,
+        sched: Scheduler,
+        tmp: Path,
+        name: str,
+        gib: float,
+        script: str = "sleepy_tensor.py",
+        log: str = "",
     ) -> None:
         self.name = name
         self.err = tmp / f"{name}.err"
-        env = shimmed_env(
-            sched.socket, {"GPUSHARE_CLIENT_ID": name, "GPUSHARE_IDLE_SECONDS": "0.5"}
-        )
+        extra = {"GPUSHARE_CLIENT_ID": name, "GPUSHARE_IDLE_SECONDS": "0.5"}
+        if log:  # the shim's own log level (its stderr is kept in self.err)
+            extra["GPUSHARE_LOG"] = log
+        env = shimmed_env(sched.socket, extra)
         with self.err.open("w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, str(WORKLOADS / script), str(gib)],
@@ -237,7 +244,7 @@ def test_thirty_two_sleeping_kernels_each_run_a_60_gib_cell_in_turn(tmp_path: Pa
         kernels: list[Kernel] = []
         try:
             kernels = [
-                Kernel(sched, tmp_path, f"n{i}", 1.0, script="sleepy_cells.py")
+                Kernel(sched, tmp_path, f"n{i}", 1.0, script="sleepy_cells.py", log="info")
                 for i in range(count)
             ]
             for k in kernels:
@@ -268,7 +275,10 @@ def test_thirty_two_sleeping_kernels_each_run_a_60_gib_cell_in_turn(tmp_path: Pa
                 done = k.cell(60, 1, i + 1)
                 seen_s = time.monotonic() - t0
                 notebook_busy(sched, k.name, "idle")
-                assert done["correct"], (k.name, done)
+                assert done["correct"], (
+                    f"{k.name}: {json.dumps(done)}\n{k.name}'s shim log, its end:\n"
+                    + "\n".join(k.err.read_text(errors="replace").splitlines()[-80:])
+                )
                 assert done["used_during_cell"] >= 60 * GIB, (k.name, done)
                 log = sched.log_text()
                 woke_s = ms_of(log, "woke", k.name) / 1000

@@ -35,6 +35,21 @@ def staging_excess() -> int:
     return max(0, staging - status["managed_bytes"])
 
 
+def damage(held: torch.Tensor, n: int) -> dict[str, object]:
+    """Where the held data is wrong and what is there instead (which memory it came from: zeros
+    for memory never copied back, a cell's FILL for another block's memory)."""
+    wrong = (held != torch.arange(n, dtype=torch.int32, device="cuda")).nonzero().flatten()
+    first, last = int(wrong[0].item()), int(wrong[-1].item())
+    values, counts = torch.unique(held[wrong], return_counts=True)
+    top = sorted(zip(counts.tolist(), values.tolist(), strict=True), reverse=True)[:5]
+    return {
+        "wrong_elements": int(wrong.numel()),
+        "first_wrong_byte": first * 4,
+        "last_wrong_byte": last * 4 + 3,
+        "most_common_wrong_values": [[v, c] for c, v in top],
+    }
+
+
 def main() -> int:
     n = int(float(sys.argv[1]) * GIB) // 4
     held = torch.arange(n, dtype=torch.int32, device="cuda")
@@ -71,6 +86,7 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         cell_s = time.perf_counter() - t0
+        held_damage = {} if intact else damage(held, n)
         drained = time.perf_counter()
         while staging_excess() > 0 and time.perf_counter() - drained < drain_s:
             time.sleep(0.1)
@@ -78,6 +94,8 @@ def main() -> int:
             event="done",
             correct=intact and big_sum_ok,
             held_intact=intact,
+            held_first_value=last,
+            held_damage=held_damage,
             big_sum_ok=big_sum_ok,
             allocated=allocated,
             used_during_cell=counted,
