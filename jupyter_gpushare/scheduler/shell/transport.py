@@ -75,7 +75,10 @@ class LogLimiter:
     frame budget lets it, must not grow the log by megabytes a second (nor push everyone else's
     lines out of it): past its budget its lines are counted, and the count is logged when its
     next period starts. Warnings and info lines have budgets of their own, so a flood of info
-    lines never hides a warning.
+    lines never hides a warning. The first line past a budget says so at once (a reader must
+    not take the silence for quiet), and every line past it is still written at DEBUG level:
+    ``--debug`` keeps them all (32 notebook kernels of one uid spend the info budget in
+    seconds, and a GPU run at DEBUG lost the grants it was run to see).
     """
 
     def __init__(
@@ -103,6 +106,17 @@ class LogLimiter:
         if used < burst:
             budget[uid] = (start, used + 1, held)
             return True
+        if not held:
+            what = "warnings" if level == "warning" else "info lines"
+            getattr(self.log, level)(
+                "uid %d: more than %d %s about it in %.0f s: the rest are counted, not logged, "
+                "until %.0f s from now (--debug logs them as debug lines)",
+                uid,
+                burst,
+                what,
+                self.period,
+                start + self.period - now,
+            )
         budget[uid] = (start, used, held + 1)
         if len(budget) > 4096:  # bounded: forget the oldest periods
             for key in sorted(budget, key=lambda k: budget[k][0])[:1024]:
@@ -112,14 +126,20 @@ class LogLimiter:
     def warning(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.warning(msg, *args)
+        else:
+            self.log.debug(msg, *args)
 
     def info(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid, "info"):
             self.log.info(msg, *args)
+        else:
+            self.log.debug(msg, *args)
 
     def exception(self, uid: int, msg: str, *args: Any) -> None:
         if self.allow(uid):
             self.log.exception(msg, *args)
+        else:
+            self.log.debug(msg, *args)
 
     def log_for(self, uid: int) -> _LimitedLog:
         """A logger whose warnings and info lines about ``uid`` go through the limit (debug
