@@ -31,6 +31,7 @@ from traitlets.config import Application
 from ._version import __version__
 from .paths import default_socket_path
 from .protocol import printable
+from .scheduler.features.sleeping import AGENT_CALL_SECONDS
 from .scheduler.shell.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .sd_notify import sd_notify
@@ -426,10 +427,25 @@ def scheduler_socket(explicit: str) -> str | None:
     return str(labs[0]["socket"]) if labs else None
 
 
-def _ask_scheduler(app: Application, command: str, socket: str, call: Any) -> Any:
-    """``call(client)`` on the scheduler; a missing or refusing scheduler exits with 1."""
+#: How long ``gpushare evict`` waits for the scheduler's answer. A holder that ignores its revoke
+#: is checkpointed first (scheduler/features/sleeping.py), which copies its device memory to the
+#: host: the scheduler gives that the lock's timeout plus AGENT_CALL_SECONDS before it answers.
+#: With the 10 s of every other request, an evict of a large holder on a loaded host was reported
+#: as a scheduler that does not answer while it went on.
+EVICT_REPLY_SECONDS = (
+    float(GPUShareScheduler.class_traits()["checkpoint_lock_timeout"].default_value)
+    + AGENT_CALL_SECONDS
+    + 10.0
+)
+
+
+def _ask_scheduler(
+    app: Application, command: str, socket: str, call: Any, timeout: float = 10.0
+) -> Any:
+    """``call(client)`` on the scheduler (``timeout``: seconds for each of connecting and the
+    answer); a missing or refusing scheduler exits with 1."""
     try:
-        return call(SchedulerClient(scheduler_socket(socket)))
+        return call(SchedulerClient(scheduler_socket(socket), timeout=timeout))
     except SchedulerUnavailable as exc:
         print(f"gpushare {command}: {exc}", file=sys.stderr)
         app.exit(1)
@@ -644,7 +660,11 @@ class ControlApp(GPUShareBaseApp):
             self.exit(2)
         target = self.extra_args[0]
         reply = _ask_scheduler(
-            self, self.action, self.socket, lambda c: c.control_sync(self.action, client=target)
+            self,
+            self.action,
+            self.socket,
+            lambda c: c.control_sync(self.action, client=target),
+            timeout=EVICT_REPLY_SECONDS if self.action == "evict" else 10.0,
         )
         if self.json:
             print(json.dumps(reply))

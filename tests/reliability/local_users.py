@@ -207,9 +207,9 @@ def _answer(msg: Message | None) -> Answer | None:
     return None if msg is None else (int(msg.type), dict(msg.fields))
 
 
-def _connect(path: str) -> socket.socket:
+def _connect(path: str, timeout: float = 10.0) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
+    sock.settimeout(timeout)
     sock.connect(path)
     return sock
 
@@ -250,10 +250,15 @@ def recording_shim(path: str, fields: dict[str, Any], request: int, stop: str) -
 
 
 def control(
-    path: str, mtype: int, body: dict[str, Any] | None, extra: dict[str, Any] | None = None
+    path: str,
+    mtype: int,
+    body: dict[str, Any] | None,
+    extra: dict[str, Any] | None = None,
+    timeout: float = 10.0,
 ) -> Answer:
-    """A control peer's one request (``extra``: more fields, e.g. user and token); the answer."""
-    sock = _connect(path)
+    """A control peer's one request (``extra``: more fields, e.g. user and token); the answer,
+    waited for ``timeout`` seconds (an evict that checkpoints its holder answers after it)."""
+    sock = _connect(path, timeout)
     fields = {**({} if body is None else {"body": body}), **(extra or {})}
     sock.sendall(encode(Message(MsgType(mtype), fields)))
     reply = read_message_sync(sock)

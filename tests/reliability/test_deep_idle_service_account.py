@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from local_users import LocalUser, collect, control, kill, spawn_as, tmp_dir
 
+from jupyter_gpushare.cli import EVICT_REPLY_SECONDS
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.scheduler.features.checkpoint_agent import CheckpointAgent, serve_while
 from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
@@ -70,7 +71,12 @@ class Node:
     def ask(self, action: str, client: str, **more: Any) -> dict[str, Any]:
         """A control action by root (an operator), as the CLI sends it."""
         mtype, fields = control(
-            self.socket, MsgType.CONTROL, {"action": action, "client": client, **more}
+            self.socket,
+            MsgType.CONTROL,
+            {"action": action, "client": client, **more},
+            # As the CLI waits: an evict of a holder that ignores its revoke answers after the
+            # checkpoint (over 10 s once, beside a full loaded test run).
+            timeout=EVICT_REPLY_SECONDS if action == "evict" else 10.0,
         )
         assert mtype == MsgType.CONTROL_REPLY, fields
         return dict(fields["body"])

@@ -145,3 +145,44 @@ def test_status_watch_redraws_until_ctrl_c(harness: Any) -> None:
     assert "Traceback" not in err
     out = cli("status", "--watch", "--interval", "0", f"--socket={sock}")
     assert out.returncode == 2 and "--interval must be positive" in out.stderr
+
+
+def test_evict_waits_for_a_checkpoint_longer_than_other_requests(tmp_path: Path) -> None:
+    """An evict of a holder that ignores its revoke is answered once the driver's checkpoint has
+    copied its memory to the host (scheduler/features/sleeping.py): seconds per tens of GiB.
+    ``gpushare evict`` waits for that answer instead of giving up after the 10 s of every other
+    request (it said the scheduler did not answer while the checkpoint went on). A stand-in
+    scheduler answers 11 s after the request."""
+    import socket as socketlib
+    import threading
+
+    from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
+
+    path = tmp_path / "s.sock"
+    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    server.settimeout(60)
+    effect = "its process was checkpointed by root: 768.00 MiB left the GPU without its help"
+    asked: list[Any] = []
+
+    def answer_late() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(60)
+            asked.append(read_message_sync(conn))
+            time.sleep(11.0)
+            body = {"ok": True, "action": "evict", "client": "A", "done": True}
+            body |= {"checkpointed": True, "effect": effect}
+            write_message_sync(conn, Message(MsgType.CONTROL_REPLY, {"body": body}))
+
+    thread = threading.Thread(target=answer_late, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    out = cli("evict", "A", "--socket", str(path))
+    thread.join(5)
+    server.close()
+    assert out.returncode == 0, out
+    assert out.stdout.strip() == f"gpushare evict: A: {effect}", out
+    assert time.monotonic() - started >= 11.0
+    assert asked and asked[0].type == MsgType.CONTROL, asked
