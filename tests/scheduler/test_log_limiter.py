@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from jupyter_gpushare.scheduler.shell import transport
 from jupyter_gpushare.scheduler.shell.transport import LogLimiter
 
 
@@ -25,11 +24,9 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+def clock() -> list[float]:
     """The limiter's clock, set by the test (no wall-clock race)."""
-    now = [1000.0]
-    monkeypatch.setattr(transport.time, "monotonic", lambda: now[0])
-    return now
+    return [1000.0]
 
 
 def _logger(level: int) -> tuple[logging.Logger, _Records]:
@@ -47,7 +44,7 @@ def test_lines_past_the_budget_are_announced_counted_and_kept_at_debug(
     clock: list[float], level: int
 ) -> None:
     log, records = _logger(level)
-    limiter = LogLimiter(log, burst=2, period=60.0, info_burst=3)
+    limiter = LogLimiter(log, burst=2, period=60.0, info_burst=3, clock=lambda: clock[0])
     for i in range(5):
         limiter.info(7, "grant client=k%d", i)
     clock[0] += 10.0
@@ -74,7 +71,7 @@ def test_lines_past_the_budget_are_announced_counted_and_kept_at_debug(
 
 def test_each_uid_has_its_own_budget_and_its_own_notice(clock: list[float]) -> None:
     log, records = _logger(logging.INFO)
-    limiter = LogLimiter(log, burst=1, period=60.0, info_burst=1)
+    limiter = LogLimiter(log, burst=1, period=60.0, info_burst=1, clock=lambda: clock[0])
     for uid in (1, 1, 1, 2):
         limiter.info(uid, "line of %d", uid)
     assert records.at(logging.INFO) == [

@@ -82,9 +82,15 @@ class LogLimiter:
     """
 
     def __init__(
-        self, log: Log, burst: int = 20, period: float = 60.0, info_burst: int = 300
+        self,
+        log: Log,
+        burst: int = 20,
+        period: float = 60.0,
+        info_burst: int = 300,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log = log
+        self._clock = clock  # tests pass their own
         self.burst = burst
         self.info_burst = info_burst
         self.period = period
@@ -94,7 +100,7 @@ class LogLimiter:
     def allow(self, uid: int, level: str = "warning") -> bool:
         budget = self._budgets[level]
         burst = self.burst if level == "warning" else self.info_burst
-        now = time.monotonic()
+        now = self._clock()
         start, used, held = budget.get(uid, (now, 0, 0))
         if now - start >= self.period:
             if held:
