@@ -33,7 +33,12 @@ from .paths import default_socket_path
 from .protocol import printable
 from .scheduler.features.sleeping import AGENT_CALL_SECONDS
 from .scheduler.shell.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
-from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from .scheduler_client import (
+    REQUEST_SECONDS,
+    SchedulerClient,
+    SchedulerError,
+    SchedulerUnavailable,
+)
 from .sd_notify import sd_notify
 from .units import format_size, parse_size
 
@@ -430,17 +435,17 @@ def scheduler_socket(explicit: str) -> str | None:
 #: How long ``gpushare evict`` waits for the scheduler's answer. A holder that ignores its revoke
 #: is checkpointed first (scheduler/features/sleeping.py), which copies its device memory to the
 #: host: the scheduler gives that the lock's timeout plus AGENT_CALL_SECONDS before it answers.
-#: With the 10 s of every other request, an evict of a large holder on a loaded host was reported
-#: as a scheduler that does not answer while it went on.
+#: With the REQUEST_SECONDS of every other request, an evict of a large holder on a loaded host
+#: was reported as a scheduler that does not answer while it went on.
 EVICT_REPLY_SECONDS = (
     float(GPUShareScheduler.class_traits()["checkpoint_lock_timeout"].default_value)
     + AGENT_CALL_SECONDS
-    + 10.0
+    + REQUEST_SECONDS
 )
 
 
 def _ask_scheduler(
-    app: Application, command: str, socket: str, call: Any, timeout: float = 10.0
+    app: Application, command: str, socket: str, call: Any, timeout: float = REQUEST_SECONDS
 ) -> Any:
     """``call(client)`` on the scheduler (``timeout``: seconds for each of connecting and the
     answer); a missing or refusing scheduler exits with 1."""
@@ -664,7 +669,7 @@ class ControlApp(GPUShareBaseApp):
             self.action,
             self.socket,
             lambda c: c.control_sync(self.action, client=target),
-            timeout=EVICT_REPLY_SECONDS if self.action == "evict" else 10.0,
+            timeout=EVICT_REPLY_SECONDS if self.action == "evict" else REQUEST_SECONDS,
         )
         if self.json:
             print(json.dumps(reply))

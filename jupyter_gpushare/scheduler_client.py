@@ -118,13 +118,17 @@ def _answer(path: str, reply: Message | None, expected: MsgType) -> dict[str, An
     return body
 
 
+#: Seconds a request waits to connect, and again for its answer, unless its caller says more.
+REQUEST_SECONDS = 10.0
+
+
 class SchedulerClient:
     """Talks to the scheduler at ``socket_path`` (default: :func:`default_socket_path`)."""
 
     def __init__(
         self,
         socket_path: str | None = None,
-        timeout: float = 10.0,
+        timeout: float = REQUEST_SECONDS,
         *,
         user: str | None = None,
         token: str | None = None,

@@ -33,6 +33,7 @@ from jupyter_gpushare.cli import EVICT_REPLY_SECONDS
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.scheduler.features.checkpoint_agent import CheckpointAgent, serve_while
 from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
+from jupyter_gpushare.scheduler_client import REQUEST_SECONDS
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -76,7 +77,7 @@ class Node:
             {"action": action, "client": client, **more},
             # As the CLI waits: an evict of a holder that ignores its revoke answers after the
             # checkpoint (over 10 s once, beside a full loaded test run).
-            timeout=EVICT_REPLY_SECONDS if action == "evict" else 10.0,
+            timeout=EVICT_REPLY_SECONDS if action == "evict" else REQUEST_SECONDS,
         )
         assert mtype == MsgType.CONTROL_REPLY, fields
         return dict(fields["body"])
