@@ -181,7 +181,10 @@ def start_scheduler(
 ) -> Scheduler:
     """A node scheduler (NVML discovery: every GPU of the machine) on ``sock``, appending to
     ``log``; the caller stops it (``running_scheduler`` does). ``args``: more options;
-    ``popen``: more of Popen's arguments (e.g. ``user``: a service account)."""
+    ``popen``: more of Popen's arguments (e.g. ``user``: a service account). The environment's
+    GPUSHARE_TEST_SCHEDULER_ARGS (split on spaces) comes last: a campaign's way to run the same
+    tests with, e.g., ``--log-level DEBUG`` or a policy switch turned off, for a diagnosis."""
+    more = os.environ.get("GPUSHARE_TEST_SCHEDULER_ARGS", "").split()
     with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
@@ -198,6 +201,7 @@ def start_scheduler(
                 "--log-level",
                 "INFO",
                 *args,
+                *more,
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -225,6 +225,8 @@ static void load_config(void)
         c->bounce_bytes = 0;
         GS_WARN("ignoring GPUSHARE_BOUNCE_BYTES=%s: expected bytes or a size (0 = no ring)", v);
     }
+    if (env_long("GPUSHARE_VERIFY_MOVES", 0, 1, &n))
+        c->verify_moves = (int)n;
 }
 
 const struct gs_config *gs_config(void)

@@ -112,6 +112,7 @@ struct gs_config {
                                  before staging is prepared (0 = at once) */
     int staging_nice;         /* GPUSHARE_STAGING_NICE: those threads' nice value */
     uint64_t bounce_bytes;    /* GPUSHARE_BOUNCE_BYTES: the pinned ring, 0 = none */
+    int verify_moves;         /* GPUSHARE_VERIFY_MOVES: check every move (memory/verify.c) */
 };
 
 const struct gs_config *gs_config(void);

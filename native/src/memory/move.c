@@ -225,6 +225,8 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
                 continue;
             }
             /* Only now, the copy complete: unmapping first loses what the copy had not read. */
+            if (gs_verify_on())
+                gs_verify_before_unmap(b, bt.stream);
             gs_vmm_unback(b);
             copied += clean ? 0 : b->size;
             b->precopied = 0;
@@ -297,11 +299,15 @@ int gs_vmm_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
             backed += b->size;
             continue;
         }
+        if (gs_verify_on())
+            gs_verify_before_restore(b);
         if (gs_vmm_drv.h2d(b->va, b->staging.host, b->size, s) != CUDA_SUCCESS) {
             gs_vmm_unback(b);
             failed = 1;
             break;
         }
+        if (gs_verify_on() && gs_vmm_drv.stream_sync(s) == CUDA_SUCCESS)
+            gs_verify_after_restore(b, s);
         moved += b->size;
     }
     if (s && gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)

@@ -38,6 +38,8 @@ struct block {
     struct chunk *chunk; /* NULL: one allocation owns the block */
     /* CUDA IPC (memory/ipc.c): pinned from cuIpcGetMemHandle until its last importer is gone;
      * eviction and pre-copy skip a pinned block. */
+    uint64_t verify_sum; /* GPUSHARE_VERIFY_MOVES: its staging's checksum at its eviction */
+    int verify_summed;
     int unbacked; /* made while the process waited for the device: no physical memory yet, and
                    * nothing to copy back; the grant backs it (gs_vmm_back_deferred) */
     int ipc_pinned;
@@ -90,6 +92,13 @@ struct gs_vmm_driver {
     int ok;
 };
 extern struct gs_vmm_driver gs_vmm_drv;
+
+/* memory/verify.c: GPUSHARE_VERIFY_MOVES, a diagnostic that checks each move (under gs_vmm_mu, on
+ * the moving thread, the block's context current; s: a stream to read back on). */
+int gs_verify_on(void);
+void gs_verify_before_unmap(struct block *b, CUstream s);
+void gs_verify_before_restore(struct block *b);
+void gs_verify_after_restore(struct block *b, CUstream s);
 
 /* Guards everything below; moves hold it for their whole length. */
 extern pthread_mutex_t gs_vmm_mu;
