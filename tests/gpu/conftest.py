@@ -185,6 +185,8 @@ def start_scheduler(
     GPUSHARE_TEST_SCHEDULER_ARGS (split on spaces) comes last: a campaign's way to run the same
     tests with, e.g., ``--log-level DEBUG`` or a policy switch turned off, for a diagnosis."""
     more = os.environ.get("GPUSHARE_TEST_SCHEDULER_ARGS", "").split()
+    # One log level: traitlets refuses a second value for the same option.
+    level = [] if any(a.startswith("--log-level") for a in more) else ["--log-level", "INFO"]
     with log.open("a") as log_file:
         proc = subprocess.Popen(
             [
@@ -198,8 +200,7 @@ def start_scheduler(
                 pool,
                 "--quantum",
                 str(quantum),
-                "--log-level",
-                "INFO",
+                *level,
                 *args,
                 *more,
             ],
