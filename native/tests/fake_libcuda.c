@@ -60,7 +60,9 @@
  * whose device memory is unmapped first is lost (fake_async.c).
  * GPUSHARE_FAKE_LOSE_H2D_HEAD=N: the process's first asynchronous host-to-device copy of at least
  * 2N bytes leaves its first N bytes zero (a restore the device lost the start of: what
- * GPUSHARE_VERIFY_MOVES must catch and mend).
+ * GPUSHARE_VERIFY_MOVES must catch and mend); GPUSHARE_FAKE_LOSE_D2H_HEAD=N the same for the
+ * first device-to-host one (a copy into host staging that lost its start, as seen on an H100:
+ * what the shim's sampled check of each copy out must catch). Not with GPUSHARE_FAKE_ASYNC_COPIES.
  */
 #include "base/cuda_abi.h"
 
@@ -1737,12 +1739,12 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
 
 /* Synchronous copies wait for earlier work, as the legacy stream does. dst_dev/src_dev say which
  * sides must be device memory handed out by this driver. */
-/* GPUSHARE_FAKE_LOSE_H2D_HEAD (above): once per process. */
-static void lose_head_once(void *dst, size_t n) {
-    static atomic_int lost;
-    const char *v = getenv("GPUSHARE_FAKE_LOSE_H2D_HEAD");
+/* GPUSHARE_FAKE_LOSE_H2D_HEAD / _D2H_HEAD (above): each once per process. */
+static void lose_head_once(void *dst, size_t n, int to_device) {
+    static atomic_int lost[2];
+    const char *v = getenv(to_device ? "GPUSHARE_FAKE_LOSE_H2D_HEAD" : "GPUSHARE_FAKE_LOSE_D2H_HEAD");
     size_t head = v ? (size_t)strtoull(v, NULL, 10) : 0;
-    if (head && n >= 2 * head && !atomic_exchange(&lost, 1)) memset(dst, 0, head);
+    if (head && n >= 2 * head && !atomic_exchange(&lost[to_device], 1)) memset(dst, 0, head);
 }
 
 static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_dev, CUstream h,
@@ -1760,7 +1762,7 @@ static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_
     if (src_dev && !dev_range_ok((CUdeviceptr)(uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (!is_async) wait_device();
     if (!is_async || !fk_async_queue(dst, src, n, s)) memmove(dst, src, n);
-    if (is_async && dst_dev && !src_dev) lose_head_once(dst, n);
+    if (is_async && dst_dev != src_dev) lose_head_once(dst, n, dst_dev);
     fk_note_copy(dst, src, n, dst_dev, src_dev, s);
     return CUDA_SUCCESS;
 }

@@ -1,10 +1,12 @@
-"""GPUSHARE_VERIFY_MOVES, the diagnostic that checks every eviction and restore against the memory
-it copied (native/src/memory/verify.c), on the stand-in driver with a live scheduler.
+"""Checked copies (native/src/memory/verify.c), on the stand-in driver with a live scheduler:
+the sampled check every copy into host staging gets, and GPUSHARE_VERIFY_MOVES, the diagnostic
+that checks every eviction and restore in full.
 
-The stand-in's GPUSHARE_FAKE_LOSE_H2D_HEAD=N makes the process's first large host-to-device copy
-leave its first N bytes zero: the restore a woken kernel got on an H100 (its held tensor's first
-4.4 MiB read as zeros; tests/gpu/test_gpu_deep_idle.py). Unverified, the program reads the zeros;
-verified, the shim says which step went wrong, where and with what, and mends the block.
+The stand-in's GPUSHARE_FAKE_LOSE_D2H_HEAD=N makes the process's first large device-to-host copy
+leave its first N bytes zero: the pre-copy a kernel got on an H100 (its staging's first 4.6-162 MB
+zero, so that after deep idle it read its held tensor's start as zeros;
+tests/gpu/test_gpu_deep_idle.py). GPUSHARE_FAKE_LOSE_H2D_HEAD=N does the same to the first large
+host-to-device copy (a restore), which only the full check sees.
 """
 
 from __future__ import annotations
@@ -25,14 +27,11 @@ DIFF = re.compile(
 )
 
 
-def _cycle(harness, verify: bool):
-    """A writes its SIZE block, goes idle and is pre-copied; B's arrival evicts it (an unmap),
-    and A's check of its data after B's turn restores it: that restore is A's first large
-    host-to-device copy, which loses LOST bytes, and nothing writes the block after it."""
+def _cycle(harness, extra: dict[str, str]):
+    """A writes its SIZE block, goes idle and is pre-copied (its first large device-to-host
+    copy); B's arrival evicts it (an unmap), and A's check of its data after B's turn restores it
+    (its first large host-to-device copy), with nothing written to the block in between."""
     sched = harness.scheduler(pool="400MiB", quantum=1.0)
-    extra = {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST)}
-    if verify:
-        extra["GPUSHARE_VERIFY_MOVES"] = "1"
     common = {"context_bytes": 64 * MiB, "idle_seconds": 0.3, "log": "info"}
     a = harness.spawn("precopy_cycle", SIZE, 0.3, 0.3, 4.0, extra=extra, client_id="A", **common)
     quiet = a.wait_event("idle2_start", 30)["launches"]
@@ -49,16 +48,37 @@ def _cycle(harness, verify: bool):
     return ra
 
 
+COPIED_AGAIN = "a copy of 256.00 MiB to host staging came back wrong (checked against the device: "
+
+
+def test_a_precopy_that_lost_its_start_is_copied_again(harness):
+    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST)})
+    ra.ok()
+    assert ra.event("cycle_end")["data_ok"] is True, ra.stderr
+    said = [line for line in ra.shim_lines if "came back wrong" in line]
+    # The first window sampled is the block's start: where the lost bytes are.
+    assert said == ["gpushare: " + COPIED_AGAIN + "from byte 0): copied again, now right"], said
+
+
+def test_unchecked_a_precopy_that_lost_its_start_reaches_the_program(harness):
+    """The stand-in's fault bites: with the check off, A reads the zeros after its restore (the
+    test above would pass vacuously otherwise)."""
+    extra = {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST), "GPUSHARE_CHECK_COPIES": "0"}
+    ra = _cycle(harness, extra)
+    assert ra.event("cycle_end")["data_ok"] is False, ra.stderr
+    assert not [line for line in ra.shim_lines if "came back wrong" in line], ra.stderr
+
+
 def test_unverified_a_restore_that_lost_its_start_reaches_the_program(harness):
     """The stand-in's fault bites: without the check, A reads the zeros (the test below would
     pass vacuously otherwise)."""
-    ra = _cycle(harness, verify=False)
+    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST)})
     assert ra.event("cycle_end")["data_ok"] is False, ra.stderr
     assert not [line for line in ra.shim_lines if "verify" in line], ra.stderr
 
 
 def test_verified_the_lost_start_is_said_exactly_and_mended(harness):
-    ra = _cycle(harness, verify=True)
+    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST), "GPUSHARE_VERIFY_MOVES": "1"})
     ra.ok()
     assert ra.event("cycle_end")["data_ok"] is True, ra.stderr
     said = [m.groupdict() for m in map(DIFF.search, ra.shim_lines) if m]
@@ -77,7 +97,8 @@ def test_verified_the_lost_start_is_said_exactly_and_mended(harness):
     assert not [line for line in ra.shim_lines if "changed while" in line], ra.stderr
 
 
+@pytest.mark.parametrize("name", ["GPUSHARE_VERIFY_MOVES", "GPUSHARE_CHECK_COPIES"])
 @pytest.mark.parametrize("value", ["2", "yes"])
-def test_a_bad_value_is_said_and_ignored(harness, value):
-    run = harness.run("status", 0, client_id="A", extra={"GPUSHARE_VERIFY_MOVES": value})
-    assert f"ignoring GPUSHARE_VERIFY_MOVES={value}: expected 0 to 1" in run.stderr, run.stderr
+def test_a_bad_value_is_said_and_ignored(harness, name, value):
+    run = harness.run("status", 0, client_id="A", extra={name: value})
+    assert f"ignoring {name}={value}: expected 0 to 1" in run.stderr, run.stderr

@@ -167,6 +167,7 @@ static void load_config(void)
     c->staging_threads = cpus >= 16 ? 8 : cpus >= 2 ? (unsigned)cpus / 2 : 1;
     c->staging_quiet = 0.1;
     c->staging_nice = 0;
+    c->check_copies = 1;
     c->bounce_bytes = 0; /* opt-in: see docs/architecture.md, "Cold evictions" */
 
     const char *v;
@@ -227,6 +228,8 @@ static void load_config(void)
     }
     if (env_long("GPUSHARE_VERIFY_MOVES", 0, 1, &n))
         c->verify_moves = (int)n;
+    if (env_long("GPUSHARE_CHECK_COPIES", 0, 1, &n))
+        c->check_copies = (int)n;
 }
 
 const struct gs_config *gs_config(void)

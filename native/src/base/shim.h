@@ -113,6 +113,7 @@ struct gs_config {
     int staging_nice;         /* GPUSHARE_STAGING_NICE: those threads' nice value */
     uint64_t bounce_bytes;    /* GPUSHARE_BOUNCE_BYTES: the pinned ring, 0 = none */
     int verify_moves;         /* GPUSHARE_VERIFY_MOVES: check every move (memory/verify.c) */
+    int check_copies;         /* GPUSHARE_CHECK_COPIES: sample each copy out (1, default) */
 };
 
 const struct gs_config *gs_config(void);

@@ -70,6 +70,27 @@ static size_t queue_copies_out(CUdevice dev, CUstream s, struct block **out, CUe
     return k;
 }
 
+/* A copy of block b into its staging has completed: the sampled check (memory/verify.c says
+ * why). A wrong one is copied again on `check`, synchronously, and checked once more. 0: the
+ * staging holds the block (as far as the check sees); -1: it does not (the block must stay). */
+static int settle_copy_out(struct block *b, CUstream check)
+{
+    uint64_t where = 0;
+    int r = check ? gs_check_copy_out(b, check, &where) : 0;
+    if (r <= 0)
+        return r;
+    int again = -1;
+    if (gs_vmm_drv.d2h(b->staging.host, b->va, b->size, check) == CUDA_SUCCESS &&
+        gs_vmm_drv.stream_sync(check) == CUDA_SUCCESS)
+        again = gs_check_copy_out(b, check, &where);
+    char a[32];
+    GS_WARN("a copy of %s to host staging came back wrong (checked against the device: from "
+            "byte %llu): copied again, %s",
+            gs_format_size(b->size, a, sizeof a), (unsigned long long)where,
+            again == 0 ? "now right" : "still wrong: the block stays on the device");
+    return again == 0 ? 0 : -1;
+}
+
 /* Wait until block k's copy is done: its event, else the whole stream. */
 static CUresult wait_copy(CUevent ev, CUstream s)
 {
@@ -203,6 +224,7 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
             }
         }
         evict_freed = 0;
+        CUstream check = gs_vmm_move_stream(1);
         size_t k = 0;
         for (; k < n && !(stopped = k > 0 && evict_unneeded()); k++) {
             struct block *b = bt.list[k];
@@ -220,6 +242,9 @@ int gs_vmm_evict(CUdevice dev, uint64_t target, uint64_t *bytes_moved, uint64_t 
                 k++;
                 break;
             }
+            /* Checked on the other stream: this one still runs the next blocks' copies. */
+            if (r == 0 && !clean && settle_copy_out(b, check) != 0)
+                r = -1;
             if (r != 0) {
                 failed = 1; /* the copy failed: the block stays resident, its data intact */
                 continue;
@@ -416,6 +441,11 @@ int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros)
     for (size_t k = 0; k < n; k++)
         if (bt.copied[k])
             bt.copied[k] = wait_copy(bt.events[k], bt.stream) == CUDA_SUCCESS;
+    /* Every copy done, so the checks read on the same stream. A gated call meanwhile makes the
+     * pre-copy stale anyway (and the device may differ for that reason): not checked then. */
+    for (size_t k = 0; k < n; k++)
+        if (bt.copied[k] && gs_total_gated_calls() == calls)
+            bt.copied[k] = settle_copy_out(bt.list[k], bt.stream) == 0;
     pthread_mutex_lock(&gs_vmm_mu);
     for (size_t k = 0; k < n; k++) {
         struct block *b = bt.list[k];

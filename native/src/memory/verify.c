@@ -1,4 +1,15 @@
 /*
+ * Checking copies. Two parts: the sampled check every copy into host staging gets (on by default,
+ * GPUSHARE_CHECK_COPIES=0 turns it off), and the full check GPUSHARE_VERIFY_MOVES asks for.
+ *
+ * The sampled check: on an H100, under 32 processes starting at once, a pre-copy into host
+ * staging registered just before it came back with its first 4.6-162 MB zero (the device was
+ * right; docs/gpu-verification.md, 2026-11-28-b). The same copy outside the shim (a registered
+ * buffer, 288 processes) never did, and the cause is not known. A copy out is the only copy of
+ * the memory once the block is unmapped, so each is compared with the device in windows of
+ * SAMPLE_BYTES (the first at its start, where every damage seen began, the last at its end; up to
+ * SAMPLE_WINDOWS for a large block): a few small reads per block. A wrong one is copied again.
+ *
  * GPUSHARE_VERIFY_MOVES=1, a diagnostic (off by default): every eviction and restore is checked
  * against the memory it copied, at the cost of reading each block back once or twice.
  *
@@ -24,7 +35,39 @@
 #define VERIFY_PIECE (64ull << 20)
 #define VERIFY_LATER_MS 20 /* said as "20 ms later" below */
 
+#define SAMPLE_WINDOWS 16u
+#define SAMPLE_BYTES (64u << 10)
+#define SAMPLE_SPAN (128ull << 20)
+
 int gs_verify_on(void) { return gs_config()->verify_moves; }
+
+int gs_check_copy_out(const struct block *b, CUstream s, uint64_t *where)
+{
+    if (!gs_config()->check_copies)
+        return 0;
+    uint64_t window = b->size < SAMPLE_BYTES ? b->size : SAMPLE_BYTES;
+    /* The start and the end, and one more window per SAMPLE_SPAN up to SAMPLE_WINDOWS: a
+     * small block costs two short reads (an eviction of a few hundred blocks stays fast). */
+    uint64_t more = b->size / SAMPLE_SPAN;
+    unsigned windows = more >= SAMPLE_WINDOWS - 2 ? SAMPLE_WINDOWS : 2 + (unsigned)more;
+    unsigned char *buf = malloc(window);
+    if (!buf)
+        return -1;
+    int r = 0;
+    for (unsigned w = 0; w < windows && r == 0; w++) {
+        /* Evenly from the start to the end, each window 256-byte aligned. */
+        uint64_t off = (b->size - window) * w / (windows - 1) / 256 * 256;
+        if (gs_vmm_drv.d2h(buf, b->va + off, window, s) != CUDA_SUCCESS ||
+            gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)
+            r = -1;
+        else if (memcmp(buf, (const unsigned char *)b->staging.host + off, window) != 0) {
+            *where = off;
+            r = 1;
+        }
+    }
+    free(buf);
+    return r;
+}
 
 /* Where device and host differ: the first and last differing byte, how many bytes differ, and
  * how many of those read zero on the device (memory never written holds zeros). */

@@ -96,6 +96,10 @@ extern struct gs_vmm_driver gs_vmm_drv;
 /* memory/verify.c: GPUSHARE_VERIFY_MOVES, a diagnostic that checks each move (under gs_vmm_mu, on
  * the moving thread, the block's context current; s: a stream to read back on). */
 int gs_verify_on(void);
+/* The sampled check of a copy into b's staging that has completed (memory/verify.c says why):
+ * 0 right as far as it sees (or the check is off), 1 wrong (*where: the first wrong window's
+ * offset), -1 the device could not be read back. */
+int gs_check_copy_out(const struct block *b, CUstream s, uint64_t *where);
 void gs_verify_before_unmap(struct block *b, CUstream s);
 void gs_verify_before_restore(struct block *b);
 void gs_verify_after_restore(struct block *b, CUstream s);
