@@ -33,7 +33,9 @@ def _cycle(harness, extra: dict[str, str]):
     (its first large host-to-device copy), with nothing written to the block in between."""
     sched = harness.scheduler(pool="400MiB", quantum=1.0)
     common = {"context_bytes": 64 * MiB, "idle_seconds": 0.3, "log": "info"}
-    a = harness.spawn("precopy_cycle", SIZE, 0.3, 0.3, 4.0, extra=extra, client_id="A", **common)
+    # No pause before A's second write (idle1 0): no pre-copy can come before idle2's, and the
+    # stand-in's fault hits the first large device-to-host copy.
+    a = harness.spawn("precopy_cycle", SIZE, 0.0, 0.3, 4.0, extra=extra, client_id="A", **common)
     quiet = a.wait_event("idle2_start", 30)["launches"]
     a.wait_event(
         "tick",
