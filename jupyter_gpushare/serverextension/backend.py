@@ -25,6 +25,7 @@ from typing import Any
 
 from traitlets import default
 
+from ..cli import EVICT_REPLY_SECONDS
 from ..hub import server_user
 from ..protocol import ErrorCode
 from ..scheduler.features.checkpoint_agent import keep_agent
@@ -262,7 +263,10 @@ class SchedulerBackend:
     async def control(self, action: str, **kwargs: Any) -> dict[str, Any]:
         await self.ensure_started()
         self._check()
-        return await self.client.control(action, **kwargs)
+        client = self.client
+        if action == "evict":  # answered after the holder's checkpoint: cli.py says how long
+            client.timeout = max(client.timeout, EVICT_REPLY_SECONDS)
+        return await client.control(action, **kwargs)
 
     def describe(self) -> dict[str, Any]:
         """What the status document's ``scheduler`` field says about the connection."""

@@ -198,3 +198,54 @@ async def connect(sock_path: str) -> AsyncIterator[Any]:
     yield _connect
     for shim in shims:
         await shim.close()
+
+
+@contextlib.contextmanager
+def late_evict_answer(path: Path, delay: float, body: dict[str, Any]) -> Any:
+    """A stand-in scheduler on ``path`` that answers an ``evict`` control ``delay`` seconds after
+    it arrives (with ``body``): a checkpoint that takes that long (scheduler/features/
+    sleeping.py). Other connections (a checkpoint agent) are held open, unanswered. Yields the
+    control messages it was asked."""
+    import socket as socketlib
+    import threading
+    import time
+
+    from jupyter_gpushare.protocol import read_message_sync, write_message_sync
+
+    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    server.settimeout(0.2)
+    asked: list[Message] = []
+    held: list[socketlib.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conn.settimeout(60)
+            held.append(conn)
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    def answer(conn: socketlib.socket) -> None:
+        with contextlib.suppress(OSError):
+            message = read_message_sync(conn)
+            if message.type != MsgType.CONTROL or message.get("body", {}).get("action") != "evict":
+                return  # an agent's hello: kept open, never answered
+            asked.append(message)
+            time.sleep(delay)
+            write_message_sync(conn, Message(MsgType.CONTROL_REPLY, {"body": body}))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield asked
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+        for conn in held:
+            conn.close()

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sched_helpers import late_evict_answer
+
 from jupyter_gpushare import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,36 +155,13 @@ def test_evict_waits_for_a_checkpoint_longer_than_other_requests(tmp_path: Path)
     ``gpushare evict`` waits for that answer instead of giving up after the 10 s of every other
     request (it said the scheduler did not answer while the checkpoint went on). A stand-in
     scheduler answers 11 s after the request."""
-    import socket as socketlib
-    import threading
-
-    from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
-
-    path = tmp_path / "s.sock"
-    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen(1)
-    server.settimeout(60)
     effect = "its process was checkpointed by root: 768.00 MiB left the GPU without its help"
-    asked: list[Any] = []
-
-    def answer_late() -> None:
-        conn, _ = server.accept()
-        with conn:
-            conn.settimeout(60)
-            asked.append(read_message_sync(conn))
-            time.sleep(11.0)
-            body = {"ok": True, "action": "evict", "client": "A", "done": True}
-            body |= {"checkpointed": True, "effect": effect}
-            write_message_sync(conn, Message(MsgType.CONTROL_REPLY, {"body": body}))
-
-    thread = threading.Thread(target=answer_late, daemon=True)
-    thread.start()
-    started = time.monotonic()
-    out = cli("evict", "A", "--socket", str(path))
-    thread.join(5)
-    server.close()
+    body = {"ok": True, "action": "evict", "client": "A", "done": True}
+    body |= {"checkpointed": True, "effect": effect}
+    with late_evict_answer(tmp_path / "s.sock", 11.0, body) as asked:
+        started = time.monotonic()
+        out = cli("evict", "A", "--socket", str(tmp_path / "s.sock"))
     assert out.returncode == 0, out
     assert out.stdout.strip() == f"gpushare evict: A: {effect}", out
     assert time.monotonic() - started >= 11.0
-    assert asked and asked[0].type == MsgType.CONTROL, asked
+    assert len(asked) == 1, asked
