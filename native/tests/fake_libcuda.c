@@ -63,6 +63,8 @@
  * GPUSHARE_VERIFY_MOVES must catch and mend); GPUSHARE_FAKE_LOSE_D2H_HEAD=N the same for the
  * first device-to-host one (a copy into host staging that lost its start, as seen on an H100:
  * what the shim's sampled check of each copy out must catch). Not with GPUSHARE_FAKE_ASYNC_COPIES.
+ * With GPUSHARE_FAKE_FAULTS_ARMED=PATH, these faults wait until PATH exists (a test arms them at
+ * the moment the copy it means is next).
  */
 #include "base/cuda_abi.h"
 
@@ -1744,7 +1746,9 @@ static void lose_head_once(void *dst, size_t n, int to_device) {
     static atomic_int lost[2];
     const char *v = getenv(to_device ? "GPUSHARE_FAKE_LOSE_H2D_HEAD" : "GPUSHARE_FAKE_LOSE_D2H_HEAD");
     size_t head = v ? (size_t)strtoull(v, NULL, 10) : 0;
-    if (head && n >= 2 * head && !atomic_exchange(&lost[to_device], 1)) memset(dst, 0, head);
+    const char *armed = getenv("GPUSHARE_FAKE_FAULTS_ARMED");
+    if (!head || n < 2 * head || (armed && access(armed, F_OK) != 0)) return;
+    if (!atomic_exchange(&lost[to_device], 1)) memset(dst, 0, head);
 }
 
 static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_dev, CUstream h,

@@ -149,6 +149,28 @@ def test_staging_waits_until_the_programs_allocations_pause_when_asked(harness):
     assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
 
 
+def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropped(harness):
+    """The scheduler asks for a pre-copy when A goes idle; A's staging is not ready yet
+    (registering it takes 2 s here), so the staging thread runs it once staging is. By then A
+    runs again: the copy would be stale before it finished (640 MiB of copy-engine time for
+    nothing), and it is dropped. The next idle's pre-copy runs."""
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    slow = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "2000"}
+    # hold 0.3 s; idle1 1 s (the first ask, ~0.3 s in); A's write and hold2 4 s (staging ready
+    # ~2.5 s after the ask); idle2 2 s (the second ask).
+    a = harness.spawn(
+        "precopy_cycle", BIG, 1.0, 4.0, 2.0, extra=slow, **common(client_id="A", log="debug")
+    )
+    r = a.finish(60).ok()
+    assert r.event("cycle_end")["data_ok"]
+    asks = sched.log.count("precopy client=A ")
+    assert asks >= 2, f"the scheduler did not ask at both idles (A was slow?): {sched.log}"
+    dropped = [line for line in r.shim_lines if "the program ran since it was asked" in line]
+    copies = [line for line in r.shim_lines if "pre-copied 640.00 MiB" in line]
+    assert len(dropped) == 1, r.stderr
+    assert len(copies) == 1, r.stderr  # idle2's; the stale one was never made
+
+
 def _largest_tick_gap(proc, start: str, end: str) -> tuple[float, int]:
     """The longest pause between status ticks from event ``start`` to event ``end``, and how many
     ticks there were (the program ticks every 0.1 s; each tick reads the engine's totals)."""

@@ -27,16 +27,20 @@ DIFF = re.compile(
 )
 
 
-def _cycle(harness, extra: dict[str, str]):
-    """A writes its SIZE block, goes idle and is pre-copied (its first large device-to-host
-    copy); B's arrival evicts it (an unmap), and A's check of its data after B's turn restores it
-    (its first large host-to-device copy), with nothing written to the block in between."""
+def _cycle(harness, tmp_path, extra: dict[str, str]):
+    """A writes its SIZE block, goes idle (idle2) and is pre-copied; B's arrival evicts it (an
+    unmap), and A's check of its data after B's turn restores it, with nothing written to the
+    block in between. The stand-in's fault is armed once A is idle: the pre-copy that follows is
+    the first large device-to-host copy it hits (an earlier one, made stale by A's calls on a
+    loaded machine, took it first once), the restore the first host-to-device one."""
     sched = harness.scheduler(pool="400MiB", quantum=1.0)
-    common = {"context_bytes": 64 * MiB, "idle_seconds": 0.3, "log": "info"}
-    # No pause before A's second write (idle1 0): no pre-copy can come before idle2's, and the
-    # stand-in's fault hits the first large device-to-host copy.
-    a = harness.spawn("precopy_cycle", SIZE, 0.0, 0.3, 4.0, extra=extra, client_id="A", **common)
+    armed = tmp_path / "armed"
+    extra = {**extra, "GPUSHARE_FAKE_FAULTS_ARMED": str(armed)}
+    # An idle detected 1 s after A's last call: the test arms the fault well before the pre-copy.
+    common = {"context_bytes": 64 * MiB, "idle_seconds": 1.0, "log": "info"}
+    a = harness.spawn("precopy_cycle", SIZE, 0.0, 0.3, 6.0, extra=extra, client_id="A", **common)
     quiet = a.wait_event("idle2_start", 30)["launches"]
+    armed.touch()
     a.wait_event(
         "tick",
         30,
@@ -53,34 +57,38 @@ def _cycle(harness, extra: dict[str, str]):
 COPIED_AGAIN = "a copy of 256.00 MiB to host staging came back wrong (checked against the device: "
 
 
-def test_a_precopy_that_lost_its_start_is_copied_again(harness):
-    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST)})
+def test_a_precopy_that_lost_its_start_is_copied_again(harness, tmp_path):
+    ra = _cycle(harness, tmp_path, {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST)})
     ra.ok()
     assert ra.event("cycle_end")["data_ok"] is True, ra.stderr
     said = [line for line in ra.shim_lines if "came back wrong" in line]
     # The first window sampled is the block's start: where the lost bytes are.
-    assert said == ["gpushare: " + COPIED_AGAIN + "from byte 0): copied again, now right"], said
+    assert said == ["gpushare: " + COPIED_AGAIN + "from byte 0): copied again, now right"], (
+        ra.stderr
+    )
 
 
-def test_unchecked_a_precopy_that_lost_its_start_reaches_the_program(harness):
+def test_unchecked_a_precopy_that_lost_its_start_reaches_the_program(harness, tmp_path):
     """The stand-in's fault bites: with the check off, A reads the zeros after its restore (the
     test above would pass vacuously otherwise)."""
     extra = {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST), "GPUSHARE_CHECK_COPIES": "0"}
-    ra = _cycle(harness, extra)
+    ra = _cycle(harness, tmp_path, extra)
     assert ra.event("cycle_end")["data_ok"] is False, ra.stderr
     assert not [line for line in ra.shim_lines if "came back wrong" in line], ra.stderr
 
 
-def test_unverified_a_restore_that_lost_its_start_reaches_the_program(harness):
+def test_unverified_a_restore_that_lost_its_start_reaches_the_program(harness, tmp_path):
     """The stand-in's fault bites: without the check, A reads the zeros (the test below would
     pass vacuously otherwise)."""
-    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST)})
+    ra = _cycle(harness, tmp_path, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST)})
     assert ra.event("cycle_end")["data_ok"] is False, ra.stderr
     assert not [line for line in ra.shim_lines if "verify" in line], ra.stderr
 
 
-def test_verified_the_lost_start_is_said_exactly_and_mended(harness):
-    ra = _cycle(harness, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST), "GPUSHARE_VERIFY_MOVES": "1"})
+def test_verified_the_lost_start_is_said_exactly_and_mended(harness, tmp_path):
+    ra = _cycle(
+        harness, tmp_path, {"GPUSHARE_FAKE_LOSE_H2D_HEAD": str(LOST), "GPUSHARE_VERIFY_MOVES": "1"}
+    )
     ra.ok()
     assert ra.event("cycle_end")["data_ok"] is True, ra.stderr
     said = [m.groupdict() for m in map(DIFF.search, ra.shim_lines) if m]

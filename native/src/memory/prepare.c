@@ -127,6 +127,13 @@ static void *preparer(void *arg)
              * device at a time, in the context of one of its blocks. */
             CUdevice dev = __builtin_ctz(gs_vmm_precopy_wanted);
             gs_vmm_precopy_wanted &= ~(1u << dev);
+            if (gs_total_gated_calls() != gs_vmm_precopy_asked_at[dev]) {
+                /* Asked at an idle that has ended (staging took longer than the pause): the copy
+                 * would be stale before it finished. The next idle asks again. */
+                GS_DEBUG("pre-copy of device slot %d dropped: the program ran since it was asked",
+                         (int)dev);
+                continue;
+            }
             CUcontext ctx = NULL;
             for (size_t i = 0; i < gs_vmm_nblocks && !ctx; i++)
                 if (gs_vmm_on(gs_vmm_blocks[i], dev))
@@ -235,6 +242,7 @@ void gs_vmm_precopy_async(CUdevice dev)
     gs_vmm_preparer_start();
     pthread_mutex_lock(&gs_vmm_mu);
     gs_vmm_precopy_wanted |= 1u << gs_mem_slot(dev);
+    gs_vmm_precopy_asked_at[gs_mem_slot(dev)] = gs_total_gated_calls();
     gs_vmm_wake_preparer_locked();
     pthread_mutex_unlock(&gs_vmm_mu);
 }

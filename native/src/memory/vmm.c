@@ -28,6 +28,7 @@ static pthread_cond_t copies_done = PTHREAD_COND_INITIALIZER;
 static size_t copies_in_flight; /* blocks marked copying by a pre-copy */
 int gs_vmm_prepare_pending;
 unsigned gs_vmm_precopy_wanted;
+uint64_t gs_vmm_precopy_asked_at[GS_MEM_DEVICES];
 double gs_vmm_last_change;
 
 void gs_vmm_wake_preparer_locked(void)

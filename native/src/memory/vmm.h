@@ -143,6 +143,9 @@ void gs_vmm_forget_streams(void);
 extern pthread_cond_t gs_vmm_prepare_cv;
 extern int gs_vmm_prepare_pending;
 extern unsigned gs_vmm_precopy_wanted;
+/* gs_total_gated_calls() when each device slot's pre-copy was asked for: the staging thread drops
+ * it if the program made a gated call since (its idle ended: the copy would be stale at once). */
+extern uint64_t gs_vmm_precopy_asked_at[GS_MEM_DEVICES];
 /* gs_now() when a block was last made or freed (under gs_vmm_mu): the preparer waits for the
  * program's allocations to pause before it populates and registers host memory. */
 extern double gs_vmm_last_change;
