@@ -151,15 +151,22 @@ def test_staging_waits_until_the_programs_allocations_pause_when_asked(harness):
 
 def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropped(harness):
     """The scheduler asks for a pre-copy when A goes idle; A's staging is not ready yet
-    (registering it takes 2 s here), so the staging thread runs it once staging is. By then A
+    (registering it takes 3 s here), so the staging thread runs it once staging is. By then A
     runs again: the copy would be stale before it finished (640 MiB of copy-engine time for
     nothing), and it is dropped. The next idle's pre-copy runs."""
     sched = harness.scheduler(pool="1GiB", quantum=1.0)
-    slow = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "2000"}
-    # hold 0.3 s; idle1 1 s (the first ask, ~0.3 s in); A's write and hold2 4 s (staging ready
-    # ~2.5 s after the ask); idle2 2 s (the second ask).
+    slow = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "3000"}
+    # An idle is 1 s without calls: under two CPU hogs A stalled 0.3 s inside hold2 (the default
+    # test's idle), and that stall's ask replaced the first. hold 0.3 s; idle1 2 s (the first ask,
+    # ~1 s in); A's write and hold2 5 s (staging ready ~3 s after the ask); idle2 2 s (the second).
     a = harness.spawn(
-        "precopy_cycle", BIG, 1.0, 4.0, 2.0, extra=slow, **common(client_id="A", log="debug")
+        "precopy_cycle",
+        BIG,
+        2.0,
+        5.0,
+        2.0,
+        extra=slow,
+        **common(client_id="A", log="debug", idle_seconds=1.0),
     )
     r = a.finish(60).ok()
     assert r.event("cycle_end")["data_ok"]
