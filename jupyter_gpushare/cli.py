@@ -31,7 +31,7 @@ from traitlets.config import Application
 from ._version import __version__
 from .paths import default_socket_path
 from .protocol import printable
-from .scheduler.features.sleeping import AGENT_CALL_SECONDS
+from .scheduler.features.sleeping import EVICT_REPLY_SECONDS
 from .scheduler.shell.server import GPUShareScheduler, SchedulerConfigError, SchedulerStartError
 from .scheduler_client import (
     REQUEST_SECONDS,
@@ -430,18 +430,6 @@ def scheduler_socket(explicit: str) -> str | None:
 
     labs = find_lab_schedulers()
     return str(labs[0]["socket"]) if labs else None
-
-
-#: How long ``gpushare evict`` waits for the scheduler's answer. A holder that ignores its revoke
-#: is checkpointed first (scheduler/features/sleeping.py), which copies its device memory to the
-#: host: the scheduler gives that the lock's timeout plus AGENT_CALL_SECONDS before it answers.
-#: With the REQUEST_SECONDS of every other request, an evict of a large holder on a loaded host
-#: was reported as a scheduler that does not answer while it went on.
-EVICT_REPLY_SECONDS = (
-    float(GPUShareScheduler.class_traits()["checkpoint_lock_timeout"].default_value)
-    + AGENT_CALL_SECONDS
-    + REQUEST_SECONDS
-)
 
 
 def _ask_scheduler(

@@ -25,10 +25,10 @@ from typing import Any
 
 from traitlets import default
 
-from ..cli import EVICT_REPLY_SECONDS
 from ..hub import server_user
 from ..protocol import ErrorCode
 from ..scheduler.features.checkpoint_agent import keep_agent
+from ..scheduler.features.sleeping import EVICT_REPLY_SECONDS
 from ..scheduler.shell.server import GPUShareScheduler
 from ..scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 
@@ -264,7 +264,7 @@ class SchedulerBackend:
         await self.ensure_started()
         self._check()
         client = self.client
-        if action == "evict":  # answered after the holder's checkpoint: cli.py says how long
+        if action == "evict":  # answered after the holder's checkpoint (sleeping.py)
             client.timeout = max(client.timeout, EVICT_REPLY_SECONDS)
         return await client.control(action, **kwargs)
 

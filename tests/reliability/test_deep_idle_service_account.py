@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 from local_users import LocalUser, collect, control, kill, spawn_as, tmp_dir
 
-from jupyter_gpushare.cli import EVICT_REPLY_SECONDS
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.scheduler.features.checkpoint_agent import CheckpointAgent, serve_while
+from jupyter_gpushare.scheduler.features.sleeping import EVICT_REPLY_SECONDS
 from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler
 from jupyter_gpushare.scheduler_client import REQUEST_SECONDS
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket as socketlib
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from jupyter_gpushare.protocol import (  # noqa: E402
     Message,
     MsgType,
     encode,
+    read_message_sync,
+    write_message_sync,
 )
 from jupyter_gpushare.scheduler.shell.server import GPUShareScheduler, PeerCred  # noqa: E402
 
@@ -206,12 +211,6 @@ def late_evict_answer(path: Path, delay: float, body: dict[str, Any]) -> Any:
     it arrives (with ``body``): a checkpoint that takes that long (scheduler/features/
     sleeping.py). Other connections (a checkpoint agent) are held open, unanswered. Yields the
     control messages it was asked."""
-    import socket as socketlib
-    import threading
-    import time
-
-    from jupyter_gpushare.protocol import read_message_sync, write_message_sync
-
     server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     server.bind(str(path))
     server.listen(4)

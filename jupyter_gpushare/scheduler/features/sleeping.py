@@ -28,8 +28,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ...protocol import ErrorCode, Message, MsgType
+from ...scheduler_client import REQUEST_SECONDS
 from ...units import format_size
 from ..core import events as ev
+from ..shell.config import SchedulerConfig
 from ..shell.transport import Connection
 from .checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointAPI, CheckpointError, may_checkpoint
 from .checkpoint import load_cached as load_checkpoint_api
@@ -42,6 +44,17 @@ AGENT_LOST = -2  # the agent's connection closed mid-call: what the driver did i
 #: How long an agent's call may take past the lock's own timeout (a checkpoint copies the
 #: process's device memory to the host: seconds per tens of GiB) before its outcome is unknown.
 AGENT_CALL_SECONDS = 300.0
+#: How long a client waits for the answer to an ``evict``: a holder that ignores its revoke is
+#: checkpointed first, which copies its device memory to the host, and the answer waits for that
+#: (the lock's timeout plus AGENT_CALL_SECONDS), then the request's own REQUEST_SECONDS. With the
+#: REQUEST_SECONDS of every other request, an evict of a large holder on a loaded host was
+#: reported as a scheduler that does not answer while it went on (``gpushare evict``, the server
+#: extension's evict).
+EVICT_REPLY_SECONDS = (
+    float(SchedulerConfig.class_traits()["checkpoint_lock_timeout"].default_value)
+    + AGENT_CALL_SECONDS
+    + REQUEST_SECONDS
+)
 
 __all__ = ["DeepIdleShell"]
 

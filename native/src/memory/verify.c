@@ -41,34 +41,6 @@
 
 int gs_verify_on(void) { return gs_config()->verify_moves; }
 
-int gs_check_copy_out(const struct block *b, CUstream s, uint64_t *where)
-{
-    if (!gs_config()->check_copies)
-        return 0;
-    uint64_t window = b->size < SAMPLE_BYTES ? b->size : SAMPLE_BYTES;
-    /* The start and the end, and one more window per SAMPLE_SPAN up to SAMPLE_WINDOWS: a
-     * small block costs two short reads (an eviction of a few hundred blocks stays fast). */
-    uint64_t more = b->size / SAMPLE_SPAN;
-    unsigned windows = more >= SAMPLE_WINDOWS - 2 ? SAMPLE_WINDOWS : 2 + (unsigned)more;
-    unsigned char *buf = malloc(window);
-    if (!buf)
-        return -1;
-    int r = 0;
-    for (unsigned w = 0; w < windows && r == 0; w++) {
-        /* Evenly from the start to the end, each window 256-byte aligned. */
-        uint64_t off = (b->size - window) * w / (windows - 1) / 256 * 256;
-        if (gs_vmm_drv.d2h(buf, b->va + off, window, s) != CUDA_SUCCESS ||
-            gs_vmm_drv.stream_sync(s) != CUDA_SUCCESS)
-            r = -1;
-        else if (memcmp(buf, (const unsigned char *)b->staging.host + off, window) != 0) {
-            *where = off;
-            r = 1;
-        }
-    }
-    free(buf);
-    return r;
-}
-
 /* Where device and host differ: the first and last differing byte, how many bytes differ, and
  * how many of those read zero on the device (memory never written holds zeros). */
 struct diff {
@@ -113,6 +85,30 @@ static struct diff compare(CUdeviceptr va, const void *host, uint64_t size, CUst
     }
     free(buf);
     return d;
+}
+
+int gs_check_copy_out(const struct block *b, CUstream s, uint64_t *where)
+{
+    if (!gs_config()->check_copies)
+        return 0;
+    uint64_t window = b->size < SAMPLE_BYTES ? b->size : SAMPLE_BYTES;
+    /* The start and the end, and one more window per SAMPLE_SPAN up to SAMPLE_WINDOWS: a
+     * small block costs two short reads (an eviction of a few hundred blocks stays fast). */
+    uint64_t more = b->size / SAMPLE_SPAN;
+    unsigned windows = more >= SAMPLE_WINDOWS - 2 ? SAMPLE_WINDOWS : 2 + (unsigned)more;
+    for (unsigned w = 0; w < windows; w++) {
+        /* Evenly from the start to the end, each window 256-byte aligned. */
+        uint64_t off = (b->size - window) * w / (windows - 1) / 256 * 256;
+        const unsigned char *host = (const unsigned char *)b->staging.host + off;
+        struct diff d = compare(b->va + off, host, window, s);
+        if (d.unreadable)
+            return -1;
+        if (d.count) {
+            *where = off;
+            return 1;
+        }
+    }
+    return 0;
 }
 
 static uint64_t checksum(const void *host, uint64_t size)
