@@ -280,12 +280,9 @@ class Simulation:
                 self._at(u.blocked_until, "restored", u.user.name, back)
         elif isinstance(d, ev.Revoke):
             self.revokes[d.reason] += 1
-            # The shim closes the gate at once; the work already launched runs on (drains). An
-            # idle holder launched nothing since its cell ended: it answers at once, its messages
-            # inside handoff_s (the GPU's handoff without memory, 1.65 ms, is an idle holder's).
+            # The shim closes the gate at once; the work already launched runs on (drains).
             arg = (d.evict_bytes or -1) if d.evict else 0
-            drain = self.cfg.drain_s if u.in_cell else 0.0
-            self._at(self.now + drain, "drained", u.user.name, arg)
+            self._at(self.now + self.cfg.drain_s, "drained", u.user.name, arg)
         elif isinstance(d, ev.Evict):
             moved, secs = self._evict(u, d.bytes)
             self._at(self.now + secs, "evicted", u.user.name, (moved, secs))
