@@ -11,7 +11,9 @@ never an unmap that would not measure the bus (issue 24: an unmap is not a bandw
 
 Reported per delay: the eviction's bytes and seconds as the shim measured them (the scheduler's
 log), its GB/s, and the handoff: from B's cell start to B's allocation done and filled (which
-includes A's eviction and B's own allocation). Targets (docs/performance.md): >= 20 GB/s at
+includes A's eviction and B's own allocation), and B's own allocation alone (``own_alloc_s``:
+the same cell in a process with the pool to itself, after the handoff, so that its host staging
+does not warm the host for A's cold eviction). Targets (docs/performance.md): >= 20 GB/s at
 0.5 s, >= 40 GB/s from 2 s; a handoff <= 1 s at every delay.
 
     python -m bench.cold_eviction --out results/cold_eviction.json [--size 20GiB] [--pool 32GiB]
@@ -34,6 +36,30 @@ from jupyter_gpushare.units import parse_size
 from .common import GiB, memory_moves, record, shim_env, wait_for, write_json
 from .common import scheduler as start_scheduler
 from .procs import WorkerProc
+
+
+def own_allocation(sched: Any, size: int, env: dict[str, str]) -> float:
+    """Seconds for B's part of the handoff alone: a process whose context exists starts a cell
+    and allocates and fills ``size`` with the pool empty (A and B gone), nothing to evict. Made
+    after the handoff, so that its host staging cannot warm the host for A's cold eviction."""
+    wait_for(
+        lambda: all(f"leave client={c} " in sched.log_text() for c in ("A", "B")),
+        30,
+        "A and B to leave the scheduler",
+        interval=0.05,
+    )
+    solo = WorkerProc(shim_env(sched.socket, "solo", GPUSHARE_IDLE_SECONDS="0", **env), "solo")
+    try:
+        solo.read(120)
+        solo.call("init")
+        sched.control("kernel_state", client="solo", state="busy")
+        t0 = time.monotonic()
+        ans = solo.call("alloc", bytes=size)
+        if not ans.get("ok", True):
+            raise RuntimeError(f"solo: allocation failed: {ans.get('error')}")
+        return time.monotonic() - t0
+    finally:
+        solo.close()
 
 
 def one(workdir: Path, size: int, pool: int, delay: float, env: dict[str, str]) -> dict[str, Any]:
@@ -71,6 +97,7 @@ def one(workdir: Path, size: int, pool: int, delay: float, env: dict[str, str]) 
             a.close()
             b.close()
         moves = memory_moves(sched.log_text())[before:]
+        own = own_allocation(sched, size, env)
     ev = next(m for m in moves if m["client"] == "A" and m["kind"] == "evict")
     gbps = ev["bytes"] / ev["seconds"] / 1e9 if ev["seconds"] > 0 else 0.0
     return {
@@ -79,6 +106,8 @@ def one(workdir: Path, size: int, pool: int, delay: float, env: dict[str, str]) 
         "evict_s": ev["seconds"],
         "evict_gbps": gbps,
         "handoff_s": handoff,
+        "own_alloc_s": own,
+        "handoff_less_own_s": handoff - own,
         "started_after_alloc_s": t0 - allocated,
         "moves": moves,
     }
@@ -103,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
             print(
                 f"cold eviction {size / GiB:g} GiB at {delay:g} s: {r['evict_gbps']:.1f} GB/s "
-                f"({r['evict_s'] * 1e3:.0f} ms), handoff {r['handoff_s'] * 1e3:.0f} ms",
+                f"({r['evict_s'] * 1e3:.0f} ms), handoff {r['handoff_s'] * 1e3:.0f} ms "
+                f"(B's own allocation alone {r['own_alloc_s'] * 1e3:.0f} ms)",
                 file=sys.stderr,
             )
     write_json(
