@@ -18,22 +18,23 @@
 # without a GPU it runs nothing, says "no GPU" in the summary and exits 0.
 set -uo pipefail
 
-# name, usual seconds on an H100 (the 2026-11-24/27 logs), pytest file or bench command
+# name, usual seconds on an H100 (the suite: docs/gpu-verification.md 2026-11-28 (c); the bench
+# parts: the 2026-11-27 logs; launch and train: bench/run_campaign.py's estimates)
 SUITE="
-test_gpu_captures.py 70
-test_gpu_reliability.py 100
-test_gpu_memory_engine.py 160
-test_jupyter_gpu.py 80
-test_wait_line_gpu.py 45
-test_gpu_nvml_claims.py 25
-test_gpu_reserves.py 30
-test_metrics_gpu.py 25
-test_device_plugin_gpu.py 25
-test_gpu.py 200
-test_gpu_deep_idle.py 160
-test_gpu_deep_idle_service_account.py 45
-test_mps.py 110
-test_gpu_programs.py 420
+test_gpu_captures.py 55
+test_gpu_reliability.py 115
+test_gpu_memory_engine.py 190
+test_jupyter_gpu.py 60
+test_wait_line_gpu.py 50
+test_gpu_nvml_claims.py 30
+test_gpu_reserves.py 20
+test_metrics_gpu.py 20
+test_device_plugin_gpu.py 20
+test_gpu.py 180
+test_gpu_deep_idle.py 120
+test_gpu_deep_idle_service_account.py 25
+test_mps.py 100
+test_gpu_programs.py 330
 test_multi_gpu.py 150
 "
 BENCH="
@@ -42,6 +43,8 @@ handoff 250
 train_beside 260
 kernel_start 80
 nbmix_replay 470
+launch 90
+train 120
 "
 
 commit=${1:?usage: OUT=DIR bash tests/gpu/campaign.sh COMMIT [bench]}
@@ -153,6 +156,8 @@ run_one() {  # NAME TIMEOUT BASE: one file or bench part into logs/BASE.raw and 
                     --only kernel_start --kernel-pairs 12 > "$raw" 2>&1 ;;
         bench:nbmix_replay) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
                     --only nbmix-replay > "$raw" 2>&1 ;;
+        bench:launch | bench:train) timeout -k 15 "$limit" python3 -m bench.run_campaign \
+                    "$OUT/perf" --only "$n" > "$raw" 2>&1 ;;
         *) echo "unknown $mode part: $n" > "$raw"; return 201 ;;
     esac
 }
