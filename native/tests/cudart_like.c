@@ -50,6 +50,8 @@
  *   precopy_cycle BYTES IDLE1 HOLD2 IDLE2
  *                               fill BYTES with pattern 1, hold briefly, idle IDLE1 s, fill with
  *                               pattern 2, hold HOLD2 s, idle IDLE2 s, then check pattern 2
+ *   precopy_pending BYTES IDLE  fill BYTES with pattern 1, hold briefly, queue pattern 2 on a
+ *                               non-blocking stream without waiting, idle IDLE s, check pattern 2
  *   deep_idle BYTES IDLE        fill BYTES with pattern 1, hold briefly, no GPU calls for IDLE s
  *                               (ticks with the status), then time the first call (a copy back)
  *                               and check pattern 1
@@ -1269,6 +1271,30 @@ static int scenario_precopy_cycle(size_t bytes, double idle1, double hold2, doub
     return patterned_free(&p, ok);
 }
 
+/* A write still queued when the kernel goes idle (tests/native/test_memory_engine.py): pattern 2
+ * is copied over pattern 1 on the program's own non-blocking stream and never waited for, as a
+ * cell that returns once its work is launched. The scheduler asks for a pre-copy at the idle and
+ * an arrival evicts the kernel; after the next grant the data must be pattern 2. */
+static int scenario_precopy_pending(size_t bytes, double idle) {
+    struct patterned p;
+    long launches = 0;
+    unsigned char *next = malloc(bytes);
+    if (!next) return 1;
+    CHECK(patterned_alloc(&p, bytes));
+    if (hold(0.3, 20000, &launches, 1)) return 1;
+    memset(next, 2, bytes);
+    fill_pattern(next, p.n, 2);
+    CHECK(p_cuMemcpyHtoDAsync(p.d, next, bytes, NULL));
+    idle_ticking("idle_start", idle, launches);
+    fill_pattern(p.h, p.n, 2);
+    int ok = pattern_ok(p.d, bytes, p.h, p.g, p.n, 2);
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("pending_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
+    free(next);
+    return patterned_free(&p, ok);
+}
+
 /* Several blocks, each its own pattern (tests/native/test_partial_eviction.py): allocated in
  * order, used, then idle while the scheduler evicts part of them; every block's data is checked
  * after the next grant. */
@@ -1646,6 +1672,8 @@ int main(int argc, char **argv) {
     } else if (strcmp(scenario, "precopy_cycle") == 0 && i + 3 < argc) {
         rc = scenario_precopy_cycle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
                                     atof(argv[i + 2]), atof(argv[i + 3]));
+    } else if (strcmp(scenario, "precopy_pending") == 0 && i + 1 < argc) {
+        rc = scenario_precopy_pending(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else if (strcmp(scenario, "deep_idle") == 0 && i + 1 < argc) {
         rc = scenario_deep_idle(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else if (strcmp(scenario, "status") == 0) {

@@ -10,13 +10,12 @@ is checked as the card would show it and "data intact" as the program reads its 
 from __future__ import annotations
 
 import ctypes
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jupyter_gpushare.protocol import Message, MsgType, read_message_sync, write_message_sync
+from tests.native.jupyter_state import kernel_state
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -63,17 +62,6 @@ def spawn(harness: Any, ckpt: dict[str, str], idle: float, client: str = "A"):
         idle_seconds=0.3,
         log="info",
     )
-
-
-def kernel_state(harness: Any, client: str, state: str) -> None:
-    """What the Jupyter server extension says when a cell starts (busy) or ends (idle)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(str(harness.socket_path))
-        body = {"action": "kernel_state", "client": client, "state": state}
-        write_message_sync(s, Message(MsgType.CONTROL, {"body": body}))
-        reply = read_message_sync(s)
-    assert reply is not None and reply.type == MsgType.CONTROL_REPLY, reply
 
 
 def as_notebook(harness: Any, sched: Any, client: str = "A") -> None:

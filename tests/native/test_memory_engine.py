@@ -14,6 +14,7 @@ import re
 import time
 
 from jupyter_gpushare.scheduler_client import SchedulerClient
+from tests.native.jupyter_state import kernel_state
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -176,6 +177,34 @@ def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropp
     copies = [line for line in r.shim_lines if "pre-copied 640.00 MiB" in line]
     assert len(dropped) == 1, r.stderr
     assert len(copies) == 1, r.stderr  # idle2's; the stale one was never made
+
+
+def test_a_precopy_waits_for_the_programs_queued_work(harness):
+    """A cell returns once its work is launched, and the scheduler asks for the pre-copy as soon
+    as Jupyter says the cell ended: work still queued on the program's stream must land before
+    the pre-copy reads the memory. On the stand-in (GPUSHARE_FAKE_ASYNC_COPIES) A's last copy,
+    pattern 2 over pattern 1, stays queued until something synchronises; the shim's own idle
+    detection would (it queries the program's streams), so A's idle here is Jupyter's alone
+    (idle_seconds 60). Without the wait, the pre-copy on the engine's non-blocking stream read
+    pattern 1, the copy check read back the same stale device memory, the eviction trusted the
+    copy (an unmap) and A came back with pattern 1."""
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    queued = {"GPUSHARE_FAKE_ASYNC_COPIES": "1"}
+    a = harness.spawn(
+        "precopy_pending", BIG, 15.0, extra=queued, **common(client_id="A", idle_seconds=60.0)
+    )
+    sched.wait_log("join client=A", 20)
+    kernel_state(harness, "A", "busy")
+    a.wait_event("idle_start", 30)  # the copy is queued, the cell "returns"
+    kernel_state(harness, "A", "idle")
+    a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    b = harness.spawn("hold", 1.0, BIG, 20000, extra=queued, **common(client_id="B"))
+    rb, ra = b.finish(60).ok(), a.finish(60).ok()
+    assert rb.event("hold_end")["data_ok"]
+    # The eviction was an unmap that trusted the pre-copy: the path this test is about.
+    evicts = evictions(sched.log, "A")
+    assert evicts and evicts[0][0] == 0, (evicts, sched.log)
+    assert ra.event("pending_end")["data_ok"], "the pre-copy read memory before A's queued copy"
 
 
 def _largest_tick_gap(proc, start: str, end: str) -> tuple[float, int]:

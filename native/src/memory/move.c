@@ -412,6 +412,38 @@ void gs_vmm_back_deferred(CUdevice dev)
     }
 }
 
+/* The program's work launched before the pre-copy was asked may still be queued or running on
+ * its own streams: a cell returns once its kernels and copies are launched, and the scheduler
+ * asks for the pre-copy at the cell's end. The pre-copy's stream is non-blocking, so without a
+ * wait it reads memory that work has not written yet, and nothing tells: no gated call comes
+ * after it, and the check reads back the same stale device memory. The eviction then trusts the
+ * copy (an unmap) and the data is lost. So every context holding one of the blocks finishes its
+ * work first (for a kernel idle since its last call, at once). */
+#define PRECOPY_MAX_CONTEXTS 16
+
+static void precopy_wait_for_the_program(struct block *const *list, size_t n)
+{
+    CUcontext done[PRECOPY_MAX_CONTEXTS];
+    size_t ndone = 0;
+    for (size_t k = 0; k < n; k++) {
+        CUcontext ctx = list[k]->ctx;
+        int seen = 0;
+        for (size_t i = 0; i < ndone && !seen; i++)
+            seen = done[i] == ctx;
+        if (seen)
+            continue;
+        if (ndone < PRECOPY_MAX_CONTEXTS)
+            done[ndone++] = ctx;
+        if (gs_vmm_drv.ctx_push(ctx) != CUDA_SUCCESS)
+            continue;
+        CUresult r = gs_vmm_drv.ctx_sync();
+        if (r != CUDA_SUCCESS)
+            GS_WARN("cuCtxSynchronize before a pre-copy failed (error %d)", r);
+        CUcontext popped;
+        gs_vmm_drv.ctx_pop(&popped);
+    }
+}
+
 /* The blocks are picked under the lock, their copies queued and waited for without it: a
  * pre-copy of 14 GiB takes 0.3 s on an H100 (seconds on the stand-in's memcpy), and the lock
  * guards every allocation, free and memory report; holding it that long made a request for the
@@ -434,6 +466,9 @@ int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros)
         gs_vmm_copies_begin_locked(n);
     }
     pthread_mutex_unlock(&gs_vmm_mu);
+    /* After `calls` was read: work the program launches from now on is a gated call, which
+     * makes this copy stale; what it launched before is finished here. */
+    precopy_wait_for_the_program(bt.list, n);
     /* Queued without the lock too: a driver may copy before the call returns (the stand-in's
      * memcpy does). The blocks marked copying are neither freed nor unmapped meanwhile. */
     for (size_t k = 0; k < n; k++)
