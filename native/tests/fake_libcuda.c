@@ -64,7 +64,8 @@
  * first device-to-host one (a copy into host staging that lost its start, as seen on an H100:
  * what the shim's sampled check of each copy out must catch). Not with GPUSHARE_FAKE_ASYNC_COPIES.
  * With GPUSHARE_FAKE_FAULTS_ARMED=PATH, these faults wait until PATH exists (a test arms them at
- * the moment the copy it means is next).
+ * the moment the copy it means is next). GPUSHARE_FAKE_CTX_SYNC_FAILS=PATH: the first
+ * cuCtxSynchronize while PATH exists fails (CUDA_ERROR_UNKNOWN) and removes it (a test sees when).
  */
 #include "base/cuda_abi.h"
 
@@ -871,6 +872,8 @@ CUresult cuCtxGetDevice(CUdevice *device) {
 CUresult cuCtxSynchronize(void) {
     COUNT();
     NEED_CTX();
+    const char *fails = getenv("GPUSHARE_FAKE_CTX_SYNC_FAILS");
+    if (fails && *fails && unlink(fails) == 0) return CUDA_ERROR_UNKNOWN; /* once, then gone */
     if (fk_capture_unsafe_call()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     uint64_t begin = now_ns();
     int in_driver = __atomic_load_n(&g_calls_in_driver, __ATOMIC_SEQ_CST);

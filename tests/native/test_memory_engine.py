@@ -207,6 +207,34 @@ def test_a_precopy_waits_for_the_programs_queued_work(harness):
     assert ra.event("pending_end")["data_ok"], "the pre-copy read memory before A's queued copy"
 
 
+def test_a_precopy_that_cannot_wait_for_the_program_copies_nothing(harness, tmp_path):
+    """Where the wait for the program's queued work fails, the copy might be stale: none is made
+    (the kernel's memory is not counted pre-copied), and its eviction copies. The stand-in's
+    cuCtxSynchronize fails once while the file exists, and removes it."""
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    fault = tmp_path / "sync-fails"
+    queued = {"GPUSHARE_FAKE_ASYNC_COPIES": "1", "GPUSHARE_FAKE_CTX_SYNC_FAILS": str(fault)}
+    a = harness.spawn(
+        "precopy_pending", BIG, 15.0, extra=queued, **common(client_id="A", idle_seconds=60.0)
+    )
+    sched.wait_log("join client=A", 20)
+    kernel_state(harness, "A", "busy")
+    a.wait_event("idle_start", 30)
+    fault.touch()  # the next context synchronisation is the pre-copy's
+    kernel_state(harness, "A", "idle")
+    deadline = time.monotonic() + 60
+    while fault.exists():
+        assert time.monotonic() < deadline, "no pre-copy came"
+        time.sleep(0.05)
+    b = harness.spawn("hold", 1.0, BIG, 20000, extra=queued, **common(client_id="B"))
+    rb, ra = b.finish(60).ok(), a.finish(60).ok()
+    assert rb.event("hold_end")["data_ok"]
+    assert "cannot wait for the program's work before a pre-copy" in ra.stderr
+    evicts = evictions(sched.log, "A")
+    assert evicts and evicts[0][0] == BIG, (evicts, sched.log)  # a copy, not a stale unmap
+    assert ra.event("pending_end")["data_ok"]
+
+
 def _largest_tick_gap(proc, start: str, end: str) -> tuple[float, int]:
     """The longest pause between status ticks from event ``start`` to event ``end``, and how many
     ticks there were (the program ticks every 0.1 s; each tick reads the engine's totals)."""

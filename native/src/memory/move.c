@@ -421,10 +421,11 @@ void gs_vmm_back_deferred(CUdevice dev)
  * work first (for a kernel idle since its last call, at once). */
 #define PRECOPY_MAX_CONTEXTS 16
 
-static void precopy_wait_for_the_program(struct block *const *list, size_t n)
+static int precopy_wait_for_the_program(struct block *const *list, size_t n)
 {
     CUcontext done[PRECOPY_MAX_CONTEXTS];
     size_t ndone = 0;
+    int failed = 0;
     for (size_t k = 0; k < n; k++) {
         CUcontext ctx = list[k]->ctx;
         int seen = 0;
@@ -434,14 +435,20 @@ static void precopy_wait_for_the_program(struct block *const *list, size_t n)
             continue;
         if (ndone < PRECOPY_MAX_CONTEXTS)
             done[ndone++] = ctx;
-        if (gs_vmm_drv.ctx_push(ctx) != CUDA_SUCCESS)
-            continue;
-        CUresult r = gs_vmm_drv.ctx_sync();
-        if (r != CUDA_SUCCESS)
-            GS_WARN("cuCtxSynchronize before a pre-copy failed (error %d)", r);
-        CUcontext popped;
-        gs_vmm_drv.ctx_pop(&popped);
+        CUresult r = gs_vmm_drv.ctx_push(ctx);
+        if (r == CUDA_SUCCESS) {
+            r = gs_vmm_drv.ctx_sync();
+            CUcontext popped;
+            gs_vmm_drv.ctx_pop(&popped);
+        }
+        if (r != CUDA_SUCCESS) {
+            GS_WARN("cannot wait for the program's work before a pre-copy (error %d): "
+                    "nothing is pre-copied this time",
+                    r);
+            failed = 1;
+        }
     }
+    return failed;
 }
 
 /* The blocks are picked under the lock, their copies queued and waited for without it: a
@@ -468,11 +475,12 @@ int gs_vmm_precopy(CUdevice dev, uint64_t *bytes_copied, uint64_t *micros)
     pthread_mutex_unlock(&gs_vmm_mu);
     /* After `calls` was read: work the program launches from now on is a gated call, which
      * makes this copy stale; what it launched before is finished here. */
-    precopy_wait_for_the_program(bt.list, n);
+    int waited = precopy_wait_for_the_program(bt.list, n) == 0;
     /* Queued without the lock too: a driver may copy before the call returns (the stand-in's
-     * memcpy does). The blocks marked copying are neither freed nor unmapped meanwhile. */
+     * memcpy does). The blocks marked copying are neither freed nor unmapped meanwhile. A copy
+     * that might be stale is not made: an eviction then copies. */
     for (size_t k = 0; k < n; k++)
-        bt.copied[k] = queue_copy_out(bt.list[k], bt.stream, &bt.events[k]) == 0;
+        bt.copied[k] = waited && queue_copy_out(bt.list[k], bt.stream, &bt.events[k]) == 0;
     for (size_t k = 0; k < n; k++)
         if (bt.copied[k])
             bt.copied[k] = wait_copy(bt.events[k], bt.stream) == CUDA_SUCCESS;
