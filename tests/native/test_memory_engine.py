@@ -179,28 +179,43 @@ def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropp
     assert len(copies) == 1, r.stderr  # idle2's; the stale one was never made
 
 
-def test_a_precopy_waits_for_the_programs_queued_work(harness):
-    """A cell returns once its work is launched, and the scheduler asks for the pre-copy as soon
-    as Jupyter says the cell ended: work still queued on the program's stream must land before
-    the pre-copy reads the memory. On the stand-in (GPUSHARE_FAKE_ASYNC_COPIES) A's last copy,
-    pattern 2 over pattern 1, stays queued until something synchronises; the shim's own idle
-    detection would (it queries the program's streams), so A's idle here is Jupyter's alone
-    (idle_seconds 60). Without the wait, the pre-copy on the engine's non-blocking stream read
-    pattern 1, the copy check read back the same stale device memory, the eviction trusted the
-    copy (an unmap) and A came back with pattern 1."""
-    sched = harness.scheduler(pool="1GiB", quantum=1.0)
-    queued = {"GPUSHARE_FAKE_ASYNC_COPIES": "1"}
+def _idle_by_jupyter_with_a_copy_queued(harness, sched, extra, at_idle=None):
+    """A writes pattern 1, queues pattern 2 on its own stream without waiting, and Jupyter says
+    its cell ended (A's own idle detection is 60 s away, and would synchronise the stream):
+    the scheduler asks for a pre-copy. ``at_idle`` runs just before Jupyter's idle."""
     a = harness.spawn(
-        "precopy_pending", BIG, 15.0, extra=queued, **common(client_id="A", idle_seconds=60.0)
+        "precopy_pending", BIG, 15.0, extra=extra, **common(client_id="A", idle_seconds=60.0)
     )
     sched.wait_log("join client=A", 20)
     kernel_state(harness, "A", "busy")
     a.wait_event("idle_start", 30)  # the copy is queued, the cell "returns"
+    if at_idle is not None:
+        at_idle()
     kernel_state(harness, "A", "idle")
-    a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
-    b = harness.spawn("hold", 1.0, BIG, 20000, extra=queued, **common(client_id="B"))
+    return a
+
+
+def _evicted_for_b(harness, a, extra):
+    """B arrives, needs A's room, and runs; A's run once its idle ends and it has its data back."""
+    b = harness.spawn("hold", 1.0, BIG, 20000, extra=extra, **common(client_id="B"))
     rb, ra = b.finish(60).ok(), a.finish(60).ok()
     assert rb.event("hold_end")["data_ok"]
+    return ra
+
+
+def test_a_precopy_waits_for_the_programs_queued_work(harness):
+    """A cell returns once its work is launched, and the scheduler asks for the pre-copy as soon
+    as Jupyter says the cell ended: work still queued on the program's stream must land before
+    the pre-copy reads the memory. On the stand-in (GPUSHARE_FAKE_ASYNC_COPIES) A's last copy,
+    pattern 2 over pattern 1, stays queued until something synchronises. Without the wait, the
+    pre-copy on the engine's non-blocking stream read pattern 1, the copy check read back the
+    same stale device memory, the eviction trusted the copy (an unmap) and A came back with
+    pattern 1."""
+    sched = harness.scheduler(pool="1GiB", quantum=1.0)
+    queued = {"GPUSHARE_FAKE_ASYNC_COPIES": "1"}
+    a = _idle_by_jupyter_with_a_copy_queued(harness, sched, queued)
+    a.wait_event("tick", 30, where=lambda e: e["status"]["precopied_bytes"] >= BIG)
+    ra = _evicted_for_b(harness, a, queued)
     # The eviction was an unmap that trusted the pre-copy: the path this test is about.
     evicts = evictions(sched.log, "A")
     assert evicts and evicts[0][0] == 0, (evicts, sched.log)
@@ -214,21 +229,13 @@ def test_a_precopy_that_cannot_wait_for_the_program_copies_nothing(harness, tmp_
     sched = harness.scheduler(pool="1GiB", quantum=1.0)
     fault = tmp_path / "sync-fails"
     queued = {"GPUSHARE_FAKE_ASYNC_COPIES": "1", "GPUSHARE_FAKE_CTX_SYNC_FAILS": str(fault)}
-    a = harness.spawn(
-        "precopy_pending", BIG, 15.0, extra=queued, **common(client_id="A", idle_seconds=60.0)
-    )
-    sched.wait_log("join client=A", 20)
-    kernel_state(harness, "A", "busy")
-    a.wait_event("idle_start", 30)
-    fault.touch()  # the next context synchronisation is the pre-copy's
-    kernel_state(harness, "A", "idle")
+    # The next context synchronisation after Jupyter's idle is the pre-copy's.
+    a = _idle_by_jupyter_with_a_copy_queued(harness, sched, queued, at_idle=fault.touch)
     deadline = time.monotonic() + 60
     while fault.exists():
         assert time.monotonic() < deadline, "no pre-copy came"
         time.sleep(0.05)
-    b = harness.spawn("hold", 1.0, BIG, 20000, extra=queued, **common(client_id="B"))
-    rb, ra = b.finish(60).ok(), a.finish(60).ok()
-    assert rb.event("hold_end")["data_ok"]
+    ra = _evicted_for_b(harness, a, queued)
     assert "cannot wait for the program's work before a pre-copy" in ra.stderr
     evicts = evictions(sched.log, "A")
     assert evicts and evicts[0][0] == BIG, (evicts, sched.log)  # a copy, not a stale unmap
