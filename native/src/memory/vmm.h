@@ -1,6 +1,7 @@
 /*
- * The explicit engine's internals, shared by memory/vmm.c (blocks: allocation, free, lookup) and
- * memory/move.c (eviction, restore, pre-copy). Nothing else includes this file.
+ * The explicit engine's internals, shared by memory/vmm.c (blocks: allocation, free, lookup),
+ * memory/move.c (eviction, restore, pre-copy) and the files that work on their blocks:
+ * memory/defer.c, prepare.c, verify.c, bounce.c and ipc.c. Nothing else includes this file.
  */
 #ifndef GPUSHARE_MEMORY_VMM_H
 #define GPUSHARE_MEMORY_VMM_H
