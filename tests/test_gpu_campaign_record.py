@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -168,3 +169,22 @@ def test_the_campaign_without_a_gpu_runs_nothing_and_says_so(tmp_path: Path) -> 
     text = record.section(out)
     assert text.startswith("## ") and " — no GPU" in text.splitlines()[0]
     assert "| `test_gpu_captures.py` | not run: no GPU | 0 | 0 | 0 | 0 |" in text
+
+
+def test_the_owed_runs_name_files_and_parts_the_campaign_has() -> None:
+    """docs/gpu-verification.md's owed commands must run: a FILES= name the campaign does not know
+    would be skipped on the device, spending its time on nothing."""
+    listed = subprocess.run(
+        ["bash", "tests/gpu/campaign.sh", "-", "list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    known = {name for line in listed.splitlines() for name in line.split(":", 1)[1].split()}
+    doc = (ROOT / "docs/gpu-verification.md").read_text()
+    named = re.findall(r'^OUT=\S+ .*?FILES="([^"]+)"', doc, flags=re.M)
+    assert named, "docs/gpu-verification.md has no FILES= command"
+    unknown = sorted({n for files in named for n in files.split()} - known)
+    assert not unknown, f"names the campaign does not know: {unknown}"
