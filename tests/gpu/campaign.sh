@@ -19,7 +19,8 @@
 set -uo pipefail
 
 # name, usual seconds on an H100 (the suite: docs/gpu-verification.md 2026-11-28 (c); the bench
-# parts: the 2026-11-27 logs; launch and train: bench/run_campaign.py's estimates)
+# parts: the 2026-11-27 logs; launch, train, replay and replay_real: bench/run_campaign.py's
+# estimates)
 SUITE="
 test_gpu_captures.py 55
 test_gpu_reliability.py 115
@@ -45,6 +46,8 @@ kernel_start 80
 nbmix_replay 470
 launch 90
 train 120
+replay 470
+replay_real 500
 "
 
 commit=${1:?usage: OUT=DIR bash tests/gpu/campaign.sh COMMIT [bench]}
@@ -156,6 +159,10 @@ run_one() {  # NAME TIMEOUT BASE: one file or bench part into logs/BASE.raw and 
                     --only kernel_start --kernel-pairs 12 > "$raw" 2>&1 ;;
         bench:nbmix_replay) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
                     --only nbmix-replay > "$raw" 2>&1 ;;
+        bench:replay) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
+                    --only replay > "$raw" 2>&1 ;;
+        bench:replay_real) timeout -k 15 "$limit" python3 -m bench.run_campaign "$OUT/perf" \
+                    --only replay-real > "$raw" 2>&1 ;;
         bench:launch | bench:train) timeout -k 15 "$limit" python3 -m bench.run_campaign \
                     "$OUT/perf" --only "$n" > "$raw" 2>&1 ;;
         *) echo "unknown $mode part: $n" > "$raw"; return 201 ;;
