@@ -296,7 +296,7 @@ struct CUstream_st {
 };
 
 /* ---- core: stream capture and context teardown (see the block "core: captures, contexts and
- * launch paths" near the end) ---- */
+ * launch paths" in fake_capture.c) ---- */
 static int fk_capture_unsafe_call(void);
 static int fk_stream_captured(struct CUstream_st *s);
 static void fk_register_stream(struct CUstream_st *s);

@@ -159,13 +159,15 @@ def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropp
     slow = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "3000"}
     # An idle is 1 s without calls: under two CPU hogs A stalled 0.3 s inside hold2 (the default
     # test's idle), and that stall's ask replaced the first. hold 0.3 s; idle1 2 s (the first ask,
-    # ~1 s in); A's write and hold2 5 s (staging ready ~3 s after the ask); idle2 2 s (the second).
+    # ~1 s in); A's write and hold2 5 s (staging ready ~3 s after the ask); idle2 5 s (the second
+    # ask ~1 s in, then 4 s for its 640 MiB copy: with 1 s the test failed once while three test
+    # runs shared 2 cores, and that copy's second was its tightest margin).
     a = harness.spawn(
         "precopy_cycle",
         BIG,
         2.0,
         5.0,
-        2.0,
+        5.0,
         extra=slow,
         **common(client_id="A", log="debug", idle_seconds=1.0),
     )
