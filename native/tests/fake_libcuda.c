@@ -66,6 +66,8 @@
  * With GPUSHARE_FAKE_FAULTS_ARMED=PATH, these faults wait until PATH exists (a test arms them at
  * the moment the copy it means is next). GPUSHARE_FAKE_CTX_SYNC_FAILS=PATH: the first
  * cuCtxSynchronize while PATH exists fails (CUDA_ERROR_UNKNOWN) and removes it (a test sees when).
+ * GPUSHARE_FAKE_HOST_REGISTER_MS (each cuMemHostRegister takes that long) and
+ * GPUSHARE_FAKE_HOST_REGISTER_UNTIL=PATH (it lasts until PATH exists): host staging made late.
  */
 #include "base/cuda_abi.h"
 

@@ -88,6 +88,13 @@ CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
         ts.tv_sec = (time_t)(atof(ms) / 1000);
         nanosleep(&ts, NULL);
     }
+    /* GPUSHARE_FAKE_HOST_REGISTER_UNTIL=PATH: registering lasts until PATH exists (at most 120 s),
+     * so a test decides when staging becomes ready instead of racing a fixed delay. */
+    const char *until = getenv("GPUSHARE_FAKE_HOST_REGISTER_UNTIL");
+    for (int i = 0; until && *until && i < 24000 && access(until, F_OK) != 0; i++) {
+        struct timespec ts = {0, 5000000L};
+        nanosleep(&ts, NULL);
+    }
     return host_add(p, bytesize, 0);
 }
 

@@ -150,27 +150,34 @@ def test_staging_waits_until_the_programs_allocations_pause_when_asked(harness):
     assert kept.calls("cuMemHostRegister_v2") == 1, kept.stats["calls"]
 
 
-def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropped(harness):
-    """The scheduler asks for a pre-copy when A goes idle; A's staging is not ready yet
-    (registering it takes 3 s here), so the staging thread runs it once staging is. By then A
-    runs again: the copy would be stale before it finished (640 MiB of copy-engine time for
-    nothing), and it is dropped. The next idle's pre-copy runs."""
+def test_a_precopy_asked_at_an_idle_that_ended_before_staging_was_ready_is_dropped(
+    harness, tmp_path
+):
+    """The scheduler asks for a pre-copy when A goes idle; A's staging is not ready yet, so the
+    staging thread runs it once staging is. By then A runs again: the copy would be stale before
+    it finished (640 MiB of copy-engine time for nothing), and it is dropped. The next idle's
+    pre-copy runs."""
     sched = harness.scheduler(pool="1GiB", quantum=1.0)
-    slow = {"GPUSHARE_FAKE_HOST_REGISTER_MS": "3000"}
+    # Staging becomes ready when the test says, once A runs again: a fixed registration delay
+    # (3 s) raced A's first idle, and on a loaded CI machine staging was ready within it (then
+    # the first pre-copy is valid and rightly made).
+    ready = tmp_path / "staging-ready"
+    slow = {"GPUSHARE_FAKE_HOST_REGISTER_UNTIL": str(ready)}
     # An idle is 1 s without calls: under two CPU hogs A stalled 0.3 s inside hold2 (the default
-    # test's idle), and that stall's ask replaced the first. hold 0.3 s; idle1 2 s (the first ask,
-    # ~1 s in); A's write and hold2 5 s (staging ready ~3 s after the ask); idle2 5 s (the second
-    # ask ~1 s in, then 4 s for its 640 MiB copy: with 1 s the test failed once while three test
-    # runs shared 2 cores, and that copy's second was its tightest margin).
+    # test's idle), and that stall's ask replaced the first. hold 0.3 s; idle1 3 s (the first ask
+    # ~1 s in); A's write and hold2 5 s (staging made ready at its start); idle2 5 s (the second
+    # ask ~1 s in, then 4 s for its 640 MiB copy).
     a = harness.spawn(
         "precopy_cycle",
         BIG,
-        2.0,
+        3.0,
         5.0,
         5.0,
         extra=slow,
         **common(client_id="A", log="debug", idle_seconds=1.0),
     )
+    a.wait_event("written2", 30)
+    ready.touch()
     r = a.finish(60).ok()
     assert r.event("cycle_end")["data_ok"]
     asks = sched.log.count("precopy client=A ")
