@@ -83,18 +83,13 @@ CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
     /* Registering takes time on a real driver (16 GiB: ~1.8 s on an H100): long enough that a
      * program frees a temporary while the shim's background thread still prepares its staging. */
     const char *ms = getenv("GPUSHARE_FAKE_HOST_REGISTER_MS");
-    if (ms && atof(ms) > 0) {
-        struct timespec ts = {0, (long)(atof(ms) * 1e6) % 1000000000L};
-        ts.tv_sec = (time_t)(atof(ms) / 1000);
-        nanosleep(&ts, NULL);
-    }
+    if (ms && atof(ms) > 0) sleep_until_ns(now_ns() + (uint64_t)(atof(ms) * 1e6));
     /* GPUSHARE_FAKE_HOST_REGISTER_UNTIL=PATH: registering lasts until PATH exists (at most 120 s),
      * so a test decides when staging becomes ready instead of racing a fixed delay. */
     const char *until = getenv("GPUSHARE_FAKE_HOST_REGISTER_UNTIL");
-    for (int i = 0; until && *until && i < 24000 && access(until, F_OK) != 0; i++) {
-        struct timespec ts = {0, 5000000L};
-        nanosleep(&ts, NULL);
-    }
+    uint64_t give_up = now_ns() + 120000000000ULL;
+    while (until && *until && access(until, F_OK) != 0 && now_ns() < give_up)
+        sleep_until_ns(now_ns() + 5000000ULL);
     return host_add(p, bytesize, 0);
 }
 
