@@ -162,6 +162,9 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     # HELLO: the secret its provisioner gave the kernel (GPUSHARE_KERNEL_SECRET): proves that the
     # shim is the kernel its id was bound to (docs/protocol.md, "Kernel ids").
     46: ("kernel_secret", FieldType.STR),
+    # REQUEST: device bytes the driver refused although the room said they fit (the card fuller
+    # than the pool's accounting): the scheduler makes at least that much room (docs/protocol.md).
+    47: ("short_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

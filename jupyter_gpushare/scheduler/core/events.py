@@ -50,6 +50,9 @@ class Request:
     managed: int = 0
     pinned: int = 0
     evicted: int = 0
+    # Bytes the driver refused on the device beyond what the pool's accounting left free (the
+    # card fuller than the pool says): the room to make is at least this (docs/protocol.md).
+    short: int = 0
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import (
     ask,
     count_evicted,
+    freed_by,
     new_rooms,
     note_cell_end,
     order_candidates,
@@ -422,6 +423,9 @@ class Policy(FixedQuantumLock):
     def _on_request(self, c: ClientState, evt: Request) -> None:
         """The client wants the device; a Request from a holder only updates its footprint."""
         c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
+        # A claim: never more room than the device's pool could give.
+        c.short = min(max(0, evt.short), self._devices[c.device].pool_bytes)
+        c.short_waits = c.short > 0
         if c.holding is not None:
             return
         if c.idle:  # it wants the GPU again after its cell ended: a new cell
@@ -511,6 +515,7 @@ class Policy(FixedQuantumLock):
         c.resident = True
         c.away = 0  # the grant restores what left (only that: the shim knows which blocks)
         c.stuck = 0
+        c.short, c.short_waits = 0, False  # the room it was short of is made (else it asks again)
         c.idle = False
         room = None
         if self.config.policy == "gpushare":  # never less than it holds (a grant alone, rule 5)
@@ -701,7 +706,9 @@ class Policy(FixedQuantumLock):
             if not self._order.passes(w, gate, now):
                 continue  # a longer cell, paused while shorter ones run (interactive ordering)
             need = w.used - w.on_gpu
-            if need <= free:
+            if need <= free and w.short <= 0:
+                if w.short_waits and incoming > 0:
+                    continue  # the room it was short of is still leaving: the driver needs it
                 out.append(self._grant_in_order(dev, w))
                 gate = min(gate, self._order.level(w))
                 free -= need
@@ -709,7 +716,9 @@ class Policy(FixedQuantumLock):
             if dev.turns:
                 continue  # behind a blocked waiter that does not reserve yet: free room only
             cands = self._eviction_candidates(dev, queue[i + 1 :])
-            short = need - free
+            # What the driver refused beyond the accounting's free room (Request.short) is room
+            # to make all the same: the card is fuller than the pool says.
+            short = max(need - free, w.short)
             if short <= incoming + sum(c.evictable for c in cands):
                 # Fits once idle memory leaves: claim in-flight room first, then evict LRU.
                 use = min(short, incoming)
@@ -717,12 +726,16 @@ class Policy(FixedQuantumLock):
                 short -= use
                 moves = self._evict_for(cands, short, f"room for {w.id}")
                 out += moves
-                short -= sum(self._clients[d.client].evict_asked for d in moves)
+                asked = sum(self._clients[d.client].evict_asked for d in moves)
+                short -= asked
+                w.short = max(0, w.short - use - asked)  # room on its way: not asked twice
                 incoming += max(0, -short)
                 free = 0
                 continue
             dev.turns = True
-            out += self._make_room(dev, w, short - incoming, cands)
+            made = self._make_room(dev, w, short - incoming, cands)
+            out += made
+            w.short = max(0, w.short - incoming - freed_by(made, self._clients))
             if w.holding is not None:  # granted alone (rule 5)
                 dev.turns = False
                 free -= need

@@ -21,15 +21,17 @@ has run (a cell that has run long tends to run long).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from .costs import BLOCK_BYTES, restore_seconds
+from .events import Decision, Evict, Revoke
 from .policy_state import ClientState, DeviceState
 
 __all__ = [
     "ask",
     "count_evicted",
     "expected_left",
+    "freed_by",
     "move_seconds",
     "new_rooms",
     "order_candidates",
@@ -142,18 +144,30 @@ def worth_evicting(dev: DeviceState, h: ClientState, nbytes: int, now: float) ->
     return expected_left(h, now) > move_seconds(dev, nbytes, h)
 
 
-def room_for(dev: DeviceState, c: ClientState) -> int:
-    """The most device memory ``c`` may hold backed without evicting a busy kernel.
+def freed_by(decisions: Iterable[Decision], clients: Mapping[str, ClientState]) -> int:
+    """The device bytes ``decisions`` free once answered (evictions and evicting revokes)."""
+    total = 0
+    for d in decisions:
+        c = clients.get(d.client)
+        if isinstance(d, Evict) and c is not None:
+            total += c.evict_asked
+        elif isinstance(d, Revoke) and d.evict and c is not None:
+            total += c.revoke_bytes
+    return total
 
-    Everything but what other kernels that are not idle hold on the GPU (idle kernels' memory can
-    leave for it).
+
+def room_for(dev: DeviceState, c: ClientState) -> int:
+    """The most device memory ``c`` may hold backed now: the pool less what every other kernel
+    holds on the GPU, idle ones included.
+
+    An idle kernel's memory can leave for ``c``, but it is room only once it has left: counted as
+    free, the shim backed a new 80 GiB allocation beside an idle 80 GiB notebook at the default
+    pool (the whole card) and the driver answered out of memory (H200, e5353ea). Past this room
+    the shim leaves the allocation unbacked and asks again, and admission evicts the idle
+    kernels (pre-copied first) to make the room.
     """
-    busy = sum(
-        o.on_gpu
-        for o in dev.clients.values()
-        if o is not c and not (o.idle and o.waiting_since is None)
-    )
-    return dev.pool_bytes - busy
+    others = sum(o.on_gpu for o in dev.clients.values() if o is not c)
+    return dev.pool_bytes - others
 
 
 def new_rooms(dev: DeviceState) -> list[ClientState]:

@@ -77,6 +77,10 @@ class ClientState:
     # Movable bytes the shim did not move when asked (say, memory its engine cannot move): they
     # stay counted on the GPU and are not asked for again before the client's next grant.
     stuck: int = 0
+    # Bytes its last Request said the driver refused beyond the pool's free room (Request.short):
+    # its admission makes at least that much room, whatever the accounting says is free.
+    short: int = 0
+    short_waits: bool = False  # ... and it waits for the room asked for it to arrive, once made
     cell_start: float | None = None  # when its current cell began (Busy, or a Request after idle)
     turn_s: float = 0.0  # EWMA of its cells' lengths (expected wait, .policy_moves)
     room: int | None = None  # the room_bytes of its current grant (None: no limit)

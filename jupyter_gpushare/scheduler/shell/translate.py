@@ -246,8 +246,15 @@ def shim_event(
     total = int(msg.get("evicted_bytes") or 0) if "evicted_bytes" in msg else -1
     if mtype == MsgType.REQUEST:
         mem = memory_after(memory, msg, cap)
+        short = int(msg.get("short_bytes") or 0)
         return ev.Request(
-            now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"]
+            now,
+            client_id,
+            mem["used"],
+            mem["managed"],
+            mem["pinned"],
+            mem["evicted"],
+            min(short, cap) if cap > 0 else short,
         )
     if mtype == MsgType.MEMORY:
         mem = memory_after(memory, msg, cap)
