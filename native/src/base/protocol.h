@@ -91,7 +91,9 @@ enum gs_tag {
     GS_TAG_ROOM_BYTES = 45,
     /* HELLO: GPUSHARE_KERNEL_SECRET, proving the kernel its id is bound to (docs/protocol.md). */
     GS_TAG_KERNEL_SECRET = 46,
-    GS_TAG_MAX = 46
+    /* REQUEST: bytes the driver refused beyond the room it was granted (docs/protocol.md). */
+    GS_TAG_SHORT_BYTES = 47,
+    GS_TAG_MAX = 47
 };
 
 /* ---- encoding ---- */

@@ -109,6 +109,8 @@ void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t)
     gs_w_u64(w, GS_TAG_PINNED_BYTES, t->pinned);
     gs_w_u64(w, GS_TAG_EVICTED_BYTES, t->evicted);
     gs_w_u64(w, GS_TAG_PRECOPIED_BYTES, t->precopied);
+    if (t->short_bytes) /* the room the driver lacked: the scheduler makes it before the grant */
+        gs_w_u64(w, GS_TAG_SHORT_BYTES, t->short_bytes);
 }
 
 

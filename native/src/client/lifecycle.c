@@ -157,7 +157,7 @@ static void handle_grant(struct gs_session *s, int restore, const struct gs_msg 
         GS_INFO("restored %s to the device in %.1f ms", gs_format_size(moved, b, sizeof b),
                 us / 1000.0);
     }
-    gs_mem_back_deferred(s->devs.dev); /* before the gate opens: what waited gets backed */
+    gs_mem_back_granted(s->devs.dev); /* before the gate opens: what waited gets backed */
     pthread_mutex_lock(&s->mu);
     if (s->conn.connected && !s->quitting) {
         double waited = s->waiters ? gs_now() - s->stats.wait_began : 0;
@@ -185,7 +185,9 @@ void gs_life_wait_for_room(struct gs_session *s)
      * there), what waits unbacked is on the host in every report; the REQUEST says how much. */
     gs_life_release(s, 0, "memory past the grant's room: waiting for room", 0);
     pthread_mutex_lock(&s->mu);
-    int ask = s->conn.connected && s->state == GPUSHARE_STATE_IDLE && !s->requested;
+    /* Given up for now (memory/defer.c): the program's next call asks again. */
+    int ask = s->conn.connected && s->state == GPUSHARE_STATE_IDLE && !s->requested &&
+              !gs_mem_hopeless(s->devs.dev);
     if (ask)
         s->requested = 1;
     pthread_mutex_unlock(&s->mu);

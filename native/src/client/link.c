@@ -282,7 +282,8 @@ void gs_link_wait_for_room(struct gs_session *s)
         release(s, todo[i], 0, "memory past the grant's room: waiting for room");
         pthread_mutex_lock(&s->mu);
         struct gs_link *l = gs_session_link_locked(s, todo[i]);
-        int ask = l && l->state == GS_LINK_IDLE && !l->requested;
+        /* Given up for now (memory/defer.c): the program's next call there asks again. */
+        int ask = l && l->state == GS_LINK_IDLE && !l->requested && !gs_mem_hopeless(todo[i]);
         if (ask)
             l->requested = 1;
         pthread_mutex_unlock(&s->mu);
@@ -304,7 +305,7 @@ static void grant(struct gs_session *s, CUdevice dev, int restore, const struct 
         GS_INFO("device %d: restored %s in %.1f ms", (int)dev,
                 gs_format_size(moved, b, sizeof b), us / 1000.0);
     }
-    gs_mem_back_deferred(dev); /* before the gate opens: what waited gets backed */
+    gs_mem_back_granted(dev); /* before the gate opens: what waited gets backed */
     set_state(s, dev, GS_LINK_HOLDING);
     GS_INFO("granted device %d", (int)dev);
 }

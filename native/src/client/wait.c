@@ -74,6 +74,13 @@ static CUresult wait_for_device(struct gs_session *s, CUstream stream)
                 break; /* no context at all: nothing to share, let the driver answer */
             continue;
         }
+        CUdevice on = link ? link->dev : s->devs.dev;
+        if ((gs_gate_holds() >> gs_mem_slot(on) & 1u) && gs_mem_take_hopeless(on)) {
+            /* Its memory found no room after the scheduler moved what it could (defer.c said
+             * why on stderr): this call fails; the next one asks again. */
+            result = CUDA_ERROR_OUT_OF_MEMORY;
+            break;
+        }
         if (may_pass_locked(s, link))
             break;
         if (!waiting) {
@@ -118,7 +125,7 @@ static CUresult wait_for_device(struct gs_session *s, CUstream stream)
             gs_sigint_end();
     }
     pthread_mutex_unlock(&s->mu);
-    if (result != CUDA_SUCCESS)
+    if (result == CUDA_ERROR_NOT_PERMITTED)
         GS_INFO("interrupted while waiting for the device");
     return result;
 }

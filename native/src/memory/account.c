@@ -66,6 +66,7 @@ void gs_mem_account_totals(CUdevice dev, struct gs_mem_totals *out)
         out->managed += a->managed + a->engine;
         out->pinned += a->context + a->pinned_alloc + a->driver_reserve;
         out->evicted += a->evicted + a->engine_evicted;
+        out->short_bytes += a->short_bytes;
         if (dev == GS_MEM_ALL_DEVICES && (any_context ? !a->context : i != 0))
             continue;
         out->quota = a->quota > out->quota ? a->quota : out->quota;
@@ -108,8 +109,31 @@ void gs_mem_set_room(CUdevice dev, uint64_t room)
 {
     pthread_mutex_lock(&gs_mem_mu);
     for (int i = 0; i < GS_MEM_DEVICES; i++)
-        if (dev == GS_MEM_ALL_DEVICES || i == gs_mem_slot(dev))
+        if (dev == GS_MEM_ALL_DEVICES || i == gs_mem_slot(dev)) {
             gs_mem_acct[i].room = room;
+            gs_mem_acct[i].short_bytes = 0; /* a new grant (or none): the room asked for is made */
+        }
+    pthread_mutex_unlock(&gs_mem_mu);
+}
+
+int gs_mem_has_room_on(CUdevice dev)
+{
+    pthread_mutex_lock(&gs_mem_mu);
+    int has = gs_mem_acct[gs_mem_slot(dev)].room != 0;
+    pthread_mutex_unlock(&gs_mem_mu);
+    return has;
+}
+
+void gs_mem_note_short(CUdevice dev, uint64_t wanted, uint64_t driver_free)
+{
+    /* At least what was wanted less what the driver had free; all of it when the driver had
+     * "enough" (fragmentation, or memory freed between the refusal and the question). */
+    uint64_t short_by = wanted > driver_free ? wanted - driver_free : wanted;
+    pthread_mutex_lock(&gs_mem_mu);
+    struct gs_mem_account *a = &gs_mem_acct[gs_mem_slot(dev)];
+    if (short_by > a->short_bytes)
+        a->short_bytes = short_by;
+    gs_mem_changed_locked();
     pthread_mutex_unlock(&gs_mem_mu);
 }
 

@@ -21,6 +21,7 @@ struct gs_mem_totals {
     uint64_t staging_pinned;   /* host staging registered with the driver (GPUSHARE_HOST_BUDGET) */
     uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
     uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
+    uint64_t short_bytes; /* device bytes the driver refused beyond the room (REQUEST's field) */
 };
 /* The memory engine keeps one account per device (docs/architecture.md, "Several devices"):
  * ordinals 0..GS_MEM_DEVICES-1 each have their own; a higher one shares the last (the session
@@ -62,6 +63,14 @@ void gs_mem_precopy_async(CUdevice dev);
  * before the gate opens (and every path that lets the process run: GS_MEM_ALL_DEVICES). */
 void gs_mem_defer_backing(CUdevice dev);
 void gs_mem_back_deferred(CUdevice dev);
+/* The same at a grant of `dev` (after its restore): memory the driver has no room for (the card
+ * fuller than the pool's accounting) keeps the gate held for `dev` and is asked for again, the
+ * REQUEST saying how much the driver lacked (issue 34; memory/defer.c). */
+void gs_mem_back_granted(CUdevice dev);
+/* Whether `dev` gave up waiting for room after several grants without progress (cleared by the
+ * call): the gated call that asks fails with out of memory, the next one tries again. */
+int gs_mem_take_hopeless(CUdevice dev);
+int gs_mem_hopeless(CUdevice dev); /* the same, without clearing it */
 /* Room (issue 21, "memory that would only be evicted is never backed"): the GRANT's room_bytes
  * for device `dev` (0: no limit). While the process holds `dev` with a room, a new block that
  * would take its backed memory there past the room gets no physical memory: the engine defers

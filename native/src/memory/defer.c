@@ -31,7 +31,76 @@ static CUresult back_in_its_context(struct block *b)
     return r;
 }
 
-void gs_vmm_back_deferred(CUdevice dev)
+/* Grants in a row that left memory of a device off it without progress before the engine gives
+ * up (see hold_what_is_off): each is a round trip through the scheduler, which evicts more. */
+#define ROOM_TRIES 3
+
+static atomic_uint hopeless; /* slots whose last ROOM_TRIES grants could not bring memory back */
+
+unsigned gs_vmm_take_hopeless(unsigned bits) { return atomic_fetch_and(&hopeless, ~bits) & bits; }
+
+unsigned gs_vmm_hopeless_bits(void) { return atomic_load(&hopeless); }
+
+/* Bytes of device `dev`'s explicit memory that are not on it: unbacked, or evicted and not
+ * restored (the restore stops where the driver has no room). Under gs_vmm_mu. */
+static uint64_t off_device_locked(CUdevice dev)
+{
+    uint64_t off = 0;
+    for (size_t i = 0; i < gs_vmm_nblocks; i++)
+        if (!gs_vmm_blocks[i]->resident && gs_vmm_on(gs_vmm_blocks[i], dev))
+            off += gs_vmm_blocks[i]->size;
+    return off;
+}
+
+/* After a grant's restore and backing pass some of `dev`'s memory is still off the device: the
+ * driver had no room although the scheduler's accounting did (issue 34). The gate must not open
+ * on it (a kernel would touch unmapped memory): it stays held for `dev`, as for memory past a
+ * room, and the shim's thread gives the device back and asks again, its REQUEST saying how much
+ * the driver lacked, so the scheduler evicts that much more. After ROOM_TRIES grants in a row
+ * without progress the engine gives up for now: the next GPU call there fails with out of
+ * memory and one line (gs_mem_take_hopeless), and the call after it tries again. Returns the
+ * slot's bit when the hold stays. Under gs_vmm_mu. */
+static unsigned hold_what_is_off(CUdevice dev)
+{
+    static uint64_t last_off[GS_MEM_DEVICES];
+    static int tries[GS_MEM_DEVICES];
+    int slot = gs_mem_slot(dev);
+    uint64_t off = off_device_locked(dev);
+    if (!off) {
+        last_off[slot] = 0;
+        tries[slot] = 0;
+        return 0;
+    }
+    tries[slot] = last_off[slot] && off >= last_off[slot] ? tries[slot] + 1 : 1;
+    last_off[slot] = off;
+    size_t free_now = 0, total = 0;
+    if (gs_vmm_drv.meminfo(&free_now, &total) != CUDA_SUCCESS)
+        free_now = 0;
+    unsigned bit = 1u << slot;
+    char a[32], f[32];
+    gs_format_size(off, a, sizeof a);
+    gs_format_size(free_now, f, sizeof f);
+    if (tries[slot] > ROOM_TRIES) {
+        tries[slot] = 0;
+        last_off[slot] = 0;
+        atomic_fetch_or(&hopeless, bit);
+        gs_log(GS_LOG_QUIET,
+               "%s of this process's GPU memory cannot come back to device %d (%s free there) "
+               "after the scheduler moved what it could: the next GPU call fails with out of "
+               "memory; free memory or wait for other kernels to end, then run it again",
+               a, (int)dev, f);
+    } else {
+        gs_mem_note_short(dev, off, free_now);
+        GS_INFO("%s could not come back to device %d (%s free there): waiting for room", a,
+                (int)dev, f);
+    }
+    atomic_fetch_or(&gs_vmm_defer, bit);
+    atomic_fetch_or(&gs_vmm_past_room, bit);
+    gs_gate_hold(bit);
+    return bit;
+}
+
+void gs_vmm_back_deferred(CUdevice dev, int granted)
 {
     pthread_mutex_lock(&gs_vmm_mu);
     /* Under the lock: an allocation either comes before this pass (and is backed by it) or after
@@ -55,10 +124,11 @@ void gs_vmm_back_deferred(CUdevice dev)
         CUresult r = back_in_its_context(b);
         if (r != CUDA_SUCCESS) {
             char a[32];
-            GS_WARN("cannot back %s of memory allocated while waiting: %s (CUDA error %d)",
-                    gs_format_size(b->size, a, sizeof a),
-                    r == CUDA_ERROR_OUT_OF_MEMORY ? "the device is full" : "the driver refused",
-                    (int)r);
+            if (!granted || r != CUDA_ERROR_OUT_OF_MEMORY)
+                GS_WARN("cannot back %s of memory allocated while waiting: %s (CUDA error %d)",
+                        gs_format_size(b->size, a, sizeof a),
+                        r == CUDA_ERROR_OUT_OF_MEMORY ? "the device is full" : "the driver refused",
+                        (int)r);
             continue;
         }
         b->unbacked = 0;
@@ -66,7 +136,12 @@ void gs_vmm_back_deferred(CUdevice dev)
         backed += b->size;
         gs_mem_engine_account(b->dev, 0, 0, -(int64_t)b->size);
     }
-    gs_gate_unhold(held);
+    /* Under a grant, memory still off the device keeps its device's gate held (one device, or
+     * each of every device's: a grant names one). */
+    unsigned keep = 0;
+    if (granted && dev != GS_MEM_ALL_DEVICES)
+        keep = hold_what_is_off(dev);
+    gs_gate_unhold(held & ~keep);
     pthread_mutex_unlock(&gs_vmm_mu);
     if (backed) {
         char a[32];

@@ -429,8 +429,14 @@ void gs_mem_back_deferred(CUdevice dev)
 {
     if (dev == GS_MEM_ALL_DEVICES) /* the process runs without grants from now on */
         gs_mem_set_room(dev, 0);
-    gs_vmm_back_deferred(dev);
+    gs_vmm_back_deferred(dev, 0);
 }
+
+void gs_mem_back_granted(CUdevice dev) { gs_vmm_back_deferred(dev, 1); }
+
+int gs_mem_take_hopeless(CUdevice dev) { return gs_vmm_take_hopeless(1u << gs_mem_slot(dev)) != 0; }
+
+int gs_mem_hopeless(CUdevice dev) { return (gs_vmm_hopeless_bits() >> gs_mem_slot(dev)) & 1u; }
 
 unsigned gs_mem_past_room(void) { return gs_vmm_past_room_bits(); }
 

@@ -49,6 +49,9 @@ struct gs_mem_account {
     uint64_t driver_reserve;         /* pools' reserves and graph memory (memory/reserves.c) */
     uint64_t quota, pool;            /* this device's registration's */
     uint64_t room; /* the current grant's room_bytes (0: no limit): see gs_mem_past_room_on */
+    /* Device bytes the driver refused although the room said they fit (the card fuller than
+     * the pool's accounting): the next REQUEST says so (short_bytes); a grant clears it. */
+    uint64_t short_bytes;
 };
 /* Guards the accounts and the allocation table (lock order: the engine's lock, then this). */
 extern pthread_mutex_t gs_mem_mu;
@@ -64,6 +67,11 @@ void gs_mem_unreserve_on(CUdevice dev, uint64_t size);
  * reservations in flight: the new block's included) is past the room its grant gave it. 0 when
  * the grant set no room. */
 int gs_mem_past_room_on(CUdevice dev, uint64_t *backed, uint64_t *room);
+/* Whether the process holds `dev` under a grant that gave it a room (a scheduler that weighs
+ * memory): there, a driver out-of-memory is a wait for room, never an error (memory/defer.c). */
+int gs_mem_has_room_on(CUdevice dev);
+/* The driver refused `wanted` bytes on `dev` with `driver_free` free: note the shortfall. */
+void gs_mem_note_short(CUdevice dev, uint64_t wanted, uint64_t driver_free);
 CUresult gs_mem_reserve(uint64_t size);
 void gs_mem_unreserve(uint64_t size);
 /* Drop `reserved` from device `dev`'s reservations, then change its explicit memory's counted
@@ -218,7 +226,10 @@ int gs_vmm_totals_try(CUdevice dev, struct gs_vmm_totals *out);
 /* From now on, new blocks on `dev` get no physical memory until gs_vmm_back_deferred(dev), which
  * backs them (and stops deferring there) before the gate opens. */
 void gs_vmm_defer_backing(CUdevice dev);
-void gs_vmm_back_deferred(CUdevice dev);
+void gs_vmm_back_deferred(CUdevice dev, int granted);
+/* Clear and return which of `bits` (device slots) gave up waiting for room (memory/defer.c). */
+unsigned gs_vmm_take_hopeless(unsigned bits);
+unsigned gs_vmm_hopeless_bits(void);
 /* The slots whose memory went past the grant's room (memory/api.h, gs_mem_past_room). */
 unsigned gs_vmm_past_room_bits(void);
 /* Forget the blocks of a destroyed context (their memory went with it); NULL: only the streams. */

@@ -94,6 +94,30 @@ static int defer_new_block(CUdevice dev, uint64_t size)
     return 1;
 }
 
+/* The driver refused a new block's physical memory although the grant's room said it fits: the
+ * card holds memory the pool's accounting does not see (other processes, contexts larger than
+ * their estimate). Where a scheduler gave a room, that is a wait for room like any past the room,
+ * never an out-of-memory for the program (issue 34): the block stays unbacked, the gate is held
+ * for `dev`, and the REQUEST that follows says by how much the driver fell short. */
+static int defer_refused_block(CUdevice dev, uint64_t size)
+{
+    if (!gs_mem_has_room_on(dev))
+        return 0; /* no scheduler weighs this memory: the driver's answer stands */
+    size_t free_now = 0, total = 0;
+    if (gs_vmm_drv.meminfo(&free_now, &total) != CUDA_SUCCESS)
+        free_now = 0;
+    gs_mem_note_short(dev, size, free_now);
+    unsigned bit = 1u << gs_mem_slot(dev);
+    atomic_fetch_or(&gs_vmm_defer, bit);
+    atomic_fetch_or(&gs_vmm_past_room, bit);
+    gs_gate_hold(bit);
+    char a[32], f[32];
+    GS_INFO("the device has no room for %s (%s free): not backed; its GPU calls wait while the "
+            "scheduler moves other kernels' memory",
+            gs_format_size(size, a, sizeof a), gs_format_size(free_now, f, sizeof f));
+    return 1;
+}
+
 static CUmemAllocationProp prop_for(CUdevice dev)
 {
     return (CUmemAllocationProp){.type = GS_MEM_ALLOCATION_TYPE_PINNED,
@@ -276,6 +300,10 @@ static CUresult new_block(uint64_t size, uint64_t requested, int is_chunk, struc
         b->unbacked = r == CUDA_SUCCESS && defer_new_block(dev, size);
         if (r == CUDA_SUCCESS) {
             r = b->unbacked ? CUDA_SUCCESS : gs_vmm_back(b);
+            if (r == CUDA_ERROR_OUT_OF_MEMORY && defer_refused_block(dev, size)) {
+                b->unbacked = 1;
+                r = CUDA_SUCCESS;
+            }
             if (r == CUDA_SUCCESS && index_add(b) != 0) {
                 gs_vmm_unback(b);
                 r = CUDA_ERROR_OUT_OF_MEMORY;
