@@ -21,7 +21,6 @@ from jupyter_gpushare.scheduler.core.events import (
     Precopied,
     Released,
     Request,
-    Revoke,
 )
 
 CARD = 139 * GB  # an H200's default pool (the card less what the driver keeps)
