@@ -111,7 +111,10 @@ void gs_mem_set_room(CUdevice dev, uint64_t room)
     for (int i = 0; i < GS_MEM_DEVICES; i++)
         if (dev == GS_MEM_ALL_DEVICES || i == gs_mem_slot(dev)) {
             gs_mem_acct[i].room = room;
-            gs_mem_acct[i].short_bytes = 0; /* a new grant (or none): the room asked for is made */
+            /* A grant with a room: the room the last REQUEST was short of is made (a release
+             * forgets the room, room 0, and keeps the shortfall for the REQUEST that follows). */
+            if (room)
+                gs_mem_acct[i].short_bytes = 0;
         }
     pthread_mutex_unlock(&gs_mem_mu);
 }

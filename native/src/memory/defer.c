@@ -42,14 +42,30 @@ unsigned gs_vmm_take_hopeless(unsigned bits) { return atomic_fetch_and(&hopeless
 unsigned gs_vmm_hopeless_bits(void) { return atomic_load(&hopeless); }
 
 /* Bytes of device `dev`'s explicit memory that are not on it: unbacked, or evicted and not
- * restored (the restore stops where the driver has no room). Under gs_vmm_mu. */
-static uint64_t off_device_locked(CUdevice dev)
+ * restored (the restore stops where the driver has no room); *one: such a block. Under
+ * gs_vmm_mu. */
+static uint64_t off_device_locked(CUdevice dev, struct block **one)
 {
     uint64_t off = 0;
     for (size_t i = 0; i < gs_vmm_nblocks; i++)
-        if (!gs_vmm_blocks[i]->resident && gs_vmm_on(gs_vmm_blocks[i], dev))
+        if (!gs_vmm_blocks[i]->resident && gs_vmm_on(gs_vmm_blocks[i], dev)) {
             off += gs_vmm_blocks[i]->size;
+            *one = gs_vmm_blocks[i];
+        }
     return off;
+}
+
+/* The driver's free memory on b's device, asked in b's context (the shim's thread has none). */
+static size_t driver_free_for(struct block *b)
+{
+    size_t free_now = 0, total = 0;
+    int pushed = gs_vmm_drv.ctx_push(b->ctx) == CUDA_SUCCESS;
+    if (!pushed || gs_vmm_drv.meminfo(&free_now, &total) != CUDA_SUCCESS)
+        free_now = 0;
+    CUcontext popped;
+    if (pushed)
+        gs_vmm_drv.ctx_pop(&popped);
+    return free_now;
 }
 
 /* After a grant's restore and backing pass some of `dev`'s memory is still off the device: the
@@ -65,7 +81,8 @@ static unsigned hold_what_is_off(CUdevice dev)
     static uint64_t last_off[GS_MEM_DEVICES];
     static int tries[GS_MEM_DEVICES];
     int slot = gs_mem_slot(dev);
-    uint64_t off = off_device_locked(dev);
+    struct block *one = NULL;
+    uint64_t off = off_device_locked(dev, &one);
     if (!off) {
         last_off[slot] = 0;
         tries[slot] = 0;
@@ -73,9 +90,7 @@ static unsigned hold_what_is_off(CUdevice dev)
     }
     tries[slot] = last_off[slot] && off >= last_off[slot] ? tries[slot] + 1 : 1;
     last_off[slot] = off;
-    size_t free_now = 0, total = 0;
-    if (gs_vmm_drv.meminfo(&free_now, &total) != CUDA_SUCCESS)
-        free_now = 0;
+    size_t free_now = driver_free_for(one);
     unsigned bit = 1u << slot;
     char a[32], f[32];
     gs_format_size(off, a, sizeof a);
