@@ -196,8 +196,8 @@ def start_scheduler(
                 "scheduler",
                 "--socket",
                 str(sock),
-                "--pool",
-                pool,
+                # "": the default pool (the card less pool_reserve), as an operator runs it
+                *(["--pool", pool] if pool else []),
                 "--quantum",
                 str(quantum),
                 *level,
