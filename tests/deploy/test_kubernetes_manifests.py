@@ -26,7 +26,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.30.0", "1.34.0")
 #: Manifests applied by kustomization.yaml; the monitoring objects are in monitoring/ (CRDs).
 MANIFESTS = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "users-config.yaml",
-             "daemonset.yaml", "service.yaml")  # fmt: skip
+             "daemonset.yaml", "service.yaml", "networkpolicy.yaml")  # fmt: skip
 MONITORING = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml",
               "monitoring/dashboard-configmap.yaml")  # fmt: skip
 SOCKET = "/run/gpushare/scheduler.sock"
