@@ -3,13 +3,13 @@ it: a shared library with a C interface, called here through cffi), in a process
 
     python tests/deploy/helm_render.py LIBHELM.so < jobs.json > results.json
 
-jobs.json: {"chart": PATH, "lint": true, "package": DIR, "renders": [{"values": {...}, "kube_version": "1.30.0",
-"namespace": "jhub", "release": "gpushare"}, ...]}. Each render is a real `helm install` with
-client-side apply against a stand-in API server (below) that answers discovery for the given
-Kubernetes version, says every object is new, and keeps what Helm creates; the release is kept
-in memory (HELM_DRIVER=memory). The answer: {"lint": {...}, "renders": [{"manifest": TEXT,
-"created": [OBJECTS], "hooks": [TEXT]}], "package": {"path": ARCHIVE}}, or {"error": TEXT}
-for the render (or package) that failed.
+jobs.json: {"chart": PATH, "lint": true, "package": DIR, "renders": [{"values": {...},
+"kube_version": "1.30.0", "namespace": "jhub", "release": "gpushare"}, ...]}. Each render is a real
+`helm install` with client-side apply against a stand-in API server (below) that answers discovery
+for the given Kubernetes version, says every object is new, and keeps what Helm creates; the release
+is kept in memory (HELM_DRIVER=memory). The answer: {"lint": {...}, "renders": [{"manifest": TEXT,
+"created": [OBJECTS], "hooks": [TEXT]}], "package": {"path": ARCHIVE}}, or {"error": TEXT} for the
+render (or package) that failed.
 
 A process of its own because the library starts the Go runtime (threads, signal handlers), which
 the test process should not have to live with.
