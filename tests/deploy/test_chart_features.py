@@ -187,3 +187,23 @@ def test_the_conda_recipe_constrains_the_k8s_extra() -> None:
     for name, req in extra.items():
         bounds = req[len(name) :].replace(" ", "")
         assert re.search(rf"- {re.escape(name)} {re.escape(bounds)}$", constrained, re.M), req
+
+
+def test_the_device_plugin_labels_nodes_by_their_largest_gpu(renders: dict[str, Any]) -> None:
+    """Kubernetes counts a node's units, not each GPU's: the plugin writes NFD's feature file
+    (a writable hostPath) whose label profiles use to avoid nodes where no GPU can hold them;
+    docs/operators/multi-gpu.md names that label."""
+    from jupyter_gpushare.deviceplugin.node_features import LABEL_PREFIX, LARGEST_GPU
+
+    [ds] = [o for (k, _), o in objects(renders["defaults"]).items() if k == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    [plugin] = [c for c in spec["containers"] if c["name"] == "device-plugin"]
+    [arg] = [a for a in plugin["args"] if a.startswith("--nfd-features-dir=")]
+    directory = arg.split("=", 1)[1]
+    [mount] = [m for m in plugin["volumeMounts"] if m["mountPath"] == directory]
+    assert not mount.get("readOnly")
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"]["path"] == directory
+    assert directory.endswith("node-feature-discovery/features.d")
+    docs = (ROOT / "docs" / "operators" / "multi-gpu.md").read_text()
+    assert f"{LABEL_PREFIX}{LARGEST_GPU}" in docs and "operator: Gt" in docs
