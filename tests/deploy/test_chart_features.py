@@ -207,3 +207,25 @@ def test_the_device_plugin_labels_nodes_by_their_largest_gpu(renders: dict[str, 
     assert directory.endswith("node-feature-discovery/features.d")
     docs = (ROOT / "docs" / "operators" / "multi-gpu.md").read_text()
     assert f"{LABEL_PREFIX}{LARGEST_GPU}" in docs and "operator: Gt" in docs
+
+
+def test_helm_md_lists_every_value() -> None:
+    """The values table of docs/operators/helm.md names every value values.yaml has (maps of
+    the user's own, such as resources or labels, as one value)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    text = (ROOT / "docs" / "operators" / "helm.md").read_text()
+    rows = text.split("### Values", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`([a-zA-Z.]+)`", rows))
+
+    def leaves(doc: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for key, value in doc.items():
+            if isinstance(value, dict) and value and key not in ("resources", "labels",
+                                                                  "nodeSelector"):  # fmt: skip
+                out += leaves(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}")
+        return out
+
+    missing = [name for name in leaves(values) if name not in listed]
+    assert not missing, missing
