@@ -237,7 +237,10 @@ def apply_sandbox(service: dict[str, list[str]], uid: int) -> list[str]:
 
 
 def nvml_check() -> dict[str, object]:
-    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError as exc:
+        return {"ok": False, "error": f"cannot load NVML: {exc}"}
     rc = nvml.nvmlInit_v2()
     if rc != 0:
         return {"ok": False, "error": f"nvmlInit_v2 returned {rc}"}
@@ -323,7 +326,12 @@ def inside(args: argparse.Namespace) -> int:
         report["sandbox"] = apply_sandbox(service, args.uid)
     report["uid"] = os.geteuid()
     report["nvml"] = nvml_check()
-    cuda = ctypes.CDLL("libcuda.so.1")
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        report["cuInit"] = {"ok": False, "error": f"cannot load the CUDA driver: {exc}"}
+        print(json.dumps(report))
+        return 0
     version = ctypes.c_int()
     rc = cuda.cuInit(0)
     cuda.cuDriverGetVersion(ctypes.byref(version))
@@ -352,7 +360,11 @@ def target(args: argparse.Namespace) -> int:
     """A small CUDA program: 256 MiB filled with a pattern; checks it after a line on stdin."""
     if os.geteuid() == 0 and args.uid != 0:
         become(args.uid)
-    cuda = ctypes.CDLL("libcuda.so.1")
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        print(f"error cannot load the CUDA driver: {exc}", flush=True)
+        return 1
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     calls = [("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), 0)),
              ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), 0)), ("cuCtxSetCurrent", (ctx,)),
