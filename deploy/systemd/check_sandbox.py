@@ -257,8 +257,28 @@ def nvml_check() -> dict[str, object]:
         nvml.nvmlDeviceGetName(handle, name, 96)
         mem = (ctypes.c_ulonglong * 3)()  # total, free, used
         nvml.nvmlDeviceGetMemoryInfo(handle, mem)
-        gpus.append({"name": name.value.decode(), "total": mem[0], "used": mem[2]})
-    return {"ok": count.value > 0, "driver": driver.value.decode(), "gpus": gpus}
+        uuid = ctypes.create_string_buffer(96)
+        nvml.nvmlDeviceGetUUID(handle, uuid, 96)
+        util = (ctypes.c_uint * 2)()  # gpu, memory (percent)
+        util_rc = nvml.nvmlDeviceGetUtilizationRates(handle, util)
+        gpu: dict[str, object] = {
+            "name": name.value.decode(),
+            "uuid": uuid.value.decode(),
+            "total": mem[0],
+            "used": mem[2],
+            "utilization_rc": util_rc,
+        }
+        failed = util_rc != 0
+        # What the scheduler reads to check kernels' memory claims: the processes on the GPU.
+        if hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v3"):
+            n = ctypes.c_uint(0)
+            rc = nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(n), None)
+            gpu["processes_rc"] = rc  # 0, or 7 (insufficient size: there are processes)
+            failed = failed or rc not in (0, 7)
+        gpu["ok"] = not failed
+        gpus.append(gpu)
+    ok = count.value > 0 and all(g["ok"] for g in gpus)
+    return {"ok": ok, "driver": driver.value.decode(), "gpus": gpus}
 
 
 def gpu0_used() -> int:
