@@ -212,3 +212,18 @@ def test_the_scheduler_is_ready_once_its_socket_exists(tmp_path: Path, sock_dir:
             proc.wait()
         notify.close()
         log.close()
+
+
+#: [Service] keys check_sandbox.py does not hand to systemd-run, and why: what runs (Type,
+#: ExecStart...), who (User/Group: --uid), files that would hide a python3 in a home or /tmp
+#: (ProtectHome, PrivateTmp), and what a one-shot check does not need (IP, IPC, limits).
+NOT_SANDBOX = {"Type", "NotifyAccess", "User", "Group", "Environment", "RuntimeDirectory",
+               "RuntimeDirectoryMode", "RuntimeDirectoryPreserve", "ExecStart", "ExecReload",
+               "Restart", "RestartSec", "LimitNOFILE", "ProtectHome", "PrivateTmp",
+               "IPAddressDeny", "RemoveIPC"}  # fmt: skip
+
+
+def test_check_sandbox_hands_systemd_run_every_sandbox_key_of_the_unit() -> None:
+    """A hardening key added to the unit reaches check_sandbox.py's systemd-run too."""
+    keys = set(service())
+    assert keys - NOT_SANDBOX == set(sandbox.SANDBOX_KEYS), sorted(keys - NOT_SANDBOX)
