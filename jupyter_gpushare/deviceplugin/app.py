@@ -39,6 +39,7 @@ gpushare device-plugin --resource-name example.com/gpu-memory --unit 512MiB"""
         "prune-interval": "GPUShareDevicePlugin.prune_interval",
         "prune-grace": "GPUShareDevicePlugin.prune_grace",
         "node-name": "GPUShareDevicePlugin.node_name",
+        "nfd-features-dir": "GPUShareDevicePlugin.nfd_features_dir",
     }
     flags: dict[Any, Any] = {
         "no-device-nodes": (

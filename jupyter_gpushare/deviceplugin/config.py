@@ -112,6 +112,15 @@ class GPUShareDevicePlugin(LoggingConfigurable):
         help="XIDs that are an application's error, not the GPU's: they change no health.",
     ).tag(config=True)
 
+    nfd_features_dir = Unicode(
+        "",
+        help="""Node Feature Discovery's local features directory on the node (usually
+        /etc/kubernetes/node-feature-discovery/features.d, mounted): the plugin keeps a file
+        there from which NFD labels the node with its largest GPU's units
+        (feature.node.kubernetes.io/gpushare-gpu-memory-largest-gpu) and its GPU count, for
+        placing pods by one GPU's memory. Empty: no file.""",
+    ).tag(config=True)
+
     node_name = Unicode(
         help="""This node's name (the chart sets NODE_NAME from the downward API): the object
         of the plugin's Kubernetes events. Empty: no events, log lines only.""",

@@ -64,6 +64,7 @@ from ..units import format_size
 from .config import ContainerSetup, GPUShareDevicePlugin
 from .health import ALL_GPUS, XidWatcher
 from .kube_events import NodeEvents
+from .node_features import feature_text, write_features
 from .podresources import api_pb2 as podresources
 from .podresources import api_pb2_grpc as podresources_grpc
 from .v1beta1 import api_pb2 as api
@@ -361,6 +362,7 @@ class DevicePluginServer:
         self.healthy = False
         self.broken: dict[str, int] = {}  # lower-case uuid (or ALL_GPUS) -> the XID that broke it
         self.no_units_reason: str | None = None
+        self.nfd_error = ""  # the last failure to write the node features file
         self.events = NodeEvents.in_cluster(
             self.log, config.node_name, config.kube_api, config.service_account_dir
         )
@@ -403,6 +405,15 @@ class DevicePluginServer:
                 await self.events.warn("GPUShareNoUnits", f"0 units advertised: {reason}")
         units = unit_devices(pools, self.config.unit_bytes)
         await self._publish(units, healthy=True)
+        if self.config.nfd_features_dir:
+            text = feature_text(pools, self.config.unit_bytes)
+            try:
+                if await asyncio.to_thread(write_features, self.config.nfd_features_dir, text):
+                    self.log.info("gpushare device plugin: node features %s", text.split())
+            except OSError as exc:
+                if self.nfd_error != str(exc):  # once per distinct failure, not every refresh
+                    self.log.warning("gpushare device plugin: cannot write node features: %s", exc)
+                self.nfd_error = str(exc)
 
     def _on_xid(self, uuid: str, xid: int) -> None:
         """A critical XID on ``uuid`` (from the watcher's thread, on the loop): its units turn

@@ -3,12 +3,13 @@ it: a shared library with a C interface, called here through cffi), in a process
 
     python tests/deploy/helm_render.py LIBHELM.so < jobs.json > results.json
 
-jobs.json: {"chart": PATH, "lint": true, "renders": [{"values": {...}, "kube_version": "1.30.0",
-"namespace": "jhub", "release": "gpushare"}, ...]}. Each render is a real `helm install` with
-client-side apply against a stand-in API server (below) that answers discovery for the given
-Kubernetes version, says every object is new, and keeps what Helm creates; the release is kept
-in memory (HELM_DRIVER=memory). The answer: {"lint": {...}, "renders": [{"manifest": TEXT,
-"created": [OBJECTS]}]}, or {"error": TEXT} for the render that failed.
+jobs.json: {"chart": PATH, "lint": true, "package": DIR, "renders": [{"values": {...},
+"kube_version": "1.30.0", "namespace": "jhub", "release": "gpushare"}, ...]}. Each render is a real
+`helm install` with client-side apply against a stand-in API server (below) that answers discovery
+for the given Kubernetes version, says every object is new, and keeps what Helm creates; the release
+is kept in memory (HELM_DRIVER=memory). The answer: {"lint": {...}, "renders": [{"manifest": TEXT,
+"created": [OBJECTS], "hooks": [TEXT]}], "package": {"path": ARCHIVE}}, or {"error": TEXT} for the
+render (or package) that failed.
 
 A process of its own because the library starts the Go runtime (threads, signal handlers), which
 the test process should not have to live with.
@@ -31,6 +32,7 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
            ("serviceaccounts", "ServiceAccount", True), ("secrets", "Secret", True),
            ("namespaces", "Namespace", False), ("pods", "Pod", True)],
     "apps/v1": [("daemonsets", "DaemonSet", True), ("deployments", "Deployment", True)],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
     "rbac.authorization.k8s.io/v1": [("roles", "Role", True),
                                      ("rolebindings", "RoleBinding", True)],
     "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True),
@@ -45,6 +47,8 @@ int helm_sdkpy_config_create(char* namespace, char* kubeconfig, char* kubecontex
                              char* options_json, helm_sdkpy_handle* handle_out);
 void helm_sdkpy_config_destroy(helm_sdkpy_handle handle);
 int helm_sdkpy_lint(helm_sdkpy_handle handle, char* chart_path, char** result_json);
+int helm_sdkpy_package(helm_sdkpy_handle handle, char* chart_path, char* dest_dir,
+                       char** result_path);
 int helm_sdkpy_install(helm_sdkpy_handle handle, char* release_name, char* chart_path,
                        char* values_json, char* version, char* options_json, char** result_json);
 """
@@ -151,6 +155,15 @@ def main() -> None:
             else:
                 out["lint"] = json.loads(ffi.string(result[0]))
             lib.helm_sdkpy_config_destroy(handle[0])
+        if jobs.get("package"):  # `helm package CHART -d DIR`: the archive's path
+            handle = ffi.new("helm_sdkpy_handle*")
+            assert lib.helm_sdkpy_config_create(b"default", b"", b"", b"{}", handle) == 0, error()
+            result = ffi.new("char**")
+            if lib.helm_sdkpy_package(handle[0], chart, jobs["package"].encode(), result) != 0:
+                out["package"] = {"error": error()}
+            else:
+                out["package"] = {"path": ffi.string(result[0]).decode()}
+            lib.helm_sdkpy_config_destroy(handle[0])
         out["renders"] = []
         for job in jobs.get("renders", []):
             server.kube_version = job.get("kube_version", "1.34.0")  # type: ignore[attr-defined]
@@ -172,7 +185,8 @@ def main() -> None:
                 release = json.loads(ffi.string(result[0]))
                 out["renders"].append(
                     {"manifest": release["manifest"], "created": server.created,  # type: ignore[attr-defined]
-                     "status": release["info"]["status"]}
+                     "status": release["info"]["status"],
+                     "hooks": [h["manifest"] for h in release.get("hooks") or []]}
                 )  # fmt: skip
             lib.helm_sdkpy_config_destroy(handle[0])
     server.shutdown()

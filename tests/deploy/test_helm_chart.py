@@ -48,7 +48,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "minimal": {"devicePlugin": {"enabled": False}, "serviceMonitor": {"enabled": False},
                 "prometheusRule": {"enabled": False}, "grafanaDashboard": {"enabled": False},
-                "scheduler": {"runtimeClassName": ""}},
+                "scheduler": {"runtimeClassName": "", "deepIdleSeconds": 0},
+                "networkPolicy": {"enabled": False}},
     "device-nodes": {"devicePlugin": {"deviceNodes": True, "unit": "512MiB"},
                      "scheduler": {"pool": "70GiB", "tokenUids": [1000, 1001]}},
 }  # fmt: skip
@@ -128,7 +129,7 @@ def test_every_rendered_object_fits_the_kubernetes_schema(
 def test_optional_parts_follow_the_values(helm: dict[str, Any]) -> None:
     kinds = {k for k, _ in objects(helm)}
     assert kinds == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor",
-                     "PrometheusRule", "Role", "RoleBinding"}  # fmt: skip
+                     "PrometheusRule", "Role", "RoleBinding", "NetworkPolicy"}  # fmt: skip
     minimal = objects(helm, "minimal")
     assert {k for k, _ in minimal} == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet"}
     [c] = one(minimal, "DaemonSet")["spec"]["template"]["spec"]["containers"]
@@ -143,6 +144,12 @@ MISTAKES: dict[str, tuple[dict[str, Any], str]] = {
     "wrong type": ({"devicePlugin": {"enabled": "false"}}, "enabled"),
     "bad size": ({"devicePlugin": {"unit": "1 gigabyte"}}, "unit"),
     "bad uid": ({"scheduler": {"tokenUids": ["jovyan"]}}, "tokenUids"),
+    # The NVIDIA device plugin's resources: two plugins of one resource fight over it.
+    "nvidia resource": ({"devicePlugin": {"resourceName": "nvidia.com/gpu"}}, "resourceName"),
+    "mig resource": ({"devicePlugin": {"resourceName": "nvidia.com/mig-1g.10gb"}}, "resourceName"),
+    # MPS is not offered on Kubernetes (docs/operators/README.md says why).
+    "mps": ({"scheduler": {"extraArgs": ["--mps"]}}, "extraArgs"),
+    "mps trait": ({"scheduler": {"extraArgs": ["--GPUShareScheduler.mps=True"]}}, "extraArgs"),
 }
 
 

@@ -26,10 +26,12 @@ KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.30.0", "1.34.0")
 #: Manifests applied by kustomization.yaml; the monitoring objects are in monitoring/ (CRDs).
 MANIFESTS = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "users-config.yaml",
-             "daemonset.yaml", "service.yaml")  # fmt: skip
+             "daemonset.yaml", "service.yaml", "networkpolicy.yaml")  # fmt: skip
 MONITORING = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml",
               "monitoring/dashboard-configmap.yaml")  # fmt: skip
 SOCKET = "/run/gpushare/scheduler.sock"
+#: The overlays of z2jh-values.yaml for the layouts without gpushare's device plugin.
+TIME_SLICING, DEDICATED = "z2jh-values-time-slicing.yaml", "z2jh-values-dedicated-pool.yaml"
 
 
 def load_all(name: str) -> list[dict[str, Any]]:
@@ -118,7 +120,7 @@ def user_pod(vals: dict[str, Any]) -> dict[str, Any]:
         "name": "notebook",
         "image": f"{su['image']['name']}:{su['image']['tag']}",
         "env": env_list(su.get("extraEnv", {})),
-        "volumeMounts": su["storage"]["extraVolumeMounts"],
+        "volumeMounts": su.get("storage", {}).get("extraVolumeMounts", []),
         "securityContext": {"runAsUser": su["uid"]},
     }
     limits = su.get("extraResource", {}).get("limits") or {}
@@ -126,7 +128,7 @@ def user_pod(vals: dict[str, Any]) -> dict[str, Any]:
         container["resources"] = {"limits": limits}
     spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": su["storage"]["extraVolumes"],
+        "volumes": su.get("storage", {}).get("extraVolumes", []),
         "tolerations": su.get("extraTolerations", []),
         "nodeSelector": su.get("nodeSelector", {}),
         **su.get("extraPodConfig", {}),
@@ -174,7 +176,7 @@ def test_a_wrong_field_is_caught() -> None:
         kubernetes_validate.validate(ds, VERSIONS[0], strict=True)
 
 
-@pytest.mark.parametrize("overlays", [(), ("z2jh-values-dedicated-pool.yaml",)], ids=str)
+@pytest.mark.parametrize("overlays", [(), (TIME_SLICING,), (TIME_SLICING, DEDICATED)], ids=str)
 def test_z2jh_pod_fragments_fit_the_pod_schema(overlays: tuple[str, ...]) -> None:
     vals = values(*overlays)
     validate(user_pod(vals))
@@ -246,7 +248,7 @@ def test_socket_path_is_the_same_for_the_scheduler_and_the_user_pods() -> None:
     assert mounts["socket-dir"]["mountPath"] == os.path.dirname(SOCKET)
     host_dir = vols["socket-dir"]["hostPath"]["path"]
 
-    su = values()["singleuser"]
+    su = values(TIME_SLICING)["singleuser"]  # a plugin pod gets its own from Allocate
     assert su["extraEnv"]["GPUSHARE_SOCKET"] == SOCKET
     assert su["extraEnv"]["GPUSHARE_SCHEDULER"] == "node"
     [uvol] = [v for v in su["storage"]["extraVolumes"] if "hostPath" in v]
@@ -345,7 +347,7 @@ def test_hub_extra_config_installs_the_token_hook(
 
     class Spawner:
         user = type("User", (), {"name": "alice"})()
-        environment = values()["singleuser"]["extraEnv"]  # what z2jh's KubeSpawner is given
+        environment = values(TIME_SLICING)["singleuser"]["extraEnv"]  # KubeSpawner's
 
     spawner = Spawner()
     hook(spawner)

@@ -9,8 +9,9 @@ device resource, its context included (the process then holds 0 bytes of the GPU
 
 Every call blocks (seconds for gigabytes): the scheduler runs them in a thread executor, never on
 its event loop (:mod:`.sleeping`). The driver checks permissions as ptrace does: the scheduler
-calls it itself only as root or as the kernel's own user (:func:`may_checkpoint`); otherwise a
-process of the kernel's user makes the calls for it (:mod:`.checkpoint_agent`).
+calls it itself only with CAP_SYS_PTRACE (root's) or as the kernel's own user
+(:func:`may_checkpoint`); otherwise a process of the kernel's user makes the calls for it
+(:mod:`.checkpoint_agent`).
 The library is ``c.GPUShareScheduler.checkpoint_library`` (``libcuda.so.1``; CI points it at the
 stand-in driver, which models the API, see native/tests/fake_checkpoint.c).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -74,11 +76,38 @@ class CheckpointError(Exception):
         self.code = code
 
 
-def may_checkpoint(target_uid: int, own_euid: int | None = None) -> bool:
+#: CAP_SYS_PTRACE's bit in /proc/self/status's CapEff.
+CAP_SYS_PTRACE = 19
+
+
+@functools.cache
+def effective_capabilities() -> int:
+    """This process's effective capability mask (0 where /proc cannot tell); read once, since
+    deep idle asks after every event and a running scheduler's capabilities do not change."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def may_checkpoint(
+    target_uid: int, own_euid: int | None = None, own_caps: int | None = None
+) -> bool:
     """Whether the driver will let this process checkpoint one of ``target_uid``: it checks as
-    ptrace does (root, or the same user)."""
+    ptrace does (the same user, or CAP_SYS_PTRACE). Root counts through its capability: a
+    container's root with every capability dropped (the chart's, unless deep idle adds this one)
+    may not. ``own_caps`` defaults to this process's effective set, or, with ``own_euid`` given,
+    to that of an ordinary process of that uid (all for root, none otherwise)."""
     euid = os.geteuid() if own_euid is None else own_euid
-    return euid == 0 or (target_uid >= 0 and euid == target_uid)
+    if target_uid >= 0 and euid == target_uid:
+        return True
+    if own_caps is None:
+        own_caps = effective_capabilities() if own_euid is None else (-1 if euid == 0 else 0)
+    return bool(own_caps >> CAP_SYS_PTRACE & 1)
 
 
 @dataclass

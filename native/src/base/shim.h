@@ -19,7 +19,7 @@
 #define GS_EXPORT __attribute__((visibility("default")))
 #define GS_LIKELY(x) __builtin_expect(!!(x), 1)
 #define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
-#define GS_VERSION "0.1.0"
+#define GS_VERSION "0.2.0"
 
 /* ---- ABI bits the shim needs beyond cuda_abi.h (kept here so the shared header stays small) --- */
 
