@@ -32,7 +32,7 @@ from ...scheduler_client import REQUEST_SECONDS
 from ...units import format_size
 from ..core import events as ev
 from ..shell.config import SchedulerConfig
-from ..shell.transport import Connection
+from ..shell.transport import Connection, LogLimiter
 from .checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointAPI, CheckpointError, may_checkpoint
 from .checkpoint import load_cached as load_checkpoint_api
 from .checkpoint_agent import ancestors, run_checkpoint
@@ -64,6 +64,7 @@ class DeepIdleShell:
 
     # Provided by the scheduler (server.py, shims.py, config.py).
     log: Any
+    _log_limit: LogLimiter
     policy: Any
     deep_idle_seconds: float
     checkpoint_library: str
@@ -364,7 +365,9 @@ class DeepIdleShell:
             for serial in [s for s, a in self._agents.items() if a.closed]:
                 del self._agents[serial]
             self._agents[conn.serial] = conn
-            self.log.info("checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid)
+            self._log_limit.info(
+                conn.peer.uid, "checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid
+            )
             body_out = {"ok": True, "action": action, "uid": conn.peer.uid}
             conn.send(Message(MsgType.CONTROL_REPLY, {"body": body_out}), self.log)
             self._deep_idle_pass()  # its user's idle kernels may sleep now

@@ -58,7 +58,7 @@ from .devices import (
     nvml_pids_comparable,
 )
 from .keep import KeptStateShell
-from .kernel_ids import KernelIds
+from .kernel_ids import IdOwners, KernelIds
 from .logs import escape_log
 from .metrics_feed import MetricsFeed
 from .resume import KeptState, ResumeKey
@@ -120,7 +120,7 @@ class GPUShareScheduler(
         self._connections: dict[int, Connection] = {}
         #: client id -> the shim's connection (each shim client the policy knows by this id)
         self._shims: dict[str, Connection] = {}
-        self._id_owners: dict[str, str] = {}
+        self._id_owners = IdOwners()  # who each id belongs to (.kernel_ids)
         self._kernel_ids = KernelIds()  # ids bound to a kernel secret (.kernel_ids)
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
         self._learnt_devices: dict[str, int] = {}  # lower-case uuid -> uid of the HELLO
