@@ -12,6 +12,8 @@ Each test below failed on that code.
 
 from __future__ import annotations
 
+import _strptime  # noqa: F401  (jupyter_client uses it; the other users cannot read the stdlib)
+import asyncio
 import os
 import socket
 import time
@@ -20,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_client.kernelspec import KernelSpec
 from local_users import (
     LocalUser,
     clients_of,
+    collect,
     control,
     kill,
     open_to_everyone,
@@ -34,7 +38,13 @@ from local_users import (
 )
 
 from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
-from jupyter_gpushare.scheduler.shell.kernel_ids import OWNED_PER_USER, PER_USER, secret_digest
+from jupyter_gpushare.provisioner import PROVISIONER_NAME, GPUShareProvisioner
+from jupyter_gpushare.scheduler.shell.kernel_ids import (
+    ENV_KERNEL_SECRET,
+    OWNED_PER_USER,
+    PER_USER,
+    secret_digest,
+)
 from jupyter_gpushare.scheduler.shell.resume import MAX_STATE_BYTES, KeptState
 
 DEVICE = {"device_uuid": "GPU-ids3-0", "device_total": 8 << 30}
@@ -260,3 +270,51 @@ async def test_r3_5_one_users_ids_never_push_out_anothers_owners(
     finally:
         kill(squat[0])
         os.close(squat[1])
+
+
+def provision_while_away(path: str, kernel_id: str) -> dict[str, Any]:
+    """Alice's server starts a kernel while the scheduler is away: its provisioner's bind
+    fails, the kernel starts, and the bind is tried again in the background."""
+    spec = KernelSpec(
+        argv=["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        display_name="t",
+        language="python",
+        metadata={"kernel_provisioner": {"provisioner_name": PROVISIONER_NAME, "config": {}}},
+    )
+
+    async def main() -> dict[str, Any]:
+        prov = GPUShareProvisioner(kernel_id=kernel_id, kernel_spec=spec, socket=path)
+        env: dict[str, str] = {}
+        t0 = time.monotonic()
+        await prov._bind_kernel(env)
+        started = time.monotonic() - t0  # the kernel starts then: the bind did not wait
+        retry = getattr(prov, "_bind_retry", None)
+        if retry is not None:
+            await asyncio.wait_for(retry, 60)
+        return {"secret": env[ENV_KERNEL_SECRET], "retried": retry is not None, "start": started}
+
+    return asyncio.run(main())
+
+
+async def test_r3_6_the_provisioner_binds_once_the_scheduler_is_back(
+    make_scheduler: Any, users: tuple[LocalUser, LocalUser], sock_path: str
+) -> None:
+    """Before: a bind that found no scheduler was logged at debug and never tried again; the
+    kernel stayed unbound and mallory could take its id from ``ps``. Now the provisioner
+    tries again in the background (the kernel's start does not wait) until the scheduler
+    answers, and the id is alice's."""
+    alice, mallory = users
+    os.chmod(os.path.dirname(sock_path), 0o755)
+    away = spawn_as(alice, provision_while_away, sock_path, KERNEL)
+    await asyncio.sleep(1.0)  # the first try and the next have found nothing
+    node = await make_scheduler(pool_size="4GiB")
+    open_to_everyone(node)
+    await until(lambda: node._kernel_ids.binding(KERNEL) is not None, 10)
+    done = await asyncio.get_running_loop().run_in_executor(None, collect, *away, 60)
+    assert done["retried"] and done["start"] < 5.0, done
+    binding = node._kernel_ids.binding(KERNEL)
+    assert binding is not None and binding.user == alice.name, binding
+    assert node._kernel_ids.proves(KERNEL, done["secret"])
+    theirs = {**BIND, "secret_sha256": secret_digest("mallory's")}
+    kind, reply = await run_as(mallory, control, str(node.socket_path), MsgType.CONTROL, theirs)
+    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
