@@ -92,6 +92,9 @@ class ShimSessions:
     _devices: dict[str, str]
     pool_for: Callable[[int], int]
 
+    #: NVML's last sample of the devices' processes (none yet, or no NVML).
+    _last_processes: list[nc.ProcessMemory] = []  # replaced by each sample, never changed
+
     @property
     def unmanaged_bytes(self) -> dict[str, int]:
         """Lower-case device uuid -> bytes NVML sees held by processes of no client."""
@@ -507,6 +510,7 @@ class ShimSessions:
         """Count each client as using at least what NVML sees its process hold on its device
         (:mod:`.nvml_check`); called with each NVML sample (``taken``: when its reading
         started, monotonic), on the loop."""
+        self._last_processes = processes  # a forced evict's candidates (features/sleeping.py)
         shims = [c for c in self._shims.values() if c.client_id and c.device and not c.left]
         claims = [
             nc.ClientClaim(
