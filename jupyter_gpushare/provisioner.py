@@ -528,7 +528,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     #: Seconds between two tries of a bind the scheduler was not there for: the first, then
     #: doubling up to the last (a scheduler restarting under systemd is back within seconds).
-    BIND_RETRY_SECONDS = (0.25, 5.0)
+    BIND_RETRY_SECONDS = (0.25, 1.0)
     _bind_retry: asyncio.Task[None] | None = None
 
     async def _bind_kernel(self, env: dict[str, str]) -> None:

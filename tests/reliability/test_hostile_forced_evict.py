@@ -10,13 +10,14 @@ service account may not send was logged as a "gone" pid.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from local_users import collect, control, kill, spawn_as
 from test_deep_idle_service_account import (  # noqa: F401  (fixtures)
@@ -24,6 +25,7 @@ from test_deep_idle_service_account import (  # noqa: F401  (fixtures)
     MiB,
     Node,
     hog,
+    hog_under_server,
     node_files,
     people,
     running_node,
@@ -31,7 +33,6 @@ from test_deep_idle_service_account import (  # noqa: F401  (fixtures)
 )
 
 from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_sync
-from jupyter_gpushare.scheduler.features.checkpoint_agent import CheckpointAgent, serve_while
 from jupyter_gpushare.scheduler.features.sleeping import (
     FORCE_EVICT_AGENT_SECONDS,
     FORCE_EVICT_SECONDS_PER_GIB,
@@ -76,22 +77,6 @@ def forked_holder(node: Node, nbytes: int, stop: str, out: str) -> None:
     os.waitpid(child, 0)
 
 
-def under_server(node: Node, holder: str, nbytes: int, stop: str, out: str) -> int:
-    """Alice's server: the holder is its child, it serves as her checkpoint agent."""
-    os.environ["GPUSHARE_SERVICE_USER"] = node.svc.name
-    run = {"forked": forked_holder, "hog": hog}[holder]
-    child = os.fork()
-    if child == 0:
-        code = 0
-        try:
-            run(node, nbytes, stop, out)
-        except BaseException as exc:
-            Path(out + ".err").write_text(repr(exc))
-            code = 1
-        os._exit(code)
-    return asyncio.run(serve_while(CheckpointAgent(node.socket, str(node.driver)), child))
-
-
 def under_silent_agent(node: Node, nbytes: int, stop: str, out: str) -> int:
     """A holder's own user runs an agent that registers and never answers."""
     child = os.fork()
@@ -108,9 +93,21 @@ def under_silent_agent(node: Node, nbytes: int, stop: str, out: str) -> int:
     return os.waitpid(child, 0)[1]
 
 
-def _holds(node: Node, client: str) -> None:
-    node.wait_log("checkpoint_agent uid=", 20)
-    node.wait_log(f"grant client={client}", 20)
+@contextlib.contextmanager
+def holding(node: Node, name: str, server: Callable[..., int], *more: Any) -> Iterator[str]:
+    """Alice's ``server`` runs her holder ``name`` (768 MiB) until the test is done; yields
+    where the holder writes what it reports."""
+    stop, out = (str(node.root / "logs" / f"{what}-{name}") for what in ("stop", "out"))
+    pid, rfd = spawn_as(node.alice, server, node, HELD, stop, out, *more)
+    try:
+        node.wait_log("checkpoint_agent uid=", 20)
+        node.wait_log(f"grant client={name}", 20)
+        yield out
+    finally:
+        open(stop, "w").close()
+        with contextlib.suppress(Exception):
+            collect(pid, rfd, 30)
+        kill(pid)
 
 
 def test_r3_a_forced_evict_reaches_the_child_that_holds_the_context(
@@ -118,34 +115,24 @@ def test_r3_a_forced_evict_reaches_the_child_that_holds_the_context(
 ) -> None:
     """Before: the evict checkpointed the pid that said HELLO, which holds no context: it
     failed, and the child kept 768 MiB of the GPU while the waiter waited."""
-    with running_node(node_files, **OPTIONS) as node:
-        stop = str(node.root / "logs" / "stop-forked")
-        out = str(node.root / "logs" / "forked.pid")
-        pid, rfd = spawn_as(node.alice, under_server, node, "forked", HELD, stop, out)
-        sock = None
-        try:
-            _holds(node, "forked")
-            deadline = time.monotonic() + 20
-            while not os.path.exists(out) or not Path(out).read_text():
-                assert time.monotonic() < deadline, node.log_text()
-                time.sleep(0.05)
-            child = int(Path(out).read_text())
-            assert node.device_bytes(child) >= HELD
-            sock = waiter(node, HELD)
+    with (
+        running_node(node_files, **OPTIONS) as node,
+        holding(node, "forked", hog_under_server, forked_holder) as out,
+    ):
+        deadline = time.monotonic() + 20
+        while not os.path.exists(out) or not Path(out).read_text():
+            assert time.monotonic() < deadline, node.log_text()
+            time.sleep(0.05)
+        child = int(Path(out).read_text())
+        assert node.device_bytes(child) >= HELD
+        with contextlib.closing(waiter(node, HELD)) as sock:
             node.wait_log("revoke_overdue client=forked", 20)
             reply = node.ask("evict", "forked")
             assert reply["done"] is True and reply["checkpointed"] is True, reply
             assert str(child) in reply["effect"], reply
             grant = read_message_sync(sock)
             assert grant is not None and grant.type == MsgType.GRANT, grant
-            assert node.device_bytes(child) == 0, "the child's memory is still on the device"
-        finally:
-            open(stop, "w").close()
-            if sock is not None:
-                sock.close()
-            with contextlib.suppress(Exception):
-                collect(pid, rfd, 30)
-            kill(pid)
+        assert node.device_bytes(child) == 0, "the child's memory is still on the device"
 
 
 def test_r3_a_silent_agent_holds_a_forced_evict_for_a_bounded_time(
@@ -156,32 +143,23 @@ def test_r3_a_silent_agent_holds_a_forced_evict_for_a_bounded_time(
     GiB held, then it answers what it could not do (the documented fallback: the memory stays
     counted, the waiter waits)."""
     lock = 1.0
-    with running_node(node_files, checkpoint_lock_timeout=lock, **OPTIONS) as node:
-        stop = str(node.root / "logs" / "stop-silent")
-        out = str(node.root / "logs" / "silent.json")
-        pid, rfd = spawn_as(node.alice, under_silent_agent, node, HELD, stop, out)
-        sock = None
-        try:
-            _holds(node, "hog")
-            sock = waiter(node, HELD)
-            node.wait_log("revoke_overdue client=hog", 20)
-            bound = lock + FORCE_EVICT_AGENT_SECONDS + FORCE_EVICT_SECONDS_PER_GIB * 0.75
-            t0 = time.monotonic()
-            body = {"action": "evict", "client": "hog"}
-            kind, fields = control(node.socket, MsgType.CONTROL, body, timeout=bound + 20)
-            took = time.monotonic() - t0
-            assert kind == MsgType.CONTROL_REPLY, fields
-            reply = fields["body"]
-            assert reply["done"] is False and "no answer in" in reply["effect"], reply
-            assert bound - 1.0 <= took <= bound + 10.0, (took, bound)
-            assert "force_evict_failed client=hog" in node.log_text()
-        finally:
-            open(stop, "w").close()
-            if sock is not None:
-                sock.close()
-            with contextlib.suppress(Exception):
-                collect(pid, rfd, 30)
-            kill(pid)
+    with (
+        running_node(node_files, checkpoint_lock_timeout=lock, **OPTIONS) as node,
+        holding(node, "hog", under_silent_agent),
+        contextlib.closing(waiter(node, HELD)),
+    ):
+        node.wait_log("revoke_overdue client=hog", 20)
+        bound = lock + FORCE_EVICT_AGENT_SECONDS + FORCE_EVICT_SECONDS_PER_GIB * 0.75
+        t0 = time.monotonic()
+        body = {"action": "evict", "client": "hog"}
+        kind, fields = control(node.socket, MsgType.CONTROL, body, timeout=bound + 20)
+        took = time.monotonic() - t0
+        assert kind == MsgType.CONTROL_REPLY, fields
+        reply = fields["body"]
+        assert reply["done"] is False and "no answer in" in reply["effect"], reply
+        assert bound - 1.0 <= took <= bound + 10.0, (took, bound)
+        print(f"the evict answered in {took:.1f} s (bound {bound:.1f} s)")
+        assert "force_evict_failed client=hog" in node.log_text()
 
 
 def test_r3_a_signal_the_service_account_may_not_send_says_eperm(
@@ -190,21 +168,11 @@ def test_r3_a_signal_the_service_account_may_not_send_says_eperm(
     """Before: "not sending SIGTERM to client hog (pid N): pid N is gone ([Errno 1] Operation
     not permitted)" for a live process of another user. Now the line says EPERM and why."""
     options = {**OPTIONS, "revoke_signal": "SIGTERM", "revoke_signal_grace": 0.5}
-    with running_node(node_files, **options) as node:
-        stop = str(node.root / "logs" / "stop-eperm")
-        out = str(node.root / "logs" / "eperm.json")
-        pid, rfd = spawn_as(node.alice, under_server, node, "hog", HELD, stop, out)
-        sock = None
-        try:
-            _holds(node, "hog")
-            sock = waiter(node, HELD)
-            log = node.wait_log("not sending SIGTERM to client hog", 20)
-            (line,) = [ln for ln in log.splitlines() if "not sending SIGTERM" in ln]
-            assert "EPERM" in line and "gone" not in line, line
-        finally:
-            open(stop, "w").close()
-            if sock is not None:
-                sock.close()
-            with contextlib.suppress(Exception):
-                collect(pid, rfd, 30)
-            kill(pid)
+    with (
+        running_node(node_files, **options) as node,
+        holding(node, "hog", hog_under_server),
+        contextlib.closing(waiter(node, HELD)),
+    ):
+        log = node.wait_log("not sending SIGTERM to client hog", 20)
+        (line,) = [ln for ln in log.splitlines() if "not sending SIGTERM" in ln]
+        assert "EPERM" in line and "gone" not in line, line

@@ -36,6 +36,7 @@ from local_users import (
     tmp_dir,
     until,
 )
+from test_hostile_kernel_ids import BIND, DEVICE, KERNEL, SECRET, _victim_keeps_her_id
 
 from jupyter_gpushare.protocol import ErrorCode, Message, MsgType, encode, read_message_sync
 from jupyter_gpushare.provisioner import PROVISIONER_NAME, GPUShareProvisioner
@@ -47,10 +48,6 @@ from jupyter_gpushare.scheduler.shell.kernel_ids import (
 )
 from jupyter_gpushare.scheduler.shell.resume import MAX_STATE_BYTES, KeptState
 
-DEVICE = {"device_uuid": "GPU-ids3-0", "device_total": 8 << 30}
-KERNEL = "7a1e5c3d-2b4f-4e6a-8c9d-0f1e2d3c4b5a"  # alice's kernel id, as ps shows it
-SECRET = "a1" * 32  # her kernel's secret (secrets.token_hex(32), as the provisioner makes it)
-BIND = {"action": "bind_kernel", "client": KERNEL, "secret_sha256": secret_digest(SECRET)}
 # An id as long as a HELLO may send, of astral-plane characters (12 bytes each in JSON).
 LONG = "\U0001f600" * 249
 
@@ -104,29 +101,34 @@ def _mine(node: Any, user: LocalUser) -> list[str]:
     return sorted(k for k, c in clients_of(node).items() if c["user"] == user.name)
 
 
+async def _bind_refused(user: LocalUser, path: str, client: str, digest: str = "0" * 64) -> None:
+    body = {"action": "bind_kernel", "client": client, "secret_sha256": digest}
+    kind, reply = await run_as(user, control, path, MsgType.CONTROL, body)
+    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+
+
+async def _restarted(make_scheduler: Any, first: Any) -> Any:
+    """``first`` stopped and a new scheduler on its socket (it reads what ``first`` kept)."""
+    path = str(first.socket_path)
+    await first.stop()
+    second = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0, socket_path=path)
+    open_to_everyone(second)
+    return second
+
+
 async def _her_kernel_keeps_her_id(node: Any, alice: LocalUser, mallory: LocalUser) -> None:
     """Mallory's HELLO with alice's id, first, gets ``<id>#<pid>`` and her bind of it is
-    refused; alice's kernel (with its secret) gets the id and her release of it works."""
+    refused; alice's kernel (with its secret) gets the id, her release of it works."""
     path = str(node.socket_path)
     squat = spawn_as(mallory, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
-    kernel = (-1, -1)
     try:
         await until(lambda: len(_mine(node, mallory)) == 1)
         assert _mine(node, mallory)[0].startswith(f"{KERNEL}#"), _mine(node, mallory)
-        theirs = {**BIND, "secret_sha256": secret_digest("mallory's")}
-        kind, reply = await run_as(mallory, control, path, MsgType.CONTROL, theirs)
-        assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
-        fields = {**DEVICE, "client_id": KERNEL, "kernel_secret": SECRET}
-        kernel = spawn_as(alice, shim, path, fields, 0, 30.0)
-        await until(lambda: clients_of(node).get(KERNEL, {}).get("user") == alice.name)
-        release = {"action": "release", "client": KERNEL}
-        kind, reply = await run_as(alice, control, path, MsgType.CONTROL, release)
-        assert (kind, reply["body"]["client"]) == (MsgType.CONTROL_REPLY, KERNEL), reply
+        await _bind_refused(mallory, path, KERNEL, secret_digest("mallory's"))
+        await _victim_keeps_her_id(node, alice, mallory)
     finally:
-        for pid, rfd in (squat, kernel):
-            if pid > 0:
-                kill(pid)
-                os.close(rfd)
+        kill(squat[0])
+        os.close(squat[1])
 
 
 async def test_r3_1_a_binding_outlives_a_restart_whatever_another_user_binds(
@@ -141,10 +143,7 @@ async def test_r3_1_a_binding_outlives_a_restart_whatever_another_user_binds(
     await run_as(alice, control, path, MsgType.CONTROL, BIND)
     ids = [f"m-{n}" for n in range(PER_USER + 76)]
     assert await run_as(mallory, bind_many, path, ids, secret_digest("m"), timeout=120) == len(ids)
-    await first.stop()
-    second = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0, socket_path=path)
-    open_to_everyone(second)
-    await _her_kernel_keeps_her_id(second, alice, mallory)
+    await _her_kernel_keeps_her_id(await _restarted(make_scheduler, first), alice, mallory)
 
 
 async def test_r3_2_state_json_is_bounded_in_bytes_and_read_whole(
@@ -167,7 +166,7 @@ async def test_r3_2_state_json_is_bounded_in_bytes_and_read_whole(
         try:
             await until(lambda: len(_mine(first, mallory)) == 200, 60)
             await run_as(alice, control, path, MsgType.CONTROL, BIND)
-            await first.stop()
+            await first.stop()  # it keeps its state (a second stop does nothing)
         finally:
             Path(stop).touch()
             kill(held[0])
@@ -176,9 +175,7 @@ async def test_r3_2_state_json_is_bounded_in_bytes_and_read_whole(
     size = state.stat().st_size
     assert size <= MAX_STATE_BYTES, size
     assert KERNEL in state.read_text()
-    second = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0, socket_path=path)
-    open_to_everyone(second)
-    await _her_kernel_keeps_her_id(second, alice, mallory)
+    await _her_kernel_keeps_her_id(await _restarted(make_scheduler, first), alice, mallory)
 
 
 async def test_r3_3_bind_kernel_never_takes_an_id_another_users_client_holds(
@@ -195,9 +192,7 @@ async def test_r3_3_bind_kernel_never_takes_an_id_another_users_client_holds(
     try:
         await until(lambda: clients_of(node).get("pid-0", {}).get("state") == "running")
         for _ in range(2):  # while it holds the id; then the same, a second time
-            theirs = {"action": "bind_kernel", "client": "pid-0", "secret_sha256": "0" * 64}
-            kind, reply = await run_as(mallory, control, path, MsgType.CONTROL, theirs)
-            assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+            await _bind_refused(mallory, path, "pid-0")
             assert clients_of(node)["pid-0"]["user"] == alice.name
             assert clients_of(node)["pid-0"]["state"] == "running"
         fields = {**DEVICE, "client_id": "pid-0", "kernel_secret": "0" * 8}
@@ -207,9 +202,7 @@ async def test_r3_3_bind_kernel_never_takes_an_id_another_users_client_holds(
         kill(program[0])
         os.close(program[1])
     await until(lambda: "pid-0" not in clients_of(node))
-    theirs = {"action": "bind_kernel", "client": "pid-0", "secret_sha256": "0" * 64}
-    kind, reply = await run_as(mallory, control, path, MsgType.CONTROL, theirs)
-    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+    await _bind_refused(mallory, path, "pid-0")
 
 
 async def test_r3_4_an_unbound_kernel_is_bound_by_its_own_hello(
@@ -228,15 +221,10 @@ async def test_r3_4_an_unbound_kernel_is_bound_by_its_own_hello(
     await run_as(alice, shim, path, fields, 0, 0.3)
     binding = first._kernel_ids.binding(KERNEL)
     assert binding is not None and binding.user == alice.name
-    theirs = {**BIND, "secret_sha256": secret_digest("mallory's")}
-    kind, reply = await run_as(mallory, control, path, MsgType.CONTROL, theirs)
-    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+    await _bind_refused(mallory, path, KERNEL, secret_digest("mallory's"))
     kind, reply = await run_as(alice, control, path, MsgType.CONTROL, BIND)
     assert kind == MsgType.CONTROL_REPLY, reply
-    await first.stop()
-    second = await make_scheduler(pool_size="4GiB", recovery_seconds=1.0, socket_path=path)
-    open_to_everyone(second)
-    await _her_kernel_keeps_her_id(second, alice, mallory)
+    await _her_kernel_keeps_her_id(await _restarted(make_scheduler, first), alice, mallory)
 
 
 async def test_r3_5_one_users_ids_never_push_out_anothers_owners(
@@ -255,14 +243,7 @@ async def test_r3_5_one_users_ids_never_push_out_anothers_owners(
     assert await run_as(mallory, bind_many, path, ids, secret_digest("m"), timeout=300) == len(ids)
     fields = {**DEVICE, "client_id": "alice-job", "kernel_secret": "mine"}
     await run_as(mallory, shim, path, fields, 0, 0.2)
-    kind, reply = await run_as(
-        mallory,
-        control,
-        path,
-        MsgType.CONTROL,
-        {"action": "bind_kernel", "client": "alice-job", "secret_sha256": "1" * 64},
-    )
-    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+    await _bind_refused(mallory, path, "alice-job")
     squat = spawn_as(mallory, shim, path, {**DEVICE, "client_id": "alice-job"}, 0, 30.0)
     try:
         await until(lambda: len(_mine(node, mallory)) == 1)
@@ -315,6 +296,4 @@ async def test_r3_6_the_provisioner_binds_once_the_scheduler_is_back(
     binding = node._kernel_ids.binding(KERNEL)
     assert binding is not None and binding.user == alice.name, binding
     assert node._kernel_ids.proves(KERNEL, done["secret"])
-    theirs = {**BIND, "secret_sha256": secret_digest("mallory's")}
-    kind, reply = await run_as(mallory, control, str(node.socket_path), MsgType.CONTROL, theirs)
-    assert (kind, reply.get("error_code")) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+    await _bind_refused(mallory, str(node.socket_path), KERNEL, secret_digest("mallory's"))

@@ -21,13 +21,20 @@ from jupyter_gpushare.protocol import Message, MsgType, encode, read_message_syn
 CYCLES = 600
 
 
-def _cycle(path: str, cycles: int) -> int:
+def _connect(path: str, client_id: str | None = None) -> socket.socket:
+    """A connection; with ``client_id``, a shim's, welcomed on the GPU it makes known."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(20.0)
     sock.connect(path)
-    hello = {"pid": os.getpid(), "client_id": "flood", "device_uuid": "GPU-a11"}
-    sock.sendall(encode(Message(MsgType.HELLO, {**hello, "device_total": 8 << 30})))
-    read_message_sync(sock)  # WELCOME
+    if client_id is not None:
+        hello = {"pid": os.getpid(), "client_id": client_id, "device_uuid": "GPU-a11"}
+        sock.sendall(encode(Message(MsgType.HELLO, {**hello, "device_total": 8 << 30})))
+        read_message_sync(sock)  # WELCOME
+    return sock
+
+
+def _cycle(path: str, cycles: int) -> int:
+    sock = _connect(path, "flood")
     grants = 0
     for _ in range(cycles):
         sock.sendall(encode(Message(MsgType.REQUEST, {"used_bytes": 1 << 20})))
@@ -59,15 +66,7 @@ async def test_a11_a_peers_info_lines_are_bounded(
 def _place_many(path: str, count: int) -> int:
     """A shim that makes its GPU known, then ``count`` placements on one connection; how many
     were answered with a device."""
-    shim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    shim.settimeout(20.0)
-    shim.connect(path)
-    hello = {"pid": os.getpid(), "client_id": "placer", "device_uuid": "GPU-a11"}
-    shim.sendall(encode(Message(MsgType.HELLO, {**hello, "device_total": 8 << 30})))
-    read_message_sync(shim)  # WELCOME
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(20.0)
-    sock.connect(path)
+    shim, sock = _connect(path, "placer"), _connect(path)
     placed = 0
     for n in range(count):
         body = {"action": "place", "client": f"placed-{n}", "need": 1 << 20}
