@@ -576,6 +576,8 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         while True:
             await asyncio.sleep(delay)
             delay = min(longest, delay * 2)
+            if self.process is not None and self.process.poll() is not None:
+                return  # the kernel ended (and nobody called cleanup)
             bound = await self._try_bind(digest)
             if bound is not None:
                 if bound:

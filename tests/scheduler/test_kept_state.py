@@ -51,6 +51,18 @@ def test_many_users_together_stay_under_the_bound_and_the_small_keep_all() -> No
     assert KeptState.from_json(text).bound["alice"] == [["alice-k", "1" * 64]]
 
 
+def test_a_state_written_before_per_user_entries_is_still_read() -> None:
+    """An upgrade's restart: the file of the version before keeps its holds and bindings."""
+    old = (
+        '{"saved": 5.0, "clients": [{"requested_id": "k", "client_id": "k", "uid": 1000, '
+        '"user": "alice", "grant": "g", "since": 4.0}], '
+        '"bound": [["k", "alice", "' + "1" * 64 + '"], ["j", "alice", "' + "2" * 64 + '"]]}'
+    )
+    state = KeptState.from_json(old)
+    assert state.find("k", 1000) is not None
+    assert state.bound == {"alice": [["j", "2" * 64], ["k", "1" * 64]]}
+
+
 def _private(tmp: str) -> str:
     directory = os.path.join(tmp, ".gpushare-private")
     os.mkdir(directory, 0o700)

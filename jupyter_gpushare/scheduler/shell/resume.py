@@ -218,6 +218,12 @@ class KeptState:
         """What :meth:`to_json` wrote; raises ValueError, KeyError, TypeError when malformed."""
         data: dict[str, Any] = json.loads(raw)
         clients, bound = [], {}
+        if "users" not in data:  # written before per-user entries: an upgrade's one restart
+            for entry in data.get("bound") or []:  # [id, user, digest], oldest first
+                if isinstance(entry, list) and len(entry) == 3:
+                    bound.setdefault(str(entry[1]), []).insert(0, [entry[0], entry[2]])
+            data["users"] = {}
+            clients = [KeptClient(**c) for c in data["clients"]]
         for user, mine in dict(data["users"]).items():
             clients.extend(KeptClient(**c) for c in mine.get("clients") or [])
             bound[str(user)] = list(mine.get("bound") or [])

@@ -502,7 +502,7 @@ class GPUShareScheduler(
             text = f"HELLO: too many devices learnt from shims; {uuid!r} is not added"
             return tr.Refusal(ErrorCode.BAD_REQUEST, text)
         if not hello.device_total:
-            self.log.warning("device %s: HELLO did not say its memory size", uuid)
+            self._log_limit.warning(uid, "device %s: HELLO did not say its memory size", uuid)
         self._learnt_devices[uuid.lower()] = uid
         return self._register_device(uuid, hello.device_name, hello.device_total)
 
@@ -623,6 +623,7 @@ class GPUShareScheduler(
         self._serial += 1
         peer = self.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(self._serial, peer, writer)
+        conn.peer_log = self._log_limit.log_for(peer.uid)
         if self._over_connection_limit(peer.uid):
             self._log_limit.warning(
                 peer.uid,
