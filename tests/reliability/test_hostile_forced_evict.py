@@ -132,7 +132,7 @@ def test_r3_a_forced_evict_reaches_the_child_that_holds_the_context(
             assert str(child) in reply["effect"], reply
             grant = read_message_sync(sock)
             assert grant is not None and grant.type == MsgType.GRANT, grant
-        assert node.device_bytes(child) == 0, "the child's memory is still on the device"
+            assert node.device_bytes(child) == 0, "the child's memory is still on the device"
 
 
 def test_r3_a_silent_agent_holds_a_forced_evict_for_a_bounded_time(

@@ -280,15 +280,16 @@ class DeepIdleShell:
     async def _wake_client(self, action: Wake) -> None:
         t0 = time.monotonic()
         conn = self._shims.get(action.client)
-        try:
-            if conn is None:
-                raise CheckpointError("wake", NO_CHECKPOINTER)
-            # A forced evict may have checkpointed its children rather than its own process.
-            for pid in self._forced_pids.pop(action.client, None) or [action.pid]:
+        # A forced evict may have checkpointed its children rather than its own process: each
+        # is woken, whatever became of the others.
+        for pid in self._forced_pids.pop(action.client, None) or [action.pid]:
+            try:
+                if conn is None:
+                    raise CheckpointError("wake", NO_CHECKPOINTER)
                 await self._checkpoint_call(conn, "wake", pid)
-        except CheckpointError as exc:
-            # The process cannot be helped from here; its CUDA calls will fail and say so.
-            self.log.error("wake_failed client=%s pid=%d: %s", action.client, action.pid, exc)
+            except CheckpointError as exc:
+                # The process cannot be helped from here; its CUDA calls will fail and say so.
+                self.log.error("wake_failed client=%s pid=%d: %s", action.client, pid, exc)
         now = time.monotonic()
         self.log.info("woke client=%s pid=%d ms=%.1f", action.client, action.pid, (now - t0) * 1000)
         self._deep_idle.woke(action.client, now)
