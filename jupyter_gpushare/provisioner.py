@@ -526,28 +526,68 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             self.kernel_id,
         )
 
+    #: Seconds between two tries of a bind the scheduler was not there for: the first, then
+    #: doubling up to the last (a scheduler restarting under systemd is back within seconds).
+    BIND_RETRY_SECONDS = (0.25, 1.0)
+    _bind_retry: asyncio.Task[None] | None = None
+
     async def _bind_kernel(self, env: dict[str, str]) -> None:
         """Give the kernel a secret of its own (GPUSHARE_KERNEL_SECRET: its environment is
         readable by its owner only) and bind its id to the secret's digest before it starts,
         so that no other process gets the id, even one that says HELLO with it first
-        (scheduler/shell/kernel_ids.py). Without the scheduler the kernel starts all the same,
-        its id first come, first served."""
+        (scheduler/shell/kernel_ids.py). Without the scheduler the kernel starts all the same
+        and the bind is tried again in the background until the scheduler answers (its own
+        first HELLO, with the secret, binds the id too: whichever comes first)."""
+        self._stop_bind_retry()
         secret = env[ENV_KERNEL_SECRET] = secrets.token_hex(32)
         if not self.kernel_id:
             return
-        client = self._scheduler(5.0)
+        digest = secret_digest(secret)
+        if await self._try_bind(digest) is None:
+            self._bind_retry = asyncio.ensure_future(self._retry_bind(digest))
+
+    async def _try_bind(self, digest: str) -> bool | None:
+        """One ``bind_kernel``: True when bound, False when refused for good, None when the
+        scheduler did not answer (try again)."""
         try:
-            await client.control(
-                "bind_kernel", client=self.kernel_id, secret_sha256=secret_digest(secret)
+            await self._scheduler(5.0).control(
+                "bind_kernel", client=self.kernel_id, secret_sha256=digest
             )
         except SchedulerUnavailable as exc:
-            self.log.debug("gpushare: kernel %s's id not bound: %s", self.kernel_id, exc)
+            self.log.debug("gpushare: kernel %s's id not bound yet: %s", self.kernel_id, exc)
+            return None
         except SchedulerError as exc:
             if exc.name == "bad_request" and "unknown action" in exc.message:
-                return  # a scheduler from before kernel secrets
+                return False  # a scheduler from before kernel secrets
             self.log.warning(
                 "gpushare: kernel %s's id is not bound to its secret: %s", self.kernel_id, exc
             )
+            return False
+        return True
+
+    async def _retry_bind(self, digest: str) -> None:
+        """Try the bind again until the scheduler answers (never blocking the server's loop);
+        it stops with the kernel (:meth:`cleanup`, or the next start's :meth:`_bind_kernel`)."""
+        delay, longest = self.BIND_RETRY_SECONDS
+        self.log.info(
+            "gpushare: the scheduler did not answer; kernel %s's id is bound when it does",
+            self.kernel_id,
+        )
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(longest, delay * 2)
+            if self.process is not None and self.process.poll() is not None:
+                return  # the kernel ended (and nobody called cleanup)
+            bound = await self._try_bind(digest)
+            if bound is not None:
+                if bound:
+                    self.log.info("gpushare: kernel %s's id is bound now", self.kernel_id)
+                return
+
+    def _stop_bind_retry(self) -> None:
+        if self._bind_retry is not None:
+            self._bind_retry.cancel()
+            self._bind_retry = None
 
     def _pinned_device(self) -> str:
         """The pin from kernel.json's ``metadata.gpushare.device``, else :attr:`device`."""
@@ -675,6 +715,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
             )
 
     async def cleanup(self, restart: bool = False) -> None:
+        self._stop_bind_retry()
         await super().cleanup(restart=restart)
         runtime = self._runtime_dir()
         if not restart and runtime and self.kernel_id:

@@ -235,3 +235,7 @@ async def test_the_kernels_id_is_bound_to_its_secret_placed_or_not(
     env = {}
     await missing._bind_kernel(env)
     assert len(env[ENV_KERNEL_SECRET]) == 64
+    # ... and its bind is tried again in the background until the kernel ends.
+    assert missing._bind_retry is not None and not missing._bind_retry.done()
+    await missing.cleanup()
+    assert missing._bind_retry is None

@@ -304,14 +304,17 @@ def hog(node: Node, nbytes: int, stop: str, out: str) -> None:
     Path(out).write_text(json.dumps([int(m.type) for m in heard if m is not None]))
 
 
-def hog_under_server(node: Node, nbytes: int, stop: str, out: str) -> int:
-    """Alice's server: the hog is its child (forked: the interpreter is not hers to exec)."""
+def hog_under_server(
+    node: Node, nbytes: int, stop: str, out: str, holder: Callable[..., None] | None = None
+) -> int:
+    """Alice's server: the hog (or ``holder``) is its child (forked: the interpreter is not hers
+    to exec); the server serves as her checkpoint agent."""
     os.environ["GPUSHARE_SERVICE_USER"] = node.svc.name
     child = os.fork()
     if child == 0:
         code = 0
         try:
-            hog(node, nbytes, stop, out)
+            (holder or hog)(node, nbytes, stop, out)
         except BaseException as exc:
             Path(out + ".err").write_text(repr(exc))
             code = 1

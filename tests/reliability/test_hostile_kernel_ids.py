@@ -131,26 +131,36 @@ async def test_a16c_a19d_an_unplaced_kernels_id_is_bound_to_its_secret(
             os.close(rfd)
 
 
-async def test_a16c_a_squatter_that_came_before_the_binding_loses_the_id(
+async def test_a16c_a_squatter_before_the_binding_keeps_only_what_it_took_first(
     make_scheduler: Any, users: tuple[LocalUser, LocalUser]
 ) -> None:
-    """Mallory says HELLO with the id before the victim's provisioner binds it: the binding
-    takes the id from her (her connection closes); she comes back as ``<id>#<pid>``."""
+    """Mallory says HELLO with the id before the victim's provisioner binds it (possible only
+    for a kernel started while the scheduler was away: the provisioner binds before the kernel
+    starts, and its id is in ``ps`` only after). A binding never takes an id from another
+    user's live client (a ``bind_kernel`` names any id, every plain program's ``pid-<pid>``
+    included: round 3, item 3), so the victim's bind is refused, nothing of hers is closed, and
+    her kernel keeps working as ``<id>#<pid>``: the documented limit (docs/reliability.md)."""
     victim, attacker = users
     node = await make_scheduler(pool_size="4GiB")
     open_to_everyone(node)
     path = str(node.socket_path)
     first = spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
-    again = (-1, -1)
+    kernel = (-1, -1)
     try:
         await until(lambda: clients_of(node).get(KERNEL, {}).get("user") == attacker.name)
-        await run_as(victim, control, path, MsgType.CONTROL, BIND)
-        await until(lambda: KERNEL not in clients_of(node))
-        again = spawn_as(attacker, shim, path, {**DEVICE, "client_id": KERNEL}, 0, 30.0)
-        await until(lambda: len(_squatters(node, attacker)) == 1)
-        await _victim_keeps_her_id(node, victim, attacker)
+        kind, reply = await run_as(victim, control, path, MsgType.CONTROL, BIND)
+        assert (kind, reply["error_code"]) == (MsgType.ERROR, ErrorCode.FORBIDDEN), reply
+        assert "live client of another user" in reply["message"], reply
+        fields = {**DEVICE, "client_id": KERNEL, "kernel_secret": SECRET}
+        kernel = spawn_as(victim, shim, path, fields, 0, 30.0)
+        await until(lambda: any(c["user"] == victim.name for c in clients_of(node).values()))
+        hers = [k for k, c in clients_of(node).items() if c["user"] == victim.name]
+        assert hers[0].startswith(f"{KERNEL}#"), hers
+        release = {"action": "release", "client": hers[0]}
+        kind, reply = await run_as(victim, control, path, MsgType.CONTROL, release)
+        assert kind == MsgType.CONTROL_REPLY, reply
     finally:
-        for pid, rfd in (first, again):
+        for pid, rfd in (first, kernel):
             if pid > 0:
                 kill(pid)
                 os.close(rfd)

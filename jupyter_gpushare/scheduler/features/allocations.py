@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ...protocol import ErrorCode, Message, MsgType
-from ..shell.transport import Connection, SocketFile, listen
+from ..shell.transport import Connection, LogLimiter, SocketFile, listen
 from ..shell.users import Identity
 
 __all__ = [
@@ -315,6 +315,7 @@ class AllocationControl:
     whose state it reads (below)."""
 
     log: Any
+    _log_limit: LogLimiter
     socket_path: str
     allocation_dir: str
     state_dir: str
@@ -344,7 +345,7 @@ class AllocationControl:
         if who.admin and not conn.allocation:
             return False
         text = f"{who.user} may not {what}: admins on the node's own socket only"
-        self.log.warning("forbidden: %s", text)
+        self._log_limit.warning(conn.peer.uid, "forbidden: %s", text)
         conn.error(ErrorCode.FORBIDDEN, text, self.log)
         return True
 

@@ -67,11 +67,20 @@ class _Reserved64(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_uint64 * 8)]
 
 
+#: What the driver's refusals mean, in the words a log reader needs.
+_MEANINGS = {
+    800: "CUDA_ERROR_NOT_PERMITTED: EPERM, the driver checks the caller as ptrace does: "
+    "root or the process's own user",
+    801: "CUDA_ERROR_NOT_SUPPORTED",
+}
+
+
 class CheckpointError(Exception):
     """A checkpoint call failed; ``code`` is its CUresult (801: the driver does not support it)."""
 
     def __init__(self, call: str, code: int) -> None:
-        super().__init__(f"{call} failed: CUDA error {code}")
+        why = _MEANINGS.get(code, "")
+        super().__init__(f"{call} failed: CUDA error {code}" + (f" ({why})" if why else ""))
         self.call = call
         self.code = code
 

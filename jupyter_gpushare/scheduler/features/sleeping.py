@@ -32,11 +32,13 @@ from ...scheduler_client import REQUEST_SECONDS
 from ...units import format_size
 from ..core import events as ev
 from ..shell.config import SchedulerConfig
-from ..shell.transport import Connection
+from ..shell.transport import Connection, LogLimiter
 from .checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointAPI, CheckpointError, may_checkpoint
 from .checkpoint import load_cached as load_checkpoint_api
 from .checkpoint_agent import ancestors, run_checkpoint
+from .context_holders import context_holders
 from .deep_idle import Action, ClientView, DeepIdle, EvictFirst, Phase, Sleep, Wake
+from .nvml_check import ProcessMemory
 
 #: Codes of failures that are not the driver's (CheckpointError.code).
 NO_CHECKPOINTER = -1  # neither the scheduler nor an agent of the client's user may
@@ -44,6 +46,12 @@ AGENT_LOST = -2  # the agent's connection closed mid-call: what the driver did i
 #: How long an agent's call may take past the lock's own timeout (a checkpoint copies the
 #: process's device memory to the host: seconds per tens of GiB) before its outcome is unknown.
 AGENT_CALL_SECONDS = 300.0
+#: How long a forced evict waits for checkpoint agents, past the lock's own timeout: this floor
+#: plus FORCE_EVICT_SECONDS_PER_GIB for each GiB the holder has (the driver's checkpoint copied
+#: 4 GiB in 3.5 s on an H100: 1 s a GiB leaves room). An agent of the holder's own user may
+#: never answer (its user stops it on purpose): past this, the evict answers what it could do.
+FORCE_EVICT_AGENT_SECONDS = 10.0
+FORCE_EVICT_SECONDS_PER_GIB = 1.0
 #: How long a client waits for the answer to an ``evict``: a holder that ignores its revoke is
 #: checkpointed first, which copies its device memory to the host, and the answer waits for that
 #: (the lock's timeout plus AGENT_CALL_SECONDS), then the request's own REQUEST_SECONDS. With the
@@ -64,6 +72,7 @@ class DeepIdleShell:
 
     # Provided by the scheduler (server.py, shims.py, config.py).
     log: Any
+    _log_limit: LogLimiter
     policy: Any
     deep_idle_seconds: float
     checkpoint_library: str
@@ -83,6 +92,12 @@ class DeepIdleShell:
     _agents: dict[int, Connection]
     _agent_calls: dict[int, tuple[int, asyncio.Future[dict[str, Any]]]]  # seq: agent's serial
     _agent_seq: int = 0
+    _last_processes: list[ProcessMemory]  # NVML's last sample (.shims)
+
+    @property
+    def _forced_pids(self) -> dict[str, list[int]]:
+        """Client -> the processes its forced evict checkpointed (its wake restores them)."""
+        return self.__dict__.setdefault("_forced_checkpointed", {})
 
     def _init_deep_idle(self) -> None:
         self._deep_idle = DeepIdle(0.0)  # off until start() found the API
@@ -265,13 +280,16 @@ class DeepIdleShell:
     async def _wake_client(self, action: Wake) -> None:
         t0 = time.monotonic()
         conn = self._shims.get(action.client)
-        try:
-            if conn is None:
-                raise CheckpointError("wake", NO_CHECKPOINTER)
-            await self._checkpoint_call(conn, "wake", action.pid)
-        except CheckpointError as exc:
-            # The process cannot be helped from here; its CUDA calls will fail and say so.
-            self.log.error("wake_failed client=%s pid=%d: %s", action.client, action.pid, exc)
+        # A forced evict may have checkpointed its children rather than its own process: each
+        # is woken, whatever became of the others.
+        for pid in self._forced_pids.pop(action.client, None) or [action.pid]:
+            try:
+                if conn is None:
+                    raise CheckpointError("wake", NO_CHECKPOINTER)
+                await self._checkpoint_call(conn, "wake", pid)
+            except CheckpointError as exc:
+                # The process cannot be helped from here; its CUDA calls will fail and say so.
+                self.log.error("wake_failed client=%s pid=%d: %s", action.client, pid, exc)
         now = time.monotonic()
         self.log.info("woke client=%s pid=%d ms=%.1f", action.client, action.pid, (now - t0) * 1000)
         self._deep_idle.woke(action.client, now)
@@ -304,9 +322,13 @@ class DeepIdleShell:
         # its uid may still try (the agent checks that it runs the shim; the driver decides).
         return agents[0]
 
-    async def _checkpoint_call(self, conn: Connection, op: str, pid: int) -> str:
-        """``op`` (sleep: lock + checkpoint; wake: restore + unlock) on ``conn``'s process, by
-        the scheduler or an agent; who did it. Raises CheckpointError."""
+    async def _checkpoint_call(
+        self, conn: Connection, op: str, pid: int, agent_seconds: float | None = None
+    ) -> str:
+        """``op`` (sleep: lock + checkpoint; wake: restore + unlock) on ``pid``, a process of
+        ``conn``'s, by the scheduler or an agent; who did it. An agent's answer is waited for
+        ``agent_seconds`` (default: the lock's timeout plus AGENT_CALL_SECONDS). Raises
+        CheckpointError."""
         who = self._checkpointer(conn)
         if who is None:
             raise CheckpointError(
@@ -324,12 +346,15 @@ class DeepIdleShell:
         self._agent_calls[seq] = (who.serial, fut)
         body = {"action": "checkpoint", "op": op, "pid": pid, "seq": seq}
         who.send(Message(MsgType.CONTROL, {"body": body}), self.log)
-        deadline = time.monotonic() + self.checkpoint_lock_timeout + AGENT_CALL_SECONDS
+        wait = self.checkpoint_lock_timeout + AGENT_CALL_SECONDS
+        wait = wait if agent_seconds is None else agent_seconds
+        deadline = time.monotonic() + wait
         try:
             while not fut.done():
                 if who.closed or time.monotonic() > deadline:
+                    why = "its connection closed" if who.closed else f"no answer in {wait:.0f} s"
                     raise CheckpointError(
-                        f"{op} by the agent of pid {who.peer.pid}: no answer", AGENT_LOST
+                        f"{op} of pid {pid} by the agent of pid {who.peer.pid}: {why}", AGENT_LOST
                     )
                 await asyncio.wait({fut}, timeout=0.2)
         finally:
@@ -364,7 +389,9 @@ class DeepIdleShell:
             for serial in [s for s, a in self._agents.items() if a.closed]:
                 del self._agents[serial]
             self._agents[conn.serial] = conn
-            self.log.info("checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid)
+            self._log_limit.info(
+                conn.peer.uid, "checkpoint_agent uid=%d pid=%d", conn.peer.uid, conn.peer.pid
+            )
             body_out = {"ok": True, "action": action, "uid": conn.peer.uid}
             conn.send(Message(MsgType.CONTROL_REPLY, {"body": body_out}), self.log)
             self._deep_idle_pass()  # its user's idle kernels may sleep now
@@ -395,11 +422,18 @@ class DeepIdleShell:
             and self._checkpointer(target) is not None
         )
 
+    def _force_evict_seconds(self, used: int) -> float:
+        """How long a forced evict waits for agents in all (FORCE_EVICT_AGENT_SECONDS)."""
+        per_gib = FORCE_EVICT_SECONDS_PER_GIB * used / (1 << 30)
+        return self.checkpoint_lock_timeout + FORCE_EVICT_AGENT_SECONDS + per_gib
+
     async def _force_evict(
         self, conn: Connection, target: Connection, reply: dict[str, Any]
     ) -> None:
-        """Checkpoint the holder's process; once the driver took its memory off the GPU, the
-        policy counts it as released and evicted, and its waiters run. Answers ``conn``."""
+        """Checkpoint the processes that may hold the holder's context (its process tree, and
+        what NVML lists of its session: .context_holders); once the driver took memory off the
+        GPU, the policy counts it as released and evicted, and its waiters run. Agents are
+        waited for FORCE_EVICT_AGENT_SECONDS (and a second a GiB) in all. Answers ``conn``."""
         client = target.client_id
         assert client is not None and self.policy is not None
         used = 0
@@ -408,12 +442,33 @@ class DeepIdleShell:
                 if c.get("id") == client:
                     used = int(c.get("used_bytes") or 0)
         t0 = time.monotonic()
-        try:
-            who = await self._checkpoint_call(target, "sleep", target.peer.pid)
-        except CheckpointError as exc:
+        deadline = t0 + self._force_evict_seconds(used)
+        device = (target.device or "").lower()
+        listed = [p.pid for p in self._last_processes if p.device == device]
+        loop = asyncio.get_running_loop()
+        pids = await loop.run_in_executor(
+            None, context_holders, target.peer.pid, target.peer.uid, listed
+        )
+        done: list[int] = []
+        failures: list[str] = []
+        who = ""
+        for pid in pids or [target.peer.pid]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failures.append(f"pid {pid}: not tried, the evict's {deadline - t0:.0f} s ran out")
+                continue
+            try:
+                who = await self._checkpoint_call(target, "sleep", pid, left)
+                done.append(pid)
+            except CheckpointError as exc:
+                failures.append(str(exc))
+        if not done:
             # Unknown outcomes included: its memory stays counted until the driver said so.
-            self.log.warning("force_evict_failed client=%s: %s", client, exc)
-            reply["effect"] = f"{reply['effect']}; its process could not be checkpointed: {exc}"
+            why = "; ".join(failures) or "no process to checkpoint"
+            self._log_limit.warning(
+                target.peer.uid, "force_evict_failed client=%s: %s", client, why
+            )
+            reply["effect"] = f"{reply['effect']}; its process could not be checkpointed: {why}"
             self._reply_control(conn, reply)
             return
         now = time.monotonic()
@@ -421,14 +476,16 @@ class DeepIdleShell:
             reply["effect"] = f"{reply['effect']}; it left meanwhile"
             self._reply_control(conn, reply)
             return
+        self._forced_pids[client] = done  # what its wake restores (_wake_client)
         self._deep_idle.forced(client, target.peer.pid)
         self._held_grants.pop(client, None)
         target.send(Message(MsgType.SLEEP, {"flag": 1}), self.log)
         self.log.warning(
-            "force_evict client=%s pid=%d by=%r %s ms=%.1f: checkpointed without its help; "
-            "it wakes when it is granted the GPU again",
+            "force_evict client=%s pid=%d checkpointed=%s by=%r %s ms=%.1f: checkpointed "
+            "without its help; it wakes when it is granted the GPU again",
             client,
             target.peer.pid,
+            ",".join(map(str, done)),
             who,
             format_size(used),
             (now - t0) * 1000,
@@ -442,6 +499,8 @@ class DeepIdleShell:
             f"its process was checkpointed by {who}: {format_size(used)} left the GPU without its "
             "help; it wakes when it is granted the GPU again"
         )
+        if done != [target.peer.pid]:
+            reply["effect"] += f" (processes checkpointed: {', '.join(map(str, done))})"
         self._reply_control(conn, reply)
         self._notify_status()
 

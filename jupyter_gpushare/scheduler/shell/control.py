@@ -25,7 +25,7 @@ from ..features.reservations import Reservations
 from . import translate as tr
 from .access import Access
 from .devices import Discovery
-from .kernel_ids import KernelIds
+from .kernel_ids import IdOwners, KernelIds
 from .transport import Connection
 from .users import Identity
 from .views import filter_status, fit_status
@@ -62,11 +62,12 @@ class ControlActions:
     _refuse: Callable[[Connection, tr.Refusal], None]
     _on_allocate: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
     _on_prune_allocations: Callable[[Connection, Identity, Any], Coroutine[Any, Any, None]]
-    _id_owners: dict[str, str]
+    _id_owners: IdOwners
     _kernel_ids: KernelIds
     _disown: Callable[[Connection, str], None]
     _keep_state: Callable[[], None]
     _remember_owner: Callable[[str, str], None]
+    _bind_refusal: Callable[[str, str], str | None]
     _on_agent_control: Callable[[Connection, str, dict[str, Any]], None]
     _may_force_evict: Callable[[Connection], bool]
     _force_evict: Callable[[Connection, Connection, dict[str, Any]], Coroutine[Any, Any, None]]
@@ -182,8 +183,13 @@ class ControlActions:
             # Another user's client is not found, as one that does not exist: the answer must
             # not confirm that an id guessed or leaked is live (docs/protocol.md).
             owner = target.identity.user if target.identity is not None else "?"
-            self.log.warning(
-                "forbidden: %s asked %s on %s (user %s)", who.describe(), action, client_id, owner
+            self._log_limit.warning(
+                conn.peer.uid,
+                "forbidden: %s asked %s on %s (user %s)",
+                who.describe(),
+                action,
+                client_id,
+                owner,
             )
             conn.error(ErrorCode.NOT_FOUND, f"no client {client_id!r}", self.log)
             return
@@ -194,7 +200,7 @@ class ControlActions:
         if action == "set_quota":
             refusal = self.access.quota_refusal(who, target.identity, request.quota)
             if refusal:
-                self.log.warning("forbidden: %s: %s", who.describe(), refusal)
+                self._log_limit.warning(conn.peer.uid, "forbidden: %s: %s", who.describe(), refusal)
                 conn.error(ErrorCode.FORBIDDEN, refusal, self.log)
                 return
             target.requested_quota = request.quota
@@ -265,7 +271,8 @@ class ControlActions:
             }
             refusal = mps_env(self._mps, body, reply, counts)
             if refusal is None and "env" in reply:
-                self.log.info(
+                self._log_limit.info(
+                    conn.peer.uid,
                     "mps_env client=%s device=%s env=%s",
                     body.get("client"),
                     reply["device"],
@@ -276,7 +283,7 @@ class ControlActions:
             refusal = await mps_terminate(self._mps, self.access, conn, body, reply, shims)
         if refusal is not None:
             if refusal.code == ErrorCode.FORBIDDEN:
-                self.log.warning("forbidden: %s", refusal.text)
+                self._log_limit.warning(conn.peer.uid, "forbidden: %s", refusal.text)
             self._refuse(conn, refusal)
         else:
             self._reply(conn, reply)
@@ -335,7 +342,7 @@ class ControlActions:
             code = ErrorCode.BAD_REQUEST if self._devices else ErrorCode.NOT_FOUND
             conn.error(code, f"place: {exc}", self.log)
             return
-        self.log.info(
+        self._log_limit.log_for(conn.peer.uid).info(  # within the caller's budget (A11)
             "place client=%s device=%s index=%s need=%s fits=%s reason=%r by uid %d",
             request.client_id,
             answer["device"],
@@ -350,14 +357,17 @@ class ControlActions:
     def _on_bind_kernel(self, conn: Connection, body: dict[str, Any], who: Identity) -> None:
         """CONTROL ``bind_kernel`` (docs/protocol.md, "Kernel ids"): the provisioner binds a
         kernel's id to the SHA-256 of the secret it gives the kernel, before the kernel starts.
-        A client that holds the id without that secret (it said HELLO before the binding: a
-        squat) loses it (.kernel_ids)."""
+        Refused for an id bound to another user's kernel, held by a live client of another user
+        or remembered as another user's; a client of the binder's own that holds the id without
+        that secret loses it (.kernel_ids)."""
         request = tr.check_bind_kernel(body)
         if isinstance(request, tr.Refusal):
             self._refuse(conn, request)
             return
         client_id, digest = request
-        refusal = self._kernel_ids.bind(client_id, who.user, digest)
+        refusal = self._bind_refusal(client_id, who.user) or self._kernel_ids.bind(
+            client_id, who.user, digest
+        )
         if refusal is not None:
             self._log_limit.warning(
                 conn.peer.uid, "refused bind_kernel by %s: %s", who.describe(), refusal

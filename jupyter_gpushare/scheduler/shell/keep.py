@@ -54,7 +54,16 @@ class KeptStateShell:
                 exc,
             )
             return
-        self._kept = await loop.run_in_executor(None, KeptState.take, directory)
+        kept = await loop.run_in_executor(None, KeptState.take, directory)
+        if isinstance(kept, str):
+            self.log.warning(
+                "gpushare: the kept state is refused whole: %s; after this restart, holders "
+                "wait and kernel ids are first come, first served until their provisioners "
+                "bind them again",
+                kept,
+            )
+            kept = None
+        self._kept = kept
         if self._kept is not None:
             self._kernel_ids.restore(self._kept.bound)  # bound ids stay bound (.kernel_ids)
         for kept in self._kept.clients if self._kept is not None else []:

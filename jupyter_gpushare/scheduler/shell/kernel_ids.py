@@ -18,12 +18,21 @@ action, from the owner's server, so under the owner's identity). The shim sends 
   shim reconnects as ``<id>#<pid>``. The same happens at the binding itself.
 * A binding is refused when the id is bound to another user's kernel; its own user may bind it
   again (a restarted kernel keeps its id and gets a new secret).
+* A binding is also refused while a live client of another user holds the id, or while the id
+  is another user's (:class:`IdOwners`): a ``bind_kernel`` names any id, ``pid-<pid>`` of
+  every plain shimmed program included (``ps`` shows both), and must not take it from its user.
+* A kernel whose id is not bound (its provisioner could not reach the scheduler) binds it by
+  its first ``HELLO``: the secret that HELLO gives becomes the binding, under the same rules as
+  a ``bind_kernel`` from the kernel's user (never an id another user holds or owns), so the
+  provisioner's later ``bind_kernel`` with the same digest finds it its own.
 * Each user keeps at most :data:`PER_USER` bindings (the oldest of that user's go first), so
-  nobody can push another user's bindings out; the newest :data:`KEPT` are kept across a
-  scheduler restart with the rest of the kept state (.resume).
+  nobody can push another user's bindings out; each user's are kept across a scheduler
+  restart with the rest of the kept state (.resume bounds each user's share of the file in
+  bytes, so another user's entries never push them out either).
 
 An id that no provisioner bound (a client started without it) is first come, first served, as
-before; the last user whose client had it keeps it (.shims).
+before; the last user whose client had it keeps it (:class:`IdOwners`, .shims), each user's
+owned ids bounded on their own.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from dataclasses import dataclass
 
 __all__ = [
     "ENV_KERNEL_SECRET",
-    "KEPT",
+    "OWNED_PER_USER",
     "PER_USER",
     "Binding",
+    "IdOwners",
     "KernelIds",
     "bound_id",
     "secret_digest",
@@ -48,8 +58,8 @@ ENV_KERNEL_SECRET = "GPUSHARE_KERNEL_SECRET"
 
 #: Bindings each user keeps (a node starts far fewer kernels between two restarts of a server).
 PER_USER = 1024
-#: Bindings kept across a scheduler restart (the newest).
-KEPT = 1024
+#: Ids each user is remembered as the owner of after its clients leave (the newest).
+OWNED_PER_USER = 4096
 #: The longest secret a HELLO may send (the provisioner's are 64 hex characters).
 MAX_SECRET = 128
 _DIGEST_LEN = 64  # SHA-256, hex
@@ -125,18 +135,59 @@ class KernelIds:
         if not mine:
             self._by_user.pop(binding.user, None)
 
-    def kept(self) -> list[list[str]]:
-        """The newest :data:`KEPT` bindings, for the next scheduler: [id, user, digest]."""
-        items = list(self._bound.items())[-KEPT:]
-        return [[cid, b.user, b.digest] for cid, b in items]
+    def kept(self) -> dict[str, list[list[str]]]:
+        """Each user's bindings, newest first, for the next scheduler: user -> [[id, digest]]
+        (.resume.KeptState bounds each user's share of the file on its own)."""
+        return {
+            user: [[cid, self._bound[cid].digest] for cid in reversed(mine)]
+            for user, mine in self._by_user.items()
+        }
 
     def restore(self, kept: object) -> None:
         """Take back what :meth:`kept` gave (read from disk: malformed entries are skipped)."""
-        for entry in kept if isinstance(kept, list) else []:
-            if (
-                isinstance(entry, list)
-                and len(entry) == 3
-                and all(isinstance(v, str) and v for v in entry)
-                and valid_digest(entry[2])
-            ):
-                self.bind(entry[0], entry[1], entry[2])
+        for user, entries in kept.items() if isinstance(kept, dict) else []:
+            if not isinstance(user, str) or not user or not isinstance(entries, list):
+                continue
+            for entry in reversed(entries[:PER_USER]):  # oldest first: the newest stay newest
+                if (
+                    isinstance(entry, list)
+                    and len(entry) == 2
+                    and all(isinstance(v, str) and v for v in entry)
+                    and valid_digest(entry[1])
+                ):
+                    self.bind(entry[0], user, entry[1])
+
+
+class IdOwners:
+    """Client id -> the user whose client last had it, bounded per user: each user's newest
+    :data:`OWNED_PER_USER`, so that nobody's many ids (binds, HELLOs, placements) push out
+    another user's."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str] = {}
+        self._by_user: dict[str, dict[str, None]] = {}  # user -> its ids, oldest first
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def get(self, client_id: str) -> str | None:
+        return self._owner.get(client_id)
+
+    def remember(self, client_id: str, user: str) -> None:
+        former = self._owner.pop(client_id, None)
+        if former is not None:
+            self._forget_of(former, client_id)
+        self._owner[client_id] = user
+        mine = self._by_user.setdefault(user, {})
+        mine[client_id] = None
+        while len(mine) > OWNED_PER_USER:
+            oldest = next(iter(mine))
+            del mine[oldest]
+            self._owner.pop(oldest, None)
+
+    def _forget_of(self, user: str, client_id: str) -> None:
+        mine = self._by_user.get(user)
+        if mine is not None:
+            mine.pop(client_id, None)
+            if not mine:
+                del self._by_user[user]

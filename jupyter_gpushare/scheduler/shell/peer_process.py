@@ -52,7 +52,8 @@ class PeerProcess:
             return
         try:
             start, uid = _start_and_uid(peer.pid)
-            signal.pidfd_send_signal(fd, 0)  # the same process after the reads: still alive
+            with contextlib.suppress(PermissionError):  # EPERM: alive, another user's
+                signal.pidfd_send_signal(fd, 0)  # the same process after the reads: still alive
         except (OSError, ValueError, IndexError) as exc:
             os.close(fd)
             self.why = f"pid {peer.pid} is gone ({exc})"
@@ -74,6 +75,11 @@ class PeerProcess:
             signal.pidfd_send_signal(self.fd, signum)
         except ProcessLookupError:
             return f"pid {self.pid} has exited (its pid is never signalled again)"
+        except PermissionError:
+            return (
+                f"EPERM: this scheduler (uid {os.geteuid()}) may not signal pid {self.pid} of "
+                "another user (only a root scheduler, or one of the holder's own uid, can)"
+            )
         except OSError as exc:
             return str(exc)
         return ""

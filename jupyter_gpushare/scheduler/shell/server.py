@@ -58,7 +58,7 @@ from .devices import (
     nvml_pids_comparable,
 )
 from .keep import KeptStateShell
-from .kernel_ids import KernelIds
+from .kernel_ids import IdOwners, KernelIds
 from .logs import escape_log
 from .metrics_feed import MetricsFeed
 from .resume import KeptState, ResumeKey
@@ -120,7 +120,7 @@ class GPUShareScheduler(
         self._connections: dict[int, Connection] = {}
         #: client id -> the shim's connection (each shim client the policy knows by this id)
         self._shims: dict[str, Connection] = {}
-        self._id_owners: dict[str, str] = {}
+        self._id_owners = IdOwners()  # who each id belongs to (.kernel_ids)
         self._kernel_ids = KernelIds()  # ids bound to a kernel secret (.kernel_ids)
         self._devices: dict[str, str] = {}  # lower-case uuid -> uuid as registered
         self._learnt_devices: dict[str, int] = {}  # lower-case uuid -> uid of the HELLO
@@ -502,7 +502,7 @@ class GPUShareScheduler(
             text = f"HELLO: too many devices learnt from shims; {uuid!r} is not added"
             return tr.Refusal(ErrorCode.BAD_REQUEST, text)
         if not hello.device_total:
-            self.log.warning("device %s: HELLO did not say its memory size", uuid)
+            self._log_limit.warning(uid, "device %s: HELLO did not say its memory size", uuid)
         self._learnt_devices[uuid.lower()] = uid
         return self._register_device(uuid, hello.device_name, hello.device_total)
 
@@ -623,6 +623,7 @@ class GPUShareScheduler(
         self._serial += 1
         peer = self.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(self._serial, peer, writer)
+        conn.peer_log = self._log_limit.log_for(peer.uid)
         if self._over_connection_limit(peer.uid):
             self._log_limit.warning(
                 peer.uid,

@@ -26,7 +26,7 @@ from ..features.allocations import cap_quota, confined
 from ..features.mps import MPSManager
 from . import translate as tr
 from .access import Access
-from .kernel_ids import Binding, KernelIds
+from .kernel_ids import MAX_SECRET, Binding, IdOwners, KernelIds, bound_id, secret_digest
 from .metrics_feed import MetricsFeed
 from .peer_process import PeerProcess
 from .resume import KeptState, ResumeKey
@@ -72,11 +72,12 @@ class ShimSessions:
     _device_totals: dict[str, int]
     _resume_key: ResumeKey
     _kept: KeptState | None
-    #: client id -> the user whose client last had it (oldest first; see _remember_owner)
-    _id_owners: dict[str, str]
+    #: client id -> the user whose client last had it (each user's bounded on its own)
+    _id_owners: IdOwners
     _kernel_ids: KernelIds
     _metrics_feed: MetricsFeed
     _handle: Callable[[ev.Event], None]
+    _keep_state: Callable[[], None]
     _decide: Callable[[ev.Event], list[ev.Decision]]
     _reschedule: Callable[[], None]
     _deep_idle_holds: Callable[[ev.Decision], bool]
@@ -90,6 +91,9 @@ class ShimSessions:
     unmanaged_memory: str
     _devices: dict[str, str]
     pool_for: Callable[[int], int]
+
+    #: NVML's last sample of the devices' processes (none yet, or no NVML).
+    _last_processes: list[nc.ProcessMemory] = []  # replaced by each sample, never changed
 
     @property
     def unmanaged_bytes(self) -> dict[str, int]:
@@ -150,14 +154,25 @@ class ShimSessions:
         )
         self._handle(ev.Leave(now, conn.client_id))
 
-    #: How many ids the scheduler remembers the owner of after their clients leave.
-    ID_OWNERS_KEPT = 16384
-
     def _remember_owner(self, client_id: str, user: str) -> None:
-        self._id_owners.pop(client_id, None)
-        self._id_owners[client_id] = user
-        while len(self._id_owners) > self.ID_OWNERS_KEPT:
-            del self._id_owners[next(iter(self._id_owners))]
+        self._id_owners.remember(client_id, user)
+
+    def _bind_refusal(self, client_id: str, user: str) -> str | None:
+        """Why ``user`` may not bind ``client_id`` to a kernel secret (None: it may): the id is
+        bound to another user's kernel, a live client of another user holds it (or the same
+        kernel's id on another GPU, ``<id>/<n>``), or it is another user's (.kernel_ids)."""
+        binding = self._kernel_ids.binding(client_id)
+        if binding is not None and binding.user != user:
+            return f"the id {client_id!r} is bound to another user's kernel"
+        for cid, holder in self._shims.items():
+            if bound_id(cid) != client_id or holder.left:
+                continue
+            if holder.identity is None or holder.identity.user != user:
+                return f"the id {client_id!r} is held by a live client of another user"
+        owner = self._id_owners.get(client_id)
+        if owner is not None and owner != user:
+            return f"the id {client_id!r} is another user's"
+        return None
 
     def _memory_cap(self, conn: Connection) -> int:
         """The most a client's memory claim may say: its quota, else its device's size."""
@@ -200,7 +215,8 @@ class ShimSessions:
     def _disown(self, holder: Connection, why: str) -> None:
         """``holder`` loses its id to the kernel the id is bound to: its connection closes, and
         its shim reconnects as ``<id>#<pid>`` (.kernel_ids)."""
-        self.log.warning(
+        self._log_limit.warning(
+            holder.peer.uid,
             "client id %s is bound to a kernel of user %s: %s loses it (%s)",
             holder.client_id,
             (self._kernel_ids.binding(holder.client_id or "") or _NOBODY).user,
@@ -237,12 +253,32 @@ class ShimSessions:
             self._disown(existing, f"the kernel with its secret came: {conn.name}")
         return None
 
+    def _bind_by_hello(self, requested: str, conn: Connection, secret: str) -> None:
+        """A kernel whose id nobody bound (its provisioner could not reach the scheduler)
+        binds it with the secret its HELLO gives, under a ``bind_kernel``'s rules: never an id
+        that another user holds or owns (.kernel_ids)."""
+        base = bound_id(requested)
+        user = conn.identity.user if conn.identity is not None else ""
+        if not secret or len(secret) > MAX_SECRET or not user:
+            return
+        if self._kernel_ids.binding(base) is not None:
+            return
+        if self._bind_refusal(base, user) is not None:
+            return  # first come, first served, as an id no provisioner bound
+        refusal = self._kernel_ids.bind(base, user, secret_digest(secret))
+        if refusal is None:
+            self._remember_owner(base, user)
+            self._info(conn, "bind_kernel client=%s by the HELLO of %s", base, conn.name)
+            self._keep_state()
+
     def _assign_client_id(
         self, requested: str, conn: Connection, proven: bool = False, secret: str = ""
     ) -> str:
         """The id of a new shim asking for ``requested``; ``proven``: its resume secret proves
         that the id was granted to its uid (it wins over whoever took the id since); ``secret``:
-        its kernel secret (an id bound to one goes only to a client that gives it)."""
+        its kernel secret (an id bound to one goes only to a client that gives it; an unbound id
+        is bound by it, .kernel_ids)."""
+        self._bind_by_hello(requested, conn, secret)
         bound = self._bound_client_id(requested, conn, secret)
         if bound is not None:
             return bound
@@ -254,7 +290,8 @@ class ShimSessions:
             # The id was last another user's (a kernel restarting, a leaked id): bound to that
             # user, so the newcomer gets its own id and the owner's control actions stay its own.
             client_id = tr.free_client_id(requested, conn.peer.pid, {requested: None})
-            self.log.warning(
+            self._log_limit.warning(
+                conn.peer.uid,
                 "client id %s belongs to user %s: the client of %s (pid %d) is %s",
                 requested,
                 owner,
@@ -352,7 +389,8 @@ class ShimSessions:
         if hello.resume.get("resume") == "holding" and not proven:
             # Unproven, a holding claim would let anyone take the grant during the recovery
             # window (docs/reliability.md): it waits like any other client instead.
-            self.log.warning(
+            self._log_limit.warning(
+                conn.peer.uid,
                 "resume client=%s uid=%d: its claim to hold the device has no valid "
                 "resume_secret; it waits",
                 client_id,
@@ -452,8 +490,10 @@ class ShimSessions:
             done = "evicted" if evict else "restored"
             ms = event.micros / 1000.0
             if isinstance(event, ev.Evicted) and not event.ok:
-                self.log.warning(
-                    "eviction failed client=%s: its memory stays counted on the device", client_id
+                self._log_limit.warning(
+                    conn.peer.uid,
+                    "eviction failed client=%s: its memory stays counted on the device",
+                    client_id,
                 )
             else:
                 self._info(
@@ -470,6 +510,7 @@ class ShimSessions:
         """Count each client as using at least what NVML sees its process hold on its device
         (:mod:`.nvml_check`); called with each NVML sample (``taken``: when its reading
         started, monotonic), on the loop."""
+        self._last_processes = processes  # a forced evict's candidates (features/sleeping.py)
         shims = [c for c in self._shims.values() if c.client_id and c.device and not c.left]
         claims = [
             nc.ClientClaim(
@@ -502,7 +543,8 @@ class ShimSessions:
             if level > conn.claim_logged:  # once per client and level
                 conn.claim_logged = level
                 # A warning (within its uid's budget) when the context cannot explain it.
-                log = self._log_limit.log_for(conn.peer.uid).warning if level > 1 else self.log.info
+                limited = self._log_limit.log_for(conn.peer.uid)
+                log = limited.warning if level > 1 else limited.info
                 log(
                     "memory claim corrected client=%s uid=%d pid=%d claimed=%d nvml=%d: counted "
                     "as %s",
@@ -661,7 +703,8 @@ class ShimSessions:
 
     def _revoke_unanswered(self, conn: Connection, sent: float) -> None:
         if self._still_revoking(conn, sent):
-            self.log.warning(
+            self._log_limit.warning(
+                conn.peer.uid,
                 "gpushare: client %s (pid %d) has not released the GPU %.0f s after it was asked: "
                 "its GPU work still runs while others wait (interrupt or end the kernel)",
                 conn.client_id,
@@ -682,7 +725,8 @@ class ShimSessions:
             action += f"; {self.revoke_signal} in {self.revoke_signal_grace:.0f} s"
             loop = asyncio.get_running_loop()
             loop.call_later(self.revoke_signal_grace, self._signal_overdue, conn, sent)
-        self.log.warning(
+        self._log_limit.warning(
+            conn.peer.uid,
             "revoke_overdue client=%s pid=%d after_s=%.0f: %s",
             conn.client_id,
             conn.peer.pid,
@@ -701,7 +745,8 @@ class ShimSessions:
         process = self._peer_processes().get(conn.serial)
         why = process.signal(signum) if process is not None else "no pidfd was taken at HELLO"
         if why:
-            self.log.warning(
+            self._log_limit.warning(
+                conn.peer.uid,
                 "not sending %s to client %s (pid %d): %s",
                 self.revoke_signal,
                 conn.client_id,
@@ -709,7 +754,8 @@ class ShimSessions:
                 why,
             )
             return
-        self.log.warning(
+        self._log_limit.warning(
+            conn.peer.uid,
             "revoke_signal client=%s pid=%d signal=%s",
             conn.client_id,
             conn.peer.pid,

@@ -231,6 +231,8 @@ class Connection:
     observed_at: float = 0.0  # when that NVML reading was taken (monotonic)
     moved_at: float = 0.0  # its last eviction or restore (monotonic): older readings predate it
     context_bytes: int = 0  # its shim's estimate of its CUDA context (HELLO)
+    #: Lines about this peer within its uid's budget (LogLimiter.log_for); None: the given log.
+    peer_log: Any = None
     claim_logged: int = 0  # the level of its under-claim logged already (.nvml_check.under_claim)
 
     @property
@@ -253,7 +255,7 @@ class Connection:
             return False
         transport = writer.transport
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
-            log.warning("%s does not read its socket; dropping it", self.name)
+            (self.peer_log or log).warning("%s does not read its socket; dropping it", self.name)
             transport.abort()
             return False
         return True
