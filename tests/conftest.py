@@ -574,10 +574,11 @@ class Harness:
         """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at).
 
         ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
-        NVML; devices are learnt from the shims). ``args``: more command-line options; ``env``:
+        NVML; devices are learnt from the shims), which reads the test's card file: the memory
+        and the processes of the whole card. ``args``: more command-line options; ``env``:
         more environment (the stand-in driver's settings for the scheduler's own calls)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        env = dict(env or {})
+        env = {"GPUSHARE_FAKE_CARD_FILE": str(self.card_file), **(env or {})}
         if fake_devices:
             env |= {
                 "LD_LIBRARY_PATH": str(self.build.fake_dir),

@@ -40,6 +40,17 @@
  * when that device is full, and cuMemGetInfo answers for the current context's device
  * (fakecuda_stats_json: device_resident_bytes, one entry per physical device).
  *
+ * One card (fake_card.c): by default each process has a device of its own, full when its own
+ * memory fills it. With GPUSHARE_FAKE_CARD_FILE=PATH (tests/conftest.py's harness sets one per
+ * test) every process accounts in that shared file, as on one real card: an allocation is
+ * refused with CUDA_ERROR_OUT_OF_MEMORY when all processes together would pass the device's
+ * total, a killed process's memory is freed, cuMemGetInfo and NVML (memory, and
+ * nvmlDeviceGetComputeRunningProcesses) answer card-wide, and the file keeps per device and per
+ * process the bytes held now and their peak (tests/native/card_file.py reads it).
+ * GPUSHARE_FAKE_HOST_LIMIT=BYTES: pinned host memory (cuMemHostRegister, cuMemHostAlloc) past it
+ * is refused with CUDA_ERROR_OUT_OF_MEMORY, all processes of the card file together (without
+ * one, each process alone); the file keeps the host bytes pinned and their peak.
+ *
  * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB; a comma-separated
  * list gives each device its own, the last one repeating), GPUSHARE_FAKE_UUID
  * (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx; comma-separated per device; a device without one gets
