@@ -42,7 +42,7 @@ struct fk_card_dev {
     uint64_t total;   /* as the process that made the file saw it */
     uint64_t used;    /* every live process's bytes (the sum of the slots) */
     uint64_t peak;    /* the most `used` has been */
-    uint64_t refused; /* allocations refused because the card was full */
+    uint64_t refused; /* allocations refused (or managed memory left on the host): card full */
 };
 
 struct fk_card_slot {

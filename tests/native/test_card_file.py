@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -27,6 +29,8 @@ GiB = 1 << 30
 TOTAL = 1 * GiB
 OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 CARD = {"GPUSHARE_FAKE_DEVICE_TOTAL": str(TOTAL)}
+SLOTS_AT = 448  # the card file's layout (native/tests/fake_card.c)
+DEVICE0_USED = 64 + 8
 
 
 def holder(harness: Any, nbytes: int, seconds: float = 60.0, extra: dict[str, str] | None = None):
@@ -95,6 +99,22 @@ def test_a_killed_process_memory_is_freed(harness):
     card = read_card(harness.card_file)
     assert a.pid not in card.processes, card.processes
     assert card.devices[0].peak == 700 * MiB  # the dead process's bytes were gone first
+
+
+def test_a_reused_pid_is_another_process(harness):
+    """A slot whose pid now belongs to another process (its start time differs) is a dead
+    process's: its memory is freed. Planted here with this test's own pid and start time 1."""
+    harness.run("hold", 0.05, 64 * MiB, shim=False, extra=CARD).ok()  # makes the file
+    slot = struct.Struct("=iIQQQ8Q8Q")
+    with open(harness.card_file, "r+b") as f:
+        f.seek(SLOTS_AT + 7 * slot.size)
+        f.write(slot.pack(os.getpid(), 0, 1, 0, 0, 900 * MiB, *[0] * 7, 900 * MiB, *[0] * 7))
+        f.seek(DEVICE0_USED)
+        f.write(struct.pack("=Q", 900 * MiB))
+    assert read_card(harness.card_file).devices[0].used == 900 * MiB
+    run = harness.run("alloc", "alloc", 700 * MiB, shim=False, extra=CARD).ok()
+    assert run.event("alloc")["rc"] == 0
+    assert os.getpid() not in read_card(harness.card_file).processes
 
 
 def test_a_process_that_exits_gives_its_slot_back(harness):
