@@ -574,11 +574,12 @@ class Harness:
         """Start a scheduler on this harness's socket (what GPUSHARE_SOCKET points at).
 
         ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
-        NVML; devices are learnt from the shims), which reads the test's card file: the memory
-        and the processes of the whole card. ``args``: more command-line options; ``env``:
-        more environment (the stand-in driver's settings for the scheduler's own calls)."""
+        NVML; devices are learnt from the shims). ``args``: more command-line options; ``env``:
+        more environment (the stand-in driver's settings for the scheduler's own calls; with
+        ``GPUSHARE_FAKE_CARD_FILE=str(self.card_file)`` the stand-in NVML answers for the test's
+        whole card: its memory, and each process's, nvmlDeviceGetComputeRunningProcesses)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
-        env = {"GPUSHARE_FAKE_CARD_FILE": str(self.card_file), **(env or {})}
+        env = dict(env or {})
         if fake_devices:
             env |= {
                 "LD_LIBRARY_PATH": str(self.build.fake_dir),
