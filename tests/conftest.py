@@ -491,12 +491,18 @@ class Harness:
         self.schedulers: list[SchedulerProc] = []
         # No scheduler listens here unless a test starts one.
         self.socket_path = sock_dir / "scheduler.sock"
+        # One card for every program of the test (GPUSHARE_FAKE_CARD_FILE): their memory
+        # together is what the stand-in driver refuses past the device's total, as a real card
+        # does (tests/native/card_file.py reads it). Beside the sockets, so that a test that
+        # opens that directory to other users opens the card to them too.
+        self.card_file = sock_dir / "card"
 
     def env(
         self, shim: bool = True, extra: dict[str, str] | None = None, **gpushare: Any
     ) -> dict[str, str]:
         """The environment of a program: the stand-in driver on LD_LIBRARY_PATH, the shim
-        preloaded (unless ``shim=False``), GPUSHARE_<KEY>=value for each keyword argument."""
+        preloaded (unless ``shim=False``), the test's card file (GPUSHARE_FAKE_CARD_FILE; an
+        empty value in ``extra`` turns it off), GPUSHARE_<KEY>=value for each keyword argument."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
         env.pop("LD_PRELOAD", None)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
@@ -506,6 +512,7 @@ class Harness:
             env["LD_PRELOAD"] = str(self.build.require_shim())
         env["GPUSHARE_SOCKET"] = str(self.socket_path)
         env["GPUSHARE_LOG"] = "info"
+        env["GPUSHARE_FAKE_CARD_FILE"] = str(self.card_file)
         for key, value in gpushare.items():
             env[f"GPUSHARE_{key.upper()}"] = str(value)
         env.update(extra or {})
@@ -568,7 +575,9 @@ class Harness:
 
         ``fake_devices``: discover that many GPUs through NVML, the stand-in libnvidia-ml (0: no
         NVML; devices are learnt from the shims). ``args``: more command-line options; ``env``:
-        more environment (the stand-in driver's settings for the scheduler's own calls)."""
+        more environment (the stand-in driver's settings for the scheduler's own calls; with
+        ``GPUSHARE_FAKE_CARD_FILE=str(self.card_file)`` the stand-in NVML answers for the test's
+        whole card: its memory, and each process's, nvmlDeviceGetComputeRunningProcesses)."""
         log = self.tmp / f"scheduler-{len(self.schedulers)}.log"
         env = dict(env or {})
         if fake_devices:

@@ -15,7 +15,8 @@
  * Scenarios:
  *   resolve                     resolve every entry point; print which library and symbol each is
  *   dlsym                       dlsym() every exported versioned symbol from the libcuda handle
- *   meminfo [BYTES]             cuMemGetInfo and NVML before and after allocating BYTES
+ *   meminfo [BYTES]             cuMemGetInfo and NVML (memory, and the processes it lists) before
+ *                               and after allocating BYTES
  *   alloc PATH BYTES            allocate through PATH (alloc|pitch|managed|async|pool|create),
  *                               check a data round trip, free
  *   quota BYTES [PATH] [MAX]    allocate BYTES at a time until an allocation fails (at most MAX)
@@ -56,6 +57,8 @@
  *                               (ticks with the status), then time the first call (a copy back)
  *                               and check pattern 1
  *   procaddr                    get cuGetProcAddress through cuGetProcAddress_v2 and use it as v1
+ *   pin BYTES SECONDS           pin BYTES of host memory (cuMemHostRegister), hold them SECONDS,
+ *                               unpin; "pinned" carries the driver's answer
  */
 #include "base/cuda_abi.h"
 #include "gpushare.h"
@@ -69,6 +72,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -500,6 +504,8 @@ int main(int argc, char **argv) {
         rc = scenario_temporary(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]), atof(argv[i + 2]));
     } else if (strcmp(scenario, "procaddr") == 0) {
         rc = scenario_procaddr();
+    } else if (strcmp(scenario, "pin") == 0 && i + 1 < argc) {
+        rc = scenario_pin(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]));
     } else {
         rc = usage();
     }

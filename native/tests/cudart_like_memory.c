@@ -1,6 +1,7 @@
 /*
  * cudart_like's memory scenarios: every allocation path (alloc, quota) and the memory view
- * (meminfo: cuMemGetInfo and NVML) (included by cudart_like.c; not compiled alone).
+ * (meminfo: cuMemGetInfo and NVML; pin: host memory pinned) (included by cudart_like.c; not
+ * compiled alone).
  */
 
 /* ------------------------------------------------------------------------------------------ */
@@ -235,6 +236,27 @@ typedef nvmlReturn_t fn_nvml_handle(unsigned int, nvmlDevice_t *);
 typedef nvmlReturn_t fn_nvml_mem(nvmlDevice_t, nvmlMemory_t *);
 typedef nvmlReturn_t fn_nvml_mem2(nvmlDevice_t, nvmlMemory_v2_t *);
 
+/* The processes NVML lists on `dev` with their bytes (nvmlDeviceGetComputeRunningProcesses_v3),
+ * as a JSON field: ,"processes":{"rc":R,"list":[[pid,bytes],...]}. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} probe_process_info;
+typedef nvmlReturn_t fn_nvml_procs(nvmlDevice_t, unsigned int *, probe_process_info *);
+
+static void nvml_processes(void *lib, nvmlDevice_t dev, char *out, size_t n) {
+    fn_nvml_procs *procs = (fn_nvml_procs *)dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3");
+    probe_process_info rows[16];
+    unsigned int count = 16;
+    int rc = procs ? (int)procs(dev, &count, rows) : -1;
+    size_t off = (size_t)snprintf(out, n, ",\"processes\":{\"rc\":%d,\"list\":[", rc);
+    for (unsigned int i = 0; rc == 0 && i < count && i < 16 && off < n; i++)
+        off += (size_t)snprintf(out + off, n - off, "%s[%u,%llu]", i ? "," : "", rows[i].pid,
+                                rows[i].usedGpuMemory);
+    if (off < n) snprintf(out + off, n - off, "]}");
+}
+
 static void emit_nvml(const char *when) {
     void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
@@ -256,11 +278,35 @@ static void emit_nvml(const char *when) {
     memset(&m2, 0, sizeof(m2));
     m2.version = (unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24));
     int r1 = mem(dev, &m1), r2 = mem2(dev, &m2);
+    char procs[1024];
+    nvml_processes(lib, dev, procs, sizeof procs);
     emit("nvml",
          ",\"when\":\"%s\",\"available\":true,\"v1\":{\"rc\":%d,\"total\":%llu,\"free\":%llu,"
          "\"used\":%llu},\"v2\":{\"rc\":%d,\"total\":%llu,\"free\":%llu,\"used\":%llu,"
-         "\"reserved\":%llu}",
-         when, r1, m1.total, m1.free, m1.used, r2, m2.total, m2.free, m2.used, m2.reserved);
+         "\"reserved\":%llu}%s",
+         when, r1, m1.total, m1.free, m1.used, r2, m2.total, m2.free, m2.used, m2.reserved, procs);
+}
+
+/* Pins BYTES of host memory (cuMemHostRegister, as a program's staging buffer is), holds it for
+ * SECONDS, and lets it go; "pinned" carries the driver's answer. */
+typedef CUresult fn_host_register(void *, size_t, unsigned int);
+typedef CUresult fn_host_unregister(void *);
+
+static int scenario_pin(size_t bytes, double seconds) {
+    void *reg = NULL, *unreg = NULL;
+    getproc("cuMemHostRegister", &reg, NULL);
+    getproc("cuMemHostUnregister", &unreg, NULL);
+    if (!reg || !unreg) return fail("cuGetProcAddress(cuMemHostRegister)", CUDA_ERROR_NOT_FOUND);
+    void *h = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (h == MAP_FAILED) return fail("mmap", CUDA_ERROR_OUT_OF_MEMORY);
+    CUresult rc = ((fn_host_register *)reg)(h, bytes, 0);
+    emit("pinned", ",\"bytes\":%zu,\"rc\":%d", bytes, rc);
+    sleep_s(seconds);
+    if (rc == CUDA_SUCCESS) CHECK(((fn_host_unregister *)unreg)(h));
+    emit("unpinned", ",\"bytes\":%zu", bytes);
+    munmap(h, bytes);
+    return rc != CUDA_SUCCESS;
 }
 
 static int scenario_meminfo(size_t bytes) {

@@ -88,6 +88,7 @@ static long fk_ckpt_checkpoint_locked(void) {
     for (size_t i = 0; ok && i < g_nmaps; i++) ok = fk_save_range(g_maps[i].base, g_maps[i].size);
     pthread_mutex_unlock(&g_lock);
     if (!ok) return 2; /* CUDA_ERROR_OUT_OF_MEMORY (of host memory) */
+    fk_card_suspend(); /* its device memory is free for others until the restore */
     __atomic_store_n(&g_ckpt_state, FK_PROC_CHECKPOINTED, __ATOMIC_RELEASE);
     return 0;
 }
@@ -95,6 +96,7 @@ static long fk_ckpt_checkpoint_locked(void) {
 /* Caller holds g_ckpt_mu. */
 static long fk_ckpt_restore_locked(void) {
     if (g_ckpt_state != FK_PROC_CHECKPOINTED) return 401;
+    if (fk_card_resume()) return 2; /* the card has no room for it now: still checkpointed */
     pthread_mutex_lock(&g_lock);
     for (size_t i = 0; i < g_nsaved; i++) {
         memcpy((void *)g_saved[i].base, g_saved[i].copy, g_saved[i].size);

@@ -185,6 +185,8 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     NEED_INIT();
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
+    CUresult r = fk_context_take(fk_phys(dev));
+    if (r) return r;
     __atomic_fetch_add(&g_primary_refs[dev], 1, __ATOMIC_RELAXED);
     *pctx = &g_primary[dev];
     return CUDA_SUCCESS;
@@ -214,6 +216,8 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     if (fk_phys(dev) < 0) return FK_ERROR_INVALID_DEVICE;
     if (t_ctx_depth >= 32) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fk_context_take(fk_phys(dev));
+    if (r) return r;
     struct CUctx_st *c = calloc(1, sizeof(*c));
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
     c->magic = CTX_MAGIC;

@@ -40,6 +40,17 @@
  * when that device is full, and cuMemGetInfo answers for the current context's device
  * (fakecuda_stats_json: device_resident_bytes, one entry per physical device).
  *
+ * One card (fake_card.c): by default each process has a device of its own, full when its own
+ * memory fills it. With GPUSHARE_FAKE_CARD_FILE=PATH (tests/conftest.py's harness sets one per
+ * test) every process accounts in that shared file, as on one real card: an allocation is
+ * refused with CUDA_ERROR_OUT_OF_MEMORY when all processes together would pass the device's
+ * total, a killed process's memory is freed, cuMemGetInfo and NVML (memory, and
+ * nvmlDeviceGetComputeRunningProcesses) answer card-wide, and the file keeps per device and per
+ * process the bytes held now and their peak (tests/native/card_file.py reads it).
+ * GPUSHARE_FAKE_HOST_LIMIT=BYTES: pinned host memory (cuMemHostRegister, cuMemHostAlloc) past it
+ * is refused with CUDA_ERROR_OUT_OF_MEMORY, all processes of the card file together (without
+ * one, each process alone); the file keeps the host bytes pinned and their peak.
+ *
  * Environment: GPUSHARE_FAKE_DEVICE_TOTAL (bytes, units allowed; default 16GiB; a comma-separated
  * list gives each device its own, the last one repeating), GPUSHARE_FAKE_UUID
  * (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx; comma-separated per device; a device without one gets
@@ -77,11 +88,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -175,6 +188,9 @@ static void fk_phys_uuid_string(int phys, char *out, size_t n) {
              b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
              b[14], b[15]);
 }
+
+/* One card shared by every process of a test (GPUSHARE_FAKE_CARD_FILE), both libraries. */
+#include "fake_card.c"
 
 #ifndef GPUSHARE_FAKE_NVML
 
@@ -439,26 +455,72 @@ static void *map_anon(size_t size) {
 
 static int fk_cur_phys(void); /* the physical device of the current context */
 
+/* Physical device `phys` takes `size` more bytes of this process's (caller holds g_lock): with a
+ * card file (fake_card.c) against every process's bytes and GPUSHARE_FAKE_OTHER_BYTES, without
+ * one against this process's own and `other`. */
+static CUresult fk_dev_take_locked(int phys, size_t size, unsigned long long other) {
+    if (fk_card()) {
+        CUresult r = fk_card_take(phys, size, fk_phys_total(phys), fk_other_bytes());
+        if (r) return r;
+    } else if (g_dev_resident[phys] + other + size > fk_phys_total(phys)) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    g_dev_resident[phys] += size;
+    return CUDA_SUCCESS;
+}
+
+static void fk_dev_give_locked(int phys, size_t size) {
+    g_dev_resident[phys] -= size;
+    if (fk_card()) fk_card_give(phys, size);
+}
+
+/* Managed memory moving onto device `phys` (caller holds g_lock): 1 when it is there now. With a
+ * card file it stays on the host when the card is full (managed memory never passes the card);
+ * without one it always moves. */
+static int fk_managed_onto_locked(int phys, size_t size) {
+    if (fk_card() && fk_card_take(phys, size, fk_phys_total(phys), fk_other_bytes())) return 0;
+    g_dev_resident[phys] += size;
+    return 1;
+}
+
+/* With a card file, a process's first context on a device takes GPUSHARE_FAKE_CONTEXT_BYTES
+ * there (a real context's own memory), until the process exits. */
+static unsigned long long fk_context_bytes(void); /* fake_checkpoint.c */
+static CUresult fk_context_take(int phys) {
+    static int taken[FK_MAX_DEV];
+    if (!fk_card() || !fk_context_bytes()) return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!taken[phys]) r = fk_card_take(phys, fk_context_bytes(), fk_phys_total(phys), fk_other_bytes());
+    if (!r) taken[phys] = 1;
+    pthread_mutex_unlock(&g_lock);
+    return r;
+}
+
 static CUresult add_alloc(CUdeviceptr *dptr, size_t size, int kind) {
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
-    if (kind != A_MANAGED && g_dev_resident[phys] + size > fk_device_total()) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    void *p = map_anon(size);
+    int on_host = 0;
+    CUresult r = CUDA_SUCCESS;
+    if (kind == A_MANAGED)
+        on_host = !fk_managed_onto_locked(phys, size);
+    else
+        r = fk_dev_take_locked(phys, size, 0);
+    void *p = r ? NULL : map_anon(size);
     if (!p) {
+        if (!r && !on_host) fk_dev_give_locked(phys, size);
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     GROW(g_allocs, g_nalloc, g_capalloc);
-    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, kind, 0, phys};
-    g_dev_resident[phys] += size;
-    if (kind == A_MANAGED)
+    g_allocs[g_nalloc++] = (struct fk_alloc){(uintptr_t)p, size, kind, on_host, phys};
+    if (kind == A_MANAGED) {
         g_live_managed_bytes += size;
-    else
+        if (on_host) g_managed_on_host_bytes += size;
+    } else {
         g_live_device_bytes += size;
+    }
     note_peak();
     pthread_mutex_unlock(&g_lock);
     *dptr = (CUdeviceptr)(uintptr_t)p;
@@ -473,7 +535,7 @@ static CUresult free_alloc(CUdeviceptr dptr) {
         struct fk_alloc a = g_allocs[i];
         if (a.base != (uintptr_t)dptr || a.kind == A_RESERVED) continue;
         g_allocs[i] = g_allocs[--g_nalloc];
-        if (a.kind != A_MANAGED || !a.on_host) g_dev_resident[a.phys] -= a.size;
+        if (a.kind != A_MANAGED || !a.on_host) fk_dev_give_locked(a.phys, a.size);
         if (a.kind == A_MANAGED) {
             g_live_managed_bytes -= a.size;
             if (a.on_host) g_managed_on_host_bytes -= a.size;

@@ -159,11 +159,6 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
     return CUDA_SUCCESS;
 }
 
-/* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device. */
-static unsigned long long fk_other_bytes(void) {
-    return fk_parse_bytes(getenv("GPUSHARE_FAKE_OTHER_BYTES"), 0);
-}
-
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     COUNT();
     NEED_CTX();
@@ -172,6 +167,7 @@ CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
     pthread_mutex_lock(&g_lock);
     unsigned long long used = g_dev_resident[phys];
     pthread_mutex_unlock(&g_lock);
+    if (fk_card()) used = fk_card_used(fk_card(), phys); /* every process's on the card */
     /* GPUSHARE_FAKE_OTHER_BYTES: memory other processes hold on the device (core). */
     used += fk_other_bytes();
     unsigned long long t = fk_device_total();
@@ -219,13 +215,15 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     /* What other processes hold (GPUSHARE_FAKE_OTHER_BYTES) is not free either, as on a card. */
     unsigned long long other = fk_other_bytes();
     pthread_mutex_lock(&g_lock);
-    if (g_dev_resident[phys] + other + size > fk_phys_total(phys)) {
+    CUresult r = fk_dev_take_locked(phys, size, other);
+    if (r) {
         pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return r;
     }
     int fd = memfd_create("fakecuda-handle", MFD_CLOEXEC);
     if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
         if (fd >= 0) close(fd);
+        fk_dev_give_locked(phys, size);
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -234,7 +232,6 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     g_handles[g_nhandles++] =
         (struct fk_handle){id, fd, size, 0, 0, 0, prop_handle_types(prop) & 1, 0, phys};
     g_live_device_bytes += size;
-    g_dev_resident[phys] += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
     *handle = id;
@@ -253,7 +250,7 @@ static void maybe_drop_handle_locked(struct fk_handle *h) {
     close(h->fd);
     if (!h->imported) {
         g_live_device_bytes -= h->size;
-        g_dev_resident[h->phys] -= h->size;
+        fk_dev_give_locked(h->phys, h->size);
     }
     *h = g_handles[--g_nhandles];
 }
@@ -406,17 +403,22 @@ static CUresult prefetch(CUdeviceptr p, size_t count, int to_host, int phys, CUs
         g_prefetch_to_host_calls++;
         if (!a->on_host) {
             g_managed_on_host_bytes += a->size;
-            g_dev_resident[a->phys] -= a->size;
+            fk_dev_give_locked(a->phys, a->size);
         }
         a->on_host = 1;
     } else {
         g_prefetch_to_device_bytes += count;
         g_prefetch_to_device_calls++;
-        if (!a->on_host) g_dev_resident[a->phys] -= a->size;
-        if (a->on_host) g_managed_on_host_bytes -= a->size;
-        a->phys = phys;
-        g_dev_resident[a->phys] += a->size;
-        a->on_host = 0;
+        if (!a->on_host) { /* through the host (with a card file it stays there if full) */
+            fk_dev_give_locked(a->phys, a->size);
+            g_managed_on_host_bytes += a->size;
+            a->on_host = 1;
+        }
+        if (fk_managed_onto_locked(phys, a->size)) {
+            g_managed_on_host_bytes -= a->size;
+            a->phys = phys;
+            a->on_host = 0;
+        }
         note_peak();
     }
     pthread_mutex_unlock(&g_lock);

@@ -40,10 +40,9 @@ CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
 static void fault_in(CUdeviceptr p) {
     pthread_mutex_lock(&g_lock);
     struct fk_alloc *a = find_alloc_locked((uintptr_t)p, 1);
-    if (a && a->kind == A_MANAGED && a->on_host) {
+    if (a && a->kind == A_MANAGED && a->on_host && fk_managed_onto_locked(a->phys, a->size)) {
         a->on_host = 0;
         g_managed_on_host_bytes -= a->size;
-        g_dev_resident[a->phys] += a->size;
         g_fault_to_device_bytes += a->size;
         note_peak();
     }

@@ -1,7 +1,9 @@
 /*
  * The NVML stand-in (fake_libcuda.c built with -DGPUSHARE_FAKE_NVML, as libnvidia-ml.so.1): every
- * physical device, used memory read from the fake driver (included by fake_libcuda.c; not
- * compiled alone).
+ * physical device, used memory read from the fake driver, or with GPUSHARE_FAKE_CARD_FILE from the
+ * card every process accounts in, which also lists the processes on each device
+ * (nvmlDeviceGetComputeRunningProcesses; without a card file: NVML_ERROR_NOT_SUPPORTED)
+ * (included by fake_libcuda.c; not compiled alone).
  */
 
 /* ------------------------------------------------------------------------------------------ */
@@ -35,6 +37,8 @@ static void *fk_driver_sym(const char *name) {
 }
 
 static unsigned long long nvml_used(int index) {
+    /* With a card file: every process's bytes on the device, and what is held outside them. */
+    if (fk_card()) return fk_card_used(fk_card(), index) + fk_other_bytes();
     unsigned long long (*used)(void) =
         (unsigned long long (*)(void))fk_driver_sym("fakecuda_device_used_bytes");
     int (*phys)(void) = (int (*)(void))fk_driver_sym("fakecuda_physical_device");
@@ -147,4 +151,60 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     memory->used = used;
     memory->free = total - used;
     return NVML_SUCCESS;
+}
+
+/* nvmlProcessInfo_v1_t, and v2 (= v3): what nvmlDeviceGetComputeRunningProcesses* fill. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} fk_nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;     /* 0xFFFFFFFF: no MIG */
+    unsigned int computeInstanceId; /* 0xFFFFFFFF: no MIG */
+} fk_nvmlProcessInfo_v2_t;
+
+enum { FK_NVML_ERROR_NOT_SUPPORTED = 3 };
+
+/* The processes holding memory on `device` (from the card file), into `infos` (v1 or v2 rows):
+ * *count in, room; out, how many there are (NVML_ERROR_INSUFFICIENT_SIZE when more than room). */
+static nvmlReturn_t nvml_processes(nvmlDevice_t device, unsigned int *count, void *infos, int v2) {
+    if (!g_nvml_inited) return FK_NVML_ERROR_UNINITIALIZED;
+    if (!nvml_dev_ok(device) || !count || (*count && !infos)) return FK_NVML_ERROR_INVALID_ARGUMENT;
+    struct fk_card *c = fk_card();
+    if (!c) return FK_NVML_ERROR_NOT_SUPPORTED;
+    unsigned int room = *count, n = 0;
+    fk_card_lock(c);
+    fk_card_reap_locked(c);
+    for (int i = 0; i < FK_CARD_SLOTS; i++) {
+        struct fk_card_slot *s = &c->slot[i];
+        if (!s->pid || !s->dev[device->index]) continue;
+        if (n < room && v2)
+            ((fk_nvmlProcessInfo_v2_t *)infos)[n] = (fk_nvmlProcessInfo_v2_t){
+                (unsigned int)s->pid, s->dev[device->index], 0xFFFFFFFFu, 0xFFFFFFFFu};
+        else if (n < room)
+            ((fk_nvmlProcessInfo_v1_t *)infos)[n] =
+                (fk_nvmlProcessInfo_v1_t){(unsigned int)s->pid, s->dev[device->index]};
+        n++;
+    }
+    fk_card_unlock(c);
+    *count = n;
+    return n > room ? FK_NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *count,
+                                                  fk_nvmlProcessInfo_v1_t *infos) {
+    return nvml_processes(device, count, infos, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *count,
+                                                     fk_nvmlProcessInfo_v2_t *infos) {
+    return nvml_processes(device, count, infos, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                     fk_nvmlProcessInfo_v2_t *infos) {
+    return nvml_processes(device, count, infos, 1);
 }

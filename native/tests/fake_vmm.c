@@ -54,6 +54,18 @@ static CUresult host_add(void *p, size_t size, int allocated) {
         pthread_mutex_unlock(&g_lock);
         return FK_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
     }
+    /* Pinned memory is the host's: past GPUSHARE_FAKE_HOST_LIMIT (every process of the card file
+     * together, or this one alone) it is refused, as the real driver refuses it when exhausted. */
+    unsigned long long limit = fk_host_limit();
+    CUresult r = CUDA_SUCCESS;
+    if (fk_card())
+        r = fk_card_host_take(size, limit);
+    else if (limit && g_host_pinned_bytes + size > limit)
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r) {
+        pthread_mutex_unlock(&g_lock);
+        return r;
+    }
     GROW(g_host, g_nhost, g_caphost);
     g_host[g_nhost++] = (struct fk_host_range){(uintptr_t)p, size, allocated};
     g_host_pinned_bytes += size;
@@ -67,6 +79,7 @@ static CUresult host_remove(void *p, int allocated) {
         if (g_host[i].base != (uintptr_t)p || g_host[i].allocated != allocated) continue;
         size_t size = g_host[i].size;
         g_host_pinned_bytes -= size;
+        if (fk_card()) fk_card_host_give(size);
         g_host[i] = g_host[--g_nhost];
         pthread_mutex_unlock(&g_lock);
         if (allocated) munmap(p, size);
@@ -172,22 +185,18 @@ static size_t fk_array_bytes(size_t w, size_t h, size_t d, int format, unsigned 
 static CUresult fk_array_take(size_t size) {
     int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
-    if (g_dev_resident[phys] + size > fk_device_total()) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    g_live_device_bytes += size;
-    g_dev_resident[phys] += size;
+    CUresult r = fk_dev_take_locked(phys, size, 0);
+    if (!r) g_live_device_bytes += size;
     note_peak();
     pthread_mutex_unlock(&g_lock);
-    return CUDA_SUCCESS;
+    return r;
 }
 
 static void fk_array_give(size_t size) {
     int phys = fk_cur_phys();
     pthread_mutex_lock(&g_lock);
     g_live_device_bytes -= size;
-    g_dev_resident[phys] -= size;
+    fk_dev_give_locked(phys, size);
     pthread_mutex_unlock(&g_lock);
 }
 

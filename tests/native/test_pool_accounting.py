@@ -16,6 +16,7 @@ import re
 import time
 
 from jupyter_gpushare.scheduler_client import SchedulerClient
+from tests.native.card_file import read_card
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -53,15 +54,18 @@ def test_a_freed_resident_block_leaves_the_evicted_total_alone(harness):
 
 def test_two_processes_taking_turns_never_exceed_the_pool(harness):
     """Modelled on tests/gpu/test_gpu_captures.py: two processes that do not fit together take
-    0.5 s turns; the scheduler's status, sampled every 50 ms, never counts more than the pool.
+    0.5 s turns; the scheduler's status, sampled every 50 ms, never counts more than the pool,
+    and the stand-in's card (every process's device memory, their real contexts of CONTEXT
+    bytes included) never held more than the pool either: its peak, not a sample.
     A frees its scratch buffer while it is alone on the device (it fits the pool then), before B
     starts."""
     sched = harness.scheduler(pool=f"{POOL // MiB}MiB", quantum=0.5)
-    a = harness.spawn("hold", 4.0, BIG, 20000, TEMP, **common(client_id="A"))
+    real_context = {"GPUSHARE_FAKE_CONTEXT_BYTES": str(CONTEXT)}
+    a = harness.spawn("hold", 4.0, BIG, 20000, TEMP, extra=real_context, **common(client_id="A"))
     assert a.wait_event("temporary_freed", 60)["status"]["evicted_bytes"] == 0
     client = SchedulerClient(str(sched.socket_path))
     wait_until_counted(client, "A", CONTEXT + BIG)  # its MEMORY report after the frees
-    b = harness.spawn("hold", 4.0, BIG, 20000, **common(client_id="B"))
+    b = harness.spawn("hold", 4.0, BIG, 20000, extra=real_context, **common(client_id="B"))
     peak, at_peak, samples = 0, None, 0
     while any(p.popen.poll() is None for p in (a, b)):
         for dev in client.status_sync()["devices"]:
@@ -77,3 +81,5 @@ def test_two_processes_taking_turns_never_exceed_the_pool(harness):
     assert sched.log.count("evicted client=A") >= 2 and samples >= 20, (samples, sched.log)
     assert re.search(r"revoke client=A evict=1 bytes=\d+ \([^)]*\) asked=\S+ ", sched.log)
     assert 0 < peak <= POOL, f"peak {peak} > pool {POOL}: {at_peak}"
+    card = read_card(harness.card_file)
+    assert 2 * CONTEXT + BIG <= card.devices[0].peak <= POOL, card.devices[0]
