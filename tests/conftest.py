@@ -380,8 +380,8 @@ class SchedulerProc:
             "scheduler",
             "--socket",
             str(self.socket_path),
-            "--pool",
-            self.pool,
+            # "": the default pool, the device's total less pool_reserve (--reserve)
+            *(["--pool", self.pool] if self.pool else []),
             "--quantum",
             str(self.quantum),
             "--log-level",
