@@ -39,7 +39,7 @@ def test_constants_match_the_contract() -> None:
         "EVICT": 0x84, "SET_QUOTA": 0x85, "ERROR": 0x86, "PRECOPY": 0x87, "SLEEP": 0x88,
         "RESTORE_AHEAD": 0x89, "ROOM": 0x8A, "STATUS": 0xA0, "CONTROL_REPLY": 0xA1,
     }  # fmt: skip
-    assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6]
+    assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
     assert p.FIELD_TAGS["client_id"] == 1 and p.FIELD_TAGS["context_bytes"] == 25
     assert p.FIELDS[26] == ("token", p.FieldType.STR)
     assert set(range(1, 26)) <= set(p.FIELDS)

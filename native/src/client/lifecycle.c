@@ -295,6 +295,9 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
             gs_mem_set_room(s->devs.dev, gs_msg_has(m, GS_TAG_ROOM_BYTES) ? gs_room_of(m) : 0);
         break;
     }
+    case GS_MSG_STAGING: /* the node's host budget: this process's share for staging */
+        gs_mem_set_staging_allowance(gs_msg_u64(m, GS_TAG_STAGING_BYTES, UINT64_MAX));
+        break;
     case GS_MSG_SLEEP: {
         /* Only the status changes: the driver itself blocks this process's CUDA calls while it
          * is locked, and the scheduler grants nothing before it restored and unlocked it. */

@@ -1,0 +1,92 @@
+"""The host budget's part of the policy (:class:`HostBudgetRules`, a part of
+:class:`~.policy.Policy`): its events, its checks on every eviction the policy decides, and its
+decisions. The rules themselves are in :mod:`.host_budget`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from .events import Decision, HostMemory
+from .host_budget import fitting, full_text, host_need, host_room, refusals, staging_decisions
+from .policy_config import PolicyConfig
+from .policy_state import ClientState, DeviceState
+
+__all__ = ["HostBudgetRules"]
+
+
+class _PolicyParts(Protocol):
+    """What the host budget's rules use of the policy they are part of."""
+
+    config: PolicyConfig
+    _clients: dict[str, ClientState]
+    _devices: dict[str, DeviceState]
+
+    def _schedule(self, dev: DeviceState) -> list[Decision]: ...
+
+
+def _on(p: _PolicyParts) -> bool:
+    return p.config.host_budget > 0 and p.config.policy == "gpushare"
+
+
+def _room(p: _PolicyParts) -> int:
+    return host_room(p._clients.values(), p.config.host_budget)
+
+
+class HostBudgetRules:
+    """Host memory as a node-wide budget (``PolicyConfig.host_budget``; 0: off)."""
+
+    def _on_host(self: _PolicyParts, c: ClientState, evt: HostMemory) -> list[Decision]:
+        """A shim said what its engine holds on the host. When that fell (staging given back,
+        a client's evicted memory restored and released), a waiter that waited for host room
+        may fit now: every device is scheduled again."""
+        before = c.host
+        c.host = max(0, evt.host)
+        c.staging = min(max(0, evt.staging), c.host)
+        c.host_said = True
+        if not _on(self) or c.host >= before:
+            return []
+        return [d for dev in self._devices.values() for d in self._schedule(dev)]
+
+    def _host_fit(self: _PolicyParts, cands: Iterable[ClientState]) -> list[ClientState]:
+        """The eviction candidates whose eviction fits the host budget (all when it is off)."""
+        if not _on(self):
+            return list(cands)
+        return fitting(cands, _room(self))
+
+    def _host_cap(self: _PolicyParts, c: ClientState, nbytes: int) -> int:
+        """The most of ``nbytes`` an eviction of ``c`` may free within the host budget: its
+        staging for resident memory, and what the budget has left."""
+        if not _on(self):
+            return nbytes
+        room = max(0, _room(self))
+        return max(0, min(nbytes, c.staging + room))
+
+    def _host_decisions(self: _PolicyParts) -> list[Decision]:
+        """Refusals of waiters that can never fit, then the staging allowances that changed."""
+        if not _on(self):
+            return []
+        budget = self.config.host_budget
+        out: list[Decision] = []
+        for dev in self._devices.values():
+            out += refusals(dev.clients.values(), dev.pool_bytes, budget)
+        return out + staging_decisions(self._clients.values(), budget)
+
+    def _host_full(self: _PolicyParts, dev: DeviceState) -> str | None:
+        """Why the waiters of ``dev`` wait for host memory (None: they do not): idle memory
+        there could make room, but its eviction does not fit the host budget."""
+        if not _on(self) or dev.incoming_bytes:
+            return None
+        if not any(c.waiting_since is not None for c in dev.clients.values()):
+            return None
+        room = _room(self)
+        blocked = sum(
+            1
+            for c in dev.clients.values()
+            if c.holding is None
+            and c.waiting_since is None
+            and c.resident
+            and c.evictable > 0
+            and host_need(c, c.evictable) > room
+        )
+        return full_text(self._clients.values(), self.config.host_budget, blocked)
