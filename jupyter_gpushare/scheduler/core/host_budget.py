@@ -72,16 +72,25 @@ def host_room(clients: Iterable[ClientState], budget: int) -> int:
     return budget - sum(c.host for c in clients) - _pending(clients)
 
 
-def fitting(cands: Iterable[ClientState], room: int) -> list[ClientState]:
-    """The candidates whose whole eviction fits the host room, taken in order (each one's need
-    comes out of the room before the next is weighed)."""
-    out: list[ClientState] = []
+def _caps(cands: Iterable[ClientState], room: int) -> list[tuple[ClientState, int]]:
+    """Each candidate with the most of it an eviction may free within the host room, taken in
+    order (each one's need comes out of the room before the next is weighed)."""
+    out: list[tuple[ClientState, int]] = []
     for c in cands:
-        need = host_need(c, c.evictable)
-        if need <= room:
-            out.append(c)
-            room -= need
+        cap = max(0, min(c.evictable, c.staging + max(0, room)))
+        out.append((c, cap))
+        room -= host_need(c, cap)
     return out
+
+
+def fitting(cands: Iterable[ClientState], room: int) -> list[ClientState]:
+    """The candidates whose eviction can free anything within the host room."""
+    return [c for c, cap in _caps(cands, room) if cap > 0]
+
+
+def freeable(cands: Iterable[ClientState], room: int) -> int:
+    """What evicting the candidates, in order, can free within the host room."""
+    return sum(cap for _c, cap in _caps(cands, room))
 
 
 def _likely_to_move(c: ClientState) -> bool:
@@ -143,16 +152,17 @@ def refusals(clients: Iterable[ClientState], pool: int, budget: int) -> list[Ref
     return out
 
 
-def full_text(clients: Iterable[ClientState], budget: int, blocked: int) -> str | None:
-    """Why a waiter waits for host memory, or None when it does not: ``blocked`` is how many
-    idle clients' evictions do not fit the host room."""
-    if blocked <= 0:
+def full_text(clients: Iterable[ClientState], budget: int, need: int) -> str | None:
+    """Why a waiter waits for host memory, or None when it does not: ``need`` is the host memory
+    the smallest eviction that would make its room takes (0: none is held back)."""
+    if need <= 0:
         return None
     clients = list(clients)
     held = sum(c.host for c in clients)
     idle = [c for c in clients if c.host > 0 and c.holding is None and c.waiting_since is None]
     n = len(idle)
     return (
-        f"the node's host memory is full: {format_size(held)} of {format_size(budget)} held "
-        f"by {n} idle notebook{'s' if n != 1 else ''}"
+        f"the node's host memory is full: {format_size(held)} of its {format_size(budget)} for "
+        f"moved memory held by {n} idle notebook{'s' if n != 1 else ''}, and moving the memory "
+        f"this kernel needs would take {format_size(need)} more"
     )

@@ -511,6 +511,8 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
     def _evict_for(self, cands: Iterable[ClientState], short: int, reason: str) -> list[Decision]:
         """Partial eviction: free ``short`` bytes from ``cands`` in order (.policy_moves)."""
         out: list[Decision] = []
+        if self._host_short(cands := list(cands), short):
+            return out  # the node's host memory has no room for it (.host_budget)
         for c in cands:
             if short <= 0:
                 break
@@ -741,7 +743,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
         if cands:  # everything that can move moves: w does not fit even so
             out += [self._evict(c, f"room for {w.id}") for c in cands]
-        elif not any(c.moving for c in dev.clients.values()):
+        elif not any(c.moving for c in dev.clients.values()) and not self._host_holds(dev, w):
             out.append(self._grant(w))
         return out
 

@@ -5,10 +5,18 @@ decisions. The rules themselves are in :mod:`.host_budget`."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from .events import Decision, HostMemory
-from .host_budget import fitting, full_text, host_need, host_room, refusals, staging_decisions
+from .host_budget import (
+    fitting,
+    freeable,
+    full_text,
+    host_need,
+    host_room,
+    refusals,
+    staging_decisions,
+)
 from .policy_config import PolicyConfig
 from .policy_state import ClientState, DeviceState
 
@@ -23,6 +31,7 @@ class _PolicyParts(Protocol):
     _devices: dict[str, DeviceState]
 
     def _schedule(self, dev: DeviceState) -> list[Decision]: ...
+    def _host_full(self, dev: DeviceState) -> str | None: ...
 
 
 def _on(p: _PolicyParts) -> bool:
@@ -54,6 +63,11 @@ class HostBudgetRules:
             return list(cands)
         return fitting(cands, _room(self))
 
+    def _host_short(self: _PolicyParts, cands: list[ClientState], short: int) -> bool:
+        """Whether evicting ``cands`` cannot free ``short`` bytes within the host budget: then
+        none of it happens (memory moved that does not make the room is moved for nothing)."""
+        return _on(self) and freeable(cands, _room(self)) < short
+
     def _host_cap(self: _PolicyParts, c: ClientState, nbytes: int) -> int:
         """The most of ``nbytes`` an eviction of ``c`` may free within the host budget: its
         staging for resident memory, and what the budget has left."""
@@ -72,6 +86,32 @@ class HostBudgetRules:
             out += refusals(dev.clients.values(), dev.pool_bytes, budget)
         return out + staging_decisions(self._clients.values(), budget)
 
+    def host_snapshot(self: _PolicyParts) -> dict[str, Any]:
+        """The node's host memory for the status document: the budget (0: not accounted),
+        what the clients hold on the host together, and by whom (per user, idle clients)."""
+        clients = list(self._clients.values())
+        by_user: dict[str, int] = {}
+        for c in clients:
+            if c.host:
+                by_user[c.user] = by_user.get(c.user, 0) + c.host
+        idle = [c for c in clients if c.host and c.holding is None and c.waiting_since is None]
+        return {
+            "budget_bytes": self.config.host_budget,
+            "held_bytes": sum(c.host for c in clients),
+            "staging_bytes": sum(c.staging for c in clients),
+            "idle_holders": len(idle),
+            "by_user": by_user,
+        }
+
+    def _host_holds(self: _PolicyParts, dev: DeviceState, w: ClientState) -> bool:
+        """Whether the host budget keeps ``w`` from being granted alone (rule 5): memory that
+        could make its room stays on the device for want of host room, or ``w`` can never fit
+        (more than the pool and the budget: it is refused instead)."""
+        if not _on(self):
+            return False
+        never = w.used > dev.pool_bytes + self.config.host_budget
+        return never or self._host_full(dev) is not None
+
     def _host_full(self: _PolicyParts, dev: DeviceState) -> str | None:
         """Why the waiters of ``dev`` wait for host memory (None: they do not): idle memory
         there could make room, but its eviction does not fit the host budget."""
@@ -80,13 +120,11 @@ class HostBudgetRules:
         if not any(c.waiting_since is not None for c in dev.clients.values()):
             return None
         room = _room(self)
-        blocked = sum(
-            1
+        needs = [
+            host_need(c, c.evictable)
             for c in dev.clients.values()
-            if c.holding is None
-            and c.waiting_since is None
-            and c.resident
-            and c.evictable > 0
-            and host_need(c, c.evictable) > room
-        )
-        return full_text(self._clients.values(), self.config.host_budget, blocked)
+            if c.holding is None and c.waiting_since is None and c.resident and c.evictable > 0
+        ]
+        blocked = [n for n in needs if n > room]
+        need = min(blocked) - max(0, room) if blocked else 0
+        return full_text(self._clients.values(), self.config.host_budget, need)

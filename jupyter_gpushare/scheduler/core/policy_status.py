@@ -160,6 +160,11 @@ def _client_status(c: ClientState, dt: float, position: dict[str, int]) -> dict[
         "pinned_bytes": c.pinned,
         "evicted_bytes": c.evicted,
         "precopied_bytes": c.precopied,
+        # Host memory (.host_budget): what its engine holds on the host, the part that is
+        # staging of resident memory, and the staging allowance it was told (None: none).
+        "host_bytes": c.host,
+        "staging_bytes": c.staging,
+        "staging_allowed_bytes": c.staging_allowed,
         "quota_bytes": c.quota,
         "weight": float(c.weight),
         "gpu_seconds": c.gpu_seconds + (dt if c.holding is not None else 0.0),

@@ -25,6 +25,7 @@ static void answer_move(struct gs_session *s, uint8_t type, int flag, uint64_t m
     gs_w_u64(&w, GS_TAG_MICROS, us);
     if (type == GS_MSG_RESTORED)
         gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
+    gs_conn_put_host(&w, &t); /* with the move's answer: the node's host budget sees it at once */
     gs_conn_send(s, &w);
 }
 
