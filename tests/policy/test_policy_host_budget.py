@@ -20,7 +20,7 @@ from jupyter_gpushare.scheduler.core.events import (
     Revoke,
     Staging,
 )
-from jupyter_gpushare.scheduler.core.host_budget import host_need
+from jupyter_gpushare.scheduler.core.host_budget import eviction_need
 from jupyter_gpushare.scheduler.shell.translate import decision_message
 
 
@@ -57,14 +57,19 @@ def test_an_eviction_that_would_pass_the_host_budget_is_not_decided():
     assert "by 1 idle notebook" in wait["text"]
 
 
-def test_a_partial_eviction_takes_only_the_host_room_it_needs():
-    # b needs 20 GB of a's 59.5 GB (its context is on the GPU): a 30 GB budget holds that
-    # part, not all of a.
-    p = make_policy(host_budget=30 * GB)
+def test_a_partial_eviction_needs_room_for_all_that_may_go():
+    # b needs 20 GB of a's 59.5 GB (its context is on the GPU). The shim frees whole blocks
+    # (one 60 GB tensor goes whole for a 20 GB ask), so the host must have room for all of a:
+    # a 60 GB budget has, and the eviction still asks for the 20 GB only ...
+    p = make_policy(host_budget=60 * GB)
     _idle_a(p)
     (evict,) = _moves(request(p, "b", 60, now=2))
     assert isinstance(evict, Evict) and evict.client == "a"
     assert 20 * GB <= evict.bytes <= 20 * GB + BLOCK_BYTES
+    # ... a 30 GB budget has not, though the 20 GB asked for would fit.
+    p = make_policy(host_budget=30 * GB)
+    _idle_a(p)
+    assert not _moves(request(p, "b", 60, now=2))
 
 
 def test_staging_already_made_takes_no_more_host_room():
@@ -80,8 +85,8 @@ def test_staging_already_made_takes_no_more_host_room():
 
 
 def test_host_memory_given_back_lets_the_waiter_in():
-    p = make_policy(host_budget=30 * GB)
-    _idle_a(p, host=25, staging=0)  # 25 GB of older evicted data: 5 GB of room
+    p = make_policy(host_budget=70 * GB)
+    _idle_a(p, host=25, staging=0)  # 25 GB of older evicted data: 45 GB of room, not 59.5
     assert not _moves(request(p, "b", 60, now=2))
     decisions = p.handle(HostMemory(3, "a", 0, 0))  # that memory came back and was released
     assert [d.client for d in _moves(decisions)] == ["a"]
@@ -165,11 +170,8 @@ def test_no_decided_move_passes_the_host_budget(
     held = sum(c.host for c in p._clients.values())
     join(p, "w", user="w")
     decisions = request(p, "w", want, now=100)
-    need = 0
-    for d in _moves(decisions):
-        c = p._clients[d.client]
-        nbytes = c.evict_asked if isinstance(d, Evict) else c.revoke_bytes
-        need += host_need(c, nbytes)
+    # Whatever each eviction takes (whole blocks: up to all of its client), the host holds it.
+    need = sum(eviction_need(p._clients[d.client]) for d in _moves(decisions))
     assert held + need <= max(budget, held)
     dev = p._devices[DEV]
     if Grant("w") in decisions:  # granted: it fits beside what stays on the device

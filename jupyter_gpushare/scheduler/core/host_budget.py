@@ -52,12 +52,18 @@ def host_need(c: ClientState, nbytes: int) -> int:
     return max(0, nbytes - c.staging)
 
 
+def eviction_need(c: ClientState) -> int:
+    """New host memory any eviction of ``c`` may take, partial or not: a partial one frees
+    whole blocks, pre-copied then least recently used (docs/architecture.md, "Partial
+    eviction"), which the policy does not see: one 60 GiB tensor goes whole for a 20 GiB ask,
+    and its staging may be another block's. So it counts what evicting all of ``c`` takes."""
+    return host_need(c, c.evictable)
+
+
 def _in_flight(c: ClientState) -> int:
     """Bytes an eviction already decided for ``c`` will move (0: none in flight)."""
-    if c.evict_pending:
-        return min(c.evict_asked, c.evictable)
-    if c.holding == "revoking" and c.revoke_evict:
-        return min(c.revoke_bytes, c.evictable)
+    if c.evict_pending or (c.holding == "revoking" and c.revoke_evict):
+        return c.evictable  # whole blocks go: as much as all of it (eviction_need)
     return 0
 
 
@@ -72,25 +78,15 @@ def host_room(clients: Iterable[ClientState], budget: int) -> int:
     return budget - sum(c.host for c in clients) - _pending(clients)
 
 
-def _caps(cands: Iterable[ClientState], room: int) -> list[tuple[ClientState, int]]:
-    """Each candidate with the most of it an eviction may free within the host room, taken in
-    order (each one's need comes out of the room before the next is weighed)."""
-    out: list[tuple[ClientState, int]] = []
-    for c in cands:
-        cap = max(0, min(c.evictable, c.staging + max(0, room)))
-        out.append((c, cap))
-        room -= host_need(c, cap)
-    return out
-
-
 def fitting(cands: Iterable[ClientState], room: int) -> list[ClientState]:
-    """The candidates whose eviction can free anything within the host room."""
-    return [c for c, cap in _caps(cands, room) if cap > 0]
-
-
-def freeable(cands: Iterable[ClientState], room: int) -> int:
-    """What evicting the candidates, in order, can free within the host room."""
-    return sum(cap for _c, cap in _caps(cands, room))
+    """The candidates whose eviction fits the host room, taken in order (each one's need comes
+    out of the room before the next is weighed)."""
+    out: list[ClientState] = []
+    for c in cands:
+        if (need := eviction_need(c)) <= room:
+            out.append(c)
+            room -= need
+    return out
 
 
 def _likely_to_move(c: ClientState) -> bool:
@@ -103,17 +99,26 @@ def _likely_to_move(c: ClientState) -> bool:
 def allowances(clients: Iterable[ClientState], budget: int) -> dict[str, int]:
     """Each client's staging allowance: the budget less the host memory that holds evicted data
     (and what evictions in flight will take), shared out idle kernels first, least recently
-    used first, then the others; each gets at most its resident memory (rounded up to a unit)."""
+    used first, then the others; each gets at most its resident memory (rounded up to a unit).
+
+    An allowance grows only into host memory that is free now: a client whose share fell may
+    not have given its staging back yet, and the shims together must never hold more than the
+    budget, not even for the moment between the two."""
     clients = list(clients)
-    spare = budget - sum(max(0, c.host - c.staging) for c in clients) - _pending(clients)
+    pending = _pending(clients)
+    spare = budget - sum(max(0, c.host - c.staging) for c in clients) - pending
+    free = budget - sum(c.host for c in clients) - pending
     order = sorted(clients, key=lambda c: (not _likely_to_move(c), c.last_active, c.seq))
     out: dict[str, int] = {}
     for c in order:
         resident = max(0, c.movable - c.away) if c.resident else 0
         want = -(-resident // UNIT) * UNIT
         give = max(0, min(want, spare // UNIT * UNIT))
-        out[c.id] = give
         spare -= give
+        if give > c.staging:  # more staging: only what is free now
+            give = min(give, c.staging + max(0, free))
+            free -= give - c.staging
+        out[c.id] = give
     return out
 
 

@@ -504,15 +504,13 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         """Evict ``nbytes`` of ``c`` (rounded up to a block; 0: everything)."""
         c.evict_pending = True
         partial = nbytes > 0 and self.config.partial_eviction
-        c.evict_asked = self._host_cap(c, ask(c, nbytes) if partial else c.evictable)
+        c.evict_asked = ask(c, nbytes) if partial else c.evictable  # callers: ._host_fit
         part = c.evict_asked if c.evict_asked < c.evictable else 0
         return Evict(c.id, reason=reason, bytes=part)
 
     def _evict_for(self, cands: Iterable[ClientState], short: int, reason: str) -> list[Decision]:
         """Partial eviction: free ``short`` bytes from ``cands`` in order (.policy_moves)."""
         out: list[Decision] = []
-        if self._host_short(cands := list(cands), short):
-            return out  # the node's host memory has no room for it (.host_budget)
         for c in cands:
             if short <= 0:
                 break

@@ -9,10 +9,9 @@ from typing import Any, Protocol
 
 from .events import Decision, HostMemory
 from .host_budget import (
+    eviction_need,
     fitting,
-    freeable,
     full_text,
-    host_need,
     host_room,
     refusals,
     staging_decisions,
@@ -38,8 +37,11 @@ def _on(p: _PolicyParts) -> bool:
     return p.config.host_budget > 0 and p.config.policy == "gpushare"
 
 
-def _room(p: _PolicyParts) -> int:
-    return host_room(p._clients.values(), p.config.host_budget)
+def _room(p: _PolicyParts, but: ClientState | None = None) -> int:
+    """The host room, ``but``'s own eviction (being decided) not counted as in flight."""
+    clients = p._clients.values()
+    room = host_room([c for c in clients if c is not but], p.config.host_budget)
+    return room - (but.host if but is not None else 0)
 
 
 class HostBudgetRules:
@@ -63,18 +65,12 @@ class HostBudgetRules:
             return list(cands)
         return fitting(cands, _room(self))
 
-    def _host_short(self: _PolicyParts, cands: list[ClientState], short: int) -> bool:
-        """Whether evicting ``cands`` cannot free ``short`` bytes within the host budget: then
-        none of it happens (memory moved that does not make the room is moved for nothing)."""
-        return _on(self) and freeable(cands, _room(self)) < short
-
     def _host_cap(self: _PolicyParts, c: ClientState, nbytes: int) -> int:
-        """The most of ``nbytes`` an eviction of ``c`` may free within the host budget: its
-        staging for resident memory, and what the budget has left."""
-        if not _on(self):
+        """``nbytes`` when an eviction of ``c`` fits the host budget, else 0 (.host_budget's
+        eviction_need: any eviction of it counts as all of it)."""
+        if not _on(self) or eviction_need(c) <= _room(self, but=c):
             return nbytes
-        room = max(0, _room(self))
-        return max(0, min(nbytes, c.staging + room))
+        return 0
 
     def _host_decisions(self: _PolicyParts) -> list[Decision]:
         """Refusals of waiters that can never fit, then the staging allowances that changed."""
@@ -121,7 +117,7 @@ class HostBudgetRules:
             return None
         room = _room(self)
         needs = [
-            host_need(c, c.evictable)
+            eviction_need(c)
             for c in dev.clients.values()
             if c.holding is None and c.waiting_since is None and c.resident and c.evictable > 0
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import signal
 import time
@@ -401,6 +402,9 @@ class ShimSessions:
         conn.memory.update(tr.memory_after(conn.memory, msg, cap))
         if (host := tr.host_event(msg, client_id, now, conn.memory["used"])) is not None:
             self._handle(host)  # first: the event's decisions weigh the host memory it says
+            if self.log.isEnabledFor(logging.DEBUG) and self.policy is not None:
+                held = self.policy.host_snapshot()["held_bytes"]
+                self.log.debug("host client=%s %s node_held=%d", client_id, _bytes(host.host), held)
         if isinstance(event, ev.Released | ev.Evicted | ev.Restored):
             conn.moved_at = now  # NVML's readings before now say nothing of its residency
         if conn.observed and isinstance(event, ev.Request | ev.Memory):
