@@ -80,6 +80,12 @@ static int wait_for_a_pause(double *deferring_since)
     return 1;
 }
 
+/* Staging this thread holds outside any block for a resident one: made for it and not yet
+ * handed over, or taken from it and not yet released (under gs_vmm_mu). The host memory is
+ * counted from the moment it is made (memory/staging.c) until it is released: so that a report
+ * in between does not read it as evicted memory, it counts as staging of resident memory. */
+static uint64_t unattached;
+
 /* Staging held for resident blocks (under gs_vmm_mu): what the scheduler's allowance bounds. */
 static uint64_t resident_staging_locked(void)
 {
@@ -93,7 +99,7 @@ static uint64_t resident_staging_locked(void)
 uint64_t gs_vmm_resident_staging(void)
 {
     pthread_mutex_lock(&gs_vmm_mu);
-    uint64_t n = resident_staging_locked();
+    uint64_t n = resident_staging_locked() + unattached;
     pthread_mutex_unlock(&gs_vmm_mu);
     return n;
 }
@@ -141,14 +147,17 @@ static void give_back_locked(struct block *b)
     b->staging = (struct gs_staging){0};
     b->precopied = 0;
     b->staging_tried = 0;
+    unattached += st.size;
     pthread_mutex_unlock(&gs_vmm_mu);
     char a[32];
     GS_DEBUG("gave back %s of host staging: past the scheduler's allowance",
              gs_format_size(st.size, a, sizeof a));
     hold_off_captures(); /* unregistering fails a capture another thread makes */
+    uint64_t size = st.size;
     gs_staging_put(&st);
     gs_capture_unlock();
     pthread_mutex_lock(&gs_vmm_mu);
+    unattached -= size;
 }
 
 static void *preparer(void *arg)
@@ -230,7 +239,8 @@ static void *preparer(void *arg)
             continue;
         }
         b->preparing = 1;
-        uint64_t id = b->id, size = b->size;
+        uint64_t id = b->id, size = b->size, for_resident = b->resident ? b->size : 0;
+        unattached += for_resident;
         double made_at = b->made_at;
         CUcontext ctx = b->ctx;
         pthread_mutex_unlock(&gs_vmm_mu);
@@ -252,6 +262,7 @@ static void *preparer(void *arg)
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);
+        unattached -= for_resident;
         if (nb)
             nb->preparing = 0;
         if (nb)
@@ -259,6 +270,10 @@ static void *preparer(void *arg)
         if (have && nb && !nb->staging.host) {
             nb->staging = st;
             have = 0;
+            /* The next MEMORY report says it as staging of resident memory (the buffer was
+             * counted as host memory when it was made, before it was the block's). */
+            gs_mem_changed_locked();
+            gs_client_wake();
         } else if (have && nb && st.pinned && !nb->staging.pinned && !nb->copying) {
             /* An eviction before this staging was ready copied the block into pageable memory
              * (memory/bounce.c): registered staging takes its place, so that the restore and
