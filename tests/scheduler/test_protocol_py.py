@@ -47,6 +47,8 @@ def test_constants_match_the_contract() -> None:
         ("resume", p.FieldType.U64), ("since_ms", p.FieldType.U64), ("gpu_ms", p.FieldType.U64),
     ]  # fmt: skip
     assert p.FIELDS[43] == ("precopied_bytes", p.FieldType.U64)
+    assert p.FIELDS[49] == ("host_bytes", p.FieldType.U64)
+    assert p.FIELDS[50] == ("staging_bytes", p.FieldType.U64)
     assert p.FIELDS[22] == ("body", p.FieldType.JSON)
     assert p.FIELDS[14] == ("flag", p.FieldType.U64)
 
