@@ -387,6 +387,10 @@ class SchedulerProc:
             "--log-level",
             "DEBUG",
             *([] if self.nvml else ["--no-nvml"]),
+            # The node's host budget ("auto" reads this machine's memory) only where a test
+            # asks for it (a later --host-budget wins): staging then follows every block.
+            "--host-budget",
+            "0",
             *self.extra_args,
         ]
 

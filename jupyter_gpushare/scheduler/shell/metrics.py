@@ -285,6 +285,10 @@ class SchedulerMetrics:
         a second series when its index and model become known."""
         self._gpus = {str(g.uuid).lower(): (str(g.index), str(g.name)) for g in gpus}
 
+    def set_host_budget(self, budget: int) -> None:
+        """The node's host budget (bytes; 0: not accounted), for gpushare_host_budget_bytes."""
+        self._gauges.host_budget = budget
+
     def device_labels(self, uuid: str) -> list[str]:
         index, model = self._gpus.get(uuid.lower(), ("", ""))
         uuid = printable(uuid)  # learnt from a HELLO without NVML: a peer's text
