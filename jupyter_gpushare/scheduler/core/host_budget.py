@@ -80,10 +80,11 @@ def host_room(clients: Iterable[ClientState], budget: int) -> int:
 
 def fitting(cands: Iterable[ClientState], room: int) -> list[ClientState]:
     """The candidates whose eviction fits the host room, taken in order (each one's need comes
-    out of the room before the next is weighed)."""
+    out of the room before the next is weighed). One that needs no more host memory (its staging
+    holds it all) always fits, even on a node already past its budget."""
     out: list[ClientState] = []
     for c in cands:
-        if (need := eviction_need(c)) <= room:
+        if (need := eviction_need(c)) <= max(0, room):
             out.append(c)
             room -= need
     return out
@@ -157,10 +158,11 @@ def refusals(clients: Iterable[ClientState], pool: int, budget: int) -> list[Ref
     return out
 
 
-def full_text(clients: Iterable[ClientState], budget: int, need: int) -> str | None:
+def full_text(clients: Iterable[ClientState], budget: int, need: int | None) -> str | None:
     """Why a waiter waits for host memory, or None when it does not: ``need`` is the host memory
-    the smallest eviction that would make its room takes (0: none is held back)."""
-    if need <= 0:
+    past the budget's room that the smallest held-back eviction would take (None: none is held
+    back)."""
+    if need is None:
         return None
     clients = list(clients)
     held = sum(c.host for c in clients)

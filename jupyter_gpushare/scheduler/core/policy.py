@@ -511,6 +511,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
     def _evict_for(self, cands: Iterable[ClientState], short: int, reason: str) -> list[Decision]:
         """Partial eviction: free ``short`` bytes from ``cands`` in order (.policy_moves)."""
         out: list[Decision] = []
+        cands = self._host_fit(cands)  # again: revokes decided since took host room
         for c in cands:
             if short <= 0:
                 break

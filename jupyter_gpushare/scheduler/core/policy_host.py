@@ -68,7 +68,7 @@ class HostBudgetRules:
     def _host_cap(self: _PolicyParts, c: ClientState, nbytes: int) -> int:
         """``nbytes`` when an eviction of ``c`` fits the host budget, else 0 (.host_budget's
         eviction_need: any eviction of it counts as all of it)."""
-        if not _on(self) or eviction_need(c) <= _room(self, but=c):
+        if not _on(self) or eviction_need(c) <= max(0, _room(self, but=c)):
             return nbytes
         return 0
 
@@ -121,6 +121,6 @@ class HostBudgetRules:
             for c in dev.clients.values()
             if c.holding is None and c.waiting_since is None and c.resident and c.evictable > 0
         ]
-        blocked = [n for n in needs if n > room]
-        need = min(blocked) - max(0, room) if blocked else 0
+        blocked = [n for n in needs if n > max(0, room)]
+        need = min(blocked) - max(0, room) if blocked else None
         return full_text(self._clients.values(), self.config.host_budget, need)
