@@ -388,9 +388,8 @@ class SchedulerProc:
             "DEBUG",
             *([] if self.nvml else ["--no-nvml"]),
             # The node's host budget ("auto" reads this machine's memory) only where a test
-            # asks for it (a later --host-budget wins): staging then follows every block.
-            "--host-budget",
-            "0",
+            # asks for it: staging then follows every block, as the tests expect.
+            *([] if "--host-budget" in self.extra_args else ["--host-budget", "0"]),
             *self.extra_args,
         ]
 

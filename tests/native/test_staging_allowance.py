@@ -76,7 +76,8 @@ def test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back(harn
     sched.join()
     assert run.event("blocks_end")["data_ok"], run.stderr
     assert moved["released"] == (4 * BLOCK, 0), moved
-    assert moved["restored"][0] == 4 * BLOCK, moved
+    # The restore wakes the preparer, which may already have given some back.
+    assert BLOCK <= moved["restored"][0] <= 4 * BLOCK, moved
     # Never more staging than the allowance of the moment: 2 blocks, then 1 (until evicted).
     before_eviction = seen[: next(i for i, s in enumerate(seen) if s == (BLOCK, BLOCK)) + 1]
     assert max(h for h, _s in before_eviction) <= 2 * BLOCK, seen
