@@ -43,7 +43,9 @@ def test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back(harn
         expect(conn, MsgType.HELLO)
         conn.sendall(frame(MsgType.WELCOME, []))
         request = expect(conn, MsgType.REQUEST)
-        assert field_u64(request, HOST) == 0 and field_u64(request, STAGING) == 0
+        # What it made before any allowance (staging for every block, as without a scheduler
+        # that sends one), if its allocations paused long enough before this first call.
+        assert field_u64(request, STAGING) <= field_u64(request, HOST) <= 4 * BLOCK
         conn.sendall(frame(MsgType.GRANT, [(FLAG, u64(0))]))
         conn.sendall(frame(MsgType.STAGING, [(STAGING, u64(2 * BLOCK))]))
         _until_memory(conn, seen, 2 * BLOCK, 2 * BLOCK)  # two of the four blocks, no more
@@ -69,7 +71,8 @@ def test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back(harn
                 break
 
     sched = StandInScheduler(harness.socket_path, script)
-    proc = harness.spawn("blocks", 4, BLOCK, 8.0, idle_seconds=0, context_bytes=16 * MiB)
+    # Idle long enough for the steps before the revoke, on a loaded machine too.
+    proc = harness.spawn("blocks", 4, BLOCK, 15.0, idle_seconds=0, context_bytes=16 * MiB)
     proc.wait_event("idle_start", 30)
     idle.set()
     run = proc.finish(60).ok()
@@ -78,6 +81,7 @@ def test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back(harn
     assert moved["released"] == (4 * BLOCK, 0), moved
     # The restore wakes the preparer, which may already have given some back.
     assert BLOCK <= moved["restored"][0] <= 4 * BLOCK, moved
-    # Never more staging than the allowance of the moment: 2 blocks, then 1 (until evicted).
-    before_eviction = seen[: next(i for i, s in enumerate(seen) if s == (BLOCK, BLOCK)) + 1]
-    assert max(h for h, _s in before_eviction) <= 2 * BLOCK, seen
+    # Once within the allowance, never past it again: 2 blocks, then 1 (until evicted).
+    first = seen.index((2 * BLOCK, 2 * BLOCK))
+    lowered = seen.index((BLOCK, BLOCK), first)
+    assert max(h for h, _s in seen[first : lowered + 1]) <= 2 * BLOCK, seen
