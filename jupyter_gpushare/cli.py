@@ -143,6 +143,7 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         "policy": "GPUShareScheduler.scheduling_policy",
         "deep-idle": "GPUShareScheduler.deep_idle_seconds",
         "keep-free": "GPUShareScheduler.keep_free",
+        "host-budget": "GPUShareScheduler.host_budget",
     }
     flags: dict[Any, Any] = {
         "no-nvml": (

@@ -85,6 +85,7 @@ class MsgType(enum.IntEnum):
     SLEEP = 0x88  # deep idle: flag 1 = checkpointed (asleep), 0 = restored (docs/protocol.md)
     RESTORE_AHEAD = 0x89  # restore evicted memory without a grant; answered by RESTORED flag 1
     ROOM = 0x8A  # a holder's room_bytes changed (others' memory came or left); no answer
+    STAGING = 0x8B  # the host staging the shim may hold for resident memory; no answer
     # scheduler -> control peers
     STATUS = 0xA0
     CONTROL_REPLY = 0xA1
@@ -119,6 +120,7 @@ class ErrorCode(enum.IntEnum):
     FORBIDDEN = 4
     NOT_FOUND = 5
     BAD_REQUEST = 6
+    NO_ROOM = 7  # a waiter whose memory can never fit the pool and the node's host budget
 
 
 #: tag -> (name, type), exactly the table in docs/protocol.md.
@@ -165,6 +167,11 @@ FIELDS: dict[int, tuple[str, FieldType]] = {
     # REQUEST: device bytes the driver refused although the room said they fit (the card fuller
     # than the pool's accounting): the scheduler makes at least that much room (docs/protocol.md).
     47: ("short_bytes", FieldType.U64),
+    # Host memory is a budget (docs/protocol.md, "Host memory"): MEMORY, REQUEST and a
+    # reconnecting HELLO say what the engine holds on the host, and the part of it that is
+    # staging of resident memory; STAGING carries the allowance in staging_bytes.
+    49: ("host_bytes", FieldType.U64),
+    50: ("staging_bytes", FieldType.U64),
 }
 #: name -> tag
 FIELD_TAGS: dict[str, int] = {name: tag for tag, (name, _type) in FIELDS.items()}

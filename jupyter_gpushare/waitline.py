@@ -149,6 +149,9 @@ def wait_text(
         return "Waiting for the GPU: the scheduler restarted, waiting for kernels to reconnect"
     if reason == "shorter_first":
         return "Waiting for the GPU: paused while shorter cells run (your memory stays on the GPU)"
+    if reason == "host_memory":  # the node's host budget is full (docs/architecture.md)
+        text = wait.get("text") or "the node's host memory is full"
+        return f"Waiting for the GPU: {text}"
     if reason == "memory" or not first:
         moving = wait.get("moving_bytes")
         amount = f"{format_size(int(moving))} of " if isinstance(moving, int) and moving else ""

@@ -387,6 +387,9 @@ class SchedulerProc:
             "--log-level",
             "DEBUG",
             *([] if self.nvml else ["--no-nvml"]),
+            # The node's host budget ("auto" reads this machine's memory) only where a test
+            # asks for it: staging then follows every block, as the tests expect.
+            *([] if "--host-budget" in self.extra_args else ["--host-budget", "0"]),
             *self.extra_args,
         ]
 

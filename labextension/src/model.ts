@@ -111,6 +111,17 @@ export interface IStatus {
   viewer?: { name: string | null; admin: boolean };
   /** This server's GPU-shared kernels that no device lists (see IUnregisteredKernel). */
   unregistered?: IUnregisteredKernel[];
+  /**
+   * The node's host memory (docs/protocol.md, "Host memory"): the budget for staging and
+   * evicted memory (0: not accounted), what the kernels' engines hold, and by whom.
+   */
+  host?: {
+    budget_bytes: number;
+    held_bytes: number;
+    staging_bytes?: number;
+    idle_holders?: number;
+    by_user?: Record<string, number>;
+  } | null;
   /** With a node scheduler: whom it took this server for (the document is filtered for it). */
   identity?: { user: string; admin: boolean; by: string };
   scheduler?: {

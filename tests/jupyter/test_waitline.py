@@ -179,6 +179,10 @@ def test_wait_texts_for_each_reason() -> None:
     )
     recovering = {"state": "waiting", "wait": {"reason": "recovering", "holders": []}}
     assert "scheduler restarted" in wait_text(waiting, recovering, None)
+    # The node's host budget holds the move back: the cell says so in the status's words.
+    full = "the node's host memory is full: 96.00 GiB of its 100.00 GiB for moved memory held by 2"
+    host = {"state": "waiting", "wait": {"reason": "host_memory", "text": full, "holders": []}}
+    assert wait_text(waiting, host, None) == f"Waiting for the GPU: {full}"
 
 
 def test_got_texts() -> None:

@@ -280,6 +280,9 @@ def test_every_decision_the_simulator_makes_is_the_live_schedulers_on_the_same_e
         "fixed_quantum": sim_cfg.fixed_quantum,
         "idle_check_interval": sim_cfg.idle_check_interval,
         "scheduling_policy": "fixed-quantum" if mode == "fixed-quantum" else "gpushare",
+        # The simulator does not model the node's host memory (its shims report none): "auto"
+        # would read this machine's.
+        "host_budget": 0,
     }
     traits["ordering"] = "fair" if mode == "gpushare-fair" else "interactive"
     config = GPUShareScheduler(**traits).policy_config()

@@ -78,6 +78,9 @@ async def make_scheduler(sock_path: str) -> AsyncIterator[Any]:
         # Faked credentials name this test's own pid: never checkpoint it (tests/native has the
         # deep-idle tests, on the stand-in driver).
         kwargs.setdefault("deep_idle_seconds", 0)
+        # The node's host budget ("auto" reads this machine's memory) only where a test asks
+        # for it: the scripted clients claim memory they do not have.
+        kwargs.setdefault("host_budget", 0)
         server = FakeCredScheduler(**kwargs)
         await server.start()
         started.append(server)

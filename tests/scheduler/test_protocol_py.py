@@ -37,9 +37,10 @@ def test_constants_match_the_contract() -> None:
         "EVICTED": 0x06, "RESTORED": 0x07, "GOODBYE": 0x08, "PRECOPIED": 0x09,
         "STATUS_REQUEST": 0x20, "CONTROL": 0x21, "WELCOME": 0x81, "GRANT": 0x82, "REVOKE": 0x83,
         "EVICT": 0x84, "SET_QUOTA": 0x85, "ERROR": 0x86, "PRECOPY": 0x87, "SLEEP": 0x88,
-        "RESTORE_AHEAD": 0x89, "ROOM": 0x8A, "STATUS": 0xA0, "CONTROL_REPLY": 0xA1,
+        "RESTORE_AHEAD": 0x89, "ROOM": 0x8A, "STAGING": 0x8B, "STATUS": 0xA0,
+            "CONTROL_REPLY": 0xA1,
     }  # fmt: skip
-    assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6]
+    assert [int(c) for c in ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
     assert p.FIELD_TAGS["client_id"] == 1 and p.FIELD_TAGS["context_bytes"] == 25
     assert p.FIELDS[26] == ("token", p.FieldType.STR)
     assert set(range(1, 26)) <= set(p.FIELDS)
@@ -47,6 +48,8 @@ def test_constants_match_the_contract() -> None:
         ("resume", p.FieldType.U64), ("since_ms", p.FieldType.U64), ("gpu_ms", p.FieldType.U64),
     ]  # fmt: skip
     assert p.FIELDS[43] == ("precopied_bytes", p.FieldType.U64)
+    assert p.FIELDS[49] == ("host_bytes", p.FieldType.U64)
+    assert p.FIELDS[50] == ("staging_bytes", p.FieldType.U64)
     assert p.FIELDS[22] == ("body", p.FieldType.JSON)
     assert p.FIELDS[14] == ("flag", p.FieldType.U64)
 

@@ -23,7 +23,8 @@ DEVICE_KEYS = {
 CLIENT_KEYS = {
     "id", "pid", "uid", "user", "label", "state", "idle", "notebook", "used_bytes", "managed_bytes",
     "pinned_bytes", "evicted_bytes", "precopied_bytes", "quota_bytes", "weight", "gpu_seconds",
-    "wait_seconds", "waiting_since", "queue_position", "last_restore",
+    "wait_seconds", "waiting_since", "queue_position", "last_restore", "host_bytes",
+    "staging_bytes", "staging_allowed_bytes",
 }  # fmt: skip
 
 
@@ -36,7 +37,7 @@ async def test_status_document_shape(scheduler: Any, connect: Any, sock_path: st
     await b.request(800 * MiB)
     await asyncio.sleep(0.05)
     doc = await SchedulerClient(sock_path).status()
-    assert set(doc) == {"version", "socket", "nvml", "devices", "identity"}
+    assert set(doc) == {"version", "socket", "nvml", "devices", "identity", "host"}
     assert doc["socket"] == sock_path
     assert doc["version"] == __import__("jupyter_gpushare").__version__
     assert doc["nvml"] == "disabled (use_nvml = False)"

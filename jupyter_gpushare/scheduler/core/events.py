@@ -200,6 +200,20 @@ class SetWeight:
     weight: float
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory a client's engine holds, as its shim says (MEMORY, REQUEST, a move's
+    answer, a reconnecting HELLO): ``host`` all of it (staging, copies of evicted memory),
+    ``staging`` the part that is staging of resident memory (an eviction of those blocks copies
+    into it and takes no more host memory). Node-wide, these count against the host budget
+    (:mod:`.host_budget`)."""
+
+    now: float
+    client: str
+    host: int = 0
+    staging: int = 0
+
+
 Event = (
     Join
     | Request
@@ -216,6 +230,7 @@ Event = (
     | AdminRelease
     | SetQuota
     | SetWeight
+    | HostMemory
 )
 
 # --------------------------------------------------------------------------------------------
@@ -293,4 +308,23 @@ class Room:
     room_bytes: int | None = None
 
 
-Decision = Grant | Revoke | Evict | Precopy | RestoreAhead | Room
+@dataclass(frozen=True)
+class Staging:
+    """Tell a client how much host staging it may hold for its resident memory (its share of the
+    node's host budget, :mod:`.host_budget`): its shim makes staging up to it and gives back the
+    rest. Sent only while the host budget is on, to clients that report their host memory."""
+
+    client: str
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Tell a waiter that its memory can never fit: more than the device's pool and the node's
+    host budget together. Its shim prints ``message``; it is said once per wait."""
+
+    client: str
+    message: str = ""
+
+
+Decision = Grant | Revoke | Evict | Precopy | RestoreAhead | Room | Staging | Refuse

@@ -42,6 +42,7 @@ Evicted: restore at the next grant), not the displayed ``evicted`` counters. A f
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
 ``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
+``host_budget``: no move passes the node's host budget; staging idle first (:mod:`.host_budget`).
 ``room_updates``: holders hear their grant's room change (:class:`~.events.Room`); memory past it
 waits unbacked, off the GPU's count (``ClientState.deferred``), while its shim asks again.
 """
@@ -61,6 +62,7 @@ from .events import (
     Evict,
     Evicted,
     Grant,
+    HostMemory,
     Idle,
     Join,
     Leave,
@@ -81,6 +83,7 @@ from .idle_timer import next_idle_check
 from .ordering import Ordering
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
+from .policy_host import HostBudgetRules
 from .policy_moves import (
     ask,
     count_evicted,
@@ -91,6 +94,7 @@ from .policy_moves import (
     room_for,
     worth_evicting,
 )
+from .policy_resume import Resume
 from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
@@ -104,7 +108,7 @@ REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
 
 
-class Policy(FixedQuantumLock):
+class Policy(FixedQuantumLock, HostBudgetRules, Resume):
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -141,7 +145,7 @@ class Policy(FixedQuantumLock):
         decisions = self._handle(event)
         if self.config.room_updates and self.config.policy == "gpushare":
             decisions += [Room(c.id, c.room) for d in self._devices.values() for c in new_rooms(d)]
-        return decisions
+        return decisions + self._host_decisions()  # the node's host budget (.host_budget)
 
     def _handle(self, event: Event) -> list[Decision]:
         self._advance(event.now)
@@ -156,6 +160,8 @@ class Policy(FixedQuantumLock):
         client = self._clients.get(event.client)
         if client is None:
             return []  # the shell may race with a disconnect: an unknown client is no error
+        if isinstance(event, HostMemory):
+            return self._on_host(client, event)
         dev = self._devices[client.device]
         if isinstance(event, Request | Memory) and event.used > client.used:
             client.grew_at = self._clock
@@ -242,7 +248,7 @@ class Policy(FixedQuantumLock):
         if target <= 0:
             return []
         out: list[Decision] = []
-        for c in room_evictions(dev, target, self._clock, decided):
+        for c in self._host_fit(room_evictions(dev, target, self._clock, decided)):
             c.room_tried = True
             c.room_evicted = True
             # An idle holder keeps its grant while nobody wants the device: revoke it, evicting.
@@ -314,6 +320,7 @@ class Policy(FixedQuantumLock):
             resident_bytes=dev.resident_bytes,
             base_quantum=self.config.base_quantum,
             starvation_window=self.config.ordering.starvation_window,
+            host_full=self._host_full(dev),
         )
 
     def client_device(self, client: str) -> str | None:
@@ -381,45 +388,6 @@ class Policy(FixedQuantumLock):
             out += self._resume(dev, c, evt)
         return out
 
-    def _resume(self, dev: DeviceState, c: ClientState, evt: Join) -> list[Decision]:
-        """A shim reconnecting after the scheduler was lost: take back what it says it had.
-
-        Its memory is taken as reported; managed memory not on the host is resident if it ever
-        held the device. A holder keeps the device when it fits beside the holders already resumed
-        (the first to reconnect always does: it held the device before, and nobody else holds
-        it yet); one that does not fit loses the grant and queues first among its peers, from
-        the moment of its old grant. A waiter queues from the moment it began to wait.
-
-        Claims to a grant or to an old place in the queue are believed only during a recovery
-        window (:meth:`recover_until`, opened when the scheduler restarts with clients to take
-        back): at any other time they would let a new client jump the queue.
-        """
-        if evt.used >= 0:
-            c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
-            # Resident if it ever ran (memory nobody touched has no pages on the GPU).
-            ran = evt.gpu_seconds > 0 or evt.resume == "holding"
-            c.resident = ran and c.managed > 0 and evt.evicted == 0
-            if 0 < evt.evicted < c.movable:
-                # a partial eviction before the restart: the rest is on the GPU (it ran)
-                c.resident, c.away, c.evicted, c.restore = True, evt.evicted, evt.evicted, True
-            elif evt.evicted > 0:
-                count_evicted(c)
-        c.gpu_seconds = max(0.0, evt.gpu_seconds)
-        if not self.recovering(self._clock):
-            return []
-        since = self._clock - max(0.0, evt.since)
-        if evt.resume == "holding":
-            held = sum(h.used for h in dev.clients.values() if h.holding is not None)
-            if held == 0 or held + c.used <= dev.pool_bytes:
-                c.holding = "running"
-                c.run_start = since
-                c.resident = True
-                c.restore = False
-                return [Grant(c.id, restore=False)]
-        if evt.resume in ("holding", "waiting"):
-            c.resume_since = since
-        return []
-
     def _on_request(self, c: ClientState, evt: Request) -> None:
         """The client wants the device; a Request from a holder only updates its footprint."""
         c.set_memory(evt.used, evt.managed, evt.pinned, evt.evicted)
@@ -486,7 +454,9 @@ class Policy(FixedQuantumLock):
         out: list[Decision] = []
         if c.holding == "running":
             out.append(self._revoke(c, evt.evict, REASON_ADMIN))
-        elif c.holding is None and evt.evict and c.resident and not c.moving:
+        elif (
+            c.holding is None and evt.evict and c.resident and not c.moving and self._host_cap(c, 1)
+        ):
             out.append(self._evict(c, REASON_ADMIN))
         return out + self._schedule(dev)
 
@@ -526,9 +496,11 @@ class Policy(FixedQuantumLock):
     def _revoke(self, c: ClientState, evict: bool, reason: str, nbytes: int = 0) -> Revoke:
         """Revoke ``c``; with ``evict``, freeing ``nbytes`` of it (0: everything)."""
         c.holding = "revoking"
-        c.revoke_evict = evict
         partial = evict and nbytes > 0 and self.config.partial_eviction
         c.revoke_bytes = ask(c, nbytes) if partial else c.evictable
+        if evict and (cap := self._host_cap(c, c.revoke_bytes)) < c.revoke_bytes:
+            c.revoke_bytes, evict = cap, cap > 0  # the node's host budget (.host_budget)
+        c.revoke_evict = evict
         c.revoked_at = self._clock
         part = c.revoke_bytes if evict and c.revoke_bytes < c.evictable else 0
         return Revoke(c.id, evict=evict, reason=reason, evict_bytes=part)
@@ -537,13 +509,14 @@ class Policy(FixedQuantumLock):
         """Evict ``nbytes`` of ``c`` (rounded up to a block; 0: everything)."""
         c.evict_pending = True
         partial = nbytes > 0 and self.config.partial_eviction
-        c.evict_asked = ask(c, nbytes) if partial else c.evictable
+        c.evict_asked = ask(c, nbytes) if partial else c.evictable  # callers: ._host_fit
         part = c.evict_asked if c.evict_asked < c.evictable else 0
         return Evict(c.id, reason=reason, bytes=part)
 
     def _evict_for(self, cands: Iterable[ClientState], short: int, reason: str) -> list[Decision]:
         """Partial eviction: free ``short`` bytes from ``cands`` in order (.policy_moves)."""
         out: list[Decision] = []
+        cands = self._host_fit(cands)  # again: revokes decided since took host room
         for c in cands:
             if short <= 0:
                 break
@@ -577,6 +550,8 @@ class Policy(FixedQuantumLock):
         expected to last longer than the move would take."""
         if self.config.cost_aware and not worth_evicting(dev, h, ask(h, n), self._clock):
             return None
+        if self.config.host_budget and not self._host_cap(h, ask(h, n)):
+            return None  # its memory has no room on the host (.host_budget)
         pre = self.config.short_first and preempts(self._order, w, h, self._clock)
         return REASON_QUANTUM if self._expired(dev, h) else REASON_ORDER if pre else None
 
@@ -628,7 +603,7 @@ class Policy(FixedQuantumLock):
         waiters = [c for c in reversed(list(behind)) if c.resident]
         now = self._clock if self.config.cost_aware else None
         cands = order_candidates(idle, waiters, now)
-        return [c for c in cands if not c.moving and c.evictable > 0]
+        return self._host_fit(c for c in cands if not c.moving and c.evictable > 0)
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         if self.config.policy == "gpushare":
@@ -780,7 +755,7 @@ class Policy(FixedQuantumLock):
         # Rule 5: even an empty device (but for memory that cannot move) has no room for w.
         if cands:  # everything that can move moves: w does not fit even so
             out += [self._evict(c, f"room for {w.id}") for c in cands]
-        elif not any(c.moving for c in dev.clients.values()):
+        elif not any(c.moving for c in dev.clients.values()) and not self._host_holds(dev, w):
             out.append(self._grant(w))
         return out
 

@@ -59,6 +59,10 @@ class PolicyConfig:
     # turn, into room nobody else is owed. Off in the bare core; the scheduler sets it from
     # c.GPUShareScheduler.restore_ahead.
     restore_ahead: bool = False
+    # The node's host budget in bytes (.host_budget): staging and evicted memory of every
+    # client together stay within it; no move past it is decided. 0: host memory is not
+    # accounted (the bare core); the scheduler sets it from c.GPUShareScheduler.host_budget.
+    host_budget: int = 0
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

@@ -102,6 +102,14 @@ class ClientState:
     evict_bw: float = 0.0
     restore_bw: float = 0.0
     cell: CellService = field(default_factory=CellService)  # the interactive ordering's view
+    # Host memory (.host_budget), as its shim last said: all its engine holds on the host, and
+    # the part that is staging of resident memory; whether it says so at all (it then hears its
+    # staging allowance), the allowance last told, and whether it was told it can never fit.
+    host: int = 0
+    staging: int = 0
+    host_said: bool = False
+    staging_allowed: int | None = None
+    refused: bool = False
 
     @property
     def movable(self) -> int:

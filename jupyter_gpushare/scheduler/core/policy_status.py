@@ -30,6 +30,8 @@ class DeviceFacts:
     resident_bytes: int  # what the policy accounts as on the GPU
     base_quantum: float  # the quantum when no holder runs
     starvation_window: float  # the ordering's bound on a pause (OrderingConfig)
+    # Why waiters wait for host memory (the node's host budget is full, .host_budget); None: not
+    host_full: str | None = None
 
 
 def device_status(dev: DeviceState, facts: DeviceFacts, now: float, dt: float) -> dict[str, Any]:
@@ -115,6 +117,8 @@ def _explain(
             "paused while shorter cells run (memory kept on the GPU): resumes when they "
             f"end, in {duration_text(left)} at most"
         )
+    elif facts.host_full and not about:
+        reason, text = "host_memory", facts.host_full
     elif ahead > 0:
         reason = "queue"
         text = f"waiting behind {ahead} other kernel{'s' if ahead > 1 else ''}"
@@ -156,6 +160,11 @@ def _client_status(c: ClientState, dt: float, position: dict[str, int]) -> dict[
         "pinned_bytes": c.pinned,
         "evicted_bytes": c.evicted,
         "precopied_bytes": c.precopied,
+        # Host memory (.host_budget): what its engine holds on the host, the part that is
+        # staging of resident memory, and the staging allowance it was told (None: none).
+        "host_bytes": c.host,
+        "staging_bytes": c.staging,
+        "staging_allowed_bytes": c.staging_allowed,
         "quota_bytes": c.quota,
         "weight": float(c.weight),
         "gpu_seconds": c.gpu_seconds + (dt if c.holding is not None else 0.0),

@@ -19,6 +19,7 @@ from ...units import format_size, parse_size
 from ..core.ordering import ORDERINGS, OrderingConfig
 from ..core.policy_config import POLICIES, PolicyConfig
 from ..core.room import KEEP_FREE_WAIT, KeepFree
+from .host_memory import HostBudget, cgroup_limit, resolve_budget
 
 __all__ = ["SchedulerConfig"]
 
@@ -149,6 +150,25 @@ class SchedulerConfig(LoggingConfigurable):
         (precopy_idle) are evicted, least recently used first: an unmap, made before the arrival
         instead of in its wait. A kernel that comes back after such an eviction is held idle
         60 s (doubling with each return) before the next. Needs precopy_idle.""",
+    ).tag(config=True)
+    host_budget = Union(
+        [Int(), Unicode()],
+        default_value="auto",
+        help="""Host memory the shims' staging and evicted memory may take on this node, all
+        kernels together: a size (bytes or '100GiB'), "auto" (the node's MemAvailable at the
+        scheduler's start, or its cgroup's memory limit when lower, less host_reserve), or 0
+        (not accounted: each shim bounds only its own registered staging, GPUSHARE_HOST_BUDGET).
+        No eviction that would pass it is decided: the kernel that needs the room waits and its
+        cell says why, and one whose memory is more than the GPU's pool and this budget together
+        is told it can never fit. Staging is shared out within it, idle kernels first
+        (docs/architecture.md, "Host memory is a budget").""",
+    ).tag(config=True)
+    host_reserve = Union(
+        [Int(), Unicode()],
+        default_value="auto",
+        help="""With host_budget "auto": the host memory left out of the budget for what grows
+        after the start and is nobody's staging (the kernels' own memory, page cache, new
+        kernels). "auto": max(4 GiB, 10% of the RAM).""",
     ).tag(config=True)
     short_first = Bool(
         True,
@@ -508,6 +528,24 @@ class SchedulerConfig(LoggingConfigurable):
                 )
         return value
 
+    @validate("host_budget", "host_reserve")
+    def _validate_host_size(self, proposal: Any) -> Any:
+        value = proposal["value"]
+        if value == "auto":
+            return value
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise ValueError(f"{proposal['trait'].name}: {exc} (or 'auto')") from None
+        return value
+
+    def _host_budget(self) -> HostBudget:
+        """The host budget as the traits and the node say at the start (reads /proc and the
+        cgroup), said once in the log."""
+        budget = resolve_budget(self.host_budget, self.host_reserve, limit=cgroup_limit())
+        self.log.info("gpushare: host memory budget %s", budget.how)
+        return budget
+
     @validate("keep_free")
     def _validate_keep_free(self, proposal: Any) -> Any:
         value = proposal["value"]
@@ -541,6 +579,7 @@ class SchedulerConfig(LoggingConfigurable):
             short_first=self.short_first,
             restore_ahead=self.restore_ahead,
             room_updates=self.room_updates,
+            host_budget=self._host_budget().budget,
             ordering=OrderingConfig(
                 mode=self.ordering,
                 first_level=self.ordering_first_level,

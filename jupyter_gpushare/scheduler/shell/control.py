@@ -112,6 +112,8 @@ class ControlActions:
             "socket": self.socket_path,
             "nvml": True if self.discovery.error is None else self.discovery.error,
             "devices": devices,
+            # The node's host memory (docs/architecture.md, "Host memory is a budget").
+            "host": self.policy.host_snapshot() if self.policy is not None else None,
         }
         if self._mps is not None:
             doc["mps"] = self._mps.describe()

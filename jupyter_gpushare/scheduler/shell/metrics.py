@@ -74,6 +74,7 @@ class _SnapshotCollector(Collector):
     def __init__(self, device_labels: Any) -> None:
         self.snapshot = _Snapshot()
         self._device_labels = device_labels  # uuid -> [device, UUID, gpu, modelName]
+        self.host_budget = 0  # the node's host budget (bytes; 0: not accounted)
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot  # one read: the loop replaces the object, never mutates it
@@ -195,6 +196,23 @@ class _SnapshotCollector(Collector):
         yield from (clients, holders, holding, holder, queue, pool, resident, mode, turns)
         yield from (longest_wait, longest_revoke, utilization)
         yield from (user_clients, user_used, user_resident)
+        yield from self._host(snap)
+
+    def _host(self, snap: _Snapshot) -> Iterator[Metric]:
+        """The node's host memory (docs/architecture.md, "Host memory is a budget")."""
+        budget = GaugeMetricFamily(
+            "gpushare_host_budget_bytes",
+            "Host memory the shims' staging and evicted memory may take on this node (0: not "
+            "accounted).",
+        )
+        budget.add_metric([], self.host_budget)
+        held = GaugeMetricFamily(
+            "gpushare_host_held_bytes",
+            "Host memory the shims' memory engines hold on this node (staging, evicted memory).",
+        )
+        total = sum(int(c.get("host_bytes") or 0) for d in snap.devices for c in d["clients"])
+        held.add_metric([], total)
+        yield from (budget, held)
 
 
 class DelegatingCollector(Collector):
@@ -266,6 +284,10 @@ class SchedulerMetrics:
         that join with dcgm-exporter. Call before the first grant, or a device's counters start
         a second series when its index and model become known."""
         self._gpus = {str(g.uuid).lower(): (str(g.index), str(g.name)) for g in gpus}
+
+    def set_host_budget(self, budget: int) -> None:
+        """The node's host budget (bytes; 0: not accounted), for gpushare_host_budget_bytes."""
+        self._gauges.host_budget = budget
 
     def device_labels(self, uuid: str) -> list[str]:
         index, model = self._gpus.get(uuid.lower(), ("", ""))

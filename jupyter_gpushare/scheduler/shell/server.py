@@ -609,6 +609,8 @@ class GPUShareScheduler(
             raise SchedulerStartError(
                 f"cannot serve metrics on {self.metrics_address}:{self.metrics_port}: {exc}"
             ) from exc
+        if self.metrics is not None and self.policy is not None:  # the node's host budget
+            self.metrics.set_host_budget(self.policy.config.host_budget)
 
     # ----------------------------------------------------------------------------------------
     # Connections

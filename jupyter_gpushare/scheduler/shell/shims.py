@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import signal
 import time
@@ -424,6 +425,8 @@ class ShimSessions:
             welcome["resume_secret"] = self._resume_secret(conn)
         self._send(conn, Message(MsgType.WELCOME, welcome))
         self._execute(rest)
+        if host := tr.host_event(msg, client_id, time.monotonic(), conn.memory["used"]):
+            self._handle(host)  # a reconnecting shim's host memory
         self._reschedule()
 
     def _on_shim_message(self, conn: Connection, client_id: str, msg: Message) -> None:
@@ -435,6 +438,11 @@ class ShimSessions:
             self._shim_gone(conn, "goodbye")
             return
         conn.memory.update(tr.memory_after(conn.memory, msg, cap))
+        if (host := tr.host_event(msg, client_id, now, conn.memory["used"])) is not None:
+            self._handle(host)  # first: the event's decisions weigh the host memory it says
+            if self.log.isEnabledFor(logging.DEBUG) and self.policy is not None:
+                held = self.policy.host_snapshot()["held_bytes"]
+                self.log.debug("host client=%s %s node_held=%d", client_id, _bytes(host.host), held)
         if isinstance(event, ev.Released | ev.Evicted | ev.Restored):
             conn.moved_at = now  # NVML's readings before now say nothing of its residency
         if conn.observed and isinstance(event, ev.Request | ev.Memory):
@@ -668,6 +676,10 @@ class ShimSessions:
                 self._info(
                     conn, "restore_ahead client=%s %s", decision.client, _bytes(decision.bytes)
                 )
+            elif isinstance(decision, ev.Staging):
+                self.log.debug("staging client=%s %s", decision.client, _bytes(decision.bytes))
+            elif isinstance(decision, ev.Refuse):
+                self._info(conn, "refuse client=%s: %s", decision.client, decision.message)
             elif isinstance(decision, ev.Room):
                 room = decision.room_bytes
                 self.log.debug(

@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...protocol import ErrorCode, Message, MsgType, duplicate_client_id, encode, printable
+from ...protocol import (
+    ErrorCode,
+    Message,
+    MsgType,
+    duplicate_client_id,
+    encode,
+    error_message,
+    printable,
+)
 from ...units import parse_size
 from ..core import events as ev
 from .kernel_ids import bound_id, valid_digest
@@ -292,6 +300,17 @@ def shim_event(
     raise ValueError(f"{msg.type_name} is not a shim message")  # the dispatcher checked
 
 
+def host_event(msg: Message, client_id: str, now: float, cap: int) -> ev.HostMemory | None:
+    """The host memory a shim message says its engine holds (None: it says nothing): a claim,
+    cut to ``cap`` (what the client says it uses on the device: each block has one staging
+    buffer, so a claim past it would only take the others' host room), staging at most the
+    whole."""
+    if "host_bytes" not in msg:
+        return None
+    host = min(max(0, int(msg["host_bytes"])), max(0, cap))
+    return ev.HostMemory(now, client_id, host, min(int(msg.get("staging_bytes") or 0), host))
+
+
 def decision_message(decision: ev.Decision) -> Message:
     """The frame that carries a policy decision to its shim.
 
@@ -315,6 +334,10 @@ def decision_message(decision: ev.Decision) -> Message:
     if isinstance(decision, ev.Room):
         room = {} if decision.room_bytes is None else {"room_bytes": max(0, decision.room_bytes)}
         return Message(MsgType.ROOM, room)
+    if isinstance(decision, ev.Staging):
+        return Message(MsgType.STAGING, {"staging_bytes": max(0, decision.bytes)})
+    if isinstance(decision, ev.Refuse):
+        return error_message(ErrorCode.NO_ROOM, decision.message)
     fields = {"reason": decision.reason}
     if decision.bytes > 0:
         fields["evict_bytes"] = decision.bytes

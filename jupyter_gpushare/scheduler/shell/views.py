@@ -20,7 +20,14 @@ __all__ = ["STATUS_BUDGET", "filter_status", "fit_status"]
 STATUS_BUDGET = 56_000
 
 #: Per-user sums of other users' clients.
-_SUMMED = ("used_bytes", "evicted_bytes", "gpu_seconds", "wait_seconds", "weight")
+_SUMMED = (
+    "used_bytes",
+    "evicted_bytes",
+    "host_bytes",
+    "gpu_seconds",
+    "wait_seconds",
+    "weight",
+)
 
 
 def _identity(viewer: Identity) -> dict[str, Any]:

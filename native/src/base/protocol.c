@@ -24,6 +24,8 @@ static const uint8_t tag_type[GS_TAG_MAX + 1] = {
     [GS_TAG_GPU_MS] = T_U64,         [GS_TAG_RESUME_SECRET] = T_STR,
     [GS_TAG_PRECOPIED_BYTES] = T_U64, [GS_TAG_EVICT_BYTES] = T_U64,
     [GS_TAG_ROOM_BYTES] = T_U64,     [GS_TAG_KERNEL_SECRET] = T_STR,
+    [GS_TAG_SHORT_BYTES] = T_U64,
+    [GS_TAG_HOST_BYTES] = T_U64,     [GS_TAG_STAGING_BYTES] = T_U64,
 };
 
 static void put_le(uint8_t *p, uint64_t v, int n)

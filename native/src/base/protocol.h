@@ -45,6 +45,10 @@ enum gs_msg_type {
     /* A holder's room changed (room_bytes; absent: no limit); a stale one (not holding) is
      * dropped, no answer (docs/protocol.md, "Room"). */
     GS_MSG_ROOM = 0x8A,
+    /* Host memory is a budget: the most host staging this process may hold for its resident
+     * memory (staging_bytes); never sent: the per-process bound alone (docs/protocol.md,
+     * "Host memory"). No answer. */
+    GS_MSG_STAGING = 0x8B,
     GS_MSG_STATUS = 0xA0,
     GS_MSG_CONTROL_REPLY = 0xA1
 };
@@ -93,7 +97,12 @@ enum gs_tag {
     GS_TAG_KERNEL_SECRET = 46,
     /* REQUEST: bytes the driver refused beyond the room it was granted (docs/protocol.md). */
     GS_TAG_SHORT_BYTES = 47,
-    GS_TAG_MAX = 47
+    /* Host memory (docs/protocol.md, "Host memory"): MEMORY, REQUEST and a reconnecting HELLO
+     * say all the host memory the engine holds (host_bytes) and the part that is staging of
+     * resident memory (staging_bytes); STAGING carries the allowance in staging_bytes. */
+    GS_TAG_HOST_BYTES = 49,
+    GS_TAG_STAGING_BYTES = 50,
+    GS_TAG_MAX = 50
 };
 
 /* ---- encoding ---- */

@@ -113,6 +113,12 @@ void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t)
         gs_w_u64(w, GS_TAG_SHORT_BYTES, t->short_bytes);
 }
 
+void gs_conn_put_host(struct gs_writer *w, const struct gs_mem_totals *t)
+{
+    gs_w_u64(w, GS_TAG_HOST_BYTES, t->host_bytes);
+    gs_w_u64(w, GS_TAG_STAGING_BYTES, t->staging_resident);
+}
+
 
 int gs_conn_send_fd(int fd, struct gs_writer *w)
 {
@@ -156,6 +162,7 @@ void gs_conn_send_memory(struct gs_session *s)
     gs_mem_totals_dev(s->devs.dev, &t);
     gs_conn_begin(s, &w, GS_MSG_MEMORY);
     gs_conn_put_memory(&w, &t);
+    gs_conn_put_host(&w, &t);
     if (gs_conn_send(s, &w) == 0) {
         s->mem_report.gen_sent = gen;
         s->mem_report.sent = t;
@@ -167,7 +174,8 @@ int gs_conn_memory_differs(const struct gs_mem_report *r, const struct gs_mem_to
 {
     return t->used != r->sent.used || t->managed != r->sent.managed ||
            t->pinned != r->sent.pinned || t->evicted != r->sent.evicted ||
-           t->precopied != r->sent.precopied;
+           t->precopied != r->sent.precopied || t->host_bytes != r->sent.host_bytes ||
+           t->staging_resident != r->sent.staging_resident;
 }
 
 void gs_conn_send_request(struct gs_session *s)
@@ -177,6 +185,7 @@ void gs_conn_send_request(struct gs_session *s)
     gs_mem_totals_dev(s->devs.dev, &t);
     gs_conn_begin(s, &w, GS_MSG_REQUEST);
     gs_conn_put_memory(&w, &t);
+    gs_conn_put_host(&w, &t);
     gs_conn_send(s, &w);
     GS_DEBUG("requested the device");
 }
@@ -325,6 +334,7 @@ int gs_conn_handshake(struct gs_session *s, char *why, size_t whylen)
     gs_w_u64(&w, GS_TAG_WEIGHT_MILLI, cfg->weight_milli);
     if (reconnect) {
         gs_conn_put_memory(&w, &mem);
+        gs_conn_put_host(&w, &mem);
         gs_w_u64(&w, GS_TAG_RESUME, (uint64_t)resume);
         gs_w_u64(&w, GS_TAG_SINCE_MS, resume ? (uint64_t)(gs_ms(gs_now() - since) + 0.5) : 0);
         gs_w_u64(&w, GS_TAG_GPU_MS, (uint64_t)(gs_ms(gpu) + 0.5));

@@ -25,6 +25,7 @@ static void answer_move(struct gs_session *s, uint8_t type, int flag, uint64_t m
     gs_w_u64(&w, GS_TAG_MICROS, us);
     if (type == GS_MSG_RESTORED)
         gs_w_u64(&w, GS_TAG_PRECOPIED_BYTES, t.precopied);
+    gs_conn_put_host(&w, &t); /* with the move's answer: the node's host budget sees it at once */
     gs_conn_send(s, &w);
 }
 
@@ -297,6 +298,9 @@ static void dispatch(struct gs_session *s, const struct gs_msg *m)
             gs_mem_set_room(s->devs.dev, gs_msg_has(m, GS_TAG_ROOM_BYTES) ? gs_room_of(m) : 0);
         break;
     }
+    case GS_MSG_STAGING: /* the node's host budget: this process's share for staging */
+        gs_mem_set_staging_allowance(gs_msg_u64(m, GS_TAG_STAGING_BYTES, UINT64_MAX));
+        break;
     case GS_MSG_SLEEP: {
         /* Only the status changes: the driver itself blocks this process's CUDA calls while it
          * is locked, and the scheduler grants nothing before it restored and unlocked it. */

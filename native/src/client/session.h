@@ -256,6 +256,9 @@ int gs_socket_connect(const char *path, int timeout_ms, int *refused, char *why,
 void gs_conn_gather_identity(struct gs_session *s);
 void gs_conn_begin(struct gs_session *s, struct gs_writer *w, uint8_t type);
 void gs_conn_put_memory(struct gs_writer *w, const struct gs_mem_totals *t);
+/* host_bytes and staging_bytes: the process's host memory (the first device's connection says
+ * it for the process; a later device's link does not, so the node counts it once). */
+void gs_conn_put_host(struct gs_writer *w, const struct gs_mem_totals *t);
 /* Who speaks and what runs, as every HELLO says it: user, token, label, context estimate,
  * version. */
 void gs_conn_put_identity(const struct gs_session *s, struct gs_writer *w);

@@ -22,6 +22,10 @@ struct gs_mem_totals {
     uint64_t staging_pageable; /* host staging past the budget: pageable, slower copies */
     uint64_t staging_fallbacks; /* staging buffers that fell back to pageable memory */
     uint64_t short_bytes; /* device bytes the driver refused beyond the room (REQUEST's field) */
+    /* Host memory (the node's budget, docs/protocol.md): all the engine holds on the host
+     * (staging, pageable copies, the bounce ring), and the staging of resident blocks in it. */
+    uint64_t host_bytes;
+    uint64_t staging_resident; /* gs_mem_totals_dev only (it waits for the engine's lock) */
 };
 /* The memory engine keeps one account per device (docs/architecture.md, "Several devices"):
  * ordinals 0..GS_MEM_DEVICES-1 each have their own; a higher one shares the last (the session
@@ -82,6 +86,9 @@ int gs_mem_hopeless(CUdevice dev); /* the same, without clearing it */
 void gs_mem_set_room(CUdevice dev, uint64_t room);
 /* The device slots (bit gs_mem_slot(dev)) whose memory went past the room and waits for a grant. */
 unsigned gs_mem_past_room(void);
+/* STAGING: the most host staging the process may hold for its resident memory (the scheduler's
+ * share of the node's host budget); the engine makes staging up to it and gives back the rest. */
+void gs_mem_set_staging_allowance(uint64_t bytes);
 /* Prepare host staging for explicit memory that has none (called when the process goes idle). */
 void gs_mem_prepare_staging(void);
 void gs_mem_after_fork_child(void);

@@ -370,7 +370,10 @@ int gs_mem_evict(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 
 int gs_mem_restore(CUdevice dev, uint64_t *bytes_moved, uint64_t *micros)
 {
-    return move_everything(0, dev, bytes_moved, micros);
+    int r = move_everything(0, dev, bytes_moved, micros);
+    if (gs_staging_allowance() != UINT64_MAX) /* restored blocks' staging counts again */
+        gs_vmm_staging_allowance_changed();
+    return r;
 }
 
 /* The engine's figures of every device as the last gs_mem_totals_now() read them, and the count
@@ -410,6 +413,9 @@ static void totals(CUdevice dev, struct gs_mem_totals *out, int wait)
     out->staging_pinned = st.pinned_bytes;
     out->staging_pageable = st.pageable_bytes;
     out->staging_fallbacks = st.fallbacks; /* the host's: one budget for every device */
+    out->host_bytes = st.pinned_bytes + st.pageable_bytes;
+    if (wait)
+        out->staging_resident = gs_vmm_resident_staging();
 }
 
 void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out) { totals(dev, out, 1); }
@@ -417,6 +423,12 @@ void gs_mem_totals_dev(CUdevice dev, struct gs_mem_totals *out) { totals(dev, ou
 void gs_mem_totals_now(struct gs_mem_totals *out) { totals(GS_MEM_ALL_DEVICES, out, 0); }
 
 void gs_mem_precopy_async(CUdevice dev) { gs_vmm_precopy_async(dev); }
+
+void gs_mem_set_staging_allowance(uint64_t bytes)
+{
+    gs_staging_set_allowance(bytes);
+    gs_vmm_staging_allowance_changed();
+}
 
 void gs_mem_defer_backing(CUdevice dev)
 {

@@ -175,6 +175,12 @@ struct gs_staging_totals {
     uint64_t pinned_bytes, pageable_bytes, budget, fallbacks;
 };
 void gs_staging_totals(struct gs_staging_totals *out);
+/* The scheduler's allowance for staging of resident memory (STAGING; UINT64_MAX: none said). */
+void gs_staging_set_allowance(uint64_t bytes);
+uint64_t gs_staging_allowance(void);
+/* On the calling thread, while `on`: gs_staging_get refuses staging past `room` bytes in all (a
+ * pre-copy copies only what the allowance has staging for). */
+void gs_staging_bound(int on, uint64_t room);
 void gs_staging_after_fork_child(void);
 
 /* ---- memory/workers.c: CPU threads for bulk host work ---- */
@@ -214,6 +220,12 @@ void gs_vmm_preparer_start(void);
  * progress shows in gs_vmm_totals (precopied_valid). */
 void gs_vmm_precopy_async(CUdevice dev);
 void gs_vmm_prepare_after_fork_child(void);
+/* The staging held for resident blocks (what an eviction of them copies into without taking
+ * more host memory). Waits for the engine's lock. */
+uint64_t gs_vmm_resident_staging(void);
+/* The scheduler's allowance changed: the preparer makes staging up to it, or gives back what
+ * it holds past it for resident blocks. */
+void gs_vmm_staging_allowance_changed(void);
 struct gs_vmm_totals {
     uint64_t bytes, evicted, precopied_valid, blocks;
     uint64_t ipc_pinned; /* resident blocks pinned for CUDA IPC: not evictable */

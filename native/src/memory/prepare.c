@@ -10,6 +10,12 @@
  * Populating and registering host memory is slow (16 GiB: ~1.8 s to register touched memory,
  * several more to touch it), so the thread takes the engine's lock only to pick a block and to
  * hand it the buffer; a block freed meanwhile is found gone by its id and the buffer released.
+ *
+ * Host memory is a node-wide budget (docs/architecture.md, "Host memory is a budget"): once the
+ * scheduler has said how much staging this process may hold for its resident memory (STAGING),
+ * the thread makes staging only for resident blocks and only up to that allowance, and gives
+ * back the staging of resident blocks past a lowered one (never an evicted block's: its data
+ * lives only there). Without a scheduler every block gets staging, as before.
  */
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -74,13 +80,84 @@ static int wait_for_a_pause(double *deferring_since)
     return 1;
 }
 
+/* Staging this thread holds outside any block for a resident one: made for it and not yet
+ * handed over, or taken from it and not yet released (under gs_vmm_mu). The host memory is
+ * counted from the moment it is made (memory/staging.c) until it is released: so that a report
+ * in between does not read it as evicted memory, it counts as staging of resident memory. */
+static uint64_t unattached;
+
+/* Staging held for resident blocks (under gs_vmm_mu): what the scheduler's allowance bounds. */
+static uint64_t resident_staging_locked(void)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; i < gs_vmm_nblocks; i++)
+        if (gs_vmm_blocks[i]->resident && gs_vmm_blocks[i]->staging.host)
+            n += gs_vmm_blocks[i]->staging.size;
+    return n;
+}
+
+uint64_t gs_vmm_resident_staging(void)
+{
+    pthread_mutex_lock(&gs_vmm_mu);
+    uint64_t n = resident_staging_locked() + unattached;
+    pthread_mutex_unlock(&gs_vmm_mu);
+    return n;
+}
+
+void gs_vmm_staging_allowance_changed(void)
+{
+    gs_vmm_preparer_start();
+    pthread_mutex_lock(&gs_vmm_mu);
+    gs_vmm_wake_preparer_locked();
+    pthread_mutex_unlock(&gs_vmm_mu);
+}
+
 /* A block whose staging the preparer makes: none yet, or pageable (made by an eviction before
- * the preparer got to it) and not yet tried. */
-static int wants_staging(const struct block *b)
+ * the preparer got to it) and not yet tried. Under the scheduler's allowance, a resident block
+ * whose staging fits it (`held`: the resident blocks' staging now). */
+static int wants_staging(const struct block *b, uint64_t allowance, uint64_t held)
 {
     if (b->preparing)
         return 0;
+    if (allowance != UINT64_MAX && !b->staging.host &&
+        (!b->resident || held > allowance || b->size > allowance - held))
+        return 0;
     return !b->staging.host || (!b->staging.pinned && !b->staging_tried);
+}
+
+/* Under gs_vmm_mu: a resident block's staging to give back, the allowance being lower than what
+ * resident blocks hold (the last one found: the most recently made block first). Not one that a
+ * pre-copy reads or that is being prepared. */
+static struct block *over_allowance_locked(uint64_t allowance, uint64_t held)
+{
+    if (allowance == UINT64_MAX || held <= allowance)
+        return NULL;
+    for (size_t i = gs_vmm_nblocks; i-- > 0;) {
+        struct block *b = gs_vmm_blocks[i];
+        if (b->resident && b->staging.host && !b->copying && !b->preparing)
+            return b;
+    }
+    return NULL;
+}
+
+/* Give back b's staging (under gs_vmm_mu, which it lets go while the memory is released). */
+static void give_back_locked(struct block *b)
+{
+    struct gs_staging st = b->staging;
+    b->staging = (struct gs_staging){0};
+    b->precopied = 0;
+    b->staging_tried = 0;
+    unattached += st.size;
+    pthread_mutex_unlock(&gs_vmm_mu);
+    char a[32];
+    GS_DEBUG("gave back %s of host staging: past the scheduler's allowance",
+             gs_format_size(st.size, a, sizeof a));
+    hold_off_captures(); /* unregistering fails a capture another thread makes */
+    uint64_t size = st.size;
+    gs_staging_put(&st);
+    gs_capture_unlock();
+    pthread_mutex_lock(&gs_vmm_mu);
+    unattached -= size;
 }
 
 static void *preparer(void *arg)
@@ -115,11 +192,17 @@ static void *preparer(void *arg)
             pthread_mutex_lock(&gs_vmm_mu);
             continue;
         }
+        uint64_t allowance = gs_staging_allowance(), held = resident_staging_locked();
+        struct block *over = over_allowance_locked(allowance, held);
+        if (over) {
+            give_back_locked(over);
+            continue;
+        }
         if (!gs_vmm_precopy_wanted && wait_for_a_pause(&deferring_since))
             continue;
         struct block *b = NULL;
         for (size_t i = 0; i < gs_vmm_nblocks && !b; i++)
-            if (wants_staging(gs_vmm_blocks[i]))
+            if (wants_staging(gs_vmm_blocks[i], allowance, held))
                 b = gs_vmm_blocks[i];
         if (!b && gs_vmm_precopy_wanted) {
             /* Every block has its staging: the pre-copy the scheduler asked for runs here, so
@@ -142,7 +225,10 @@ static void *preparer(void *arg)
             uint64_t copied, us;
             if (ctx && set_ctx && set_ctx(ctx) == CUDA_SUCCESS) {
                 hold_off_captures();
+                /* Within the allowance: blocks without staging stay uncopied. */
+                gs_staging_bound(allowance != UINT64_MAX, held > allowance ? 0 : allowance - held);
                 gs_vmm_precopy(dev, &copied, &us);
+                gs_staging_bound(0, 0);
                 gs_capture_unlock();
             }
             pthread_mutex_lock(&gs_vmm_mu);
@@ -153,7 +239,8 @@ static void *preparer(void *arg)
             continue;
         }
         b->preparing = 1;
-        uint64_t id = b->id, size = b->size;
+        uint64_t id = b->id, size = b->size, for_resident = b->resident ? b->size : 0;
+        unattached += for_resident;
         double made_at = b->made_at;
         CUcontext ctx = b->ctx;
         pthread_mutex_unlock(&gs_vmm_mu);
@@ -175,6 +262,7 @@ static void *preparer(void *arg)
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);
+        unattached -= for_resident;
         if (nb)
             nb->preparing = 0;
         if (nb)
@@ -182,6 +270,10 @@ static void *preparer(void *arg)
         if (have && nb && !nb->staging.host) {
             nb->staging = st;
             have = 0;
+            /* The next MEMORY report says it as staging of resident memory (the buffer was
+             * counted as host memory when it was made, before it was the block's). */
+            gs_mem_changed_locked();
+            gs_client_wake();
         } else if (have && nb && st.pinned && !nb->staging.pinned && !nb->copying) {
             /* An eviction before this staging was ready copied the block into pageable memory
              * (memory/bounce.c): registered staging takes its place, so that the restore and

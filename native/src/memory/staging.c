@@ -10,7 +10,13 @@
  * Registered memory cannot be swapped: GPUSHARE_HOST_BUDGET bounds it. Past the budget staging is
  * pageable (still populated, so copies run at the after-touch speed), said once in the log and
  * counted in status.
+ *
+ * On a node with a scheduler, host memory is also a node-wide budget (docs/architecture.md, "Host
+ * memory is a budget"): the scheduler says how much staging this process may hold for its
+ * resident memory (STAGING), and the preparer (memory/prepare.c) makes staging only up to that
+ * allowance, giving back what a lowered one leaves over.
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -24,6 +30,31 @@ typedef CUresult (*host_unregister_fn)(void *);
 static pthread_mutex_t staging_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t pinned_bytes, pageable_bytes, fallbacks;
 static int fallback_said;
+/* The scheduler's allowance for staging of resident memory (UINT64_MAX: never said) and, on the
+ * thread that runs a pre-copy for the preparer, what of it is left for staging made on the way. */
+static _Atomic uint64_t allowance = UINT64_MAX;
+static __thread int bounded;
+static __thread uint64_t bounded_room;
+
+void gs_staging_set_allowance(uint64_t bytes)
+{
+    atomic_store(&allowance, bytes);
+}
+
+uint64_t gs_staging_allowance(void) { return atomic_load(&allowance); }
+
+void gs_staging_bound(int on, uint64_t room)
+{
+    bounded = on;
+    bounded_room = room;
+}
+
+/* The host memory the engine holds changed: the next MEMORY report says so. */
+static void host_changed(void)
+{
+    gs_mem_changed_locked(); /* an atomic counter: gs_mem_mu is not needed for it */
+    gs_client_wake();
+}
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
@@ -112,11 +143,17 @@ int gs_staging_get_pageable(struct gs_staging *s, uint64_t size)
     pageable_bytes += size;
     pthread_mutex_unlock(&staging_mu);
     *s = (struct gs_staging){.host = host, .size = size, .pinned = 0};
+    host_changed();
     return 0;
 }
 
 int gs_staging_get(struct gs_staging *s, uint64_t size)
 {
+    if (bounded) { /* a pre-copy past the scheduler's allowance copies what has staging only */
+        if (size > bounded_room)
+            return -1;
+        bounded_room -= size;
+    }
     uint64_t budget = gs_config()->host_budget;
     pthread_mutex_lock(&staging_mu);
     int pin = pinned_bytes + size <= budget && pinned_bytes + size >= pinned_bytes;
@@ -162,6 +199,7 @@ int gs_staging_get(struct gs_staging *s, uint64_t size)
                     gs_format_size(budget, a, sizeof a), gs_format_size(pinned_bytes, b, sizeof b));
     }
     *s = (struct gs_staging){.host = host, .size = size, .pinned = is_pinned};
+    host_changed();
     return 0;
 }
 
@@ -182,6 +220,7 @@ void gs_staging_put(struct gs_staging *s)
         pageable_bytes -= s->size;
     pthread_mutex_unlock(&staging_mu);
     *s = (struct gs_staging){0};
+    host_changed();
 }
 
 void gs_staging_totals(struct gs_staging_totals *out)
@@ -201,5 +240,7 @@ void gs_staging_after_fork_child(void)
     pthread_mutex_init(&staging_mu, NULL);
     pinned_bytes = pageable_bytes = fallbacks = 0;
     fallback_said = 0;
+    atomic_store(&allowance, UINT64_MAX); /* the child has its own scheduler connection */
+    bounded = 0;
     gs_workers_after_fork_child();
 }

@@ -1,0 +1,87 @@
+"""The shim's side of the node's host budget (docs/protocol.md, "Host memory"): it reports the
+host memory its engine holds (host_bytes, tag 49) and the part that is staging of resident memory
+(staging_bytes, tag 50) in REQUEST, MEMORY and a move's answer; it makes staging only up to the
+allowance a STAGING (0x8B) gives, and gives back what it holds for resident blocks past a lowered
+one, never an evicted block's (its data lives only there). The scheduler is a stand-in that
+sends the messages itself."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from jupyter_gpushare.protocol import MsgType
+from tests.native.wire import StandInScheduler, c_tags, expect, field_u64, frame, read_frame, u64
+
+MiB = 1 << 20
+BLOCK = 64 * MiB
+TAGS = c_tags()
+FLAG, HOST, STAGING = TAGS["FLAG"], TAGS["HOST_BYTES"], TAGS["STAGING_BYTES"]
+
+
+def _until_memory(conn: socket.socket, seen: list[tuple[int, int]], staging: int, host: int):
+    """Read until a report says ``staging`` and ``host`` bytes; every (host, staging) a report
+    said goes into ``seen``."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        mtype, fields = read_frame(conn)
+        if HOST in fields:
+            said = (field_u64(fields, HOST), field_u64(fields, STAGING))
+            seen.append(said)
+            if mtype == MsgType.MEMORY and said == (host, staging):
+                return
+    raise AssertionError(f"no report of host {host}, staging {staging}: {seen}")
+
+
+def test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back(harness):
+    seen: list[tuple[int, int]] = []
+    moved: dict[str, tuple[int, int]] = {}
+    idle = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        expect(conn, MsgType.HELLO)
+        conn.sendall(frame(MsgType.WELCOME, []))
+        request = expect(conn, MsgType.REQUEST)
+        # What it made before any allowance (staging for every block, as without a scheduler
+        # that sends one), if its allocations paused long enough before this first call.
+        assert field_u64(request, STAGING) <= field_u64(request, HOST) <= 4 * BLOCK
+        conn.sendall(frame(MsgType.GRANT, [(FLAG, u64(0))]))
+        conn.sendall(frame(MsgType.STAGING, [(STAGING, u64(2 * BLOCK))]))
+        _until_memory(conn, seen, 2 * BLOCK, 2 * BLOCK)  # two of the four blocks, no more
+        assert idle.wait(30), "the program did not go idle"
+        time.sleep(0.5)  # no more staging comes meanwhile
+        conn.sendall(frame(MsgType.STAGING, [(STAGING, u64(BLOCK))]))
+        _until_memory(conn, seen, BLOCK, BLOCK)  # one given back
+        # Evicted, every block has host memory (the copies): none of it is resident staging.
+        conn.sendall(frame(MsgType.REVOKE, [(FLAG, u64(1))]))
+        released = expect(conn, MsgType.RELEASED)
+        moved["released"] = (field_u64(released, HOST), field_u64(released, STAGING))
+        expect(conn, MsgType.REQUEST)
+        conn.sendall(frame(MsgType.GRANT, [(FLAG, u64(1))]))
+        restored = expect(conn, MsgType.RESTORED)
+        moved["restored"] = (field_u64(restored, HOST), field_u64(restored, STAGING))
+        # Back on the device, the blocks' staging is resident staging again, past the
+        # allowance: all but one block's is given back.
+        _until_memory(conn, seen, BLOCK, BLOCK)
+        while True:
+            try:
+                read_frame(conn)
+            except (EOFError, OSError):
+                break
+
+    sched = StandInScheduler(harness.socket_path, script)
+    # Idle long enough for the steps before the revoke, on a loaded machine too.
+    proc = harness.spawn("blocks", 4, BLOCK, 15.0, idle_seconds=0, context_bytes=16 * MiB)
+    proc.wait_event("idle_start", 30)
+    idle.set()
+    run = proc.finish(60).ok()
+    sched.join()
+    assert run.event("blocks_end")["data_ok"], run.stderr
+    assert moved["released"] == (4 * BLOCK, 0), moved
+    # The restore wakes the preparer, which may already have given some back.
+    assert BLOCK <= moved["restored"][0] <= 4 * BLOCK, moved
+    # Once within the allowance, never past it again: 2 blocks, then 1 (until evicted).
+    first = seen.index((2 * BLOCK, 2 * BLOCK))
+    lowered = seen.index((BLOCK, BLOCK), first)
+    assert max(h for h, _s in seen[first : lowered + 1]) <= 2 * BLOCK, seen
