@@ -784,7 +784,16 @@ def main(argv: list[str] | None = None) -> None:
 
         launch(args[1:])  # jupyter lab's options are its own: no parsing here
         return
-    GPUShareApp.launch_instance(argv=argv)
+    try:
+        GPUShareApp.launch_instance(argv=argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+    except BrokenPipeError:
+        # `gpushare status --json | head -1`: the reader has what it wanted. Python's own
+        # advice: point stdout at /dev/null so that its last flush finds nothing to complain
+        # about, and end as quietly as a program killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
 
 
 if __name__ == "__main__":  # pragma: no cover
