@@ -736,6 +736,7 @@ interval. Target: **at most +50 ms**.
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
+        prog="python3 -m bench.report",
         description=__doc__.splitlines()[0],
         epilog="Without --doc the page is RESULTS_DIR/performance.md; --update-docs rewrites "
         "the committed docs/performance.md and docs/images/perf-*.png.",
@@ -752,6 +753,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--force", action="store_true", help="overwrite an existing --doc")
     args = ap.parse_args(argv)
+    missing = [str(r) for r in args.results if not r.is_dir()]
+    if missing:
+        ap.error(f"no such results directory: {', '.join(missing)}")
     if args.update_docs and args.doc is not None:
         ap.error("--update-docs writes docs/performance.md: leave --doc out")
     if args.update_docs:
