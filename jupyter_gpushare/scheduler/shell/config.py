@@ -518,7 +518,7 @@ class SchedulerConfig(LoggingConfigurable):
         if value == "auto":
             return value
         try:
-            parse_memory_size(value)
+            parse_size(value)
         except ValueError as exc:
             raise ValueError(f"keep_free: {exc} (or 'auto', or 0: off)") from None
         return value
