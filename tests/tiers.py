@@ -59,8 +59,8 @@ SLOW: tuple[str, ...] = (
     "tests/scheduler/test_protocol_fuzz.py::test_encode_decode_round_trip",
     "tests/scheduler/test_contracts.py::test_size_syntax_agrees_on_generated_sizes",
     # The native engine's long scenarios (memory moved to the host and back, several processes
-    # taking turns, restarts) and the whole-source call graph.
-    "tests/native/test_layering.py::test_the_call_graph_between_files_has_no_cycle",
+    # taking turns, restarts) and the whole-source call graph (its first test pays 2-3 minutes).
+    "tests/native/test_layering.py",
     "tests/native/test_memory_engine.py",
     "tests/native/test_two_device_memory.py",
     "tests/native/test_async_copies.py",
@@ -76,6 +76,8 @@ SLOW: tuple[str, ...] = (
     "tests/native/test_two_devices.py",
     "tests/native/test_pool_accounting.py",
     "tests/native/test_deferred_backing.py",
+    # The device plugin's allocation socket with a shim built for it (about 2 minutes each).
+    "tests/deviceplugin/test_allocation_ceiling.py",
     # The benchmarks' stand-in campaigns (a scheduler, shims and replays in real time).
     "tests/bench/test_campaign_standin.py",
     "tests/bench/test_nbmix_replay_standin.py",
