@@ -34,6 +34,7 @@ SLOW: tuple[str, ...] = (
     "tests/packaging/test_packaging.py",
     "tests/packaging/test_first_hour_errors.py::test_a_build_without_node_says_so_in_one_line",
     "tests/packaging/test_no_damage.py",
+    "tests/packaging/test_docs_site.py",  # the documentation site, built by Sphinx
     # Real Jupyter servers with real kernels.
     "tests/jupyter/test_server_",
     "tests/jupyter/test_rest_fuzz.py",
