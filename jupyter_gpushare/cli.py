@@ -76,8 +76,8 @@ class GPUShareBaseApp(Application):
         return self.name.replace("-", " ", 1)
 
     def parse_command_line(self, argv: Any = None) -> None:
-        if not self.subcommands:  # the subcommand's own app checks its arguments
-            args = list(sys.argv[1:] if argv is None else argv)
+        args = list(sys.argv[1:] if argv is None else argv)
+        if not args[:1] or args[0] not in self.subcommands:  # a subcommand checks its own
             try:
                 argv = check_argv(
                     args, self.aliases, self.flags, self.positional, self.command_name
@@ -744,6 +744,7 @@ class GPUShareApp(GPUShareBaseApp):
     examples = """gpushare scheduler --pool 24GiB
 gpushare run -- python train.py
 gpushare status"""
+    positional = 1  # a command that is not one: start() says which are
 
     subcommands: dict[str, Any] = {
         "scheduler": (SchedulerApp, _summary(SchedulerApp.description)),

@@ -47,6 +47,7 @@ def _gpushare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         (("scheduler", "--pool", "-1GiB"), ("--pool", "cannot be negative"), ("expected one",)),
         (("scheduler", "--pool=-1GiB"), ("--pool", "cannot be negative"), ("pool_size",)),
         (("scheduler", "--bogus"), ("unknown option --bogus",), ("expected one",)),
+        (("--bogus",), ("gpushare: unknown option --bogus",), ("expected one",)),
         (("scheduler", "--log-format", "yaml"), ("--log-format", "'yaml'"), ("log_style",)),
         (("scheduler", "--metrics-port", "99999"), ("--metrics-port", "65535"), ("metrics_port",)),
         (("scheduler", "stray"), ("unexpected argument 'stray'",), ()),
