@@ -109,10 +109,11 @@ def is_slow(nodeid: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = config.pluginmanager.hasplugin("xdist")  # which knows the xdist_group mark
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
-        for group, prefixes in GROUPS.items():
+        for group, prefixes in GROUPS.items() if grouped else ():
             if item.nodeid.startswith(prefixes):
                 item.add_marker(pytest.mark.xdist_group(group))
 
