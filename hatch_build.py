@@ -37,14 +37,33 @@ NO_NODE = (
 )
 
 
+def say(text: str) -> None:
+    """One line of progress on the terminal: pip hides a build's output behind its spinner
+    unless it fails (or ``pip install -v``), and the sidebar's build takes minutes."""
+    line = f"jupyter-gpushare: {text}\n"
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line)
+            return
+    except OSError:  # no terminal (CI, a container): the build's own output, which -v shows
+        pass
+    os.write(2, line.encode())
+
+
 class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if not PREBUILT.exists() and shutil.which("node") is None:
             raise SystemExit(NO_NODE)
+        if not PREBUILT.exists():
+            say(
+                "building the JupyterLab sidebar with jlpm: about 2 minutes; its packages come "
+                "from the npm registry (behind a proxy: docs/install.md)"
+            )
         if self.target_name != "wheel":
             return
         output = HERE / "jupyter_gpushare" / "lib" / "libgpushare.so"
         native = _native_build()
+        say("compiling the shim, libgpushare.so")
         native.build_shim(output, portable=True)
         # The newest glibc symbol version the shim needs (zig cc links for PORTABLE_GLIBC, the
         # system compiler for this machine's glibc), and never below manylinux_2_28.

@@ -282,3 +282,44 @@ def memory_moves(log_text: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+class Progress:
+    """A long benchmark's progress, one line on stderr per step: how many of how many, the time
+    so far and, once a step is done, about how long is left."""
+
+    def __init__(self, name: str, total: int | None = None) -> None:
+        self.name = name
+        self.total = total
+        self.done = 0
+        self.started = time.monotonic()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        count = f"{self.done}/{self.total}" if self.total else str(self.done)
+        left = ""
+        if self.total and self.done < self.total:
+            left = f", about {_duration(elapsed / self.done * (self.total - self.done))} left"
+        print(
+            f"{self.name}: {count} {what} ({_duration(elapsed)}{left})", file=sys.stderr, flush=True
+        )
+
+    def note(self, what: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"{self.name}: {what} ({_duration(elapsed)})", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def stop_cleanly(main: Any, name: str) -> int:
+    """``main()``'s exit code; Ctrl-C stops it with one line and exit 130 (as a shell reports
+    SIGINT), not a KeyboardInterrupt traceback. The benchmarks write their result file at the
+    end, so nothing half-made is left behind."""
+    try:
+        return int(main() or 0)
+    except KeyboardInterrupt:
+        print(f"\n{name}: stopped by Ctrl-C; no result written", file=sys.stderr, flush=True)
+        return 130

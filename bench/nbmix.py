@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .capacity import mean_ci
-from .common import GiB, percentile, record, write_json
+from .common import GiB, Progress, percentile, record, stop_cleanly, write_json
 from .simulator import SimConfig, Simulation, legacy, policy_config, summarize
 from .trace import TIME_SCALE, TraceConfig, User, generate, scaled
 
@@ -126,9 +126,12 @@ def training_users(
     return users
 
 
-def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, Any]]:
+def training_beside(
+    duration: float = 300.0, seeds: int = 5, note: Any = None
+) -> list[dict[str, Any]]:
     """Short cells' latency vs solo and the trainer's throughput vs solo, per ordering and
-    without a pool (pool 80 GiB: everything fits), before and after issue 21's rules."""
+    without a pool (pool 80 GiB: everything fits), before and after issue 21's rules; ``note(text)``
+    is told each scenario as it starts."""
     rows = []
     for label, mode, pool, variant in (
         ("gpushare", "gpushare", 40, "after"),
@@ -137,6 +140,8 @@ def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, A
         ("fair, before", "gpushare-fair", 40, "engine"),
         ("no pool", "gpushare", 80, "after"),
     ):
+        if note is not None:
+            note(f"training beside interactive users: {label}")
         cfg, pcfg = variant_configs(variant, SimConfig(pool_bytes=pool * GiB))
         pcfg = (
             policy_config(mode, cfg)
@@ -172,10 +177,15 @@ def training_beside(duration: float = 300.0, seeds: int = 5) -> list[dict[str, A
     return rows
 
 
-def users_at(shape: str, variant: str, limit: float, seeds: int, horizon: float) -> int:
-    """The most users per GPU whose mean p95 slowdown is at most ``limit`` (upward grid)."""
+def users_at(
+    shape: str, variant: str, limit: float, seeds: int, horizon: float, note: Any = None
+) -> int:
+    """The most users per GPU whose mean p95 slowdown is at most ``limit`` (upward grid);
+    ``note(text)`` is told each point as it starts."""
     best = 0
     for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32):
+        if note is not None:
+            note(f"users per GPU at p95 <= {limit:g}x, {shape} {variant}: trying {n}")
         p95 = point(shape, n, variant, seeds, horizon)["slowdown_p95_mean"]
         if p95 > limit:  # NaN (no cells after the warm-up) counts as met
             break
@@ -209,7 +219,7 @@ def merge(out: Path, parts: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m bench.nbmix", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--users", default="8,16,32")
@@ -229,11 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         return merge(args.out, args.merge)
     started = time.monotonic()
     variants = args.variants.split(",")
-    rows = [
-        point("nbmix", int(n), v, args.seeds, args.horizon)
-        for n in args.users.split(",")
-        for v in variants
-    ]
+    users = args.users.split(",")
+    progress = Progress("nbmix", total=len(users) * len(variants))
+    progress.note(
+        f"{progress.total} points of {args.seeds} seed(s), then the capacity search and the "
+        "training scenarios (Ctrl-C stops)"
+    )
+    rows = []
+    for n in users:
+        for v in variants:
+            rows.append(point("nbmix", int(n), v, args.seeds, args.horizon))
+            progress.step(f"{n} users, {v}: {args.seeds} seed(s)")
     capacity = (
         []
         if args.capacity_seeds <= 0
@@ -242,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trace": shape,
                 "variant": v,
                 "limit": 2.0,
-                "users": users_at(shape, v, 2.0, args.capacity_seeds, args.horizon),
+                "users": users_at(shape, v, 2.0, args.capacity_seeds, args.horizon, progress.note),
             }
             for shape in ("nbmix", "uniform")
             for v in ("before", "after")
@@ -256,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         rows=rows,
         users_per_gpu_p95_2x=capacity,
         training_beside=(
-            training_beside(args.train_duration, args.train_seeds) if args.train_seeds > 0 else []
+            training_beside(args.train_duration, args.train_seeds, progress.note)
+            if args.train_seeds > 0
+            else []
         ),
         targets=TARGETS,
         duration_s=time.monotonic() - started,
@@ -278,4 +296,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(stop_cleanly(main, "nbmix"))

@@ -229,6 +229,7 @@ part by design: the simulator shares the GPU equally among co-running cells (tim
 contexts come close for long matmuls, not for short kernels), models a paused cell's drain as
 12.5 ms and a grant as 2 ms, and moves memory at the run's median bandwidths.
 
+<!-- commands: need a GPU -->
 ```sh
 {REAL_COMMAND}
 ```

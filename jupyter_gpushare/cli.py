@@ -25,10 +25,11 @@ import sys
 from copy import deepcopy
 from typing import Any
 
-from traitlets import Bool, Enum, Float, Unicode
+from traitlets import Bool, Enum, Float, TraitError, Unicode
 from traitlets.config import Application
 
 from ._version import __version__
+from .cli_words import UsageError, check_argv, in_user_words
 from .paths import default_socket_path
 from .protocol import printable
 from .scheduler.features.sleeping import EVICT_REPLY_SECONDS
@@ -40,7 +41,7 @@ from .scheduler_client import (
     SchedulerUnavailable,
 )
 from .sd_notify import sd_notify
-from .units import format_size, parse_size
+from .units import format_size, parse_memory_size
 
 __all__ = [
     "GPUShareApp",
@@ -66,6 +67,41 @@ class GPUShareBaseApp(Application):
         "log-level": "Application.log_level",
         "config": "GPUShareBaseApp.config_file",
     }
+    #: How many words that are not options the command takes (a path, a client id); more are
+    #: refused rather than ignored.
+    positional = 0
+
+    @property
+    def command_name(self) -> str:
+        return self.name.replace("-", " ", 1)
+
+    def parse_command_line(self, argv: Any = None) -> None:
+        args = list(sys.argv[1:] if argv is None else argv)
+        if not args[:1] or args[0] not in self.subcommands:  # a subcommand checks its own
+            try:
+                argv = check_argv(
+                    args, self.aliases, self.flags, self.positional, self.command_name
+                )
+            except UsageError as exc:
+                print(exc, file=sys.stderr)
+                self.exit(2)
+        super().parse_command_line(argv)
+
+    def _load_config(self, cfg: Any, section_names: Any = None, traits: Any = None) -> None:
+        """A bad value for the application's own traits (``--log-format yaml``) is a
+        configuration error like any other: one line naming the flag, exit 2."""
+        try:
+            super()._load_config(cfg, section_names=section_names, traits=traits)
+        except TraitError as exc:
+            self.config_error(exc)
+
+    def config_error(self, exc: BaseException) -> None:
+        """Stop with one line that names the flag or the config file's setting at fault."""
+        self.log.critical("invalid configuration: %s", self.in_user_words(exc))
+        self.exit(2)
+
+    def in_user_words(self, exc: BaseException) -> str:
+        return in_user_words(" ".join(str(exc).split()), self.aliases, self.cli_config)
 
     def _log_format_default(self) -> str:
         return "[%(levelname)1.1s %(asctime)s.%(msecs)03d %(name)s] %(message)s"
@@ -175,13 +211,11 @@ gpushare scheduler --socket /run/gpushare/scheduler.sock --users-config /etc/gpu
         try:
             scheduler = GPUShareScheduler(parent=self)
         except Exception as exc:  # a bad config value
-            self.log.critical("invalid configuration: %s", exc)
-            self.exit(2)
+            self.config_error(exc)
         try:
             asyncio.run(self._serve(scheduler))
         except SchedulerConfigError as exc:
-            self.log.critical("invalid configuration: %s", exc)
-            self.exit(2)
+            self.config_error(exc)
         except SchedulerStartError as exc:
             self.log.critical("%s", exc)
             self.exit(1)
@@ -241,7 +275,8 @@ class RunApp(GPUShareBaseApp):
         argv = list(sys.argv[1:] if argv is None else argv)
         options, command = _split_command(argv, self.aliases)
         self.command = command
-        super().initialize(options)
+        # A trailing `--` lets the check say where a stray word stands (`run GB -- cmd`).
+        super().initialize([*options, "--"] if "--" in argv else options)
         self.load_gpushare_config()
 
     def start(self) -> None:
@@ -255,7 +290,7 @@ class RunApp(GPUShareBaseApp):
             )
             self.exit(2)
         try:
-            quota = parse_size(self.memory_limit) if self.memory_limit else None
+            quota = parse_memory_size(self.memory_limit) if self.memory_limit else None
         except ValueError as exc:
             print(f"gpushare run: --memory-limit: {exc}", file=sys.stderr)
             self.exit(2)
@@ -573,6 +608,7 @@ gpushare keygen /etc/gpushare/user.key --token-for alice"""
     token_for = Unicode("", help="Print this user's token under the key at PATH.").tag(config=True)
 
     aliases: dict[Any, Any] = {"token-for": "KeygenApp.token_for"}
+    positional = 1  # PATH
     flags: dict[Any, Any] = {
         "force": ({"KeygenApp": {"force": True}}, "Replace an existing key."),
     }
@@ -632,6 +668,7 @@ class ControlApp(GPUShareBaseApp):
     )
     json = Bool(False, help="Print the scheduler's reply as JSON.").tag(config=True)
     aliases: dict[Any, Any] = {**GPUShareBaseApp.aliases, "socket": "ControlApp.socket"}
+    positional = 1  # CLIENT
     flags: dict[Any, Any] = {
         "json": ({"ControlApp": {"json": True}}, "Print the scheduler's reply as JSON."),
     }
@@ -708,6 +745,7 @@ class GPUShareApp(GPUShareBaseApp):
     examples = """gpushare scheduler --pool 24GiB
 gpushare run -- python train.py
 gpushare status"""
+    positional = 1  # a command that is not one: start() says which are
 
     subcommands: dict[str, Any] = {
         "scheduler": (SchedulerApp, _summary(SchedulerApp.description)),
@@ -748,7 +786,16 @@ def main(argv: list[str] | None = None) -> None:
 
         launch(args[1:])  # jupyter lab's options are its own: no parsing here
         return
-    GPUShareApp.launch_instance(argv=argv)
+    try:
+        GPUShareApp.launch_instance(argv=argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+    except BrokenPipeError:
+        # `gpushare status --json | head -1`: the reader has what it wanted. Python's own
+        # advice: point stdout at /dev/null so that its last flush finds nothing to complain
+        # about, and end as quietly as a program killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -67,8 +67,15 @@ def server_user(environ: Mapping[str, str] | None = None) -> str | None:
     return env.get(ENV_USER) or env.get("JUPYTERHUB_USER") or None
 
 
-class UserKeyError(RuntimeError):
-    """The node's user key cannot be read: the hub must not start handing out servers."""
+class UserKeyError(SystemExit):
+    """The node's user key cannot be read: the hub must not start handing out servers.
+
+    A SystemExit whose code is the message: raised while JupyterHub loads its config file, it
+    ends the hub with that one line on stderr and exit code 1, where any other exception is
+    printed with a traceback of JupyterHub's and traitlets' own frames."""
+
+    def __str__(self) -> str:
+        return str(self.code)
 
 
 def _key_file(key_file: str | os.PathLike[str] | None) -> str:

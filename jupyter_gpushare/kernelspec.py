@@ -204,10 +204,17 @@ class InstallKernelspecApp(_KernelspecBase):
     suffix = Unicode(DEFAULT_SUFFIX, help="Appended to a kernelspec's name for its variant.").tag(
         config=True
     )
+    force = Bool(
+        False, help="Replace kernelspecs of the variants' names that this command did not make."
+    ).tag(config=True)
 
     aliases = {**base_aliases, **_location_aliases}
     flags = {
         **base_flags,
+        "force": (
+            {"InstallKernelspecApp": {"force": True}},
+            "Replace kernelspecs of the variants' names that install-kernelspec did not make.",
+        ),
         "user": ({"InstallKernelspecApp": {"user": True}}, "Install for the current user."),
         "sys-prefix": (
             {"InstallKernelspecApp": {"prefix": sys.prefix}},
@@ -284,6 +291,26 @@ class InstallKernelspecApp(_KernelspecBase):
         except KernelspecError as exc:
             self.fail(str(exc))
 
+    def _refuse_to_replace(self, sources: dict[str, dict[str, Any]]) -> None:
+        """Nothing is written while a variant's place holds a kernelspec that this command did
+        not make (written by hand, or by pip), unless --force."""
+        if self.force:
+            return
+        taken = []
+        for name in sorted(sources):
+            destination = Path(
+                self.kernel_spec_manager._get_destination_dir(
+                    f"{name}{self.suffix}", user=self.user, prefix=self.prefix or None
+                )
+            )
+            if not _made_here_or_absent(destination):
+                taken.append(f"{destination.name} ({destination})")
+        if taken:
+            raise KernelspecError(
+                f"not replacing {', '.join(taken)}: `jupyter gpushare install-kernelspec` did not "
+                "make it; --force replaces it, --suffix gives the variants other names"
+            )
+
     def _install(self) -> None:
         specs = self.all_specs()
         sources = self.sources(specs)
@@ -300,6 +327,7 @@ class InstallKernelspecApp(_KernelspecBase):
                 "keep their kernelspecs' own logos",
                 SHIPPED_KERNELSPEC,
             )
+        self._refuse_to_replace(sources)
         done = 0
         for name, entry in sorted(sources.items()):
             spec = entry["spec"]
@@ -349,6 +377,16 @@ class InstallKernelspecApp(_KernelspecBase):
             done += 1
         if not done:
             raise KernelspecError("no kernelspec could be given a GPU-shared variant")
+
+
+def _made_here_or_absent(destination: Path) -> bool:
+    """Whether install-kernelspec may write ``destination``: nothing there, or a variant it made."""
+    if not destination.exists():
+        return True
+    try:
+        return made_here(json.loads((destination / "kernel.json").read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def _same_spec(kernel_json: Path, variant: dict[str, Any]) -> bool:
@@ -458,53 +496,68 @@ class RemoveKernelspecApp(_KernelspecBase):
     }
 
     def candidates(self) -> dict[str, dict[str, Any]]:
-        """The kernelspecs to choose from: every Jupyter path's, or one place's."""
-        if not (self.user or self.prefix):
-            return self.all_specs()
+        """The kernelspecs to choose from, by directory: every copy in every Jupyter path (also
+        those that another of the same name hides, such as a variant install-kernelspec wrote to
+        the system-wide place it uses by default), or one place's."""
         if self.user and self.prefix:
             self.fail("choose one of --user, --sys-prefix and --prefix", 2)
-        place = Path(
-            self.kernel_spec_manager._get_destination_dir("x", user=self.user, prefix=self.prefix)
-        ).parent
+        if self.user or self.prefix:
+            places = [
+                Path(
+                    self.kernel_spec_manager._get_destination_dir(
+                        "x", user=self.user, prefix=self.prefix
+                    )
+                ).parent
+            ]
+        else:
+            places = [Path(d) for d in self.kernel_spec_manager.kernel_dirs]
+            places.append(Path(self.kernel_spec_manager._get_destination_dir("x")).parent)
         found: dict[str, dict[str, Any]] = {}
-        for kernel_json in sorted(place.glob("*/kernel.json")):
-            with contextlib.suppress(OSError, ValueError):
-                spec = json.loads(kernel_json.read_text())
-                found[kernel_json.parent.name.lower()] = {
-                    "spec": spec,
-                    "resource_dir": str(kernel_json.parent),
-                }
+        for place in places:
+            for kernel_json in sorted(place.glob("*/kernel.json")):
+                with contextlib.suppress(OSError, ValueError):
+                    spec = json.loads(kernel_json.read_text())
+                    found[os.path.realpath(kernel_json.parent)] = {
+                        "name": kernel_json.parent.name.lower(),
+                        "spec": spec,
+                        "resource_dir": str(kernel_json.parent),
+                    }
         return found
 
     def start(self) -> None:
         specs = self.candidates()
-        variants = {n for n, s in specs.items() if is_gpushare_spec(s["spec"])}
+        variants = {p for p, s in specs.items() if is_gpushare_spec(s["spec"])}
+        names = {specs[p]["name"] for p in variants}
         if self.kernel_names:
-            chosen = set()
+            wanted = set()
             for name in self.kernel_names:
                 key = name.lower()
-                if key in variants:
-                    chosen.add(key)
-                elif f"{key}{DEFAULT_SUFFIX}" in variants:
-                    chosen.add(f"{key}{DEFAULT_SUFFIX}")
-                elif key in specs:
+                if key in names:
+                    wanted.add(key)
+                elif f"{key}{DEFAULT_SUFFIX}" in names:
+                    wanted.add(f"{key}{DEFAULT_SUFFIX}")
+                elif any(s["name"] == key for s in specs.values()):
                     self.fail(f"{name!r} is not a GPU-shared kernelspec: not removing it")
                 else:
                     self.fail(f"no GPU-shared kernelspec named {name!r}")
+            chosen = {p for p in variants if specs[p]["name"] in wanted}
         else:
             chosen = variants
         if not chosen:
             print("No GPU-shared kernelspecs installed.")
             return
-        foreign = sorted(n for n in chosen if not made_here(specs[n]["spec"]))
+        foreign = sorted(p for p in chosen if not made_here(specs[p]["spec"]))
         if foreign and not self.force:
-            where = ", ".join(f"{n} ({specs[n]['resource_dir']})" for n in foreign)
-            self.fail(
-                f"not removing {where}: `jupyter gpushare install-kernelspec` did not make it "
-                "(pip installs python3-gpushare with the package); --force removes it anyway"
-            )
-        for name in sorted(chosen):
-            path = specs[name]["resource_dir"]
+            where = ", ".join(f"{specs[p]['name']} ({specs[p]['resource_dir']})" for p in foreign)
+            if len(foreign) == len(chosen):
+                self.fail(
+                    f"not removing {where}: `jupyter gpushare install-kernelspec` did not make it "
+                    "(pip installs python3-gpushare with the package); --force removes it anyway"
+                )
+            print(f"left: {where} (install-kernelspec did not make it; --force removes it)")
+            chosen -= set(foreign)
+        for key in sorted(chosen):
+            name, path = specs[key]["name"], specs[key]["resource_dir"]
             try:
                 if os.path.islink(path):
                     os.remove(path)

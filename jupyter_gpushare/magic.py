@@ -29,7 +29,7 @@ from .scheduler_view import (
     no_driver,
     socket_path,
 )
-from .units import format_size, parse_size
+from .units import format_size, parse_memory_size
 
 __all__ = ["GPUShareReport", "gpushare_command", "load_ipython_extension"]
 
@@ -266,7 +266,7 @@ def _quota(args: list[str]) -> str:
     if len(args) > 1:
         raise ValueError("usage: %gpushare quota [SIZE]")
     raw = args[0]
-    quota = 0 if raw.lower() in ("none", "off", "unlimited") else parse_size(raw)
+    quota = 0 if raw.lower() in ("none", "off", "unlimited") else parse_memory_size(raw)
     entry, _, note = find_own_entry(status)
     client_id = (entry or {}).get("id") or status.get("client_id")
     if entry is None and note and note.startswith("no answer"):

@@ -112,7 +112,7 @@ from .scheduler.shell.devices import discover_devices_async
 from .scheduler.shell.kernel_ids import ENV_KERNEL_SECRET, secret_digest
 from .scheduler_client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from .shim import ShimNotFound, library_path, shim_environment
-from .units import parse_size
+from .units import parse_memory_size, parse_size
 
 __all__ = ["MAGIC_EXTENSION", "PROVISIONER_NAME", "GPUShareProvisioner", "is_ipykernel_argv"]
 
@@ -304,7 +304,7 @@ class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
         if value in ("", 0):
             return value
         try:
-            parse_size(value)
+            parse_memory_size(value)
         except ValueError as exc:
             raise TraitError(f"GPUShareProvisioner.memory_limit: {exc}") from None
         return value

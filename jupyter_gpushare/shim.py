@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .units import parse_size
+from .units import BARE_NUMBER_FLOOR, parse_size
 
 __all__ = [
     "CDEF",
@@ -152,7 +152,11 @@ def shim_environment(
     if client_id is not None:
         out["GPUSHARE_CLIENT_ID"] = str(client_id)
     if quota is not None:
-        out["GPUSHARE_MEMORY_LIMIT"] = str(parse_size(quota))
+        quota_bytes = parse_size(quota)
+        # Bytes, with the unit spelt out below BARE_NUMBER_FLOOR, where the shim (as
+        # parse_memory_size) takes a bare number for a forgotten unit.
+        unit = "B" if 0 < quota_bytes < BARE_NUMBER_FLOOR else ""
+        out["GPUSHARE_MEMORY_LIMIT"] = f"{quota_bytes}{unit}"
     if weight is not None:
         if not weight > 0:
             raise ValueError(f"weight must be positive, got {weight!r}")

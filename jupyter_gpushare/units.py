@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["SIZE_LIMIT", "format_size", "parse_size"]
+__all__ = ["BARE_NUMBER_FLOOR", "SIZE_LIMIT", "format_size", "parse_memory_size", "parse_size"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -34,6 +34,11 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", r
 SIZE_LIMIT = 1 << 64
 #: Fraction digits the shim keeps (more precision than any size needs); the rest are ignored.
 FRACTION_DIGITS = 12
+#: A bare number (no unit) below this, other than 0, is a forgotten unit rather than a size: no
+#: pool, quota or memory limit is under 1 MiB, and ``--pool 24`` meant 24GiB, not 24 bytes. The
+#: shim refuses GPUSHARE_MEMORY_LIMIT the same way (native/src/base/config.c, GS_BARE_NUMBER_FLOOR).
+BARE_NUMBER_FLOOR = 1 << 20
+_NEGATIVE_RE = re.compile(r"^\s*-\s*[0-9.]", re.ASCII)
 
 
 def parse_size(value: str | int) -> int:
@@ -61,6 +66,8 @@ def parse_size(value: str | int) -> int:
             f"(got {type(value).__name__})"
         )
     match = _SIZE_RE.match(value)
+    if match is None and _NEGATIVE_RE.match(value):
+        raise ValueError(f"invalid size {value!r}: a size cannot be negative")
     if match is None:
         raise ValueError(
             f"invalid size {value!r}: expected a number with an optional unit "
@@ -80,6 +87,30 @@ def parse_size(value: str | int) -> int:
     if size >= SIZE_LIMIT:
         raise ValueError(f"invalid size {value!r}: over the u64 limit")
     return size
+
+
+def parse_memory_size(value: str | int) -> int:
+    """Return ``value`` in bytes, as :func:`parse_size`, for an amount of GPU memory (a pool, a
+    quota, a memory limit): a bare number (an int, or a string without a unit) above 0 and below
+    BARE_NUMBER_FLOOR is refused as a forgotten unit, saying which size was surely meant.
+    ``24B`` is still 24 bytes for whoever means it, and 0 keeps its meaning (none, or the default).
+    """
+    size = parse_size(value)
+    number = str(value).strip()
+    if size < BARE_NUMBER_FLOOR and _is_bare_number(value) and float(number) != 0:
+        bytes_hint = f" (write {number}B if you do mean bytes)" if number.isdigit() else ""
+        raise ValueError(
+            f"invalid size {value!r}: a number without a unit is bytes, too few for GPU memory; "
+            f"did you mean {number}GiB?{bytes_hint}"
+        )
+    return size
+
+
+def _is_bare_number(value: str | int) -> bool:
+    if isinstance(value, int):
+        return True
+    match = _SIZE_RE.match(value)
+    return match is not None and not match.group(2)
 
 
 def format_size(size: int | float) -> str:

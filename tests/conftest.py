@@ -30,6 +30,9 @@ from typing import Any
 
 import pytest
 
+# The fast and slow tiers and the run over every core (pytest-xdist): tests/tiers.py.
+from tests.tiers import pytest_cmdline_main, pytest_collection_modifyitems
+
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "native"
 NATIVE_TESTS = NATIVE / "tests"
@@ -68,6 +71,9 @@ def restore_default_signals() -> list[signal.Signals]:
             signal.signal(sig, _ignored_here)
             changed.append(sig)
     return changed
+
+
+__all__ = ["pytest_cmdline_main", "pytest_collection_modifyitems"]  # hooks: tests/tiers.py
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -74,8 +74,7 @@ gpushare device-plugin --resource-name example.com/gpu-memory --unit 512MiB"""
         try:
             config = GPUShareDevicePlugin(parent=self)
         except Exception as exc:  # a bad config value
-            self.log.critical("invalid configuration: %s", exc)
-            self.exit(2)
+            self.config_error(exc)
         asyncio.run(self._serve(DevicePluginServer(config)))
 
     async def _serve(self, server: Any) -> None:

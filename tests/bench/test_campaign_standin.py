@@ -166,6 +166,7 @@ def test_report_from_results(campaign, tmp_path):
 
 def test_report_without_results_states_methods_only(tmp_path):
     doc = tmp_path / "performance.md"
+    (tmp_path / "none").mkdir()  # an empty results directory (a missing one is refused)
     report.main([str(tmp_path / "none"), "--doc", str(doc), "--images", str(tmp_path / "img")])
     text = doc.read_text()
     assert text.count("*No result yet.*") == 7

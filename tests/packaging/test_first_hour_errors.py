@@ -43,8 +43,8 @@ def _one_line(out: subprocess.CompletedProcess[str], *words: str) -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (("--metrics-port", "99999"), ("metrics_port", "65535")),
-        (("--pool", "0.5"), ("pool_size", "'0.5GiB'")),
+        (("--metrics-port", "99999"), ("--metrics-port", "65535")),
+        (("--pool", "0.5"), ("--pool", "'0.5GiB'")),
     ],
 )
 def test_bad_scheduler_options(tmp_path: Path, args: tuple[str, ...], words: tuple[str]) -> None:

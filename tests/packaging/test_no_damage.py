@@ -45,9 +45,14 @@ def test_remove_kernelspec_keeps_what_pip_installed(tmp_path: Path) -> None:
     assert "did not make it" in refused.stderr and "--force" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert (env_share / "kernels" / "python3-gpushare" / "kernel.json").is_file()
-    # Without names, nothing is removed while one of them is not ours.
-    assert _jupyter(env, "remove-kernelspec").returncode == 1
-    assert (user_kernels / "ir-gpushare" / "kernel.json").is_file()
+    # Without names, what install-kernelspec made goes, wherever it is, and what pip installed
+    # stays, said so (issue 37: as root, install's default place needed --prefix to be removed).
+    everything = _jupyter(env, "remove-kernelspec")
+    assert everything.returncode == 0, everything.stderr
+    assert "left: python3-gpushare" in everything.stdout, everything.stdout
+    assert not (user_kernels / "ir-gpushare").exists()
+    assert (env_share / "kernels" / "python3-gpushare" / "kernel.json").is_file()
+    assert _jupyter(env, "install-kernelspec", "--user", "--name", "ir").returncode == 0
 
     # The docs' command: --user limits it to the user's own variants, which it made.
     mine = _jupyter(env, "remove-kernelspec", "--user", "--name", "ir-gpushare")

@@ -60,6 +60,10 @@ def test_ci_runs_the_readmes_test_command_verbatim() -> None:
     _lab, tests = _readme_commands()
     ci_lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert tests in ci_lines, f"{tests!r} is not a line of .ci/run"
+    # Then the slow tier (tests/tiers.py) that the README's command leaves out, in the same venv.
+    slow = ".venv/bin/pytest -m slow"
+    assert slow in ci_lines, f"{slow!r} is not a line of .ci/run"
+    assert ci_lines.index(slow) > ci_lines.index(tests), ".ci/run runs the slow tier first"
 
 
 def test_every_doc_command_is_tested_or_says_what_it_needs() -> None:

@@ -42,9 +42,9 @@ def scheduler_cli(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--pool", "lots"], "pool_size"),
-        (["--reserve=-1GiB"], "pool_reserve"),
-        (["--keep-free", "lots"], "keep_free"),
+        (["--pool", "lots"], "--pool: invalid size"),
+        (["--reserve=-1GiB"], "--reserve: invalid size"),
+        (["--keep-free", "lots"], "--keep-free: invalid size"),
         (["--quantum", "0"], "base_quantum must be a positive number"),
         (["--GPUShareScheduler.move_factor=-2"], "move_factor must be a positive number"),
         (["--GPUShareScheduler.recovery_seconds=-1"], "recovery_seconds must be 0 or more"),

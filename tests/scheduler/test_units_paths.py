@@ -33,7 +33,7 @@ def test_parse_size(text: str | int, expected: int) -> None:
     [
         ("", "expected a number"),
         ("GiB", "expected a number"),
-        ("-1G", "expected a number"),
+        ("-1G", "cannot be negative"),
         ("1.2.3G", "expected a number"),
         ("12 parsecs", "unknown unit 'parsecs'"),
         ("5Gb/s", "expected a number"),

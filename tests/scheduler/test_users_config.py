@@ -144,5 +144,5 @@ def test_system_lookups() -> None:
 
 
 def test_parse_without_a_file() -> None:
-    cfg = parse_users_config({"users": {"a": {"quota": 1024}}})
-    assert cfg.limits("a", frozenset()).quota == 1024
+    cfg = parse_users_config({"users": {"a": {"quota": 1 << 30}}})
+    assert cfg.limits("a", frozenset()).quota == 1 << 30

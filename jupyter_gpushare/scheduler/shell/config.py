@@ -15,7 +15,7 @@ from traitlets import Bool, Enum, Float, Int, List, TraitError, Unicode, Union, 
 from traitlets.config import LoggingConfigurable
 
 from ...paths import ENV_SERVICE_USER, default_socket_path, service_uid
-from ...units import format_size, parse_size
+from ...units import format_size, parse_memory_size, parse_size
 from ..core.ordering import ORDERINGS, OrderingConfig
 from ..core.policy_config import POLICIES, PolicyConfig
 from ..core.room import KEEP_FREE_WAIT, KeepFree
@@ -526,6 +526,10 @@ class SchedulerConfig(LoggingConfigurable):
                     f"{proposal['trait'].name}: {value!r} is a fraction of a byte: give a unit, "
                     f"e.g. '{value.strip()}GiB'"
                 )
+            try:
+                parse_memory_size(value)  # '--pool 24' is 24 bytes: surely 24GiB was meant
+            except ValueError as exc:
+                raise ValueError(f"{proposal['trait'].name}: {exc}") from None
         return value
 
     @validate("host_budget", "host_reserve")

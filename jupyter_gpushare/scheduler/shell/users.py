@@ -44,7 +44,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...units import format_size, parse_size
+from ...units import format_size, parse_memory_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,7 +196,7 @@ def _settings(path: str, key: str, table: Any, extra: frozenset[str] = frozenset
             )
         else:
             try:
-                quota = parse_size(raw)
+                quota = parse_memory_size(raw)
             except ValueError as exc:
                 raise UsersConfigError(f"{_where(path, key + '.quota')}: {exc}") from None
             if quota <= 0:

@@ -90,6 +90,22 @@ int gs_parse_size(const char *text, uint64_t *out)
     return -1;
 }
 
+int gs_forgotten_unit(const char *text, uint64_t bytes)
+{
+    /* jupyter_gpushare/units.py's parse_memory_size: a number without a unit, above 0 and below
+     * 1 MiB, is a forgotten unit (GPUSHARE_MEMORY_LIMIT=24 meant 24GiB), not a quota of 24 bytes. */
+    if (bytes >= GS_BARE_NUMBER_FLOOR)
+        return 0;
+    int nonzero = 0;
+    for (const char *p = text; *p; p++) {
+        if (isalpha((unsigned char)*p))
+            return 0;
+        if (*p >= '1' && *p <= '9')
+            nonzero = 1;
+    }
+    return nonzero;
+}
+
 const char *gs_format_size(uint64_t bytes, char *buf, size_t len)
 {
     static const char *names[] = {"KiB", "MiB", "GiB", "TiB"};
@@ -196,6 +212,11 @@ static void load_config(void)
     if ((v = env("GPUSHARE_MEMORY_LIMIT")) && gs_parse_size(v, &c->quota) != 0) {
         c->quota = 0;
         GS_WARN("ignoring GPUSHARE_MEMORY_LIMIT=%s: expected bytes or a size such as 8GiB", v);
+    } else if (v && gs_forgotten_unit(v, c->quota)) {
+        c->quota = 0;
+        GS_WARN("ignoring GPUSHARE_MEMORY_LIMIT=%s: a number without a unit is bytes, too few for "
+                "GPU memory; did you mean %sGiB?",
+                v, v);
     }
     if ((v = env("GPUSHARE_CONTEXT_BYTES")) && gs_parse_size(v, &c->context_bytes) != 0) {
         c->context_bytes = 536870912ull;

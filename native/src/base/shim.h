@@ -119,6 +119,10 @@ struct gs_config {
 const struct gs_config *gs_config(void);
 /* Parse "8GiB", "512M", "1.5G", "1073741824" (1024-based units). Returns 0 on success. */
 int gs_parse_size(const char *text, uint64_t *out);
+/* A bare number below this, other than 0, is refused as a memory limit (units.py's
+ * BARE_NUMBER_FLOOR): 1 if ``text``, parsed as ``bytes``, is one. */
+#define GS_BARE_NUMBER_FLOOR (1ull << 20)
+int gs_forgotten_unit(const char *text, uint64_t bytes);
 /* "2.00 GiB" etc. into buf. */
 const char *gs_format_size(uint64_t bytes, char *buf, size_t len);
 double gs_now(void); /* CLOCK_MONOTONIC seconds */
