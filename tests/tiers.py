@@ -77,6 +77,10 @@ SLOW: tuple[str, ...] = (
     "tests/native/test_two_devices.py",
     "tests/native/test_pool_accounting.py",
     "tests/native/test_deferred_backing.py",
+    "tests/native/test_card_sharing.py",  # several processes past one stand-in card
+    "tests/native/test_card_room.py",
+    "tests/native/test_host_budget.py",
+    "tests/native/test_staging_allowance.py",
     # The device plugin's allocation socket with a shim built for it (about 2 minutes each).
     "tests/deviceplugin/test_allocation_ceiling.py",
     # The benchmarks' stand-in campaigns (a scheduler, shims and replays in real time).
