@@ -22,6 +22,7 @@ set -uo pipefail
 # parts: the 2026-11-27 logs; launch, train, replay and replay_real: bench/run_campaign.py's
 # estimates)
 SUITE="
+test_gpu_card.py 300
 test_gpu_captures.py 55
 test_gpu_reliability.py 115
 test_gpu_memory_engine.py 190
