@@ -171,7 +171,8 @@ def test_an_idle_80_gib_notebook_and_an_80_gib_newcomer(tmp_path: Path, when: st
         b: Tenant | None = None
         try:
             a.do("alloc", "allocated")
-            wait_for("A idle", lambda: status_of(sched, "A").get("state") == "idle", 60)
+            # its cell ended (the shim's own idle window): an idle holder keeps its grant
+            wait_for("A idle", lambda: status_of(sched, "A").get("idle") is True, 60)
             if when == "precopied":
                 wait_for(
                     "A pre-copied",
@@ -179,9 +180,9 @@ def test_an_idle_80_gib_notebook_and_an_80_gib_newcomer(tmp_path: Path, when: st
                     240,
                 )
             b = Tenant(sched, tmp_path, "B", 80)
-            took = b.do("alloc", "allocated")["seconds"]
-            b_ok = b.do("check", "checked")["correct"]
-            a_check = a.do("check", "checked")
+            took = b.do("alloc", "allocated", 180)["seconds"]
+            b_ok = b.do("check", "checked", 120)["correct"]
+            a_check = a.do("check", "checked", 180)
             codes = (b.exit(), a.exit())
         finally:
             a.kill()
@@ -266,7 +267,11 @@ def test_eight_4_gib_sleepers_woken_at_once_all_run_within_3_s(tmp_path: Path) -
 
             def wake(k: Any) -> None:
                 notebook_busy(sched, k.name)
-                done[k.name] = (k.go(), time.monotonic() - t0)
+                # its cell's first GPU call ran first_call_s after the cell began (the wake, the
+                # restore and the call); the check of its data comes after and is not counted
+                begun = time.monotonic() - t0
+                result = k.go()
+                done[k.name] = (result, begun + result["first_call_s"])
 
             threads = [threading.Thread(target=wake, args=(k,)) for k in kernels]
             for th in threads:
@@ -277,6 +282,13 @@ def test_eight_4_gib_sleepers_woken_at_once_all_run_within_3_s(tmp_path: Path) -
             for k in kernels:
                 k.kill()
     ends = sorted(round(v[1], 2) for v in done.values())
-    record("eight_sleepers_wake", ran_at_s=ends, met=bool(ends) and ends[-1] <= 3.0)
+    first_calls = sorted(round(v[0]["first_call_s"], 2) for v in done.values())
+    record(
+        "eight_sleepers_wake",
+        first_call_at_s=ends,
+        first_call_s=first_calls,
+        target_s=3.0,
+        met=bool(ends) and ends[-1] <= 3.0,
+    )
     assert len(done) == 8 and all(v[0]["correct"] for v in done.values()), done
     assert ends[-1] <= 3.0, ends

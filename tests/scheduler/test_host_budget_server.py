@@ -37,9 +37,9 @@ def test_auto_is_the_available_memory_or_the_cgroup_limit_less_the_reserve(tmp_p
     meminfo.write_text("MemTotal:       134217728 kB\nMemAvailable:   125829120 kB\n")
     info = mem_info(meminfo)
     assert info == {"MemTotal": 128 * GiB, "MemAvailable": 120 * GiB}
-    # 128 GiB of RAM: the reserve is 10% of it (12.8 GiB), more than the 4 GiB floor.
+    # 128 GiB of RAM: the reserve is 20% of it (25.6 GiB), more than the 4 GiB floor.
     auto = resolve_budget("auto", "auto", info, limit=None)
-    assert auto.budget == 120 * GiB - int(128 * GiB * 0.10), auto
+    assert auto.budget == 120 * GiB - int(128 * GiB * 0.20), auto
     assert "MemAvailable" in auto.how
     # A cgroup limit below what is available is what the node gives the scheduler.
     capped = resolve_budget("auto", "4GiB", info, limit=64 * GiB)

@@ -168,7 +168,10 @@ class SchedulerConfig(LoggingConfigurable):
         default_value="auto",
         help="""With host_budget "auto": the host memory left out of the budget for what grows
         after the start and is nobody's staging (the kernels' own memory, page cache, new
-        kernels). "auto": max(4 GiB, 10% of the RAM).""",
+        kernels). "auto": max(4 GiB, 20% of the RAM). 10% was too little: on an H200 node
+        (128 GiB of RAM) three 60 GiB PyTorch processes with the budget full left 4.5 GiB
+        available (docs/gpu-verification.md, 2026-12-02): each CUDA process holds gigabytes
+        of host memory of its own.""",
     ).tag(config=True)
     short_first = Bool(
         True,
