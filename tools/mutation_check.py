@@ -136,7 +136,7 @@ MUTANTS: tuple[Mutant, ...] = (
         CORE + "policy.py",
         "        return used / c.weight",
         "        return used",
-        ("tests/policy/test_policy_scenarios.py", "tests/policy/test_policy_properties.py"),
+        ("tests/policy/test_policy_scenarios.py",),
         "weights no longer count in fair share",
     ),
     Mutant(
@@ -247,7 +247,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ACCESS,
         "return who is not None and who.user in set(kernel_users)",
         "return who is not None",
-        ("tests/mps/test_mps_scheduler.py", "tests/scheduler/test_security.py"),
+        ("tests/scheduler/test_access_rules.py",),
         "one hub user may have MPS end another's kernel",
     ),
     Mutant(
@@ -256,7 +256,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ACCESS,
         "if ceiling == 0 or (quota != 0 and quota <= ceiling):",
         "if ceiling == 0 or (quota != 0 and quota <= 2 * ceiling):",
-        ("tests/scheduler/test_users_config.py", "tests/scheduler/test_scheduler_control.py"),
+        ("tests/scheduler/test_access_rules.py",),
         "a user may set a quota up to twice the operator's ceiling",
     ),
     Mutant(
