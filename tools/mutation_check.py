@@ -191,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
         VMM + "move.c",
         "return b->precopied && b->precopy_mark == calls;",
         "return b->precopied;",
-        ("tests/native/test_memory_engine.py",),
+        ("tests/native/test_memory_engine.py::test_a_gpu_call_after_the_precopy_makes_it_stale",),
         "a host copy made before the program wrote again counts as current: the eviction "
         "copies nothing and the write is lost",
     ),
@@ -210,7 +210,9 @@ MUTANTS: tuple[Mutant, ...] = (
         VMM + "move.c",
         "if (r == 0 && !clean && settle_copy_out(b, check) != 0)",
         "if (0 && r == 0 && !clean && settle_copy_out(b, check) != 0)",
-        ("tests/native/test_verify_moves.py", "tests/native/test_async_copies.py"),
+        (
+            "tests/native/test_verify_moves.py::test_an_eviction_that_lost_its_start_is_copied_again",
+        ),
         "a block is unmapped without its copy out checked",
     ),
     # -- access checks -------------------------------------------------------------------------
