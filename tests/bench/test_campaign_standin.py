@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # The replay's working sets (3 users: 5, 8 and 3 GiB) x this. The stand-in's device memory is host
 # memory, and the shim stages a copy of each block in host memory too: at full size the users grow
 # towards twice 16 GiB of the host (seen: 6 GiB each and climbing on a 23 GiB host), and a user
-# the OOM killer ends is what the record's {'u01': ''} was (u01 the largest). Scaled: 320, 512 and 192 MiB, with their contexts 2.5 GiB, in a 2 GiB
-# pool (the least the replay allows: 1.5 GiB beside the largest working set).
+# the OOM killer ends is what the record's {'u01': ''} was (u01 the largest). Scaled: 320, 512
+# and 192 MiB, with their contexts 2.5 GiB, in a 2 GiB pool (the least the replay allows: 1.5 GiB
+# beside the largest working set).
 MEMORY_SCALE = 1 / 16
 
 
