@@ -30,8 +30,12 @@ class WorkerProc:
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
+        self._pumps = [
+            threading.Thread(target=self._pump, daemon=True),
+            threading.Thread(target=self._pump_err, daemon=True),
+        ]
+        for pump in self._pumps:
+            pump.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -44,6 +48,15 @@ class WorkerProc:
         for line in self.proc.stderr:
             self.stderr.append(line)
             del self.stderr[:-200]
+
+    def exit_report(self, timeout: float = 10.0) -> str:
+        """How an ended process ended: its exit status (a negative one: the signal that killed
+        it) and the last lines of its stderr, read to the end: the pipe is drained once the
+        process is gone, and reading ``stderr`` before that can miss all of it."""
+        rc = self.proc.wait(timeout)
+        for pump in self._pumps:
+            pump.join(timeout)
+        return f"exit status {rc}\n" + "".join(self.stderr[-20:])
 
     def read(self, timeout: float = 600.0) -> dict[str, Any]:
         """The next JSON line; skips anything else the process printed."""

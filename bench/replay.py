@@ -325,7 +325,7 @@ def _play(
         sampler.stop()
         for name, p in procs.items():
             if p.proc.poll() not in (None, 0):  # a user that crashed: say why in the record
-                extra.setdefault("worker_errors", {})[name] = "".join(p.stderr[-20:])
+                extra.setdefault("worker_errors", {})[name] = p.exit_report()
             p.kill()
         if sched_cm is not None:
             extra["moves"] = memory_moves(sched.log_text())

@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-median", type=float, default=0.12, help="median GPU s per cell")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds before cutting cells")
     ap.add_argument("--pool-gib", type=float, default=40.0)
+    ap.add_argument(
+        "--memory-scale",
+        type=float,
+        default=1.0,
+        help="replay: working sets x this (the stand-in's device memory is host memory)",
+    )
     ap.add_argument("--real-shape", default="uniform", help="replay-real's trace: uniform, nbmix")
     ap.add_argument("--nbmix-seeds", type=int, default=20, help="seeds per nbmix point")
     ap.add_argument("--replay-modes", default="gpushare,colocate,fixed-quantum")
@@ -212,6 +218,7 @@ def _run_part(part: str, args: Any, work: Path, log: Any) -> dict[str, dict[str,
             horizon=args.horizon,
             think_mean=args.think,
             gpu_median=args.gpu_median,
+            memory_scale=args.memory_scale,
         )
         modes = tuple(m for m in args.replay_modes.split(",") if m)
 

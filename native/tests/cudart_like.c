@@ -34,6 +34,10 @@
  *                               then allocate BYTES and write them (that copy may wait: memory
  *                               past the grant's room), hold HOLD seconds, read them back; with
  *                               PROBE_GROW_AFTER=FILE it allocates once FILE exists
+ *   free_in_turn BYTES WORK LINGER
+ *                               allocate and write BYTES, launch a kernel of WORK seconds (once
+ *                               PROBE_FREE_AFTER=FILE exists, when set), free BYTES (the free
+ *                               waits for the kernel), stay connected LINGER seconds
  *   idle SECONDS [HOLD [BYTES]] hold BYTES for HOLD seconds (default 0.3), then no GPU calls for
  *                               SECONDS
  *   status [BYTES]              allocate, launch once, print gpushare_get_status()
@@ -473,6 +477,9 @@ int main(int argc, char **argv) {
         rc = scenario_hold(atof(argv[i]), arg_bytes(argc, argv, i + 1, 0),
                            i + 2 < argc ? strtoull(argv[i + 2], NULL, 0) : 20000,
                            arg_bytes(argc, argv, i + 3, 0));
+    } else if (strcmp(scenario, "free_in_turn") == 0 && i + 2 < argc) {
+        rc = scenario_free_in_turn(arg_bytes(argc, argv, i, 0), atof(argv[i + 1]),
+                                   atof(argv[i + 2]));
     } else if (strcmp(scenario, "grow") == 0 && i + 2 < argc) {
         rc = scenario_grow(atof(argv[i]), arg_bytes(argc, argv, i + 1, 0), atof(argv[i + 2]));
     } else if (strcmp(scenario, "idle") == 0 && i < argc) {

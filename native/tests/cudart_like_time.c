@@ -489,3 +489,29 @@ static int scenario_temporary(size_t bytes, double live, double settle) {
     emit("temporary", ",\"bytes\":%zu%s", bytes, buf);
     return 0;
 }
+
+/* Memory freed while a revoke is answered (tests/native/test_pool_accounting.py): BYTES
+ * allocated and written (the first GPU call waits for the grant), "written" said; once the file
+ * PROBE_FREE_AFTER exists, a kernel of WORK seconds is launched, "freeing" said and the memory
+ * freed. cuMemFree synchronises first, so the free lasts until the kernel ends, and a revoke that
+ * comes meanwhile is answered after it: its eviction finds nothing left to move. The process
+ * then stays connected LINGER seconds. */
+static int scenario_free_in_turn(size_t bytes, double work_s, double linger_s) {
+    CUdeviceptr d = 0;
+    CHECK(p_cuMemAlloc(&d, bytes));
+    CHECK(p_cuMemsetD8(d, 1, bytes));
+    char st[2048];
+    status_fields(st, sizeof(st));
+    emit("written", ",\"bytes\":%zu%s", bytes, st);
+    const char *after = getenv("PROBE_FREE_AFTER");
+    while (after && *after && access(after, F_OK) != 0) sleep_s(0.02);
+    CUresult rc = launch_sleep((unsigned long long)(work_s * 1e6));
+    if (rc) return fail("cuLaunchKernel(sleep)", rc);
+    status_fields(st, sizeof(st));
+    emit("freeing", ",\"bytes\":%zu%s", bytes, st);
+    CHECK(p_cuMemFree(d));
+    status_fields(st, sizeof(st));
+    emit("freed", "%s", st);
+    sleep_s(linger_s);
+    return 0;
+}

@@ -20,6 +20,13 @@ from bench import report
 from bench.trace import TIME_SCALE
 
 ROOT = Path(__file__).resolve().parents[2]
+# The replay's working sets (3 users: 5, 8 and 3 GiB) x this. The stand-in's device memory is host
+# memory, and the shim stages a copy of each block in host memory too: at full size the users grow
+# towards twice 16 GiB of the host (seen: 6 GiB each and climbing on a 23 GiB host), and a user
+# the OOM killer ends is what the record's {'u01': ''} was (u01 the largest). Scaled: 320, 512
+# and 192 MiB, with their contexts 2.5 GiB, in a 2 GiB pool (the least the replay allows: 1.5 GiB
+# beside the largest working set).
+MEMORY_SCALE = 1 / 16
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,7 @@ def campaign(native_build, tmp_path_factory) -> Path:
         "--arrival-keep-free", "0.5GiB",
         "--kernel-pairs", "1",
         "--users", "3", "--horizon", "3", "--think", "0.8", "--gpu-median", "0.05",
-        "--grace", "2", "--pool-gib", "12",
+        "--grace", "2", "--pool-gib", "2", "--memory-scale", str(MEMORY_SCALE),
     ]  # fmt: skip
     # A hang guard, not a timing bound: on a quiet 2-core machine this takes about a minute, under
     # a load of 8 it passed 240 s. In its own session so that a timeout also stops the scheduler
@@ -139,7 +146,16 @@ def test_replay_record(campaign):
     # The simulator's context is the shim's count of one (pinned, GPUSHARE_CONTEXT_BYTES,
     # 512 MiB by default), not a client's whole use with its working set.
     assert rec["sim_config"]["context_bytes"] == 512 << 20
-    assert rec["runs"]["colocate"]["context_allowance_bytes"] >= 0
+    # Co-located users get the room for the real context beyond the shim's count of one; the
+    # ballast leaves the pool free plus that allowance for each user.
+    cal, colocate = rec["calibration"], rec["runs"]["colocate"]
+    allowance = max(0, cal["context_bytes_real"] - rec["sim_config"]["context_bytes"])
+    assert colocate["context_allowance_bytes"] == allowance, (cal, colocate)
+    room = rec["pool_bytes"] + len(rec["trace"]["users"]) * allowance
+    assert colocate["ballast_bytes"] == cal["free_fresh"] - room, (cal, colocate, room)
+    # The stand-in's host memory stays small: working sets scaled, and they still take turns.
+    sizes = [u["working_set"] for u in rec["trace"]["users"]]
+    assert sum(sizes) <= 1 << 30 and rec["pool_bytes"] < sum(sizes) + 3 * (512 << 20), sizes
     assert "context_bytes_real" in rec["calibration"]
     assert 0 < rec["trace"]["duty_cycle"] < 1
 

@@ -187,7 +187,9 @@ def test_a_sleeping_torch_kernel_holds_nothing_and_wakes_with_its_data(tmp_path:
             f"first call after sleep {done['first_call_s']:.3f} s (driver restore + unlock "
             f"{woke_s:.3f} s, memory restore {restored_s:.3f} s)"
         )
-        assert done["first_call_s"] <= 1.5 + woke_s + restored_s, (done, woke_s, restored_s)
+        # The target was 1.5 s more than the restores; recorded: 0.28-0.37 s for restores
+        # of 0.27-0.34 s (H100, runs 5 and 7). Bound: 3x this run's own restores.
+        assert done["first_call_s"] <= 3 * (woke_s + restored_s), (done, woke_s, restored_s)
 
 
 def test_eight_sleeping_kernels_cost_the_card_under_one_gib(tmp_path: Path) -> None:
@@ -283,8 +285,9 @@ def test_thirty_two_sleeping_kernels_each_run_a_60_gib_cell_in_turn(tmp_path: Pa
                 log = sched.log_text()
                 woke_s = ms_of(log, "woke", k.name) / 1000
                 restored_s = ms_of(log, "restored", k.name) / 1000
-                # The wake target, as for one kernel above.
-                assert done["first_call_s"] <= 1.5 + woke_s + restored_s, (k.name, done, woke_s)
+                # As for one kernel above (recorded: first calls 0.34-0.54 s, wakes 0.32-0.52 s).
+                bound = 3 * (woke_s + restored_s)
+                assert done["first_call_s"] <= bound, (k.name, done, woke_s, restored_s)
                 cells.append((k.name, woke_s, done["first_call_s"], done["cell_s"], seen_s))
                 print(
                     f"{k.name}: wake {woke_s:.3f} s, first call {done['first_call_s']:.3f} s, "

@@ -216,7 +216,8 @@ def test_a_non_root_scheduler_sleeps_another_users_torch_kernel_through_her_serv
         )
         assert awake >= 1024, awake
         assert not held, f"an asleep process holds {held} MiB"
-        assert asleep <= 16, f"the card still holds {asleep} MiB for an asleep process"
+        # Recorded: 3 MiB over the baseline (e4bbf26, docs/gpu-verification.md). Bound: 3x that.
+        assert asleep <= 3 * 3, f"the card still holds {asleep} MiB for an asleep process"
         assert _client(sock, "sleepy")["state"] == "asleep"
         _busy(sock, "sleepy", "busy")  # its next cell
         done = k.go()

@@ -363,7 +363,8 @@ def test_a_notebook_kernel_sleeps_deeply_and_its_next_cell_wakes_it(tmp_path: Pa
             assert time.monotonic() < deadline, f"nvidia-smi still lists the kernel: {listed} MiB"
             time.sleep(0.2)
         asleep = card_used_mib() - baseline
-        assert asleep <= 16, f"the card still holds {asleep} MiB over its baseline"
+        # Recorded: 4 MiB over the baseline (H100 runs 5 and 7, e4bbf26). Bound: 3x that.
+        assert asleep <= 3 * 4, f"the card still holds {asleep} MiB over its baseline"
         seen = (
             f"nvidia-smi listed it with {listed_awake} MiB awake, not at all asleep"
             if listed_awake is not None
@@ -390,8 +391,10 @@ def test_a_notebook_kernel_sleeps_deeply_and_its_next_cell_wakes_it(tmp_path: Pa
             f"and unlock {woke_s:.3f} s, 1 GiB back {restored_s:.3f} s), the whole cell as "
             f"Jupyter ran it {cell_s:.3f} s; data intact"
         )
-        # Issue 11: the next cell starts within 1.5 s plus its data at restore speed.
-        assert record["first_call_s"] <= 1.5 + restored_s, (record, woke_s, restored_s)
+        # Issue 11: the next cell starts within 1.5 s plus its data at restore speed. Recorded:
+        # the first call 0.287-0.370 s, of which the driver's restore and unlock and the memory's
+        # 0.266-0.342 s (H100, runs 5 and 7). Bound: 3x this run's own restore and unlock.
+        assert record["first_call_s"] <= 3 * (woke_s + restored_s), (record, woke_s, restored_s)
 
         kc.stop_channels()
         server.request("DELETE", f"api/sessions/{session}")

@@ -83,3 +83,38 @@ def test_two_processes_taking_turns_never_exceed_the_pool(harness):
     assert 0 < peak <= POOL, f"peak {peak} > pool {POOL}: {at_peak}"
     card = read_card(harness.card_file)
     assert 2 * CONTEXT + BIG <= card.devices[0].peak <= POOL, card.devices[0]
+
+
+def test_memory_freed_while_a_revoke_is_answered_is_counted_off_the_device(harness, tmp_path):
+    """A holder frees its memory while the scheduler revokes it: its eviction finds nothing to
+    move. The scheduler must know of the free when it hands the device on, not count the freed
+    bytes as memory that could not move and grant the waiter beside them (seen under load in the
+    test above: 640 MiB counted in the 400 MiB pool, A's freed 256 MiB with both contexts and
+    B's memory, until A's next memory report came).
+
+    Deterministic: A's free waits for a 3 s kernel (cuMemFree synchronises) while holding the
+    engine's lock, and the revoke is asked for once A has said it frees, so the revoke's eviction
+    comes after the free. B waits meanwhile; its grant's room says what the scheduler counted of
+    A then: the pool less A's context (336 MiB) when the free was known, 320 MiB (room for B's
+    own memory only) when A's freed bytes were still counted, widened by a Room message once A's
+    late report came."""
+    sched = harness.scheduler(pool=f"{POOL // MiB}MiB", quantum=30.0)
+    go = tmp_path / "free-now"
+    a = harness.spawn(
+        "free_in_turn", BIG, 3.0, 30.0, extra={"PROBE_FREE_AFTER": str(go)}, **common(client_id="A")
+    )
+    assert a.wait_event("written", 60)["status"]["used_bytes"] == CONTEXT + BIG
+    b = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="B"))
+    sched.wait_log("request client=B")
+    go.touch()
+    a.wait_event("freeing", 60)
+    client = SchedulerClient(str(sched.socket_path))
+    assert client.control_sync("evict", client="A").get("ok"), sched.log
+    assert a.wait_event("freed", 60)["status"]["used_bytes"] == CONTEXT
+    assert b.finish(60).ok().event("hold_end")["data_ok"]
+    log = sched.wait_log("leave client=B")
+    # The scenario happened: A's eviction moved nothing (the free came first).
+    assert re.search(r"release client=A evicted=1 bytes=0 ", log), log
+    granted = log.index("grant client=B")
+    widened = re.findall(r"room client=B bytes=(\d+)", log[granted:])
+    assert not widened, f"B's grant counted A's freed memory on the device (room {widened}):\n{log}"

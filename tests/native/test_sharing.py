@@ -10,11 +10,14 @@ orderings across processes are compared directly. Bounds are generous: they sepa
 
 from __future__ import annotations
 
+import datetime
 import re
 import signal
 import time
 
 import pytest
+
+from jupyter_gpushare.scheduler_client import SchedulerClient
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -155,36 +158,78 @@ def test_scheduler_loss_and_return(harness):
     assert "scheduler" in r.stderr.lower(), "losing the scheduler was not reported"
 
 
-def test_kill_9_of_the_holder_lets_the_waiter_in_promptly(harness):
+def logged_at(log: str, text: str) -> float:
+    """The time of day (seconds, the scheduler's local clock) of the first log line with
+    ``text``."""
+    for line in log.splitlines():
+        if text in line:
+            found = re.match(r"\[\w (\d\d):(\d\d):(\d\d\.\d+) ", line)
+            assert found, line
+            hours, minutes, seconds = found.groups()
+            return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    raise AssertionError(f"{text!r} not in the scheduler log:\n{log}")
+
+
+def time_of_day(t: float) -> float:
+    local = datetime.datetime.fromtimestamp(t)
+    return local.hour * 3600 + local.minute * 60 + local.second + local.microsecond / 1e6
+
+
+SLOW_MAP_S = 2.0  # the slow waiter's mapping of its memory at its grant (stand-in knob)
+
+
+@pytest.mark.parametrize("slow_waiter", [False, True], ids=["plain", "slow-waiter"])
+def test_kill_9_of_the_holder_lets_the_waiter_in_promptly(harness, slow_waiter):
+    """A holder killed hands over as soon as its process is gone: the scheduler grants the
+    waiter within three status round trips measured right then (its own reaction time on this
+    machine now), not at a timeout or a poll.
+
+    The waiter's first copy after the kill, which an older bound compared with an ordinary
+    handover (3x plus 0.5 s: 9-74x the 7-59 ms recorded), also holds the waiter's own work:
+    backing and writing 640 MiB, which two CPU hogs stretch to seconds, unevenly from one
+    handover to the next (the bound failed once so). The slow-waiter case makes that work slow
+    on purpose, deterministically: B's memory is mapped at its grant, and the stand-in takes
+    SLOW_MAP_S for the mapping. Its first copy comes that much later; its grant does not."""
     sched = harness.scheduler(pool="1GiB", quantum=30.0)
     a = harness.spawn("hold", 120.0, BIG, 20000, **common(client_id="A"))
     a.wait_event("first_launch", 30)
-    b = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="B"))
+    slow = {"GPUSHARE_FAKE_MAP_DELAY_US": str(int(SLOW_MAP_S * 1e6))} if slow_waiter else {}
+    b = harness.spawn("hold", 0.5, BIG, 20000, extra=slow, **common(client_id="B"))
     b.wait_event("hold_start", 30)
     sched.wait_log("request client=B")
     # C waits behind B: B's ordinary end (a GOODBYE) is the handoff to compare with.
     c = harness.spawn("hold", 0.5, BIG, 20000, **common(client_id="C"))
     c.wait_event("hold_start", 30)
     sched.wait_log("request client=C")
-    time.sleep(1.0)
-    assert not b.events or not [e for e in b.events if e["event"] == "first_copy"], (
-        "B must wait: A's 30 s quantum is not over"
-    )
+    assert "grant client=B" not in sched.log, "B must wait: A's 30 s quantum is not over"
     killed_at = time.monotonic()
-    a.kill()
-    first = b.wait_event("first_copy", 30)
+    a.kill()  # returns once the process is reaped: its socket is closed by then
+    gone = time.time()
+    client = SchedulerClient(str(sched.socket_path))
+    trips = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        client.status_sync()
+        trips.append(time.monotonic() - t0)
+    first = b.wait_event("first_copy", 60)
     rb = b.finish(60).ok()
     assert rb.event("hold_end")["data_ok"]
     rc = c.finish(60).ok()
     assert rc.event("hold_end")["data_ok"]
-    sched.wait_log("leave client=A")
-    # Promptly: a holder killed hands over about as fast as one that ends and says GOODBYE
-    # (7-59 ms on 2 cores), not at a timeout or a poll. 3x that, plus 0.5 s for a loaded
-    # machine's delay in waking the processes involved.
+    log = sched.wait_log("leave client=A")
+    assert "leave client=A (connection closed)" in log, log
+    late = (logged_at(log, "grant client=B") - time_of_day(gone) + 43200) % 86400 - 43200
     after_kill = first["t_mono"] - killed_at
     after_end = rc.event("first_copy")["t_mono"] - rb.event("hold_end")["t_mono"]
-    print(f"handoff after a kill -9: {after_kill:.3f} s; after an ordinary end: {after_end:.3f} s")
-    assert after_kill < 3 * after_end + 0.5, (after_kill, after_end)
+    print(
+        f"granted {late * 1000:.0f} ms after the killed holder was reaped (status round trips "
+        f"{', '.join(f'{t * 1000:.0f}' for t in trips)} ms); first copy {after_kill:.3f} s "
+        f"after the kill, {after_end:.3f} s after an ordinary end"
+    )
+    # Log times have 1 ms steps; 20 ms more for the scheduler's wake-up beside the test's.
+    assert late < 3 * max(trips) + 0.02, (late, trips, log)
+    if slow_waiter:  # the waiter's own work is on the first copy's path, not the grant's
+        assert rb.calls("cuMemMap") >= 1 and after_kill >= SLOW_MAP_S, after_kill
 
 
 def test_idle_holder_gives_the_device_away_before_its_quantum(harness):

@@ -112,3 +112,35 @@ def test_verified_the_lost_start_is_said_exactly_and_mended(harness, tmp_path):
 def test_a_bad_value_is_said_and_ignored(harness, name, value):
     run = harness.run("status", 0, client_id="A", extra={name: value})
     assert f"ignoring {name}={value}: expected 0 to 1" in run.stderr, run.stderr
+
+
+def test_an_eviction_that_lost_its_start_is_copied_again(harness, tmp_path):
+    """As the pre-copy above, for an eviction's own copy: no pre-copy (the scheduler's
+    precopy_idle off), so B's arrival copies A's block out, the first large device-to-host copy
+    once the fault is armed, and it loses its start. The eviction checks its copy before the
+    unmap as a pre-copy does; unchecked, A read zeros after its restore (the mutation check's
+    "unmap-before-copy-check" passed every test before this one)."""
+    sched = harness.scheduler(
+        pool="400MiB", quantum=1.0, args=("--GPUShareScheduler.precopy_idle=False",)
+    )
+    armed = tmp_path / "armed"
+    extra = {"GPUSHARE_FAKE_LOSE_D2H_HEAD": str(LOST), "GPUSHARE_FAKE_FAULTS_ARMED": str(armed)}
+    common = {"context_bytes": 64 * MiB, "idle_seconds": 1.0, "log": "info"}
+    a = harness.spawn("precopy_cycle", SIZE, 0.0, 0.3, 6.0, extra=extra, client_id="A", **common)
+    quiet = a.wait_event("idle2_start", 30)["launches"]
+    # Its staging made (registered), so that the eviction copies into it, not through bounces.
+    a.wait_event(
+        "tick",
+        30,
+        where=lambda e: e["launches"] == quiet and e["status"]["staging_pinned_bytes"] >= SIZE,
+    )
+    armed.touch()
+    b = harness.spawn("hold", 1.0, SIZE, 20000, client_id="B", **common)
+    b.finish(60).ok()
+    ra = a.finish(60).ok()
+    assert re.search(r"evicted client=A bytes=268435456 ", sched.log), sched.log
+    assert ra.event("cycle_end")["data_ok"] is True, ra.stderr
+    said = [line for line in ra.shim_lines if "came back wrong" in line]
+    assert said == ["gpushare: " + COPIED_AGAIN + "from byte 0): copied again, now right"], (
+        ra.stderr
+    )

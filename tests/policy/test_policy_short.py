@@ -5,7 +5,15 @@ holder's cell is expected to run on."""
 
 from __future__ import annotations
 
-from jupyter_gpushare.scheduler.core.events import Busy, Grant, Join, Released, Request, Revoke
+from jupyter_gpushare.scheduler.core.events import (
+    Busy,
+    Grant,
+    Join,
+    Released,
+    Request,
+    Revoke,
+    Tick,
+)
 from jupyter_gpushare.scheduler.core.policy import REASON_ORDER, Policy, PolicyConfig
 
 GB = 10**9
@@ -71,3 +79,23 @@ def test_the_daemon_puts_short_cells_first_by_default():
 
     assert GPUShareScheduler().policy_config().short_first
     assert not GPUShareScheduler(short_first=False).policy_config().short_first
+
+
+def test_a_cell_past_its_first_level_is_not_short_and_does_not_pre_empt():
+    """s's cell ran 1.5 s (level 1) before a's short cell moved it out; a's cell then runs on
+    past level 1 and 2 while s waits. s is no longer short: it takes its turn when a's quantum
+    ends, and never has a's memory moved out for it (counted as short until level 2, it did at
+    5.5 s, when a's cell reached level 2 and had run longer than the move)."""
+    p = make_policy()
+    assert cell(p, "s", 20, now=0) == [Grant("s")]
+    (revoke,) = cell(p, "a", 30, now=1.5)  # a is short, s's 1.5 s cell is on level 1
+    assert revoke == Revoke("s", evict=True, reason=REASON_ORDER, evict_bytes=revoke.evict_bytes)
+    moved = {"evicted": True, "bytes_moved": revoke.evict_bytes}
+    assert p.handle(Released(1.5, "s", **moved)) == [Grant("a", room_bytes=30032775168)]
+    used = 20 * GB
+    assert p.handle(Request(1.5, "s", used=used, managed=used - PIN, pinned=PIN)) == []
+    deadlines = []
+    while (t := p.next_deadline()) is not None and t < 12:
+        deadlines.append(t)
+        assert p.handle(Tick(t)) == [], t
+    assert 5.5 in deadlines, deadlines  # a reaches level 2: looked at, and left alone

@@ -9,6 +9,7 @@ import re
 import socket
 import stat
 import struct
+import sys
 import time
 from typing import Any
 
@@ -517,12 +518,53 @@ async def test_nvml_devices_are_registered(sock_path: str, monkeypatch: Any) -> 
         await s.stop()
 
 
-def test_discover_devices_without_a_gpu_does_not_raise() -> None:
-    from jupyter_gpushare.scheduler.shell.devices import discover_devices
+def test_discover_devices_says_why_nvml_gave_no_gpus(monkeypatch: Any) -> None:
+    """Never raises: bindings missing, NVML failing to start, or a query failing half-way each
+    give no devices (never half a list) and the reason; NVML is shut down after a query."""
+    import types
 
-    result = discover_devices()
-    assert isinstance(result.devices, list)
-    assert result.error is None or isinstance(result.error, str)
+    from jupyter_gpushare.scheduler.shell.devices import DeviceInfo, discover_devices
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails
+    missing = discover_devices()
+    assert missing.devices == [], missing
+    assert (missing.error or "").startswith("NVML bindings unavailable (ModuleNotFoundError"), (
+        missing
+    )
+
+    calls: list[str] = []
+
+    def fails(what: str) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(what)
+            raise RuntimeError(f"{what} failed")
+
+        return call
+
+    handles = {0: "h0"}  # a second GPU's handle cannot be had
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: handles[i] if i in handles else fails("handle")(),
+        nvmlDeviceGetUUID=lambda h: b"GPU-0000",
+        nvmlDeviceGetName=lambda h: "NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=140 * GiB),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    half = discover_devices()
+    assert half.devices == [] and half.error == "NVML query failed (handle failed)", half
+    assert calls == ["init", "handle", "shutdown"], calls
+
+    handles[1] = "h1"
+    calls.clear()
+    both = discover_devices()
+    assert both.error is None and calls == ["init", "shutdown"], both
+    assert both.devices[1] == DeviceInfo(1, "GPU-0000", "NVIDIA H200", 140 * GiB), both
+
+    fake.nvmlInit = fails("init")
+    down = discover_devices()
+    assert down.devices == [] and down.error == "NVML unavailable (init failed)", down
 
 
 async def idle_holder_asked_to_precopy(connect: Any) -> Any:
