@@ -5,7 +5,8 @@ CI runs after it (`pytest -m slow`), both spread over the machine's cores by pyt
 scenario of the native engine (each test here took 10 s or more on a loaded 2-core machine). The
 modules and tests are listed in SLOW below, one place, with the reason; a module may also say
 ``pytestmark = pytest.mark.slow`` itself. pyproject's addopts deselects the tier by default
-(``-m 'not gpu and not slow'``); ``pytest -m slow`` runs it, ``pytest -m 'not gpu'`` runs both.
+(``-m 'not gpu and not slow and not mutation'``); ``pytest -m slow`` runs it, ``pytest -m 'not gpu
+and not mutation'`` runs both; ``pytest -m mutation`` runs the 20-minute mutation check.
 
 **xdist**: when pytest-xdist is installed (the [test] extra) and the command line does not say
 ``-n``, the run uses ``-n auto --dist loadgroup``: one worker per core, tests that share a place

@@ -161,10 +161,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "room-beside-idle",
         "policy",
         CORE + "policy_moves.py",
-        "if o is not c and not (o.idle and o.waiting_since is None)",
-        "if o is not c",
-        ("tests/policy/test_policy_partial.py", "tests/scheduler/test_allocations.py"),
-        "a grant's room leaves out idle kernels' memory, which could leave for it",
+        "others = sum(o.on_gpu for o in dev.clients.values() if o is not c)",
+        "others = sum(o.on_gpu for o in dev.clients.values() if o is not c and not o.idle)",
+        ("tests/policy/test_policy_card.py", "tests/policy/test_policy_partial.py"),
+        "a grant's room counts idle kernels' memory as free before it has left (issue 34)",
     ),
     # -- the shim's memory moves and deferral -----------------------------------------------
     Mutant(
