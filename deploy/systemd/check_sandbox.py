@@ -273,8 +273,10 @@ def nvml_check() -> dict[str, object]:
         if hasattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v3"):
             n = ctypes.c_uint(0)
             rc = nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(n), None)
-            gpu["processes_rc"] = rc  # 0, or 7 (insufficient size: there are processes)
-            failed = failed or rc not in (0, 7)
+            # 0, or 7 (insufficient size: there are processes); 3 (not supported: some drivers
+            # and vGPUs list no processes) is no sandbox's doing, and the scheduler copes
+            gpu["processes_rc"] = rc
+            failed = failed or rc not in (0, 3, 7)
         gpu["ok"] = not failed
         gpus.append(gpu)
     ok = count.value > 0 and all(g["ok"] for g in gpus)
