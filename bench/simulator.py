@@ -103,6 +103,15 @@ class SimConfig:
     # Restore ahead (the policy's .ahead): evicted memory moves back at restore_bw before its
     # owner's turn, overlapping others' compute; a grant that comes first waits for the move.
     restore_ahead: bool = False
+    # A kernel's first restore runs at first_restore_bw (costs.FIRST_RESTORE_BPS; 0: at
+    # restore_bw like the others).
+    first_restore_bw: float = costs.FIRST_RESTORE_BPS
+    # One bus, full duplex: moves in one direction (evictions; restores) run one after another,
+    # a move decided while another is under way starting when it ends. False: each move alone.
+    shared_bus: bool = True
+    # The node's host staging is one queue (costs.STAGING_SHARED_S_PER_GIB): an allocation's
+    # staging waits for the allocations still staging before it. False: each alone.
+    shared_staging: bool = True
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
 
 
@@ -118,6 +127,9 @@ def legacy(cfg: SimConfig | None = None) -> SimConfig:
         unmap_s_per_gib=0.1946 / 12,
         cold_evict_bw=0.0,
         partial=False,
+        first_restore_bw=0.0,
+        shared_bus=False,
+        shared_staging=False,
     )
 
 
@@ -138,6 +150,9 @@ class _U:
     allocated_at: float | None = None  # when its working set was first backed (staging clock)
     warming: bool = False  # its current cell is a warm start's loading cell (not recorded)
     ahead_until: float = 0.0  # a restore ahead moves its memory back until then
+    staged_at: float = math.inf  # when its host staging is ready (set at its allocation)
+    restored: bool = False  # it restored once: later restores run at the steady bandwidth
+    room: int | None = None  # its grant's room as the policy last told it (Room, Grant)
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -198,6 +213,10 @@ class Simulation:
         self.log: list[tuple[ev.Event, list[ev.Decision]]] | None = None
         #: Revokes by reason (the ordering's pauses are REASON_ORDER).
         self.revokes: Counter[str] = Counter()
+        #: When the bus is free in each direction (SimConfig.shared_bus).
+        self.bus_free = {"d2h": 0.0, "h2d": 0.0}
+        #: Bytes moved in each direction over the run (restores ahead included).
+        self.moved = {"d2h": 0, "h2d": 0}
         if mode in POLICY_MODES:
             self.policy = Policy(config or policy_config(mode, cfg))
             self.policy.add_device(
@@ -205,6 +224,37 @@ class Simulation:
             )
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _bus(self, direction: str, nbytes: int, secs: float) -> float:
+        """A move of ``nbytes`` taking ``secs`` alone, decided now: seconds until it ends, after
+        the moves in the same direction already on the bus (SimConfig.shared_bus)."""
+        self.moved[direction] += max(0, nbytes)
+        if not self.cfg.shared_bus or secs <= 0:
+            return secs
+        end = max(self.now, self.bus_free[direction]) + secs
+        self.bus_free[direction] = end
+        return end - self.now
+
+    def _restore_time(self, u: _U, nbytes: int) -> float:
+        """Seconds to restore ``nbytes`` of ``u`` now: its first restore is the slow one."""
+        if nbytes <= 0:
+            return 0.0
+        first = not u.restored and self.cfg.first_restore_bw > 0
+        u.restored = True
+        bps = self.cfg.first_restore_bw if first else self.cfg.restore_bw
+        return self._bus("h2d", nbytes, nbytes / bps)
+
+    def _allocate(self, u: _U) -> None:
+        """``u``'s working set is backed now: its host staging starts (SimConfig.shared_staging)."""
+        u.allocated_at = self.now
+        queued = 0
+        if self.cfg.shared_staging:
+            queued = sum(
+                self._movable(x)
+                for x in self.users.values()
+                if x.staged_at > self.now and x is not u and x.allocated_at is not None
+            )
+        u.staged_at = self.now + costs.staging_ready_after(self._movable(u), queued)
 
     def _at(self, t: float, kind: str, name: str, arg: Any = None) -> None:
         self._seq += 1
@@ -233,11 +283,7 @@ class Simulation:
         """
         n = self._evict_bytes(u, asked)
         cfg = self.cfg
-        staged = (
-            cfg.cold_evict_bw <= 0
-            or u.allocated_at is None
-            or self.now >= u.allocated_at + costs.staging_ready_after(self._movable(u))
-        )
+        staged = cfg.cold_evict_bw <= 0 or u.allocated_at is None or self.now >= u.staged_at
         secs = costs.evict_seconds(
             n,
             u.copied,
@@ -250,6 +296,8 @@ class Simulation:
         u.copied = max(0, u.copied - n)
         u.on_gpu -= n
         u.copy_gen += 1  # a copy in flight covered blocks that may have left
+        if copied > 0:  # an unmap moves nothing over the bus
+            secs = self._bus("d2h", copied, secs)
         return copied, secs
 
     def _stale(self, u: _U) -> None:
@@ -271,13 +319,18 @@ class Simulation:
             u.holding = True
             back = ws - u.on_gpu if u.allocated_at is not None else 0  # only what left
             if u.allocated_at is None:
-                u.allocated_at = self.now  # its working set is backed now: staging starts
+                self._allocate(u)
             u.on_gpu = ws
-            move = back / self.cfg.restore_bw if d.restore else 0.0
+            u.room = d.room_bytes
+            move = self._restore_time(u, back) if d.restore else 0.0
             # A restore ahead still in flight ends before the gate opens.
             u.blocked_until = max(self.now + self.cfg.handoff_s + move, u.ahead_until)
             if d.restore:
-                self._at(u.blocked_until, "restored", u.user.name, back)
+                self._at(u.blocked_until, "restored", u.user.name, (back, move))
+        elif isinstance(d, ev.Room):
+            # Room updates: a simulated working set is whole from its first grant and never
+            # grows, so nothing waits unbacked (deferred); the room is kept for the tests.
+            u.room = d.room_bytes
         elif isinstance(d, ev.Revoke):
             self.revokes[d.reason] += 1
             # The shim closes the gate at once; the work already launched runs on (drains).
@@ -289,7 +342,7 @@ class Simulation:
         elif isinstance(d, ev.RestoreAhead):
             back = ws - u.on_gpu
             u.on_gpu = ws  # counted on the GPU from now on, as the policy counts it
-            secs = back / self.cfg.restore_bw
+            secs = self._restore_time(u, back)
             u.ahead_until = self.now + secs
             self._at(u.ahead_until, "ahead", u.user.name, (back, secs))
         elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
@@ -481,7 +534,8 @@ class Simulation:
             copied = u.copied if self.cfg.model_precopy else 0
             self._send(ev.Restored(self.now, name, back, int(secs * 1e6), True, 0, copied))
         elif kind == "restored":
-            self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
+            back, secs = arg
+            self._send(ev.Restored(self.now, name, back, int(secs * 1e6)))
 
 
 def summarize(cells: list[dict[str, Any]], horizon: float, warmup: float = 0.0) -> dict[str, Any]:
