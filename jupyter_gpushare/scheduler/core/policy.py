@@ -41,7 +41,9 @@ Residency follows the policy's decisions and their answers (Grant: resident; Rel
 Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
-``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
+``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`);
+``cell_hints``: a kernel the notebook says has a cell coming gets it back, idle pre-copied memory
+unmapped for its room (:mod:`.hints`; room, pre-copies, restore ahead and hints: .policy_ahead).
 ``room_updates``: holders hear their grant's room change (:class:`~.events.Room`); memory past it
 waits unbacked, off the GPU's count (``ClientState.deferred``), while its shim asks again.
 """
@@ -51,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .ahead import ahead_choices, on_ahead_restored, start_ahead
+from .ahead import on_ahead_restored
 from .events import (
     AdminRelease,
     Busy,
@@ -66,10 +68,8 @@ from .events import (
     Leave,
     Memory,
     Precopied,
-    Precopy,
     Released,
     Request,
-    RestoreAhead,
     Restored,
     Revoke,
     Room,
@@ -77,8 +77,10 @@ from .events import (
     SetWeight,
     Tick,
 )
+from .hints import HintLimiter
 from .idle_timer import next_idle_check
 from .ordering import Ordering
+from .policy_ahead import MovesAhead
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_moves import (
@@ -94,7 +96,7 @@ from .policy_moves import (
 from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
-from .room import REASON_ROOM, precopy_candidates, room_deadline, room_evictions
+from .room import precopy_candidates, room_deadline
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
@@ -104,7 +106,7 @@ REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
 
 
-class Policy(FixedQuantumLock):
+class Policy(FixedQuantumLock, MovesAhead):
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -115,6 +117,7 @@ class Policy(FixedQuantumLock):
         self._now: float | None = None
         self._seq = 0
         self._recover_until: float | None = None  # see recover_until()
+        self._hint_limiter = HintLimiter(self.config.cell_hints)  # per user (.hints)
 
     # ----------------------------------------------------------------------------------------
     # Public API
@@ -193,10 +196,10 @@ class Policy(FixedQuantumLock):
             client.idle, client.coming = True, False
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
-        elif isinstance(event, Busy | Coming):
+        elif isinstance(event, Coming):  # a cell comes: its memory may come ahead (.hints)
+            return self._on_coming(dev, client)
+        elif isinstance(event, Busy):
             client.coming = client.holding is None  # a cell comes: its memory may come ahead
-            if isinstance(event, Coming):
-                return self._restore_ahead(dev, [])
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
@@ -218,45 +221,6 @@ class Policy(FixedQuantumLock):
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
         return decisions + self._restore_ahead(dev, decisions)
-
-    def _restore_ahead(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        """Evicted memory back before its owner's turn where the pool has room to spare (.ahead)."""
-        cfg, now = self.config, self._clock
-        if not cfg.restore_ahead or cfg.policy != "gpushare" or self.recovering(now):
-            return []
-        choices = ahead_choices(dev, self._queue(dev, now), self._room_target(dev), now, decided)
-        for c, _need in choices:
-            start_ahead(c)
-        return [RestoreAhead(c.id, need) for c, need in choices]
-
-    def _room_target(self, dev: DeviceState) -> int:
-        """Bytes to keep free on ``dev`` now (0: none), see .room."""
-        keep = self.config.keep_free
-        if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
-            return 0
-        return keep.target(dev.pool_bytes, dev.arrivals, dev.unmap_s_per_byte)
-
-    def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
-        target = self._room_target(dev)
-        if target <= 0:
-            return []
-        out: list[Decision] = []
-        for c in room_evictions(dev, target, self._clock, decided):
-            c.room_tried = True
-            c.room_evicted = True
-            # An idle holder keeps its grant while nobody wants the device: revoke it, evicting.
-            held = c.holding is not None
-            out.append(self._revoke(c, True, REASON_ROOM) if held else self._evict(c, REASON_ROOM))
-        return out
-
-    def _precopy(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        out: list[Decision] = []
-        clients = [c for c in self._clients.values() if c.device == dev.uuid]
-        for cid in precopy_candidates(clients, decided):
-            self._clients[cid].precopy_asked = True
-            out.append(Precopy(cid))
-        return out
 
     def recover_until(self, until: float) -> None:
         """Hold back every grant and eviction until ``until`` (the scheduler restarted).

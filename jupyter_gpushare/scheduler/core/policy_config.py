@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .hints import CellHints
 from .ordering import OrderingConfig
 from .room import KeepFree
 
@@ -59,6 +60,10 @@ class PolicyConfig:
     # turn, into room nobody else is owed. Off in the bare core; the scheduler sets it from
     # c.GPUShareScheduler.restore_ahead.
     restore_ahead: bool = False
+    # Cell hints (.hints): a Coming (a notebook about to run a cell) restores that kernel ahead,
+    # unmapping idle pre-copied kernels for its room; per user, rate-limited. Off in the bare
+    # core; the scheduler sets it from c.GPUShareScheduler.cell_hints.
+    cell_hints: CellHints = field(default_factory=CellHints)
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

@@ -16,6 +16,7 @@ from traitlets.config import LoggingConfigurable
 
 from ...paths import ENV_SERVICE_USER, default_socket_path, service_uid
 from ...units import format_size, parse_size
+from ..core.hints import CellHints
 from ..core.ordering import ORDERINGS, OrderingConfig
 from ..core.policy_config import POLICIES, PolicyConfig
 from ..core.room import KEEP_FREE_WAIT, KeepFree
@@ -175,6 +176,16 @@ class SchedulerConfig(LoggingConfigurable):
         memory comes back with a current host copy, so taking it back is an unmap
         (docs/architecture.md, "Restore ahead"). Off by default: the simulator found no room to
         use on the notebook-shaped trace (docs/performance.md, section 8).""",
+    ).tag(config=True)
+    cell_hints = Bool(
+        True,
+        help="""Act on a notebook's hint that a cell is coming (kernel_state coming: a cell queued
+        behind another, an execute request while the kernel is paused, a code cell of a kernel
+        whose memory is away focused or edited in JupyterLab): restore that kernel's evicted
+        memory ahead of its cell, unmapping idle kernels whose memory has a complete host copy
+        for its room (never busy ones, never while anyone waits). Per user, at most 3 hints at
+        once and one more every 10 s; a wrong hint costs the bytes it moved
+        (docs/architecture.md, "Cell hints"). Off: a hint acts only as restore_ahead allows.""",
     ).tag(config=True)
     keep_free_wait = Float(
         KEEP_FREE_WAIT,
@@ -540,6 +551,7 @@ class SchedulerConfig(LoggingConfigurable):
             keep_free=self.keep_free_config(),
             short_first=self.short_first,
             restore_ahead=self.restore_ahead,
+            cell_hints=CellHints(on=self.cell_hints),
             room_updates=self.room_updates,
             ordering=OrderingConfig(
                 mode=self.ordering,
