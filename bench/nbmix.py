@@ -17,6 +17,9 @@ each seed, their mean and 95% confidence half-width, and the users per GPU whose
 - ``after-no-short-first``: the same without short cells first (``PolicyConfig.short_first``);
 - ``after-restore-ahead``: the same with restore ahead (``PolicyConfig.restore_ahead``, the
   policy's ``core/ahead.py``): evicted memory moves back before its owner's turn;
+- ``after-hints-5s``, ``-10s``, ``-half``, ``-false``: the same with cell hints (the policy's
+  ``core/hints.py``): the notebook says a cell is coming 5 s (10 s) before it, for every cell
+  (half of them; every cell and one false hint per true one, for another user);
 - ``fits``: the same cells on a pool that holds every working set (the memory-free floor).
 
 No GPU; about 10 CPU minutes for the defaults. ``bench.report`` shows the file's rows.
@@ -28,6 +31,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -45,8 +49,19 @@ VARIANTS = (
     "after-keep-free-always",
     "after-no-short-first",
     "after-restore-ahead",
+    "after-hints-5s",
+    "after-hints-10s",
+    "after-hints-half",
+    "after-hints-false",
     "fits",
 )
+#: Cell hints (the policy's .hints): seconds ahead, the share of cells hinted, false per true.
+HINT_VARIANTS = {
+    "after-hints-5s": (5.0, 1.0, 0.0),
+    "after-hints-10s": (10.0, 1.0, 0.0),
+    "after-hints-half": (5.0, 0.5, 0.0),
+    "after-hints-false": (5.0, 1.0, 1.0),
+}
 #: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
 TARGETS = {8: 3.0, 16: 6.0}
 WARMUP = 300.0
@@ -72,6 +87,10 @@ def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
     if name == "after-restore-ahead":
         sim = replace(cfg, restore_ahead=True)
         return sim, policy_config("gpushare", sim)
+    if name in HINT_VARIANTS:
+        ahead, fraction, false = HINT_VARIANTS[name]
+        sim = replace(cfg, hint_ahead_s=ahead, hint_fraction=fraction, false_hints=false)
+        return sim, policy_config("gpushare", sim)
     if name == "fits":
         sim = replace(cfg, pool_bytes=10_000 * GiB, total_bytes=10_000 * GiB)
         return sim, policy_config("gpushare", sim)
@@ -86,13 +105,15 @@ def trace(shape: str, users: int, seed: int, horizon: float) -> TraceConfig:
 def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> dict[str, Any]:
     """One user count and variant over ``seeds`` seeded traces."""
     cfg, pcfg = variant_configs(variant, SimConfig())
-    p95, p50 = [], []
+    p95, p50, per_gpu_s = [], [], []
     for s in range(seeds):
         tc = trace(shape, users, 1 + 1000 * s, horizon)
-        cells = Simulation(generate(tc), "gpushare", horizon, cfg, pcfg).run()
+        sim = Simulation(generate(tc), "gpushare", horizon, replace(cfg, hint_seed=s + 1), pcfg)
+        cells = sim.run()
         summary = summarize(cells, horizon, warmup=WARMUP)
         p95.append(summary["slowdown_p95"])
         p50.append(summary["slowdown_p50"])
+        per_gpu_s.append(moved_per_gpu_second(sim, cells))
     ci = mean_ci(p95)
     return {
         "trace": shape,
@@ -103,8 +124,17 @@ def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> d
         "slowdown_p95_ci": ci["ci"],
         "slowdown_p50_mean": mean_ci(p50)["mean"],
         "slowdown_p95": p95,
+        "slowdown_p95_std": statistics.stdev(p95) if len(p95) > 1 else 0.0,
+        "moved_gb_per_gpu_s": statistics.mean(per_gpu_s),
         "target": TARGETS.get(users) if shape == "nbmix" else None,
     }
+
+
+def moved_per_gpu_second(sim: Simulation, cells: list[dict[str, Any]]) -> float:
+    """GB moved over the bus (both directions, restores ahead included) per GPU-second of the
+    cells that completed (their solo seconds: useful work)."""
+    useful = sum(c["solo"] for c in cells if c["ok"] and c["end"] is not None)
+    return (sim.moved["d2h"] + sim.moved["h2d"]) / 1e9 / useful if useful > 0 else math.nan
 
 
 def training_users(
@@ -265,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(
             f"{r['users']:>3} {r['variant']:<20} p95 {r['slowdown_p95_mean']:.2f} "
-            f"± {r['slowdown_p95_ci']:.2f}  p50 {r['slowdown_p50_mean']:.2f}"
+            f"± {r['slowdown_p95_ci']:.2f} (std {r['slowdown_p95_std']:.2f})  "
+            f"p50 {r['slowdown_p50_mean']:.2f}  moved {r['moved_gb_per_gpu_s']:.2f} GB/GPU-s"
         )
     for c in capacity:
         print(f"users/GPU at p95 <= 2x: {c['trace']} {c['variant']}: {c['users']}")

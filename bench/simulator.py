@@ -37,12 +37,14 @@ import argparse
 import heapq
 import json
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jupyter_gpushare.scheduler.core import costs
 from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.core.hints import CellHints
 from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
 from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
 from jupyter_gpushare.scheduler.core.room import KEEP_FREE_WAIT, KeepFree
@@ -113,6 +115,14 @@ class SimConfig:
     # staging waits for the allocations still staging before it. False: each alone.
     shared_staging: bool = True
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
+    # Cell hints (the policy's .hints, on as in the daemon): the notebook says a cell is coming
+    # hint_ahead_s seconds before it arrives (0: no hints), for a hint_fraction of the cells,
+    # and false_hints wrong ones per real one (each for another user, whose cell does not come),
+    # drawn from hint_seed.
+    hint_ahead_s: float = 0.0
+    hint_fraction: float = 1.0
+    false_hints: float = 0.0
+    hint_seed: int = 1
 
 
 def legacy(cfg: SimConfig | None = None) -> SimConfig:
@@ -175,6 +185,7 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         keep_free=KeepFree(auto=cfg.keep_free, min_wait=cfg.keep_free_wait),
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
+        cell_hints=CellHints(on=True),
         # The daemon's default; a simulated working set is whole from its grant, so a Room
         # decision changes nothing the simulator models.
         room_updates=True,
@@ -217,6 +228,9 @@ class Simulation:
         self.bus_free = {"d2h": 0.0, "h2d": 0.0}
         #: Bytes moved in each direction over the run (restores ahead included).
         self.moved = {"d2h": 0, "h2d": 0}
+        self._hint_rng = random.Random(cfg.hint_seed)
+        #: Hints sent: (true, false).
+        self.hints = [0, 0]
         if mode in POLICY_MODES:
             self.policy = Policy(config or policy_config(mode, cfg))
             self.policy.add_device(
@@ -445,6 +459,19 @@ class Simulation:
         arrival = ready + u.user.cells[u.cell]["think"]
         if arrival <= self.t0 + self.horizon:
             self._at(arrival, "arrive", u.user.name)
+            self._hint(u, ready, arrival)
+
+    def _hint(self, u: _U, ready: float, arrival: float) -> None:
+        """The notebook's hints for a cell arriving at ``arrival`` (SimConfig.hint_ahead_s)."""
+        cfg, rng = self.cfg, self._hint_rng
+        if cfg.hint_ahead_s <= 0 or self.policy is None or rng.random() >= cfg.hint_fraction:
+            return
+        at = max(ready, arrival - cfg.hint_ahead_s)
+        self._at(at, "hint", u.user.name, True)
+        others = [x for x in self.users if x != u.user.name]
+        wrong = int(cfg.false_hints) + (rng.random() < cfg.false_hints % 1)
+        for _ in range(wrong if others else 0):
+            self._at(at, "hint", rng.choice(others), False)
 
     def _warm_step(self) -> None:
         """A warm start: load the next user once nothing moves; start the clock after the last."""
@@ -510,6 +537,10 @@ class Simulation:
                 self._send(ev.Busy(self.now, name))
                 if not u.holding:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "hint":
+            self.hints[0 if arg else 1] += 1
+            if not u.in_cell:
+                self._send(ev.Coming(self.now, name))
         elif kind == "drained":
             u.holding = False
             moved, evict_s = self._evict(u, max(0, arg)) if arg else (0, 0.0)

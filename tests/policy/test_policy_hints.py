@@ -117,3 +117,29 @@ def test_a_wrong_hint_costs_only_the_bytes_it_moved():
     assert p.handle(Restored(12, "a", part(20), 400_000, True, 0, 0)) == []
     assert request(p, "b", 60, now=20) == [Evict("a", reason="room for b", bytes=part(20))]
     assert DEV in p._devices
+
+
+def test_an_idle_holder_gives_its_pre_copied_memory_with_its_grant():
+    p2 = make_policy(cell_hints=HINTS)
+    join(p2, "a")
+    join(p2, "b", user="bob")
+    request(p2, "a", 60)
+    p2.handle(Idle(1, "a"))
+    request(p2, "b", 60, now=2)
+    p2.handle(Released(3, "a", evicted=True))
+    p2.handle(Idle(4, "b"))  # b keeps its grant while nobody wants the device
+    p2.handle(Precopied(5, "b", precopied=p2._clients["b"].evictable))
+    assert p2._clients["b"].holding == "running"
+    assert p2.handle(Coming(10, "a")) == [
+        Revoke("b", evict=True, reason=REASON_HINT, evict_bytes=part(20))
+    ]
+    assert p2.handle(Released(10.01, "b", evicted=True)) == [RestoreAhead("a", part(20))]
+
+
+def test_only_the_pre_copied_part_of_an_idle_kernel_leaves_for_a_hint():
+    p = make_policy(cell_hints=HINTS)
+    _a_away_b_copied(p, b_copied=False)
+    p.handle(Precopied(5, "b", precopied=part(10)))  # half of what a needs has a host copy
+    assert p.handle(Coming(10, "a")) == []
+    p.handle(Precopied(6, "b", precopied=part(30)))
+    assert p.handle(Coming(11, "a")) == [Evict("b", reason=REASON_HINT, bytes=part(20))]

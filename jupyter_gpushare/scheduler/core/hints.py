@@ -12,11 +12,12 @@ kernel is paused. Each is a :class:`~.events.Coming`. With ``PolicyConfig.cell_h
 
 - the kernel's evicted memory is restored ahead (:mod:`.ahead`) even where restore ahead is off
   for everyone else, into room nobody waiting is owed;
-- where the pool has no such room, idle kernels whose memory has a complete host copy (fully
-  pre-copied: leaving is an unmap of milliseconds, nothing is copied) are evicted to make it,
-  least recently used first (:func:`hint_victims`); busy kernels, holders, waiters and kernels
-  with a cell coming themselves are never touched, and nothing is evicted while anyone waits or
-  while room is being made for someone;
+- where the pool has no such room, idle kernels' pre-copied memory (it has a current host copy:
+  leaving is an unmap of milliseconds, nothing is copied) is evicted to make it, least recently
+  used first (:func:`hint_victims`; an idle kernel that still holds its grant is revoked with
+  that eviction); busy kernels, waiters and kernels with a cell coming themselves are never
+  touched, memory without a host copy never leaves for a hint, and nothing is evicted while
+  anyone waits or while room is being made for someone;
 - hints are per user and rate-limited (:class:`HintLimiter`, a token bucket): a user whose
   notebook hints more often than :attr:`CellHints.refill_s` allows has the extra hints ignored.
 
@@ -68,11 +69,13 @@ class HintLimiter:
 
 def hint_victims(
     dev: DeviceState, c: ClientState, need: int, room: int, queue: Iterable[ClientState]
-) -> list[ClientState]:
-    """Idle, fully pre-copied clients of ``dev`` to evict so that ``need`` bytes of the hinted
-    client ``c`` fit (``room``: the free room nobody else is owed), least recently used first;
-    empty where the room is there already, or where they could not make it all (a hint never
-    evicts without restoring), or where someone waits or room is being made."""
+) -> list[tuple[ClientState, int]]:
+    """Idle clients of ``dev`` whose pre-copied memory to unmap so that ``need`` bytes of the
+    hinted client ``c`` fit (``room``: the free room nobody else is owed), least recently used
+    first, each with the bytes it gives (only what has a host copy: an unmap, nothing copied).
+    Idle holders count (an idle kernel keeps its grant while nobody wants the device). Empty
+    where the room is there already, where they could not make it all (a hint never evicts
+    without restoring), or where someone waits or room is being made."""
     if need <= room or any(True for _ in queue) or dev.incoming_bytes > 0:
         return []
     cands = sorted(
@@ -80,21 +83,21 @@ def hint_victims(
             v
             for v in dev.clients.values()
             if v is not c
-            and v.holding is None
+            and (v.holding is None or (v.holding == "running" and v.idle))
             and v.waiting_since is None
             and v.idle
             and not v.coming
             and v.resident
             and not v.moving
-            and v.evictable > 0
-            and v.precopied >= v.evictable  # an unmap: nothing copied
+            and min(v.evictable, v.precopied) > 0
         ),
         key=lambda v: (v.last_active, v.seq),
     )
-    chosen: list[ClientState] = []
+    chosen: list[tuple[ClientState, int]] = []
     for v in cands:
         if room >= need:
             break
-        chosen.append(v)
-        room += v.evictable
+        give = min(v.evictable, v.precopied, need - room)
+        chosen.append((v, give))
+        room += give
     return chosen if room >= need else []

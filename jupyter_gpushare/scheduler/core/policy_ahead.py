@@ -4,7 +4,6 @@ idle kernels, restore ahead (:mod:`.ahead`) and cell hints (:mod:`.hints`). A pa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Protocol
 
 from .ahead import ahead_choices, ahead_need, start_ahead
@@ -30,9 +29,6 @@ class _PolicyParts(Protocol):
     def _queue(self, dev: DeviceState, now: float) -> list[ClientState]: ...
     def _revoke(self, c: ClientState, evict: bool, reason: str, nbytes: int = 0) -> Revoke: ...
     def _evict(self, c: ClientState, reason: str, nbytes: int = 0) -> Evict: ...
-    def _evict_for(
-        self, cands: Iterable[ClientState], short: int, reason: str
-    ) -> list[Decision]: ...
     def _room_target(self, dev: DeviceState) -> int: ...
     def _restore_ahead(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]: ...
 
@@ -71,9 +67,15 @@ class MovesAhead:
         queue = self._queue(dev, self._clock)
         room = dev.pool_bytes - dev.resident_bytes - max(0, self._room_target(dev))
         victims = hint_victims(dev, c, need, room, queue) if need > 0 else []
-        if victims:  # its restore ahead follows their answers (Evicted: the next pass)
-            return self._evict_for(victims, need - room, REASON_HINT)
-        return self._restore_ahead(dev, [])
+        if not victims:
+            return self._restore_ahead(dev, [])
+        # Its restore ahead follows their answers (Evicted, Released: the next pass).
+        return [
+            self._revoke(v, True, REASON_HINT, give)
+            if v.holding is not None
+            else self._evict(v, REASON_HINT, give)
+            for v, give in victims
+        ]
 
     def _room_target(self: _PolicyParts, dev: DeviceState) -> int:
         """Bytes to keep free on ``dev`` now (0: none), see .room."""
