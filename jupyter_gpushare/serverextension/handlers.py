@@ -4,10 +4,10 @@ Every handler is authenticated (jupyter_server's identity provider: token, cooki
 authorised with ``@authorized`` on the resource ``gpushare``: reading the status needs ``read``,
 releasing or evicting a kernel, or hinting that its cell is coming, ``execute``, changing a quota
 ``write``. On top of Jupyter's authorizer, gpushare's own rule: a user may release (or hint) the
-kernels of this server (and, with a node scheduler, their own kernels of their other servers); evicting, setting quotas and acting on
-other users' kernels need a gpushare admin (``c.GPUShareExtension.admin_users``). The scheduler
-enforces the same underneath, by the server's identity (its uid, or the hub user its token
-proves).
+kernels of this server (and, with a node scheduler, their own kernels of their other servers);
+evicting, setting quotas and acting on other users' kernels need a gpushare admin
+(``c.GPUShareExtension.admin_users``). The scheduler enforces the same underneath, by the
+server's identity (its uid, or the hub user its token proves).
 
 Errors are JSON (``{"message": ..., "reason": ...}``): 503 when the scheduler cannot be reached,
 404 for a kernel the scheduler does not know, 400 for a bad request, 403 when not allowed.
