@@ -46,7 +46,7 @@ from jupyter_gpushare.scheduler.core import costs
 from jupyter_gpushare.scheduler.core import events as ev
 from jupyter_gpushare.scheduler.core.hints import CellHints
 from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
-from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.policy import REASON_ORDER, Policy, PolicyConfig
 from jupyter_gpushare.scheduler.core.room import KEEP_FREE_WAIT, KeepFree
 
 from .common import GiB, percentile
@@ -119,6 +119,13 @@ class SimConfig:
     # hint_ahead_s seconds before it arrives (0: no hints), for a hint_fraction of the cells,
     # and false_hints wrong ones per real one (each for another user, whose cell does not come),
     # drawn from hint_seed.
+    # Contention of co-running cells (the GPU's, not time-slicing's): (a short cell's slowdown
+    # beside one long cell, the long cell's speed beside it); None: processor sharing. Cells under
+    # SHORT_CELL solo seconds are the short ones.
+    contention: tuple[float, float] | None = None
+    # What a pause (the ordering's revoke without eviction) costs the paused cell when it
+    # resumes, beyond the drain: seconds before its work goes on (0: nothing more).
+    pause_overhead_s: float = 0.0
     hint_ahead_s: float = 0.0
     hint_fraction: float = 1.0
     false_hints: float = 0.0
@@ -163,6 +170,7 @@ class _U:
     staged_at: float = math.inf  # when its host staging is ready (set at its allocation)
     restored: bool = False  # it restored once: later restores run at the steady bandwidth
     room: int | None = None  # its grant's room as the policy last told it (Room, Grant)
+    paused: bool = False  # the ordering paused it: its next grant pays SimConfig.pause_overhead_s
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -338,7 +346,9 @@ class Simulation:
             u.room = d.room_bytes
             move = self._restore_time(u, back) if d.restore else 0.0
             # A restore ahead still in flight ends before the gate opens.
-            u.blocked_until = max(self.now + self.cfg.handoff_s + move, u.ahead_until)
+            resume = self.cfg.pause_overhead_s if u.paused else 0.0
+            u.paused = False
+            u.blocked_until = max(self.now + self.cfg.handoff_s + move + resume, u.ahead_until)
             if d.restore:
                 self._at(u.blocked_until, "restored", u.user.name, (back, move))
         elif isinstance(d, ev.Room):
@@ -347,6 +357,7 @@ class Simulation:
             u.room = d.room_bytes
         elif isinstance(d, ev.Revoke):
             self.revokes[d.reason] += 1
+            u.paused = d.reason == REASON_ORDER and u.in_cell
             # The shim closes the gate at once; the work already launched runs on (drains).
             arg = (d.evict_bytes or -1) if d.evict else 0
             self._at(self.now + self.cfg.drain_s, "drained", u.user.name, arg)
@@ -397,7 +408,23 @@ class Simulation:
         elif self.mode == "srpt":
             least = min(u.work for u in active)
             run = [u for u in active if u.work <= least + 1e-9]
+        elif self.cfg.contention is not None:
+            return self._contended(active), until
         return {u.user.name: 1.0 / len(run) for u in run}, until
+
+    def _contended(self, active: list[_U]) -> dict[str, float]:
+        """Rates under SimConfig.contention: short cells beside long ones run at 1/slowdown (one
+        long cell; each further one adds its part), the long ones share ``long_rate`` less what
+        each further short cell takes; without both kinds, processor sharing."""
+        assert self.cfg.contention is not None
+        slowdown, long_rate = self.cfg.contention
+        shorts = [u for u in active if u.solo < SHORT_CELL]
+        longs = [u for u in active if u.solo >= SHORT_CELL]
+        if not shorts or not longs:
+            return {u.user.name: 1.0 / len(active) for u in active}
+        short = 1.0 / (len(shorts) + len(longs) * (slowdown - 1))
+        long_ = max(0.05, 1.0 - len(shorts) * (1.0 - long_rate)) / len(longs)
+        return {u.user.name: short if u.solo < SHORT_CELL else long_ for u in active}
 
     # -- the run ----------------------------------------------------------------------------
 
