@@ -17,6 +17,8 @@ each seed, their mean and 95% confidence half-width, and the users per GPU whose
 - ``after-no-short-first``: the same without short cells first (``PolicyConfig.short_first``);
 - ``after-restore-ahead``: the same with restore ahead (``PolicyConfig.restore_ahead``, the
   policy's ``core/ahead.py``): evicted memory moves back before its owner's turn;
+- ``after-no-cap``: the same without the cap on long cells under overload (the policy's
+  ``core/overload.py``: at most one long cell holds memory, a longer starvation window);
 - ``after-hints-5s``, ``-10s``, ``-half``, ``-false``: the same with cell hints (the policy's
   ``core/hints.py``): the notebook says a cell is coming 5 s (10 s) before it, for every cell
   (half of them; every cell and one false hint per true one, for another user);
@@ -49,6 +51,7 @@ VARIANTS = (
     "after-keep-free-always",
     "after-no-short-first",
     "after-restore-ahead",
+    "after-no-cap",
     "after-hints-5s",
     "after-hints-10s",
     "after-hints-half",
@@ -87,6 +90,8 @@ def variant_configs(name: str, cfg: SimConfig) -> tuple[SimConfig, Any]:
     if name == "after-restore-ahead":
         sim = replace(cfg, restore_ahead=True)
         return sim, policy_config("gpushare", sim)
+    if name == "after-no-cap":
+        return cfg, replace(policy_config("gpushare", cfg), overload_long_cap=0)
     if name in HINT_VARIANTS:
         ahead, fraction, false = HINT_VARIANTS[name]
         sim = replace(cfg, hint_ahead_s=ahead, hint_fraction=fraction, false_hints=false)

@@ -194,6 +194,7 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
         cell_hints=CellHints(on=True),
+        overload_long_cap=1,  # the daemon's default (c.GPUShareScheduler.overload_long_cap)
         # The daemon's default; a simulated working set is whole from its grant, so a Room
         # decision changes nothing the simulator models.
         room_updates=True,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from . import costs
@@ -172,6 +172,9 @@ class Ordering:
 
     def __init__(self, cfg: OrderingConfig) -> None:
         self.cfg = cfg
+        #: The starvation window in force: the configuration's, or a longer one the policy sets
+        #: for a device under overload (.overload) before it asks about that device.
+        self.window = cfg.starvation_window
 
     def level(self, k: Kernel) -> int:
         return level(k.cell.service, k.weight, self.cfg)
@@ -179,9 +182,7 @@ class Ordering:
     def starved(self, k: Kernel, now: float) -> bool:
         """A waiter paused for a whole starvation window: let through whatever its level."""
         since = k.waiting_since
-        return (
-            self.cfg.interactive and since is not None and now >= since + self.cfg.starvation_window
-        )
+        return self.cfg.interactive and since is not None and now >= since + self.window
 
     def rank(self, k: Kernel, now: float) -> int:
         """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
@@ -216,7 +217,12 @@ class Ordering:
 
     def protect(self, w: Kernel, busy_weight: float, now: float) -> None:
         """``w`` is let through by the starvation bound: no pause during its weighted slice."""
-        w.cell.protect_until = now + boost_slice(w.weight, busy_weight, self.cfg)
+        cfg = (
+            self.cfg
+            if self.window == self.cfg.starvation_window
+            else replace(self.cfg, starvation_window=self.window)
+        )
+        w.cell.protect_until = now + boost_slice(w.weight, busy_weight, cfg)
 
     def to_pause(self, busy: Sequence[K], now: float) -> list[K]:
         """Busy holders above the lowest level among them, past their minimum slice and any
@@ -259,4 +265,4 @@ class Ordering:
                 yield k.cell.protect_until
         for w in waiters:
             if w.waiting_since is not None:
-                yield w.waiting_since + self.cfg.starvation_window
+                yield w.waiting_since + self.window

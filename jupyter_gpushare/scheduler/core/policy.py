@@ -80,6 +80,7 @@ from .events import (
 from .hints import HintLimiter
 from .idle_timer import next_idle_check
 from .ordering import Ordering
+from .overload import capped_swap, overload_window
 from .policy_ahead import MovesAhead
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
@@ -277,7 +278,7 @@ class Policy(FixedQuantumLock, MovesAhead):
             recovering=self.recovering(now),
             resident_bytes=dev.resident_bytes,
             base_quantum=self.config.base_quantum,
-            starvation_window=self.config.ordering.starvation_window,
+            starvation_window=overload_window(self.config, dev),
         )
 
     def client_device(self, client: str) -> str | None:
@@ -595,6 +596,7 @@ class Policy(FixedQuantumLock, MovesAhead):
         return [c for c in cands if not c.moving and c.evictable > 0]
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
+        self._order.window = overload_window(self.config, dev)  # .overload
         if self.config.policy == "gpushare":
             waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
             yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
@@ -620,6 +622,7 @@ class Policy(FixedQuantumLock, MovesAhead):
     # The scheduling pass
 
     def _schedule(self, dev: DeviceState) -> list[Decision]:
+        self._order.window = overload_window(self.config, dev)  # .overload
         if self.recovering(self._clock):
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
@@ -669,6 +672,16 @@ class Policy(FixedQuantumLock, MovesAhead):
                 continue  # its own eviction is in flight: grant it (with restore) after Evicted
             if not self._order.passes(w, gate, now):
                 continue  # a longer cell, paused while shorter ones run (interactive ordering)
+            # -- No thrashing (.overload): a capped long waiter only takes a long holder's place.
+            cfg = self.config
+            held, swap = capped_swap(
+                self._order, dev, w, cfg.overload_long_cap, cfg.overload_window, now
+            )
+            if held:
+                if swap is not None:
+                    out.append(self._revoke(swap, True, REASON_QUANTUM, w.used - w.on_gpu))
+                continue
+            # -- end of no thrashing
             need = w.used - w.on_gpu
             if need <= free and w.short <= 0:
                 if w.short_waits and incoming > 0:

@@ -177,6 +177,19 @@ class SchedulerConfig(LoggingConfigurable):
         (docs/architecture.md, "Restore ahead"). Off by default: the simulator found no room to
         use on the notebook-shaped trace (docs/performance.md, section 8).""",
     ).tag(config=True)
+    overload_long_cap = Int(
+        1,
+        help="""Under overload (the working sets of the kernels that want a GPU exceed its pool), at
+        most this many long cells (past the ordering's first level) hold memory at once; another
+        long cell takes the place of one that has held overload_window seconds, and nothing else
+        is evicted for it. Short cells are not capped. 0: no cap (docs/architecture.md, "No
+        thrashing").""",
+    ).tag(config=True)
+    overload_window = Float(
+        120.0,
+        help="""Seconds a capped long cell holds memory before another long cell may take its place,
+        and the starvation window while the GPU is overloaded (see overload_long_cap).""",
+    ).tag(config=True)
     cell_hints = Bool(
         True,
         help="""Act on a notebook's hint that a cell is coming (kernel_state coming: a cell queued
@@ -552,6 +565,8 @@ class SchedulerConfig(LoggingConfigurable):
             short_first=self.short_first,
             restore_ahead=self.restore_ahead,
             cell_hints=CellHints(on=self.cell_hints),
+            overload_long_cap=max(0, self.overload_long_cap),
+            overload_window=max(0.0, self.overload_window),
             room_updates=self.room_updates,
             ordering=OrderingConfig(
                 mode=self.ordering,
