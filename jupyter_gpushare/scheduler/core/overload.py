@@ -21,7 +21,7 @@ from typing import Protocol
 from .ordering import Ordering, OrderingConfig
 from .policy_state import ClientState, DeviceState
 
-__all__ = ["capped_swap", "long_cell", "overload_window", "overloaded"]
+__all__ = ["capped_swap", "long_cell", "overload_window", "overloaded", "swap_deadlines"]
 
 
 class _Config(Protocol):
@@ -72,3 +72,17 @@ def capped_swap(
         return True, None  # a swap is under way
     oldest = min(longs, key=lambda c: (c.run_start, c.seq))
     return True, (oldest if now >= oldest.run_start + window else None)
+
+
+def swap_deadlines(order: Ordering, dev: DeviceState, cap: int, window: float) -> list[float]:
+    """When a capped long waiter may take a long holder's place (``window`` after its grant)."""
+    if cap <= 0 or not overloaded(dev):
+        return []
+    waiting = any(long_cell(order, c) for c in dev.clients.values() if c.waiting_since is not None)
+    if not waiting:
+        return []
+    return [
+        c.run_start + window
+        for c in dev.clients.values()
+        if c.holding == "running" and not c.idle and long_cell(order, c)
+    ]

@@ -80,7 +80,7 @@ from .events import (
 from .hints import HintLimiter
 from .idle_timer import next_idle_check
 from .ordering import Ordering
-from .overload import capped_swap, overload_window
+from .overload import capped_swap, overload_window, swap_deadlines
 from .policy_ahead import MovesAhead
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
@@ -597,6 +597,9 @@ class Policy(FixedQuantumLock, MovesAhead):
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
         self._order.window = overload_window(self.config, dev)  # .overload
+        yield from swap_deadlines(
+            self._order, dev, self.config.overload_long_cap, self._order.window
+        )
         if self.config.policy == "gpushare":
             waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
             yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
