@@ -4,8 +4,6 @@ hinted gain less; one false hint per true one costs bytes, not the gain."""
 
 from __future__ import annotations
 
-import statistics
-
 from bench.nbmix import point
 
 SEEDS = 3
@@ -29,4 +27,3 @@ def test_hints_cut_the_tail_and_false_hints_cost_bytes():
     # most of the gain.
     assert false["moved_gb_per_gpu_s"] > 1.2 * hinted["moved_gb_per_gpu_s"]
     assert false["slowdown_p95_mean"] < base["slowdown_p95_mean"]
-    assert statistics.mean(false["slowdown_p95"]) == false["slowdown_p95_mean"]

@@ -194,7 +194,7 @@ class Policy(FixedQuantumLock, MovesAhead):
             if not client.idle:
                 client.idle_since = self._clock
                 note_cell_end(client, self._clock)
-            client.idle, client.coming = True, False
+            client.idle, client.coming, client.hinted = True, False, False
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
         elif isinstance(event, Coming):  # a cell comes: its memory may come ahead (.hints)
@@ -473,7 +473,7 @@ class Policy(FixedQuantumLock, MovesAhead):
         restore = (
             c.restore or c.ahead_pending
         )  # a restore ahead in flight ends before the gate opens
-        c.restore = c.coming = c.ahead_short = c.ahead_pending = False
+        c.restore = c.coming = c.hinted = c.ahead_short = c.ahead_pending = False
         c.holding = "running"
         c.run_start = self._clock
         c.waiting_since = None

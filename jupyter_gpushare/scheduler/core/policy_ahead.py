@@ -42,15 +42,17 @@ class MovesAhead:
         """Evicted memory back before its owner's turn where the pool has room to spare (.ahead);
         with restore ahead off, only for kernels a cell hint said have a cell coming (.hints)."""
         cfg, now = self.config, self._clock
-        hints = cfg.cell_hints.on and any(c.coming for c in dev.clients.values())
+        hints = cfg.cell_hints.on and any(c.hinted for c in dev.clients.values())
         if not (cfg.restore_ahead or hints) or cfg.policy != "gpushare" or self.recovering(now):
             return []
         queue = self._queue(dev, now)
         choices = ahead_choices(dev, queue, self._room_target(dev), now, decided)
         if not cfg.restore_ahead:
-            choices = [(c, need) for c, need in choices if c.coming and c.waiting_since is None]
+            # only what a hint asked for (a Busy alone restores ahead only with restore_ahead)
+            choices = [(c, need) for c, need in choices if c.hinted and c.waiting_since is None]
         for c, _need in choices:
             start_ahead(c)
+            c.hinted = False  # one restore ahead per hint: a wrong one costs its bytes once
         return [RestoreAhead(c.id, need) for c, need in choices]
 
     def _on_coming(self: _PolicyParts, dev: DeviceState, c: ClientState) -> list[Decision]:
@@ -63,6 +65,7 @@ class MovesAhead:
         if self.recovering(self._clock) or not self._hint_limiter.allow(c.user, self._clock):
             c.coming = False  # over its rate: as if it had not hinted (a Busy sets it again)
             return []
+        c.hinted = True
         need = ahead_need(c)
         queue = self._queue(dev, self._clock)
         room = dev.pool_bytes - dev.resident_bytes - max(0, self._room_target(dev))
