@@ -194,7 +194,9 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
         cell_hints=CellHints(on=True),
-        overload_long_cap=1,  # the daemon's default (c.GPUShareScheduler.overload_long_cap)
+        # The cap on long cells under overload, on here (the daemon's is off by default:
+        # c.GPUShareScheduler.overload_long_cap; nbmix's "after-no-cap" is the daemon's default).
+        overload_long_cap=1,
         # The daemon's default; a simulated working set is whole from its grant, so a Room
         # decision changes nothing the simulator models.
         room_updates=True,

@@ -178,12 +178,14 @@ class SchedulerConfig(LoggingConfigurable):
         use on the notebook-shaped trace (docs/performance.md, section 8).""",
     ).tag(config=True)
     overload_long_cap = Int(
-        1,
+        0,
         help="""Under overload (the working sets of the kernels that want a GPU exceed its pool), at
         most this many long cells (past the ordering's first level) hold memory at once; another
         long cell takes the place of one that has held overload_window seconds, and nothing else
-        is evicted for it. Short cells are not capped. 0: no cap (docs/architecture.md, "No
-        thrashing").""",
+        is evicted for it. Short cells are not capped. 0 (the default): no cap. Off by default:
+        a capped long cell waits up to overload_window for its turn, which a short run (the
+        stand-in replay) does not outlast; the simulator's rows have it on (docs/architecture.md,
+        "No thrashing").""",
     ).tag(config=True)
     overload_window = Float(
         120.0,
