@@ -109,7 +109,7 @@ def trace(shape: str, users: int, seed: int, horizon: float) -> TraceConfig:
 
 def point(shape: str, users: int, variant: str, seeds: int, horizon: float) -> dict[str, Any]:
     """One user count and variant over ``seeds`` seeded traces."""
-    cfg, pcfg = variant_configs(variant, SimConfig())
+    cfg, pcfg = variant_configs(variant, SimConfig(overload_long_cap=1))
     p95, p50, per_gpu_s = [], [], []
     for s in range(seeds):
         tc = trace(shape, users, 1 + 1000 * s, horizon)
@@ -177,7 +177,12 @@ def _training_row(
     contention = extra.pop("contention", None)
     ordering = extra.pop("ordering", None)
     pause_s = extra.pop("pause_overhead_s", 0.0)
-    base = SimConfig(pool_bytes=pool * GiB, contention=contention, pause_overhead_s=pause_s)
+    base = SimConfig(
+        pool_bytes=pool * GiB,
+        contention=contention,
+        pause_overhead_s=pause_s,
+        overload_long_cap=1,
+    )
     cfg, pcfg = variant_configs(variant, base)
     pcfg = (
         policy_config(mode, cfg)

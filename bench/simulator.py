@@ -126,6 +126,9 @@ class SimConfig:
     # What a pause (the ordering's revoke without eviction) costs the paused cell when it
     # resumes, beyond the drain: seconds before its work goes on (0: nothing more).
     pause_overhead_s: float = 0.0
+    # The policy's cap on long cells holding memory under overload (0: off, the daemon's
+    # default; bench/nbmix.py runs with 1).
+    overload_long_cap: int = 0
     hint_ahead_s: float = 0.0
     hint_fraction: float = 1.0
     false_hints: float = 0.0
@@ -194,9 +197,7 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
         cell_hints=CellHints(on=True),
-        # The cap on long cells under overload, on here (the daemon's is off by default:
-        # c.GPUShareScheduler.overload_long_cap; nbmix's "after-no-cap" is the daemon's default).
-        overload_long_cap=1,
+        overload_long_cap=cfg.overload_long_cap,
         # The daemon's default; a simulated working set is whole from its grant, so a Room
         # decision changes nothing the simulator models.
         room_updates=True,
