@@ -37,14 +37,16 @@ import argparse
 import heapq
 import json
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jupyter_gpushare.scheduler.core import costs
 from jupyter_gpushare.scheduler.core import events as ev
+from jupyter_gpushare.scheduler.core.hints import CellHints
 from jupyter_gpushare.scheduler.core.ordering import OrderingConfig
-from jupyter_gpushare.scheduler.core.policy import Policy, PolicyConfig
+from jupyter_gpushare.scheduler.core.policy import REASON_ORDER, Policy, PolicyConfig
 from jupyter_gpushare.scheduler.core.room import KEEP_FREE_WAIT, KeepFree
 
 from .common import GiB, percentile
@@ -103,7 +105,34 @@ class SimConfig:
     # Restore ahead (the policy's .ahead): evicted memory moves back at restore_bw before its
     # owner's turn, overlapping others' compute; a grant that comes first waits for the move.
     restore_ahead: bool = False
+    # A kernel's first restore runs at first_restore_bw (costs.FIRST_RESTORE_BPS; 0: at
+    # restore_bw like the others).
+    first_restore_bw: float = costs.FIRST_RESTORE_BPS
+    # One bus, full duplex: moves in one direction (evictions; restores) run one after another,
+    # a move decided while another is under way starting when it ends. False: each move alone.
+    shared_bus: bool = True
+    # The node's host staging is one queue (costs.STAGING_SHARED_S_PER_GIB): an allocation's
+    # staging waits for the allocations still staging before it. False: each alone.
+    shared_staging: bool = True
     ordering: OrderingConfig = field(default_factory=OrderingConfig)  # for "gpushare"
+    # Cell hints (the policy's .hints, on as in the daemon): the notebook says a cell is coming
+    # hint_ahead_s seconds before it arrives (0: no hints), for a hint_fraction of the cells,
+    # and false_hints wrong ones per real one (each for another user, whose cell does not come),
+    # drawn from hint_seed.
+    # Contention of co-running cells (the GPU's, not time-slicing's): (a short cell's slowdown
+    # beside one long cell, the long cell's speed beside it); None: processor sharing. Cells under
+    # SHORT_CELL solo seconds are the short ones.
+    contention: tuple[float, float] | None = None
+    # What a pause (the ordering's revoke without eviction) costs the paused cell when it
+    # resumes, beyond the drain: seconds before its work goes on (0: nothing more).
+    pause_overhead_s: float = 0.0
+    # The policy's cap on long cells holding memory under overload (0: off, the daemon's
+    # default; bench/nbmix.py runs with 1).
+    overload_long_cap: int = 0
+    hint_ahead_s: float = 0.0
+    hint_fraction: float = 1.0
+    false_hints: float = 0.0
+    hint_seed: int = 1
 
 
 def legacy(cfg: SimConfig | None = None) -> SimConfig:
@@ -118,6 +147,9 @@ def legacy(cfg: SimConfig | None = None) -> SimConfig:
         unmap_s_per_gib=0.1946 / 12,
         cold_evict_bw=0.0,
         partial=False,
+        first_restore_bw=0.0,
+        shared_bus=False,
+        shared_staging=False,
     )
 
 
@@ -138,6 +170,10 @@ class _U:
     allocated_at: float | None = None  # when its working set was first backed (staging clock)
     warming: bool = False  # its current cell is a warm start's loading cell (not recorded)
     ahead_until: float = 0.0  # a restore ahead moves its memory back until then
+    staged_at: float = math.inf  # when its host staging is ready (set at its allocation)
+    restored: bool = False  # it restored once: later restores run at the steady bandwidth
+    room: int | None = None  # its grant's room as the policy last told it (Room, Grant)
+    paused: bool = False  # the ordering paused it: its next grant pays SimConfig.pause_overhead_s
 
 
 def solo_seconds(user: User, cell: dict[str, float], cfg: SimConfig) -> float:
@@ -160,6 +196,8 @@ def policy_config(mode: str, cfg: SimConfig) -> PolicyConfig:
         keep_free=KeepFree(auto=cfg.keep_free, min_wait=cfg.keep_free_wait),
         ordering=ordering,
         restore_ahead=cfg.restore_ahead,
+        cell_hints=CellHints(on=True),
+        overload_long_cap=cfg.overload_long_cap,
         # The daemon's default; a simulated working set is whole from its grant, so a Room
         # decision changes nothing the simulator models.
         room_updates=True,
@@ -198,6 +236,13 @@ class Simulation:
         self.log: list[tuple[ev.Event, list[ev.Decision]]] | None = None
         #: Revokes by reason (the ordering's pauses are REASON_ORDER).
         self.revokes: Counter[str] = Counter()
+        #: When the bus is free in each direction (SimConfig.shared_bus).
+        self.bus_free = {"d2h": 0.0, "h2d": 0.0}
+        #: Bytes moved in each direction over the run (restores ahead included).
+        self.moved = {"d2h": 0, "h2d": 0}
+        self._hint_rng = random.Random(cfg.hint_seed)
+        #: Hints sent: (true, false).
+        self.hints = [0, 0]
         if mode in POLICY_MODES:
             self.policy = Policy(config or policy_config(mode, cfg))
             self.policy.add_device(
@@ -205,6 +250,37 @@ class Simulation:
             )
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _bus(self, direction: str, nbytes: int, secs: float) -> float:
+        """A move of ``nbytes`` taking ``secs`` alone, decided now: seconds until it ends, after
+        the moves in the same direction already on the bus (SimConfig.shared_bus)."""
+        self.moved[direction] += max(0, nbytes)
+        if not self.cfg.shared_bus or secs <= 0:
+            return secs
+        end = max(self.now, self.bus_free[direction]) + secs
+        self.bus_free[direction] = end
+        return end - self.now
+
+    def _restore_time(self, u: _U, nbytes: int) -> float:
+        """Seconds to restore ``nbytes`` of ``u`` now: its first restore is the slow one."""
+        if nbytes <= 0:
+            return 0.0
+        first = not u.restored and self.cfg.first_restore_bw > 0
+        u.restored = True
+        bps = self.cfg.first_restore_bw if first else self.cfg.restore_bw
+        return self._bus("h2d", nbytes, nbytes / bps)
+
+    def _allocate(self, u: _U) -> None:
+        """``u``'s working set is backed now: its host staging starts (SimConfig.shared_staging)."""
+        u.allocated_at = self.now
+        queued = 0
+        if self.cfg.shared_staging:
+            queued = sum(
+                self._movable(x)
+                for x in self.users.values()
+                if x.staged_at > self.now and x is not u and x.allocated_at is not None
+            )
+        u.staged_at = self.now + costs.staging_ready_after(self._movable(u), queued)
 
     def _at(self, t: float, kind: str, name: str, arg: Any = None) -> None:
         self._seq += 1
@@ -233,11 +309,7 @@ class Simulation:
         """
         n = self._evict_bytes(u, asked)
         cfg = self.cfg
-        staged = (
-            cfg.cold_evict_bw <= 0
-            or u.allocated_at is None
-            or self.now >= u.allocated_at + costs.staging_ready_after(self._movable(u))
-        )
+        staged = cfg.cold_evict_bw <= 0 or u.allocated_at is None or self.now >= u.staged_at
         secs = costs.evict_seconds(
             n,
             u.copied,
@@ -250,6 +322,8 @@ class Simulation:
         u.copied = max(0, u.copied - n)
         u.on_gpu -= n
         u.copy_gen += 1  # a copy in flight covered blocks that may have left
+        if copied > 0:  # an unmap moves nothing over the bus
+            secs = self._bus("d2h", copied, secs)
         return copied, secs
 
     def _stale(self, u: _U) -> None:
@@ -271,15 +345,23 @@ class Simulation:
             u.holding = True
             back = ws - u.on_gpu if u.allocated_at is not None else 0  # only what left
             if u.allocated_at is None:
-                u.allocated_at = self.now  # its working set is backed now: staging starts
+                self._allocate(u)
             u.on_gpu = ws
-            move = back / self.cfg.restore_bw if d.restore else 0.0
+            u.room = d.room_bytes
+            move = self._restore_time(u, back) if d.restore else 0.0
             # A restore ahead still in flight ends before the gate opens.
-            u.blocked_until = max(self.now + self.cfg.handoff_s + move, u.ahead_until)
+            resume = self.cfg.pause_overhead_s if u.paused else 0.0
+            u.paused = False
+            u.blocked_until = max(self.now + self.cfg.handoff_s + move + resume, u.ahead_until)
             if d.restore:
-                self._at(u.blocked_until, "restored", u.user.name, back)
+                self._at(u.blocked_until, "restored", u.user.name, (back, move))
+        elif isinstance(d, ev.Room):
+            # Room updates: a simulated working set is whole from its first grant and never
+            # grows, so nothing waits unbacked (deferred); the room is kept for the tests.
+            u.room = d.room_bytes
         elif isinstance(d, ev.Revoke):
             self.revokes[d.reason] += 1
+            u.paused = d.reason == REASON_ORDER and u.in_cell
             # The shim closes the gate at once; the work already launched runs on (drains).
             arg = (d.evict_bytes or -1) if d.evict else 0
             self._at(self.now + self.cfg.drain_s, "drained", u.user.name, arg)
@@ -289,7 +371,7 @@ class Simulation:
         elif isinstance(d, ev.RestoreAhead):
             back = ws - u.on_gpu
             u.on_gpu = ws  # counted on the GPU from now on, as the policy counts it
-            secs = back / self.cfg.restore_bw
+            secs = self._restore_time(u, back)
             u.ahead_until = self.now + secs
             self._at(u.ahead_until, "ahead", u.user.name, (back, secs))
         elif isinstance(d, ev.Precopy) and self.cfg.model_precopy:
@@ -330,7 +412,23 @@ class Simulation:
         elif self.mode == "srpt":
             least = min(u.work for u in active)
             run = [u for u in active if u.work <= least + 1e-9]
+        elif self.cfg.contention is not None:
+            return self._contended(active), until
         return {u.user.name: 1.0 / len(run) for u in run}, until
+
+    def _contended(self, active: list[_U]) -> dict[str, float]:
+        """Rates under SimConfig.contention: short cells beside long ones run at 1/slowdown (one
+        long cell; each further one adds its part), the long ones share ``long_rate`` less what
+        each further short cell takes; without both kinds, processor sharing."""
+        assert self.cfg.contention is not None
+        slowdown, long_rate = self.cfg.contention
+        shorts = [u for u in active if u.solo < SHORT_CELL]
+        longs = [u for u in active if u.solo >= SHORT_CELL]
+        if not shorts or not longs:
+            return {u.user.name: 1.0 / len(active) for u in active}
+        short = 1.0 / (len(shorts) + len(longs) * (slowdown - 1))
+        long_ = max(0.05, 1.0 - len(shorts) * (1.0 - long_rate)) / len(longs)
+        return {u.user.name: short if u.solo < SHORT_CELL else long_ for u in active}
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -392,6 +490,19 @@ class Simulation:
         arrival = ready + u.user.cells[u.cell]["think"]
         if arrival <= self.t0 + self.horizon:
             self._at(arrival, "arrive", u.user.name)
+            self._hint(u, ready, arrival)
+
+    def _hint(self, u: _U, ready: float, arrival: float) -> None:
+        """The notebook's hints for a cell arriving at ``arrival`` (SimConfig.hint_ahead_s)."""
+        cfg, rng = self.cfg, self._hint_rng
+        if cfg.hint_ahead_s <= 0 or self.policy is None or rng.random() >= cfg.hint_fraction:
+            return
+        at = max(ready, arrival - cfg.hint_ahead_s)
+        self._at(at, "hint", u.user.name, True)
+        others = [x for x in self.users if x != u.user.name]
+        wrong = int(cfg.false_hints) + (rng.random() < cfg.false_hints % 1)
+        for _ in range(wrong if others else 0):
+            self._at(at, "hint", rng.choice(others), False)
 
     def _warm_step(self) -> None:
         """A warm start: load the next user once nothing moves; start the clock after the last."""
@@ -457,6 +568,10 @@ class Simulation:
                 self._send(ev.Busy(self.now, name))
                 if not u.holding:
                     self._send(ev.Request(self.now, name, **self._mem(u)))
+        elif kind == "hint":
+            self.hints[0 if arg else 1] += 1
+            if not u.in_cell:
+                self._send(ev.Coming(self.now, name))
         elif kind == "drained":
             u.holding = False
             moved, evict_s = self._evict(u, max(0, arg)) if arg else (0, 0.0)
@@ -481,7 +596,8 @@ class Simulation:
             copied = u.copied if self.cfg.model_precopy else 0
             self._send(ev.Restored(self.now, name, back, int(secs * 1e6), True, 0, copied))
         elif kind == "restored":
-            self._send(ev.Restored(self.now, name, arg, int(arg / self.cfg.restore_bw * 1e6)))
+            back, secs = arg
+            self._send(ev.Restored(self.now, name, back, int(secs * 1e6)))
 
 
 def summarize(cells: list[dict[str, Any]], horizon: float, warmup: float = 0.0) -> dict[str, Any]:

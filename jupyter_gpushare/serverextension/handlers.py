@@ -2,12 +2,12 @@
 
 Every handler is authenticated (jupyter_server's identity provider: token, cookie, JupyterHub) and
 authorised with ``@authorized`` on the resource ``gpushare``: reading the status needs ``read``,
-releasing or evicting a kernel ``execute``, changing a quota ``write``. On top of Jupyter's
-authorizer, gpushare's own rule: a user may release the kernels of this server (and, with a node
-scheduler, their own kernels of their other servers); evicting, setting quotas and acting on
-other users' kernels need a gpushare admin (``c.GPUShareExtension.admin_users``). The scheduler
-enforces the same underneath, by the server's identity (its uid, or the hub user its token
-proves).
+releasing or evicting a kernel, or hinting that its cell is coming, ``execute``, changing a quota
+``write``. On top of Jupyter's authorizer, gpushare's own rule: a user may release (or hint) the
+kernels of this server (and, with a node scheduler, their own kernels of their other servers);
+evicting, setting quotas and acting on other users' kernels need a gpushare admin
+(``c.GPUShareExtension.admin_users``). The scheduler enforces the same underneath, by the
+server's identity (its uid, or the hub user its token proves).
 
 Errors are JSON (``{"message": ..., "reason": ...}``): 503 when the scheduler cannot be reached,
 404 for a kernel the scheduler does not know, 400 for a bad request, 403 when not allowed.
@@ -36,6 +36,7 @@ __all__ = [
     "EventsWebSocket",
     "GPUShareApp",
     "KernelActionHandler",
+    "KernelHintHandler",
     "QuotaHandler",
     "StatusHandler",
     "default_handlers",
@@ -173,6 +174,22 @@ class KernelActionHandler(_Base):
             raise scheduler_http_error(exc) from exc
 
 
+class KernelHintHandler(KernelActionHandler):
+    """``POST gpushare/api/kernels/{kernel_id}/hint``: a cell of the kernel is about to run (the
+    lab extension: a code cell focused or edited while the kernel's memory is away). The scheduler
+    hears ``kernel_state coming`` and may bring the memory back first (docs/architecture.md,
+    "Cell hints"); allowed where releasing the kernel is."""
+
+    @web.authenticated
+    @authorized("execute", resource=AUTH_RESOURCE)
+    async def post(self, kernel_id: str) -> None:  # type: ignore[override]
+        app = self.gpushare
+        if not (app.is_local_kernel(kernel_id) or app.is_admin(self.current_user)):
+            await self._not_found_or_forbidden(kernel_id)
+        reply = await self._control("kernel_state", client=kernel_id, state="coming")
+        self.finish(json.dumps(reply))
+
+
 class QuotaHandler(KernelActionHandler):
     """``PUT gpushare/api/kernels/{kernel_id}/quota`` with ``{"quota": bytes | "8GiB" | null}``."""
 
@@ -271,5 +288,6 @@ def default_handlers() -> list[tuple[str, Any]]:
         (r"/gpushare/api/history/?", HistoryHandler),
         (rf"/gpushare/api/kernels/{_KERNEL}/(?P<action>release|evict)/?", KernelActionHandler),
         (rf"/gpushare/api/kernels/{_KERNEL}/quota/?", QuotaHandler),
+        (rf"/gpushare/api/kernels/{_KERNEL}/hint/?", KernelHintHandler),
         (r"/gpushare/api/events/?", EventsWebSocket),
     ]

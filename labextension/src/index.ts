@@ -18,11 +18,13 @@ import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
+import { CellHinter } from './hint';
 import { buildViewModel, IStatus, IViewModel } from './model';
 import { DEFAULT_PREFS, INotifyPrefs, noticesBetween, statusBarText } from './notify';
 import { GPUSharePanel } from './panel';
 
 export { GPUSharePanel } from './panel';
+export * from './hint';
 export * from './model';
 export * from './notify';
 
@@ -43,6 +45,7 @@ const COMMAND = 'gpushare:show';
 interface IPrefs extends INotifyPrefs {
   statusBar: boolean;
   pollSeconds: number;
+  cellHints: boolean;
 }
 
 function readPrefs(settings: ISettingRegistry.ISettings | null): IPrefs {
@@ -56,8 +59,27 @@ function readPrefs(settings: ISettingRegistry.ISettings | null): IPrefs {
     notifyEvicted: get('notifyEvicted', DEFAULT_PREFS.notifyEvicted),
     notifyQuota: get('notifyQuota', DEFAULT_PREFS.notifyQuota),
     statusBar: get('statusBar', true),
-    pollSeconds: Math.max(1, get('pollSeconds', 3))
+    pollSeconds: Math.max(1, get('pollSeconds', 3)),
+    cellHints: get('cellHints', true)
   };
+}
+
+/** The kernel id of the notebook (or console) in the main area, if it has a kernel. */
+function currentKernelId(app: JupyterFrontEnd): string | null {
+  const widget = app.shell.currentWidget as unknown as {
+    sessionContext?: { session?: { kernel?: { id?: string } | null } | null };
+  } | null;
+  return widget?.sessionContext?.session?.kernel?.id ?? null;
+}
+
+/** POST gpushare/api/kernels/{id}/hint: a cell of this kernel is coming (hint.ts). */
+async function sendHint(settings: ServerConnection.ISettings, kernelId: string): Promise<void> {
+  const url = URLExt.join(settings.baseUrl, 'gpushare/api/kernels', kernelId, 'hint');
+  try {
+    await ServerConnection.makeRequest(url, { method: 'POST', body: '' }, settings);
+  } catch {
+    // A hint is worth nothing once late: no retry, no message.
+  }
 }
 
 /**
@@ -161,7 +183,24 @@ const plugin: JupyterFrontEndPlugin<void> = {
     }
 
     let previous: IViewModel | null = null;
+    let latest: IViewModel | null = null;
+    // Cell hints (hint.ts): the focus or an edit in a code cell of a notebook whose GPU-shared
+    // kernel's memory is away tells the scheduler a cell is coming, debounced.
+    const hinter = new CellHinter(kernelId => void sendHint(serverSettings, kernelId), {
+      now: () => Date.now(),
+      setTimeout: (fn, ms) => window.setTimeout(fn, ms),
+      clearTimeout: handle => window.clearTimeout(handle)
+    });
+    const onCellActivity = (event: Event) => {
+      const target = event.target as Element | null;
+      if (prefs.cellHints && target?.closest?.('.jp-CodeCell')) {
+        hinter.activity(latest, currentKernelId(app));
+      }
+    };
+    document.addEventListener('focusin', onCellActivity, true);
+    document.addEventListener('keydown', onCellActivity, true);
     const watcher = new StatusWatcher(serverSettings, model => {
+      latest = model;
       item.node.textContent = statusBarText(model, __);
       item.node.dataset.state = model.state;
       for (const notice of noticesBetween(previous, model, prefs, __)) {

@@ -47,7 +47,9 @@ def test_nbmix_shows_progress_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
     try:
         assert proc.stderr is not None
         first = proc.stderr.readline()  # said before the first point: the run is under way
-        assert first.startswith("nbmix: 14 points of 20 seed(s)"), first
+        from bench.nbmix import VARIANTS  # a point per users count and variant
+
+        assert first.startswith(f"nbmix: {2 * len(VARIANTS)} points of 20 seed(s)"), first
         time.sleep(1.0)  # inside the simulation
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)

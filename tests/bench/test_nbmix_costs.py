@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,11 @@ from bench.trace import (
 from jupyter_gpushare.scheduler.core import costs
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMORY = ROOT / "docs/perf-runs/2026-11-24-h100-b/memory.json"
-HANDOFF = ROOT / "docs/perf-runs/2026-11-24-h100-b/handoff.json"
+RUNS = ROOT / "docs/perf-runs/2026-11-27-gpu"
+MEMORY = RUNS / "memory-h100-8c053a7.json"
+HANDOFF = RUNS / "handoff-h100-8c053a7.json"
+COLD = RUNS / "cold_eviction-h100-8c053a7.json"
+ENGINE = ROOT / "docs/gpu-runs/2026-11-28-c/4-rerun-h100-95c641b.tar.gz"
 
 
 def test_nbmix_duty_and_medians():
@@ -61,20 +66,52 @@ def test_nbmix_working_sets_hold_twice_a_40_gib_pool_at_8_users():
     )
 
 
-def test_the_costs_are_the_committed_measurements():
+def _engine_log() -> str:
+    """The newest engine test's log (docs/gpu-runs/2026-11-28-c, run 4 at 95c641b)."""
+    with tarfile.open(ENGINE) as tar:
+        member = tar.extractfile("./logs/test_gpu_memory_engine.log")
+        assert member is not None
+        return member.read().decode()
+
+
+def test_the_costs_are_the_newest_committed_measurements():
     mem = json.loads(MEMORY.read_text())
     hand = json.loads(HANDOFF.read_text())
-    assert pytest.approx(mem["shim"]["evict_warm"]["median"]) == costs.EVICT_STAGED_BPS
-    assert pytest.approx(mem["shim"]["restore"]["median"]) == costs.RESTORE_BPS
-    arrival = mem["precopied_arrival"]
-    (evict,) = arrival["evictions"]
-    assert pytest.approx(evict["seconds"] / (evict["bytes"] / GiB)) == costs.UNMAP_S_PER_GIB
-    copied = arrival["idle_kernels"] * arrival["bytes"]
-    assert pytest.approx(copied / arrival["precopy_seconds"]) == costs.PRECOPY_BPS
+    cold = json.loads(COLD.read_text())
+    log = _engine_log()
+    bus = re.search(r"eviction ([\d.]+) GB/s \(n=\d+, min [\d.]+\), restore ([\d.]+) GB/s", log)
+    assert bus is not None
+    assert float(bus[1]) * 1e9 == costs.EVICT_STAGED_BPS
+    assert float(bus[2]) * 1e9 == costs.RESTORE_BPS
+    unmap = re.search(r"A evicted in ([\d.]+) ms after its pre-copy", log)
+    assert unmap is not None  # A holds 14 GiB (tests/gpu/test_gpu_memory_engine.py)
+    assert pytest.approx(float(unmap[1]) / 1000 / 14) == costs.UNMAP_S_PER_GIB
+    # Each size's first restore is the slow one: every sample under 10 GB/s, none left out.
+    slow = [r for r in mem["shim"]["restore"]["samples"] if r < 10e9]
+    assert len(slow) == len(mem["per_size"]) == 3
+    assert pytest.approx(statistics.mean(slow)) == costs.FIRST_RESTORE_BPS
+    rates = [
+        a["idle_kernels"] * a["bytes"] / a["precopy_seconds"]
+        for a in (mem["precopied_arrival"], mem["precopied_arrival_kept"])
+    ]
+    assert pytest.approx(statistics.mean(rates)) == costs.PRECOPY_BPS
+    assert 15.4e9 <= costs.PRECOPY_BPS <= 15.7e9
+    # The cold path: every run at 0.5 s, none dropped.
+    at_half = [r["evict_gbps"] * 1e9 for r in cold["runs"] if r["delay_s"] == 0.5]
+    assert len(at_half) == 2 and pytest.approx(statistics.mean(at_half)) == costs.EVICT_COLD_BPS
+    staged = [r["evict_gbps"] for r in cold["runs"] if r["delay_s"] == 2.0]
+    assert min(staged) >= 40  # staging ready by 2 s after a lone 20 GiB allocation
+    assert costs.staging_ready_after(20 * GiB) <= 2.0
+    # 32 kernels of 1 GiB at once: the slowest ready 4.9 s after its allocation.
+    assert pytest.approx(costs.staging_ready_after(GiB, 31 * GiB), abs=0.1) == 4.9
     assert pytest.approx(hand["no_memory"]["p50_ms"] / 1000) == costs.HANDOFF_S
     pinned = mem["pinned_memcpy"]
     assert pytest.approx(max(pinned["d2h"], pinned["h2d"])) == costs.BUS_BPS
     assert set(costs.SOURCES) == {n for n in costs.__all__ if n.isupper() and n != "SOURCES"}
+    for name, source in costs.SOURCES.items():
+        path = source.split(" ")[0]
+        if "/" in path:  # each named file is committed
+            assert (ROOT / path.split(":")[0]).exists() or list(ROOT.glob(path)), (name, path)
     cfg = SimConfig()
     assert (cfg.evict_bw, cfg.restore_bw, cfg.unmap_s_per_gib, cfg.precopy_bw) == (
         costs.EVICT_STAGED_BPS,
@@ -89,6 +126,8 @@ def test_the_costs_are_the_committed_measurements():
         costs.BLOCK_BYTES,
     )
     assert cfg.model_precopy and cfg.partial and cfg.keep_free
+    assert cfg.first_restore_bw == costs.FIRST_RESTORE_BPS and cfg.shared_bus
+    assert cfg.shared_staging
 
 
 def _evict_time(at: float, cfg: SimConfig) -> float:

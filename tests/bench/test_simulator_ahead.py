@@ -23,6 +23,7 @@ def sim_with_a_away() -> tuple[Simulation, int]:
     sim.log = []
     u = sim.users["u0"]
     u.allocated_at, u.on_gpu, u.copied = 0.0, 4 * GiB, 4 * GiB
+    u.restored = True  # not its first restore (that one is slower: test_simulator_engine.py)
     sim.now = 10.0
     return sim, 8 * GiB
 

@@ -94,6 +94,7 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
         "POST /gpushare/api/kernels/{kernel_id}/release",
         "POST /gpushare/api/kernels/{kernel_id}/evict",
         "PUT /gpushare/api/kernels/{kernel_id}/quota",
+        "POST /gpushare/api/kernels/{kernel_id}/hint",
     }
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
@@ -112,7 +113,7 @@ async def test_rest_api_fuzzed_from_its_openapi_description(
     # Both the refusals and the successes were explored.
     assert codes["GET /gpushare/api/status positive"][200] > 0, codes
     assert codes["GET /gpushare/api/history positive"][200] > 0, codes
-    for action in ("release", "evict", "quota"):
+    for action in ("release", "evict", "quota", "hint"):
         method = "PUT" if action == "quota" else "POST"
         assert codes[f"{method} /gpushare/api/kernels/{{kernel_id}}/{action} positive known"][200]
         assert codes[f"{method} /gpushare/api/kernels/{{kernel_id}}/{action} positive"][404]

@@ -123,6 +123,7 @@ async def test_unauthenticated_requests_are_refused(jp_fetch: Any, jp_serverapp:
         (("gpushare", "api", "status"), "GET", None),
         (("gpushare", "api", "kernels", "k1", "release"), "POST", "{}"),
         (("gpushare", "api", "kernels", "k1", "evict"), "POST", "{}"),
+        (("gpushare", "api", "kernels", "k1", "hint"), "POST", "{}"),
         (("gpushare", "api", "kernels", "k1", "quota"), "PUT", '{"quota": 1}'),
     ]:
         code, _ = await fetch_error(jp_fetch, *parts, method=method, body=body, headers=bad)
@@ -165,6 +166,28 @@ async def test_release_evict_quota(jp_fetch: Any, jp_serverapp: Any) -> None:
         assert reply["quota"] == 0
         reply = await fetch_json(jp_fetch, *base, "quota", method="PUT", body='{"quota": 1024}')
         assert reply["quota"] == 1024
+    finally:
+        await shim.close()
+
+
+async def test_a_cell_hint_reaches_the_scheduler_as_a_cell_coming(
+    jp_fetch: Any, jp_serverapp: Any
+) -> None:
+    ext = await started(jp_serverapp)
+    shim = await FakeShim.join(ext.backend.socket_path, "k-hint", used=100 * MiB)
+    try:
+        base = ("gpushare", "api", "kernels", "k-hint")
+        reply = await fetch_json(jp_fetch, *base, "hint", method="POST", body="")
+        assert reply == {
+            "ok": True,
+            "action": "kernel_state",
+            "client": "k-hint",
+            "state": "coming",
+        }
+        code, body = await fetch_error(
+            jp_fetch, "gpushare", "api", "kernels", "nope", "hint", method="POST", body=""
+        )
+        assert code == 404 and "nope" in body["message"], body
     finally:
         await shim.close()
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
+
+from . import costs
 
 __all__ = [
     "ORDERINGS",
@@ -45,12 +47,18 @@ __all__ = [
     "Ordering",
     "OrderingConfig",
     "boost_slice",
+    "break_even",
     "level",
     "level_ceiling",
+    "pause_pays",
 ]
 
 #: Orderings a configuration may name.
 ORDERINGS = ("interactive", "fair")
+
+#: What pausing a busy kernel costs it beyond the time paused: its launched work drains, and the
+#: pause and the resume are a grant each (costs.py).
+PAUSE_COST_S = costs.DRAIN_S + 2 * costs.HANDOFF_S
 
 #: Relative slack when comparing service to a threshold: the time at which a level is reached,
 #: computed and then accounted back, can fall short of it by a rounding error.
@@ -64,6 +72,13 @@ class OrderingConfig:
     level_ratio: float = 4.0  # each further level holds this many times more service
     min_slice: float = 0.1  # seconds a granted kernel holds before the ordering may pause it
     starvation_window: float = 20.0  # seconds a busy kernel may stay paused at a stretch
+    # Pause or co-run (pause_pays): a short cell's slowdown beside one longer cell, the longer
+    # cell's speed beside it, and what a pause costs the paused cell beyond the pause (its drain
+    # and two grants, costs.py). The defaults are time-slicing's (the simulator's model): 2 and
+    # half; a configuration may give the GPU's measured ones (bench/nbmix.py does).
+    corun_slowdown: float = 2.0
+    corun_long_rate: float = 0.5
+    pause_cost_s: float = PAUSE_COST_S
 
     def __post_init__(self) -> None:
         if self.mode not in ORDERINGS:
@@ -72,6 +87,10 @@ class OrderingConfig:
             raise ValueError("first_level must be positive and level_ratio above 1")
         if not (self.min_slice >= 0 and self.starvation_window > self.min_slice):
             raise ValueError("min_slice must be >= 0 and below starvation_window")
+        if not (self.corun_slowdown >= 1 and 0 <= self.corun_long_rate <= 1):
+            raise ValueError("corun_slowdown must be >= 1 and corun_long_rate in [0, 1]")
+        if self.pause_cost_s < 0:
+            raise ValueError("pause_cost_s must be >= 0")
 
     @property
     def interactive(self) -> bool:
@@ -105,6 +124,28 @@ def level_ceiling(service: float, weight: float, cfg: OrderingConfig) -> float:
     return weight * cfg.first_level * cfg.level_ratio ** level(service, weight, cfg)
 
 
+def pause_pays(cfg: OrderingConfig, short_left: float) -> bool:
+    """Whether pausing a longer cell for a short one expected to run ``short_left`` more seconds
+    costs less than running them side by side, in seconds lost by both.
+
+    A pause costs the longer cell the short one's time plus ``pause_cost_s``; co-running costs
+    the short cell ``(corun_slowdown - 1) * short_left`` and the longer one the speed it loses
+    over the co-run, ``(1 - corun_long_rate) * corun_slowdown * short_left``. Under time-slicing
+    (2, half) a pause pays for any cell longer than its own cost; where the GPU's measured
+    contention is lighter (a short cell that leaves the GPU mostly free), co-running does.
+    """
+    lost = cfg.corun_slowdown - 1 + (1 - cfg.corun_long_rate) * cfg.corun_slowdown
+    # the slack: at the break-even's deadline (Ordering.deadlines) co-running pays, whatever the
+    # rounding of the service accounted up to it
+    return lost * short_left > (short_left + cfg.pause_cost_s) * (1 + 1e-6)
+
+
+def break_even(cfg: OrderingConfig) -> float:
+    """The short cell's time left below which co-running pays (:func:`pause_pays`); 0: never."""
+    lost = cfg.corun_slowdown - 1 + (1 - cfg.corun_long_rate) * cfg.corun_slowdown
+    return cfg.pause_cost_s / (lost - 1) if lost > 1 else math.inf
+
+
 def boost_slice(weight: float, busy_weight: float, cfg: OrderingConfig) -> float:
     """How long a kernel let through by the starvation bound holds the gate before a pause."""
     share = weight / busy_weight if busy_weight > 0 else 1.0
@@ -131,6 +172,9 @@ class Ordering:
 
     def __init__(self, cfg: OrderingConfig) -> None:
         self.cfg = cfg
+        #: The starvation window in force: the configuration's, or a longer one the policy sets
+        #: for a device under overload (.overload) before it asks about that device.
+        self.window = cfg.starvation_window
 
     def level(self, k: Kernel) -> int:
         return level(k.cell.service, k.weight, self.cfg)
@@ -138,9 +182,7 @@ class Ordering:
     def starved(self, k: Kernel, now: float) -> bool:
         """A waiter paused for a whole starvation window: let through whatever its level."""
         since = k.waiting_since
-        return (
-            self.cfg.interactive and since is not None and now >= since + self.cfg.starvation_window
-        )
+        return self.cfg.interactive and since is not None and now >= since + self.window
 
     def rank(self, k: Kernel, now: float) -> int:
         """A waiter's place before fair share: starved first, then by level ("fair": all 0)."""
@@ -149,8 +191,24 @@ class Ordering:
         return 0 if self.starved(k, now) else 1 + self.level(k)
 
     def gate(self, busy: Sequence[Kernel]) -> int:
-        """The lowest level among the busy holders with cells: waiters above it stay paused."""
-        return min((self.level(k) for k in busy if k.cell.tracked), default=NO_LEVEL)
+        """The lowest level among the busy holders with cells: waiters above it stay paused;
+        none (every waiter passes) where co-running with those cells costs less (pause_pays)."""
+        low = min((self.level(k) for k in busy if k.cell.tracked), default=NO_LEVEL)
+        if low != NO_LEVEL and not self._pause_pays(busy, low):
+            return NO_LEVEL
+        return low
+
+    def short_left(self, k: Kernel) -> float:
+        """Seconds the cell of ``k`` is expected to run on: its typical cell (``turn_s``, where
+        the policy keeps one) less its service, else what it may still run on its level."""
+        typical = float(getattr(k, "turn_s", 0.0) or 0.0)
+        if typical > k.cell.service:
+            return typical - k.cell.service
+        return max(0.0, level_ceiling(k.cell.service, k.weight, self.cfg) - k.cell.service)
+
+    def _pause_pays(self, busy: Sequence[Kernel], low: int) -> bool:
+        shorts = [k for k in busy if k.cell.tracked and self.level(k) == low]
+        return pause_pays(self.cfg, max((self.short_left(k) for k in shorts), default=0.0))
 
     def passes(self, w: Kernel, gate: int, now: float) -> bool:
         if not self.cfg.interactive or not w.cell.tracked:
@@ -159,7 +217,12 @@ class Ordering:
 
     def protect(self, w: Kernel, busy_weight: float, now: float) -> None:
         """``w`` is let through by the starvation bound: no pause during its weighted slice."""
-        w.cell.protect_until = now + boost_slice(w.weight, busy_weight, self.cfg)
+        cfg = (
+            self.cfg
+            if self.window == self.cfg.starvation_window
+            else replace(self.cfg, starvation_window=self.window)
+        )
+        w.cell.protect_until = now + boost_slice(w.weight, busy_weight, cfg)
 
     def to_pause(self, busy: Sequence[K], now: float) -> list[K]:
         """Busy holders above the lowest level among them, past their minimum slice and any
@@ -167,7 +230,9 @@ class Ordering:
         tracked = [k for k in busy if k.cell.tracked]
         if not self.cfg.interactive or len(tracked) < 2:
             return []
-        gate = self.gate(tracked)
+        gate = min(self.level(k) for k in tracked)
+        if not self._pause_pays(tracked, gate):
+            return []  # co-running the cells costs less than a pause (pause_pays)
         return [
             k
             for k in tracked
@@ -187,13 +252,17 @@ class Ordering:
         tracked = [k for k in busy if k.cell.tracked]
         waiters = [w for w in waiters if w.cell.tracked]
         if tracked and (waiters or len(tracked) > 1):
+            even = break_even(self.cfg)
             for k in tracked:
                 left = level_ceiling(k.cell.service, k.weight, self.cfg) - k.cell.service
                 yield now + left * len(busy)  # co-running kernels share the GPU
+                short = self.short_left(k)
+                if pause_pays(self.cfg, short):  # from then on co-running with it pays
+                    yield now + (short - even) * len(busy)
         if len(tracked) > 1:
             for k in tracked:
                 yield k.run_start + self.cfg.min_slice
                 yield k.cell.protect_until
         for w in waiters:
             if w.waiting_since is not None:
-                yield w.waiting_since + self.cfg.starvation_window
+                yield w.waiting_since + self.window

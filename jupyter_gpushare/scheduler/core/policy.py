@@ -41,7 +41,9 @@ Residency follows the policy's decisions and their answers (Grant: resident; Rel
 Evicted: restore at the next grant), not the displayed ``evicted`` counters. A footprint is
 ``used`` while resident, else ``pinned``; a client that never held the device is not resident.
 ``policy="fixed-quantum"``: a baseline lock replaces rules 2-5 (:mod:`.policy_fixed`).
-``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`).
+``restore_ahead``: evicted memory goes back before a turn, into room nobody is owed (:mod:`.ahead`);
+``cell_hints``: a kernel the notebook says has a cell coming gets it back, idle pre-copied memory
+unmapped for its room (:mod:`.hints`; room, pre-copies, restore ahead and hints: .policy_ahead).
 ``host_budget``: no move passes the node's host budget; staging idle first (:mod:`.host_budget`).
 ``room_updates``: holders hear their grant's room change (:class:`~.events.Room`); memory past it
 waits unbacked, off the GPU's count (``ClientState.deferred``), while its shim asks again.
@@ -52,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .ahead import ahead_choices, on_ahead_restored, start_ahead
+from .ahead import on_ahead_restored
 from .events import (
     AdminRelease,
     Busy,
@@ -68,10 +70,8 @@ from .events import (
     Leave,
     Memory,
     Precopied,
-    Precopy,
     Released,
     Request,
-    RestoreAhead,
     Restored,
     Revoke,
     Room,
@@ -79,8 +79,11 @@ from .events import (
     SetWeight,
     Tick,
 )
+from .hints import HintLimiter
 from .idle_timer import next_idle_check
 from .ordering import Ordering
+from .overload import capped_swap, overload_window, swap_deadlines
+from .policy_ahead import MovesAhead
 from .policy_config import POLICIES, PolicyConfig
 from .policy_fixed import REASON_IDLE, REASON_QUANTUM, FixedQuantumLock
 from .policy_host import HostBudgetRules
@@ -98,7 +101,7 @@ from .policy_resume import Resume
 from .policy_short import preempts, queue_key
 from .policy_state import ClientState, DeviceState, Usage
 from .policy_status import DeviceFacts, device_status
-from .room import REASON_ROOM, precopy_candidates, room_deadline, room_evictions
+from .room import precopy_candidates, room_deadline
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "precopy_candidates"]
 
@@ -108,7 +111,7 @@ REASON_ADMIN = "released by request"
 REASON_ORDER = "paused: shorter cells first"
 
 
-class Policy(FixedQuantumLock, HostBudgetRules, Resume):
+class Policy(FixedQuantumLock, HostBudgetRules, Resume, MovesAhead):
     """Decides who uses each GPU; see the module docstring for the rules."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -119,6 +122,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         self._now: float | None = None
         self._seq = 0
         self._recover_until: float | None = None  # see recover_until()
+        self._hint_limiter = HintLimiter(self.config.cell_hints)  # per user (.hints)
 
     # ----------------------------------------------------------------------------------------
     # Public API
@@ -196,13 +200,13 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
             if not client.idle:
                 client.idle_since = self._clock
                 note_cell_end(client, self._clock)
-            client.idle, client.coming = True, False
+            client.idle, client.coming, client.hinted = True, False, False
             if event.from_jupyter:  # a notebook's kernel, even if its first busy was missed
                 client.cell.tracked = True
-        elif isinstance(event, Busy | Coming):
+        elif isinstance(event, Coming):  # a cell comes: its memory may come ahead (.hints)
+            return self._on_coming(dev, client)
+        elif isinstance(event, Busy):
             client.coming = client.holding is None  # a cell comes: its memory may come ahead
-            if isinstance(event, Coming):
-                return self._restore_ahead(dev, [])
             client.idle = False
             client.precopied = 0  # it runs again: the host copy is about to go stale
             client.precopy_asked = False
@@ -224,45 +228,6 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         if self.config.precopy_idle and self.config.policy == "gpushare":
             decisions += self._precopy(dev, decisions)
         return decisions + self._restore_ahead(dev, decisions)
-
-    def _restore_ahead(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        """Evicted memory back before its owner's turn where the pool has room to spare (.ahead)."""
-        cfg, now = self.config, self._clock
-        if not cfg.restore_ahead or cfg.policy != "gpushare" or self.recovering(now):
-            return []
-        choices = ahead_choices(dev, self._queue(dev, now), self._room_target(dev), now, decided)
-        for c, _need in choices:
-            start_ahead(c)
-        return [RestoreAhead(c.id, need) for c, need in choices]
-
-    def _room_target(self, dev: DeviceState) -> int:
-        """Bytes to keep free on ``dev`` now (0: none), see .room."""
-        keep = self.config.keep_free
-        if not keep.on or self.config.policy != "gpushare" or self.recovering(self._clock):
-            return 0
-        return keep.target(dev.pool_bytes, dev.arrivals, dev.unmap_s_per_byte)
-
-    def _keep_room(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        """Evict idle, pre-copied clients until the room for the next arrival is free (.room)."""
-        target = self._room_target(dev)
-        if target <= 0:
-            return []
-        out: list[Decision] = []
-        for c in self._host_fit(room_evictions(dev, target, self._clock, decided)):
-            c.room_tried = True
-            c.room_evicted = True
-            # An idle holder keeps its grant while nobody wants the device: revoke it, evicting.
-            held = c.holding is not None
-            out.append(self._revoke(c, True, REASON_ROOM) if held else self._evict(c, REASON_ROOM))
-        return out
-
-    def _precopy(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]:
-        out: list[Decision] = []
-        clients = [c for c in self._clients.values() if c.device == dev.uuid]
-        for cid in precopy_candidates(clients, decided):
-            self._clients[cid].precopy_asked = True
-            out.append(Precopy(cid))
-        return out
 
     def recover_until(self, until: float) -> None:
         """Hold back every grant and eviction until ``until`` (the scheduler restarted).
@@ -319,7 +284,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
             recovering=self.recovering(now),
             resident_bytes=dev.resident_bytes,
             base_quantum=self.config.base_quantum,
-            starvation_window=self.config.ordering.starvation_window,
+            starvation_window=overload_window(self.config, dev),
             host_full=self._host_full(dev),
         )
 
@@ -478,7 +443,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         restore = (
             c.restore or c.ahead_pending
         )  # a restore ahead in flight ends before the gate opens
-        c.restore = c.coming = c.ahead_short = c.ahead_pending = False
+        c.restore = c.coming = c.hinted = c.ahead_short = c.ahead_pending = False
         c.holding = "running"
         c.run_start = self._clock
         c.waiting_since = None
@@ -606,6 +571,10 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
         return self._host_fit(c for c in cands if not c.moving and c.evictable > 0)
 
     def _deadlines(self, dev: DeviceState) -> Iterable[float]:
+        self._order.window = overload_window(self.config, dev)  # .overload
+        yield from swap_deadlines(
+            self._order, dev, self.config.overload_long_cap, self._order.window
+        )
         if self.config.policy == "gpushare":
             waiters = [c for c in dev.clients.values() if c.waiting_since is not None]
             yield from self._order.deadlines(self._busy_holders(dev), waiters, self._clock)
@@ -631,6 +600,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
     # The scheduling pass
 
     def _schedule(self, dev: DeviceState) -> list[Decision]:
+        self._order.window = overload_window(self.config, dev)  # .overload
         if self.recovering(self._clock):
             return []  # recover_until(): wait until every survivor had time to come back
         if self.config.policy == "fixed-quantum":
@@ -680,6 +650,16 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume):
                 continue  # its own eviction is in flight: grant it (with restore) after Evicted
             if not self._order.passes(w, gate, now):
                 continue  # a longer cell, paused while shorter ones run (interactive ordering)
+            # -- No thrashing (.overload): a capped long waiter only takes a long holder's place.
+            cfg = self.config
+            held, swap = capped_swap(
+                self._order, dev, w, cfg.overload_long_cap, cfg.overload_window, now
+            )
+            if held:
+                if swap is not None:
+                    out.append(self._revoke(swap, True, REASON_QUANTUM, w.used - w.on_gpu))
+                continue
+            # -- end of no thrashing
             need = w.used - w.on_gpu
             if need <= free and w.short <= 0:
                 if w.short_waits and incoming > 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .hints import CellHints
 from .ordering import OrderingConfig
 from .room import KeepFree
 
@@ -63,6 +64,14 @@ class PolicyConfig:
     # client together stay within it; no move past it is decided. 0: host memory is not
     # accounted (the bare core); the scheduler sets it from c.GPUShareScheduler.host_budget.
     host_budget: int = 0
+    # Cell hints (.hints): a Coming (a notebook about to run a cell) restores that kernel ahead,
+    # unmapping idle pre-copied kernels for its room; per user, rate-limited. Off in the bare
+    # core; the scheduler sets it from c.GPUShareScheduler.cell_hints.
+    cell_hints: CellHints = field(default_factory=CellHints)
+    # No thrashing (.overload): under overload at most this many long cells hold memory (0: no
+    # cap); a capped long waiter takes the place of a long holder that has held overload_window.
+    overload_long_cap: int = 0
+    overload_window: float = 120.0
     # Among busy kernels that fit: who goes through the gate first (see .ordering).
     ordering: OrderingConfig = field(default_factory=OrderingConfig)
 

@@ -65,6 +65,7 @@ class ClientState:
     precopy_asked: bool = False  # a Precopy was sent in this idle period
     precopied: int = 0  # resident bytes with a current host copy, as last reported
     coming: bool = False  # Jupyter said a cell is coming (Coming, Busy) and it holds nothing
+    hinted: bool = False  # a cell hint (Coming, .hints) asks its memory back: until its grant
     ahead_pending: bool = False  # a RestoreAhead was sent, the Restored answer has not come
     ahead_short: bool = False  # one came back short (no room on the device): not again until run
     room_tried: bool = False  # evicted for room (.room) in this idle period, refused or not

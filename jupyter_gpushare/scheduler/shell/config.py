@@ -16,6 +16,7 @@ from traitlets.config import LoggingConfigurable
 
 from ...paths import ENV_SERVICE_USER, default_socket_path, service_uid
 from ...units import format_size, parse_memory_size, parse_size
+from ..core.hints import CellHints
 from ..core.ordering import ORDERINGS, OrderingConfig
 from ..core.policy_config import POLICIES, PolicyConfig
 from ..core.room import KEEP_FREE_WAIT, KeepFree
@@ -198,6 +199,31 @@ class SchedulerConfig(LoggingConfigurable):
         memory comes back with a current host copy, so taking it back is an unmap
         (docs/architecture.md, "Restore ahead"). Off by default: the simulator found no room to
         use on the notebook-shaped trace (docs/performance.md, section 8).""",
+    ).tag(config=True)
+    overload_long_cap = Int(
+        0,
+        help="""Under overload (the working sets of the kernels that want a GPU exceed its pool), at
+        most this many long cells (past the ordering's first level) hold memory at once; another
+        long cell takes the place of one that has held overload_window seconds, and nothing else
+        is evicted for it. Short cells are not capped. 0 (the default): no cap. Off by default:
+        a capped long cell waits up to overload_window for its turn, which a short run (the
+        stand-in replay) does not outlast; the simulator's rows have it on (docs/architecture.md,
+        "No thrashing").""",
+    ).tag(config=True)
+    overload_window = Float(
+        120.0,
+        help="""Seconds a capped long cell holds memory before another long cell may take its place,
+        and the starvation window while the GPU is overloaded (see overload_long_cap).""",
+    ).tag(config=True)
+    cell_hints = Bool(
+        True,
+        help="""Act on a notebook's hint that a cell is coming (kernel_state coming: a cell queued
+        behind another, an execute request while the kernel is paused, a code cell of a kernel
+        whose memory is away focused or edited in JupyterLab): restore that kernel's evicted
+        memory ahead of its cell, unmapping idle kernels whose memory has a complete host copy
+        for its room (never busy ones, never while anyone waits). Per user, at most 3 hints at
+        once and one more every 10 s; a wrong hint costs the bytes it moved
+        (docs/architecture.md, "Cell hints"). Off: a hint acts only as restore_ahead allows.""",
     ).tag(config=True)
     keep_free_wait = Float(
         KEEP_FREE_WAIT,
@@ -585,6 +611,9 @@ class SchedulerConfig(LoggingConfigurable):
             keep_free=self.keep_free_config(),
             short_first=self.short_first,
             restore_ahead=self.restore_ahead,
+            cell_hints=CellHints(on=self.cell_hints),
+            overload_long_cap=max(0, self.overload_long_cap),
+            overload_window=max(0.0, self.overload_window),
             room_updates=self.room_updates,
             host_budget=self._host_budget().budget,
             ordering=OrderingConfig(
