@@ -91,8 +91,10 @@ from .policy_moves import (
     ask,
     count_evicted,
     freed_by,
+    growth_room,
     new_rooms,
     note_cell_end,
+    note_growth,
     order_candidates,
     room_for,
     worth_evicting,
@@ -390,6 +392,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume, MovesAhead):
         if (deferred := c.deferred) and not evt.evicted:  # past its room: never on the GPU
             c.away = max(c.away, deferred)
             c.evicted, c.restore = c.away, True
+            note_growth(c, self._clock)
         if evt.evicted:
             c.measure(dev, "evict", evt.bytes_moved, evt.micros)
             dev.measure_unmap(evt.bytes_moved, evt.micros, part or c.evictable)
@@ -674,6 +677,7 @@ class Policy(FixedQuantumLock, HostBudgetRules, Resume, MovesAhead):
             # What the driver refused beyond the accounting's free room (Request.short) is room
             # to make all the same: the card is fuller than the pool says.
             short = max(need - free, w.short)
+            short = max(short, growth_room(w, need, cands))  # a kernel growing in steps
             if short <= incoming + sum(c.evictable for c in cands):
                 # Fits once idle memory leaves: claim in-flight room first, then evict LRU.
                 use = min(short, incoming)

@@ -81,6 +81,9 @@ class ClientState:
     # Bytes its last Request said the driver refused beyond the pool's free room (Request.short):
     # its admission makes at least that much room, whatever the accounting says is free.
     short: int = 0
+    # Growth in steps (.policy_moves.growth_room): how many times in a row it came back past its
+    # room soon after a grant, and its last grant's time then.
+    grow_streak: int = 0
     short_waits: bool = False  # ... and it waits for the room asked for it to arrive, once made
     cell_start: float | None = None  # when its current cell began (Busy, or a Request after idle)
     turn_s: float = 0.0  # EWMA of its cells' lengths (expected wait, .policy_moves)
