@@ -183,6 +183,9 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.runtime, ignore_errors=True)
+        # the server's own words (its kernels' stderr among them): why a kernel died, say
+        lines = self.log.read_text(errors="replace").splitlines()
+        print("---- server log (last 120 lines) ----", *lines[-120:], sep="\n")
 
 
 def scheduler_events(log: str) -> list[tuple[float, str]]:
