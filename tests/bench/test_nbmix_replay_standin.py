@@ -144,5 +144,6 @@ def test_the_report_shows_the_replay_and_its_summary_row(played, tmp_path):
     assert "Warm pool at the start" in section and "Stand-in driver" in section
     assert "| nbmix, 8 users, real-time GPU replay | within 15% of the simulator" in text
     empty = tmp_path / "empty.md"
+    (tmp_path / "none").mkdir()  # a results directory with no results (a missing one is refused)
     report.main([str(tmp_path / "none"), "--doc", str(empty), "--images", str(tmp_path / "i")])
     assert "### 8a." in empty.read_text() and "*Not measured yet.*" in empty.read_text()
