@@ -171,24 +171,3 @@ def test_growth_room_takes_only_idle_memory():
     assert growth_room(w, GB, [b]) == b.evictable  # never more than idle kernels hold
     busy = p._clients["busy"]
     assert growth_room(w, GB, [busy]) == 0  # a busy kernel's memory is not taken for it
-
-
-def test_a_precopy_short_of_staging_is_asked_again_when_staging_grows():
-    """A pre-copy copies only blocks that have host staging. One asked before the kernel's
-    staging allowance was all made copied part of it and was not asked again in that idle
-    period: the stand-in replay's warm start never settled (idle kernels left partly uncopied,
-    their evictions copies instead of unmaps). When the shim's staging grows, it is asked again."""
-    from jupyter_gpushare.scheduler.core.events import HostMemory, Precopy
-
-    p = make_policy(pool=CARD, precopy_idle=True)
-    join(p, "a")
-    request(p, "a", 10)
-    decisions = p.handle(Idle(1, "a"))
-    assert Precopy("a") in decisions
-    p.handle(HostMemory(1.05, "a", host=2 * GB, staging=2 * GB))
-    p.handle(Precopied(1.1, "a", precopied=2 * GB))  # the blocks with staging then
-    assert p.handle(HostMemory(1.2, "a", host=2 * GB, staging=2 * GB)) == []  # no more staging
-    assert Precopy("a") in p.handle(HostMemory(2.0, "a", host=9 * GB, staging=9 * GB))
-    # copied in full: no more asks, whatever the staging does
-    p.handle(Precopied(2.5, "a", precopied=int(9.5 * GB)))
-    assert p.handle(HostMemory(3.0, "a", host=10 * GB, staging=10 * GB)) == []

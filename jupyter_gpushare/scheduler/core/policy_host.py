@@ -31,7 +31,6 @@ class _PolicyParts(Protocol):
 
     def _schedule(self, dev: DeviceState) -> list[Decision]: ...
     def _host_full(self, dev: DeviceState) -> str | None: ...
-    def _precopy(self, dev: DeviceState, decided: list[Decision]) -> list[Decision]: ...
 
 
 def _on(p: _PolicyParts) -> bool:
@@ -52,21 +51,13 @@ class HostBudgetRules:
         """A shim said what its engine holds on the host. When that fell (staging given back,
         a client's evicted memory restored and released), a waiter that waited for host room
         may fit now: every device is scheduled again."""
-        before, staged = c.host, c.staging
+        before = c.host
         c.host = max(0, evt.host)
         c.staging = min(max(0, evt.staging), c.host)
         c.host_said = True
-        out: list[Decision] = []
-        if c.staging > staged and c.precopy_asked and c.idle and c.precopied < c.evictable:
-            # A pre-copy copies only blocks that have staging: asked before its allowance was
-            # all made, it left the rest uncopied, and it was not asked again in that idle
-            # period (the stand-in replay's warm start never settled). More staging: ask again.
-            c.precopy_asked = False
-            if self.config.precopy_idle:
-                out += self._precopy(self._devices[c.device], [])
         if not _on(self) or c.host >= before:
-            return out
-        return out + [d for dev in self._devices.values() for d in self._schedule(dev)]
+            return []
+        return [d for dev in self._devices.values() for d in self._schedule(dev)]
 
     def _host_fit(self: _PolicyParts, cands: Iterable[ClientState]) -> list[ClientState]:
         """The eviction candidates whose eviction fits the host budget (all when it is off)."""
