@@ -563,14 +563,7 @@ class SchedulerConfig(LoggingConfigurable):
 
     @validate("host_budget", "host_reserve")
     def _validate_host_size(self, proposal: Any) -> Any:
-        value = proposal["value"]
-        if value == "auto":
-            return value
-        try:
-            parse_size(value)
-        except ValueError as exc:
-            raise ValueError(f"{proposal['trait'].name}: {exc} (or 'auto')") from None
-        return value
+        return _size_or_auto(proposal["value"], proposal["trait"].name, "(or 'auto')")
 
     def _host_budget(self) -> HostBudget:
         """The host budget as the traits and the node say at the start (reads /proc and the
@@ -581,14 +574,7 @@ class SchedulerConfig(LoggingConfigurable):
 
     @validate("keep_free")
     def _validate_keep_free(self, proposal: Any) -> Any:
-        value = proposal["value"]
-        if value == "auto":
-            return value
-        try:
-            parse_size(value)
-        except ValueError as exc:
-            raise ValueError(f"keep_free: {exc} (or 'auto', or 0: off)") from None
-        return value
+        return _size_or_auto(proposal["value"], "keep_free", "(or 'auto', or 0: off)")
 
     def keep_free_config(self) -> KeepFree:
         if self.keep_free == "auto":
@@ -640,3 +626,14 @@ class SchedulerConfig(LoggingConfigurable):
             return size
         reserve = parse_size(self.pool_reserve) if self.pool_reserve != "" else 0
         return max(total_bytes - reserve, 0)
+
+
+def _size_or_auto(value: Any, name: str, choices: str) -> Any:
+    """A trait that takes a size or "auto": ``value`` as it is, or a ValueError naming it."""
+    if value == "auto":
+        return value
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc} {choices}") from None
+    return value

@@ -252,29 +252,13 @@ def shim_event(
     micros = int(msg.get("micros") or 0)
     # What is on the host now, as the shim says (a partial eviction: the part that left).
     total = int(msg.get("evicted_bytes") or 0) if "evicted_bytes" in msg else -1
-    if mtype == MsgType.REQUEST:
+    if mtype in (MsgType.REQUEST, MsgType.MEMORY):
         mem = memory_after(memory, msg, cap)
+        said = (now, client_id, mem["used"], mem["managed"], mem["pinned"], mem["evicted"])
+        if mtype == MsgType.MEMORY:
+            return ev.Memory(*said, precopied(msg, mem))
         short = int(msg.get("short_bytes") or 0)
-        return ev.Request(
-            now,
-            client_id,
-            mem["used"],
-            mem["managed"],
-            mem["pinned"],
-            mem["evicted"],
-            min(short, cap) if cap > 0 else short,
-        )
-    if mtype == MsgType.MEMORY:
-        mem = memory_after(memory, msg, cap)
-        return ev.Memory(
-            now,
-            client_id,
-            mem["used"],
-            mem["managed"],
-            mem["pinned"],
-            mem["evicted"],
-            precopied(msg, mem),
-        )
+        return ev.Request(*said, min(short, cap) if cap > 0 else short)
     if mtype == MsgType.RELEASED:
         return ev.Released(now, client_id, bool(msg.get("flag", 0)), moved, micros, total)
     if mtype == MsgType.IDLE:
