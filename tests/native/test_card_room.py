@@ -90,7 +90,9 @@ def test_a_driver_refusal_under_a_room_waits_and_says_how_short_the_device_was(h
     # Each grant was handed back unused (RELEASED, nothing evicted) and asked for again, every
     # REQUEST naming the shortfall: what BIG needs beyond the card's free memory.
     assert len(grants) == RETRIES, (len(grants), run.stderr)
-    assert len(releases) == RETRIES + 1  # the last one gives the device up without asking
+    # The grant that finds it has tried enough is given back without asking, unless the program's
+    # failing call ends the program first.
+    assert len(releases) in (RETRIES, RETRIES + 1), len(releases)
     assert all(field_u64(f, tags["FLAG"]) == 0 for f in releases)
     free = CARD - OTHERS - allocated["device_bytes"]
     shorts = [

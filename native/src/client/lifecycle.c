@@ -85,8 +85,9 @@ void gs_life_release(struct gs_session *s, int evict, const char *reason, int so
         gs_mem_defer_backing(dev); /* a waiter's new memory is never made resident, never evicted */
         s->requested = 0;
         /* Threads that blocked meanwhile still want the device (those that wait for another
-         * device wait on its link). */
-        if (s->waiters > gs_session_link_waiters_locked(s)) {
+         * device wait on its link), unless its memory gave up waiting for room (memory/defer.c):
+         * the waiting call then fails, and a grant now would go unused. */
+        if (s->waiters > gs_session_link_waiters_locked(s) && !gs_mem_hopeless(dev)) {
             s->requested = 1;
             again = 1;
         }
@@ -191,10 +192,10 @@ void gs_life_wait_for_room(struct gs_session *s)
     /* Unsolicited, without eviction: what is backed stays on the device (the scheduler counts it
      * there), what waits unbacked is on the host in every report; the REQUEST says how much. */
     gs_life_release(s, 0, "memory past the grant's room: waiting for room", 0);
-    pthread_mutex_lock(&s->mu);
     /* Given up for now (memory/defer.c): the program's next call asks again. */
-    int ask = s->conn.connected && s->state == GPUSHARE_STATE_IDLE && !s->requested &&
-              !gs_mem_hopeless(s->devs.dev);
+    int gave_up = gs_mem_take_given_up(s->devs.dev);
+    pthread_mutex_lock(&s->mu);
+    int ask = s->conn.connected && s->state == GPUSHARE_STATE_IDLE && !s->requested && !gave_up;
     if (ask)
         s->requested = 1;
     pthread_mutex_unlock(&s->mu);

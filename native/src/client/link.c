@@ -258,7 +258,8 @@ static void release(struct gs_session *s, CUdevice dev, int evict, const char *r
     if ((l = gs_session_link_locked(s, dev)) && l->state == GS_LINK_RELEASING) {
         gs_mem_defer_backing(dev); /* a waiter's new memory is never made resident, never evicted */
         l->state = GS_LINK_IDLE;
-        l->requested = again = l->waiters > 0; /* calls that blocked meanwhile still want it */
+        /* Calls that blocked meanwhile still want it, unless they are to fail (lifecycle.c). */
+        l->requested = again = l->waiters > 0 && !gs_mem_hopeless(dev);
         gs_session_regate_locked(s);
     }
     pthread_mutex_unlock(&s->mu);
@@ -280,10 +281,11 @@ void gs_link_wait_for_room(struct gs_session *s)
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < n; i++) {
         release(s, todo[i], 0, "memory past the grant's room: waiting for room");
+        /* Given up for now (memory/defer.c): the program's next call there asks again. */
+        int gave_up = gs_mem_take_given_up(todo[i]);
         pthread_mutex_lock(&s->mu);
         struct gs_link *l = gs_session_link_locked(s, todo[i]);
-        /* Given up for now (memory/defer.c): the program's next call there asks again. */
-        int ask = l && l->state == GS_LINK_IDLE && !l->requested && !gs_mem_hopeless(todo[i]);
+        int ask = l && l->state == GS_LINK_IDLE && !l->requested && !gave_up;
         if (ask)
             l->requested = 1;
         pthread_mutex_unlock(&s->mu);

@@ -75,6 +75,8 @@ void gs_mem_back_granted(CUdevice dev);
  * call): the gated call that asks fails with out of memory, the next one tries again. */
 int gs_mem_take_hopeless(CUdevice dev);
 int gs_mem_hopeless(CUdevice dev); /* the same, without clearing it */
+/* The same news for the shim's thread (its own copy, cleared by it): it must not ask again. */
+int gs_mem_take_given_up(CUdevice dev);
 /* Room (issue 21, "memory that would only be evicted is never backed"): the GRANT's room_bytes
  * for device `dev` (0: no limit). While the process holds `dev` with a room, a new block that
  * would take its backed memory there past the room gets no physical memory: the engine defers

@@ -35,9 +35,15 @@ static CUresult back_in_its_context(struct block *b)
  * up (see hold_what_is_off): each is a round trip through the scheduler, which evicts more. */
 #define ROOM_TRIES 3
 
-static atomic_uint hopeless; /* slots whose last ROOM_TRIES grants could not bring memory back */
+/* Slots whose last ROOM_TRIES grants could not bring memory back, twice over: one set for the
+ * program's next gated call (it fails), one for the shim's thread (it does not ask again). Each
+ * reader clears its own: with one set the program's call, woken by the same grant, could clear
+ * it before the thread looked, and the thread asked for a fifth grant nobody would use. */
+static atomic_uint hopeless, given_up;
 
 unsigned gs_vmm_take_hopeless(unsigned bits) { return atomic_fetch_and(&hopeless, ~bits) & bits; }
+
+unsigned gs_vmm_take_given_up(unsigned bits) { return atomic_fetch_and(&given_up, ~bits) & bits; }
 
 unsigned gs_vmm_hopeless_bits(void) { return atomic_load(&hopeless); }
 
@@ -86,6 +92,7 @@ static unsigned hold_what_is_off(CUdevice dev)
     if (!off) {
         last_off[slot] = 0;
         tries[slot] = 0;
+        atomic_fetch_and(&given_up, ~(1u << slot)); /* a stale one must not stop a later ask */
         return 0;
     }
     tries[slot] = last_off[slot] && off >= last_off[slot] ? tries[slot] + 1 : 1;
@@ -98,6 +105,7 @@ static unsigned hold_what_is_off(CUdevice dev)
     if (tries[slot] > ROOM_TRIES) {
         tries[slot] = 0;
         last_off[slot] = 0;
+        atomic_fetch_or(&given_up, bit);
         atomic_fetch_or(&hopeless, bit);
         gs_log(GS_LOG_QUIET,
                "%s of this process's GPU memory cannot come back to device %d (%s free there) "
@@ -105,6 +113,7 @@ static unsigned hold_what_is_off(CUdevice dev)
                "memory; free memory or wait for other kernels to end, then run it again",
                a, (int)dev, f);
     } else {
+        atomic_fetch_and(&given_up, ~bit);
         gs_mem_note_short(dev, off, free_now);
         GS_INFO("%s could not come back to device %d (%s free there): waiting for room", a,
                 (int)dev, f);

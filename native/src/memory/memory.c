@@ -450,6 +450,8 @@ int gs_mem_take_hopeless(CUdevice dev) { return gs_vmm_take_hopeless(1u << gs_me
 
 int gs_mem_hopeless(CUdevice dev) { return (gs_vmm_hopeless_bits() >> gs_mem_slot(dev)) & 1u; }
 
+int gs_mem_take_given_up(CUdevice dev) { return gs_vmm_take_given_up(1u << gs_mem_slot(dev)) != 0; }
+
 unsigned gs_mem_past_room(void) { return gs_vmm_past_room_bits(); }
 
 /* At idle, with the application's context current: also what the pools and graphs hold now. */

@@ -239,8 +239,10 @@ int gs_vmm_totals_try(CUdevice dev, struct gs_vmm_totals *out);
  * backs them (and stops deferring there) before the gate opens. */
 void gs_vmm_defer_backing(CUdevice dev);
 void gs_vmm_back_deferred(CUdevice dev, int granted);
-/* Clear and return which of `bits` (device slots) gave up waiting for room (memory/defer.c). */
+/* Clear and return which of `bits` (device slots) gave up waiting for room (memory/defer.c):
+ * the program's call's copy and the shim thread's copy. */
 unsigned gs_vmm_take_hopeless(unsigned bits);
+unsigned gs_vmm_take_given_up(unsigned bits);
 unsigned gs_vmm_hopeless_bits(void);
 /* The slots whose memory went past the grant's room (memory/api.h, gs_mem_past_room). */
 unsigned gs_vmm_past_room_bits(void);
