@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from jupyter_gpushare import cli as cli_module
+from jupyter_gpushare import status_text
 
 MiB = 1 << 20
 CONTEXT = 64 * MiB
@@ -69,13 +69,13 @@ def test_waiters_are_told_about_a_holder_past_its_quantum(harness):
     text = cli("status", "--socket", sock, "--json")
     assert text.returncode == 0, text
     shown = {c["id"]: c for d in json.loads(text.stdout)["devices"] for c in d["clients"]}
-    lines = cli_module._explanations(list(shown.values()))
+    lines = status_text.explanations(list(shown.values()))
     if (shown.get("B") or {}).get("wait"):
         assert any(line.startswith("  B: waiting for") for line in lines), lines
     if (shown.get("A") or {}).get("revoking_seconds", 0) >= 1.0:
         assert any(line.startswith("  A: asked to release") for line in lines), lines
     # And the holder's line on its own, from the status the loop above read.
-    (held,) = [ln for ln in cli_module._explanations([clients["A"]]) if "asked to release" in ln]
+    (held,) = [ln for ln in status_text.explanations([clients["A"]]) if "asked to release" in ln]
     assert held.startswith(f"  A: asked to release {clients['A']['revoking_seconds']:.0f}s ago")
 
     # The holder answers at its kernel boundary; the waiter runs.
