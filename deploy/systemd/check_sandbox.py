@@ -660,7 +660,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--other-uid", type=int, default=65533, help="--bisect's other user")
     parser.add_argument("--jobs", type=int, default=8, help="--bisect's probes run at once")
-    parser.add_argument("--budget", type=float, default=40.0, help="--bisect's seconds")
+    parser.add_argument("--budget", type=float, default=38.0, help="--bisect's seconds")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--apply", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)

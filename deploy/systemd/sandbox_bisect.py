@@ -310,11 +310,11 @@ def outcome(report: Mapping[str, object] | None) -> bool | None:
 
 
 def run(
-    ctx: Context, base_argv: list[str], jobs: int = 8, budget: float = 40.0
+    ctx: Context, base_argv: list[str], jobs: int = 8, budget: float = 38.0
 ) -> dict[str, object]:
     """Run the plan's probes (``base_argv`` + ``--probe SPEC``), ``jobs`` at once, round after
-    round, none started after ``budget`` seconds; each gets at most 20 s, and its process
-    group is killed after it (its CUDA program with it)."""
+    round, none started after ``budget`` seconds; each gets at most 20 s and ends at most 3 s
+    past the budget; its process group is killed after it (its CUDA program with it)."""
     import contextlib
     import json
     import os
@@ -335,7 +335,7 @@ def run(
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  start_new_session=True)  # fmt: skip
         try:
-            out, err = child.communicate(timeout=min(20.0, left + 5))
+            out, err = child.communicate(timeout=min(20.0, left + 3))
         except subprocess.TimeoutExpired:
             out, err = "", "timed out"
         finally:
