@@ -756,8 +756,10 @@ def bisect(args: argparse.Namespace) -> int:
         report["ptrace_scope"] = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
     report |= {"unit": str(args.unit), "uid": args.uid, "other_uid": args.other_uid}
     print(json.dumps(report))
-    verdict = report["verdict"]["own_user_checkpoint_under_unit"]  # type: ignore[index]
-    return {True: 0, False: 1}.get(verdict, 2)
+    verdict: dict[str, object] = report["verdict"]  # type: ignore[assignment]
+    for line in [*verdict["findings"], *verdict["unit_lines"]]:  # type: ignore[misc]
+        print(line, file=sys.stderr)
+    return {True: 0, False: 1}.get(verdict["own_user_checkpoint_under_unit"], 2)  # type: ignore
 
 
 def regenerate_syscalls(path: Path = SYSCALLS) -> None:

@@ -320,6 +320,7 @@ def run(
     import os
     import signal
     import subprocess
+    import sys
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -345,6 +346,10 @@ def run(
         lines = [line for line in out.splitlines() if line.startswith("{")]
         rep = json.loads(lines[-1]) if lines else {"ok": None, "error": err.strip()[-500:]}
         rep["seconds"] = round(time.monotonic() - began, 2)
+        if p.name != "unit":
+            rep.pop("sandbox", None)  # what was applied: the name says it
+        word = {True: "pass", False: "FAIL"}.get(outcome(rep), "?")  # type: ignore[arg-type]
+        print(f"{p.name}: {word} {rep.get('error', '')} ({rep['seconds']} s)", file=sys.stderr)
         return rep
 
     passed: dict[str, bool | None] = {}
