@@ -197,3 +197,23 @@ def test_the_bisect_finds_the_one_call_a_stricter_filter_takes_from_the_stand_in
     # The stand-in lets only the same uid (or root) in: another user's program stays refused.
     assert verdict["other_user"]["under_unit"] is False
     assert report["probes"]["unit"]["error"].startswith("cuCheckpointProcessLock returned")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the programs change uid: root")
+def test_the_check_program_is_dumpable_as_a_kernel_is_and_the_one_of_2bfe97e_was_not(
+    native_build: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that changed uid without exec is not dumpable: its /proc/PID/fd belongs to root
+    and only CAP_SYS_PTRACE may inspect it. The check's program must be inspectable by its own
+    user, as a kernel started by exec is; the legacy one (the bisect's probe) must not."""
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(native_build.fake_dir))  # type: ignore[attr-defined]
+    owners = {}
+    for kind in ("own", "legacy"):
+        tgt, pid, said = check.spawn_target(kind, 65534, mib=1)
+        try:
+            assert pid, said
+            owners[kind] = os.stat(f"/proc/{pid}/fd").st_uid
+        finally:
+            tgt.kill()
+            tgt.wait()
+    assert owners == {"own": 65534, "legacy": 0}
