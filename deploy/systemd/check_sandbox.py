@@ -476,7 +476,7 @@ def probe(args: argparse.Namespace) -> int:
     service = unit_service(args.unit)
     numbers = filter_numbers(service, set(spec["allow"])) if spec["seccomp"] else None
     keep = None if spec["keep_caps"] is None else capability_numbers(spec["keep_caps"])
-    target_uid = args.other_uid if spec["target"] == "other" else args.uid
+    target_uid = args.other_uid if spec["target"].startswith("other") else args.uid
     tgt, pid, said = spawn_target(spec["target"], target_uid, mib=64)
     assert tgt.stdin and tgt.stdout
     out: dict[str, object] = {"target_uid": target_uid}
@@ -515,7 +515,7 @@ def spawn_target(kind: str, uid: int, mib: int = 256) -> tuple[subprocess.Popen[
     exec leaves a process not dumpable, which only CAP_SYS_PTRACE may inspect (so the program
     was made up to 2bfe97e). ``detached``: no longer this process's descendant."""
     argv = [sys.executable, "-I", __file__, "--target", f"--mib={mib}", f"--uid={uid}"]
-    argv += {"legacy": ["--legacy"], "detached": ["--detach"]}.get(kind, [])
+    argv += {"legacy": ["--legacy"]}.get(kind, ["--detach"] if kind.endswith("detached") else [])
     tgt = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert tgt.stdout
     said = tgt.stdout.readline().strip()
@@ -757,8 +757,9 @@ def bisect(args: argparse.Namespace) -> int:
     report |= {"unit": str(args.unit), "uid": args.uid, "other_uid": args.other_uid}
     print(json.dumps(report))
     verdict: dict[str, object] = report["verdict"]  # type: ignore[assignment]
-    for line in [*verdict["findings"], *verdict["unit_lines"]]:  # type: ignore[misc]
-        print(line, file=sys.stderr)
+    for key in ("findings", "unit_lines", "drop_in_lines"):
+        for line in verdict[key]:  # type: ignore[attr-defined]
+            print(f"{key}: {line}", file=sys.stderr)
     return {True: 0, False: 1}.get(verdict["own_user_checkpoint_under_unit"], 2)  # type: ignore
 
 

@@ -15,7 +15,8 @@ target's uid instead of root), ``caps`` (every capability dropped), ``no_new_pri
 * ``other``: the same, of another uid (a kernel of another user: what the scheduler checkpoints
   itself when it may, CAP_SYS_PTRACE as the driver checks as ptrace does);
 * ``detached``: of the checker's uid but not its descendant (Yama's ptrace_scope 1 allows a
-  process to trace its descendants only);
+  process to trace its descendants only); ``other-detached``: another user's, not a descendant
+  (what a scheduler with CAP_SYS_PTRACE checkpoints itself);
 * ``legacy``: of the checker's uid, made by changing uid without exec, as check_sandbox.py made it
   up to 2bfe97e: the kernel then marks it not dumpable, and only CAP_SYS_PTRACE may inspect it.
 
@@ -32,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 COMPONENTS = ("uid", "caps", "no_new_privs", "seccomp")
-TARGETS = ("own", "other", "detached", "legacy")
+TARGETS = ("own", "other", "detached", "other-detached", "legacy")
 
 #: Linux's capabilities (linux/capability.h), as units name them.
 _CAPABILITY_NAMES = (
@@ -166,10 +167,15 @@ def _first_round(ctx: Context) -> list[Probe]:
     detached = [probe("detached:unit", UNIT, target="detached"),
                 probe("detached:keep:CAP_SYS_PTRACE", UNIT, target="detached",
                       keep_caps=("CAP_SYS_PTRACE",))]  # fmt: skip
+    # The unit with CAP_SYS_PTRACE (deploy/systemd's drop-in), on what the scheduler would then
+    # checkpoint itself: another user's program that is not its descendant.
+    drop_in = [
+        probe("ptrace-drop-in", UNIT, target="other-detached", keep_caps=("CAP_SYS_PTRACE",))
+    ]
     legacy = [probe("legacy", UNIT, target="legacy", checker_dumpable=False),
               probe("legacy:target", UNIT, target="legacy"),
               probe("legacy:checker", UNIT, checker_dumpable=False)]  # fmt: skip
-    return own + other + detached + legacy
+    return own + other + detached + drop_in + legacy
 
 
 def seccomp_to_blame(passed: Mapping[str, bool | None]) -> bool:
@@ -177,9 +183,14 @@ def seccomp_to_blame(passed: Mapping[str, bool | None]) -> bool:
 
 
 def _group_round(ctx: Context, passed: Mapping[str, bool | None]) -> list[Probe]:
-    if not seccomp_to_blame(passed):
-        return []
-    return [probe(f"unit+{g}", UNIT, allow=calls) for g, calls in ctx.denied.items()]
+    """The filter to blame: one group at a time added to it. The capabilities to blame (for
+    the own user's program): one kept at a time."""
+    out = []
+    if seccomp_to_blame(passed):
+        out += [probe(f"unit+{g}", UNIT, allow=calls) for g, calls in ctx.denied.items()]
+    if passed.get("unit") is False and passed.get("without:caps") is True:
+        out += [probe(f"unit+keep:{c}", UNIT, keep_caps=(c,)) for c in ctx.caps]
+    return out
 
 
 def helping_groups(ctx: Context, passed: Mapping[str, bool | None]) -> list[str]:
@@ -214,15 +225,18 @@ def caps_for_other_users(ctx: Context, passed: Mapping[str, bool | None]) -> dic
     necessary = [c for c in ctx.caps if passed.get("other:all-caps") is True
                  and passed.get(f"other:all-but:{c}") is False]  # fmt: skip
     needed = necessary or sufficient[:1]
-    return {"sufficient": sufficient, "necessary": necessary, "needed": needed}
+    own = [c for c in ctx.caps if passed.get(f"unit+keep:{c}") is True]
+    return {"sufficient": sufficient, "necessary": necessary, "needed": needed, "own_user": own}
 
 
 def _proposal_round(ctx: Context, passed: Mapping[str, bool | None]) -> list[Probe]:
     calls = tuple(needed_calls(ctx, passed))
-    caps = tuple(caps_for_other_users(ctx, passed)["needed"])  # type: ignore[arg-type]
+    found = caps_for_other_users(ctx, passed)
+    caps = tuple(found["needed"])  # type: ignore[arg-type]
+    own_caps = tuple(found["own_user"][:1])  # type: ignore[index]
     out = []
-    if calls:
-        out.append(probe("proposal:own", UNIT, allow=calls))
+    if calls or own_caps:
+        out.append(probe("proposal:own", UNIT, allow=calls, keep_caps=own_caps))
     if caps:
         out.append(probe("proposal:other", UNIT, target="other", allow=calls, keep_caps=caps))
     return out
@@ -271,12 +285,17 @@ def interpret(ctx: Context, passed: Mapping[str, bool | None]) -> dict[str, obje
             "the failure recorded at 2bfe97e was the check's own: a program that "
             f"changed uid without exec is not dumpable ({', '.join(why) or '?'})"
         )
-    unit_lines: list[str] = []
-    if calls:
-        unit_lines.append(f"SystemCallFilter={' '.join(calls)}")
+    # For the unit as it is meant (kernels checkpointed by their own user's agent, the
+    # scheduler only its own user's programs): what the own user's check needed.
+    unit_lines = [f"SystemCallFilter={' '.join(calls)}"] if calls else []
+    if caps["own_user"]:
+        first = caps["own_user"][0]  # type: ignore[index]
+        unit_lines += [f"CapabilityBoundingSet={first}", f"AmbientCapabilities={first}"]
+    # For the scheduler to checkpoint every user's kernel itself (no agent): the drop-in's.
+    drop_in_lines = []
     if caps["needed"]:
         names = " ".join(caps["needed"])  # type: ignore[arg-type]
-        unit_lines += [f"CapabilityBoundingSet={names}", f"AmbientCapabilities={names}"]
+        drop_in_lines = [f"CapabilityBoundingSet={names}", f"AmbientCapabilities={names}"]
     return {
         "own_user_checkpoint_under_unit": unit,
         "culprits": culprits,
@@ -287,6 +306,7 @@ def interpret(ctx: Context, passed: Mapping[str, bool | None]) -> dict[str, obje
             "with_all_caps": passed.get("other:all-caps"),
             **caps,
         },
+        "other_user_not_descendant_with_CAP_SYS_PTRACE": passed.get("ptrace-drop-in"),
         "not_descendant": {
             "under_unit": passed.get("detached:unit"),
             "with_CAP_SYS_PTRACE": passed.get("detached:keep:CAP_SYS_PTRACE"),
@@ -294,6 +314,7 @@ def interpret(ctx: Context, passed: Mapping[str, bool | None]) -> dict[str, obje
         "legacy_target_as_at_2bfe97e": legacy,
         "proposal_tested": {k: v for k, v in passed.items() if k.startswith("proposal:")},
         "unit_lines": unit_lines,
+        "drop_in_lines": drop_in_lines,
         "findings": findings,
     }
 

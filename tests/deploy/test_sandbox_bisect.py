@@ -81,6 +81,10 @@ def test_the_first_round_tries_each_part_alone_and_left_out_and_each_capability(
     assert by["legacy"].spec()["checker_dumpable"] is False
     assert by["legacy:target"].spec()["target"] == "legacy"
     assert by["detached:keep:CAP_SYS_PTRACE"].spec()["keep_caps"] == ["CAP_SYS_PTRACE"]
+    # The drop-in's case: the whole unit plus CAP_SYS_PTRACE, another user's non-descendant.
+    drop_in = by["ptrace-drop-in"].spec()
+    assert (drop_in["target"], drop_in["keep_caps"]) == ("other-detached", ["CAP_SYS_PTRACE"])
+    assert drop_in["seccomp"] and drop_in["uid"] and drop_in["no_new_privs"]
 
 
 def run_plan(ctx: object, verdicts: dict[str, bool]) -> dict[str, bool | None]:
@@ -133,13 +137,31 @@ def test_capabilities_for_another_users_program_necessary_ones_granted_together(
     assert other["necessary"] == ["CAP_SYS_PTRACE", "CAP_DAC_OVERRIDE"]
     assert other["sufficient"] == [] and other["needed"] == other["necessary"]
     assert verdict["proposal_tested"] == {"proposal:other": True}
-    assert verdict["unit_lines"] == [
+    # Not the unit's own business (the agents checkpoint other users' kernels): the drop-in's.
+    assert verdict["unit_lines"] == []
+    assert verdict["drop_in_lines"] == [
         "CapabilityBoundingSet=CAP_SYS_PTRACE CAP_DAC_OVERRIDE",
         "AmbientCapabilities=CAP_SYS_PTRACE CAP_DAC_OVERRIDE",
     ]
     # One capability alone enough: that one is granted.
     passed = run_plan(ctx, {"unit": True, "other:keep:CAP_SYS_PTRACE": True})
     assert bisect.interpret(ctx, passed)["other_user"]["needed"] == ["CAP_SYS_PTRACE"]
+
+
+def test_capabilities_to_blame_for_the_own_users_program_are_kept_one_at_a_time() -> None:
+    ctx = context()
+    ok = {"none": True, "without:caps": True, "unit+keep:CAP_CHECKPOINT_RESTORE": True,
+          "proposal:own": True}  # fmt: skip
+    passed = run_plan(ctx, ok)
+    assert {f"unit+keep:{c}" for c in bisect.CANDIDATE_CAPS} <= set(passed)
+    assert not [n for n in passed if n.startswith("unit+@")]  # the filter is not to blame
+    assert bisect.plan_next(ctx, {k: v for k, v in passed.items() if k != "proposal:own"}) == [
+        bisect.probe("proposal:own", bisect.UNIT, keep_caps=("CAP_CHECKPOINT_RESTORE",))
+    ]
+    verdict = bisect.interpret(ctx, passed)
+    assert verdict["culprits"] == ["caps"] and verdict["proposal_tested"] == {"proposal:own": True}
+    assert verdict["unit_lines"] == ["CapabilityBoundingSet=CAP_CHECKPOINT_RESTORE",
+                                     "AmbientCapabilities=CAP_CHECKPOINT_RESTORE"]  # fmt: skip
 
 
 def test_a_failure_of_the_old_target_alone_is_put_down_to_the_check() -> None:
