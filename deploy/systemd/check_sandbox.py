@@ -20,6 +20,10 @@ device node the checks opened must be one the unit's ``DeviceAllow`` grants on t
 
 Exit status 0 when every check passed. The same rules serve tests/deploy/test_systemd.py, which
 checks the unit against the device numbers and system calls the driver is known to use.
+
+``--bisect`` (root): which part of the sandbox stops the checkpoint (uid, capabilities, no new
+privileges, the filter), then which system calls or capabilities let it through, in short child
+processes planned by sandbox_bisect.py; one JSON result (``verdict``, ``probes``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 UNIT = HERE / "gpushare-scheduler.service"
 SYSCALLS = HERE / "sandbox-syscalls.json"
+if str(HERE) not in sys.path:  # python3 -I leaves the script's folder out
+    sys.path.insert(0, str(HERE))
+from sandbox_bisect import capability_numbers  # noqa: E402  (beside this script)
 
 # ------------------------------------------------------------------------------------------------
 # The unit's sandbox, as systemd reads it
@@ -185,51 +192,133 @@ def become(uid: int) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def apply_sandbox(service: dict[str, list[str]], uid: int) -> list[str]:
-    """Become ``uid`` (when root), drop every capability, set no-new-privileges and install the
-    unit's system-call filter. Returns what was applied."""
-    import errno as errno_names
+PR_SET_DUMPABLE, PR_SET_KEEPCAPS = 4, 8
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    data_file = json.loads(SYSCALLS.read_text())  # read while the files are readable
-    done = []
-    if service.get("CapabilityBoundingSet") == [""] and os.geteuid() == 0:
-        for cap in range(64):
-            libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
-    if os.geteuid() == 0 and uid != 0:
-        become(uid)
-        done.append(f"uid {uid}")
-    # capset(v3): no effective, permitted or inheritable capability left.
+
+def set_capabilities(libc: ctypes.CDLL, keep: set[int] | None, drop: set[int]) -> None:
+    """Effective and permitted: what is permitted now, cut to ``keep`` (None: all) less
+    ``drop``; nothing inheritable. capset(v3) takes two 32-bit words per set."""
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    data = (ctypes.c_uint32 * 6)()
+    data = (ctypes.c_uint32 * 6)()  # (effective, permitted, inheritable) x 2 words
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    permitted = data[1] | data[4] << 32
+    wanted = permitted if keep is None else permitted & sum(1 << c for c in keep)
+    wanted &= ~sum(1 << c for c in drop)
+    lo, hi = wanted & 0xFFFFFFFF, wanted >> 32
+    data[0], data[1], data[2], data[3], data[4], data[5] = lo, lo, 0, hi, hi, 0
     if libc.capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
-    done.append("no capabilities")
-    if service.get("NoNewPrivileges") == ["yes"] or service.get("SystemCallFilter"):
+
+
+def install_filter(libc: ctypes.CDLL, numbers: set[int], err: int) -> None:
+    prog = seccomp_program(numbers, err)
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
+                    ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]  # fmt: skip
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(prog))(*[SockFilter(*i) for i in prog])
+    fprog = SockFprog(len(prog), filters)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+
+
+def restrict(
+    uid: int | None,
+    keep_caps: set[int] | None,
+    no_new_privs: bool,
+    filter_numbers: set[int] | None,
+    err: int = 1,
+    drop_caps: frozenset[int] = frozenset(),
+    dumpable: bool = True,
+) -> list[str]:
+    """This process as a unit's service runs: ``uid`` (None: stay), capabilities cut to
+    ``keep_caps`` (None: keep them all, but ``drop_caps``; the bounding set too), no new
+    privileges, the seccomp filter allowing ``filter_numbers`` (None: no filter). Capabilities
+    survive the uid change (as AmbientCapabilities= gives them to a User= service); without no
+    new privileges the filter goes in while CAP_SYS_ADMIN is still held, and the capabilities
+    are cut after it (capset is a call the unit allows). ``dumpable``: as after the exec that
+    starts a service (a uid change without exec leaves a process not dumpable, which only
+    CAP_SYS_PTRACE may inspect). Returns what was applied."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = []
+    root = os.geteuid() == 0
+    if root and (keep_caps is not None or drop_caps):
+        for cap in range(64):
+            if (keep_caps is not None and cap not in keep_caps) or cap in drop_caps:
+                libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # past the last cap: EINVAL, fine
+    if root and uid is not None and uid != 0:
+        libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
+        become(uid)
+        libc.prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0)
+        done.append(f"uid {uid}")
+    admin_for_filter = filter_numbers is not None and not no_new_privs
+    if admin_for_filter:
+        set_capabilities(libc, None, set())
+    else:
+        set_capabilities(libc, keep_caps, set(drop_caps))
+    done.append("no capabilities" if keep_caps == set() else
+                f"capabilities kept: {sorted(keep_caps) if keep_caps is not None else 'all'}"
+                + (f" but {sorted(drop_caps)}" if drop_caps else ""))  # fmt: skip
+    if no_new_privs:
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
         done.append("no new privileges")
-    if service.get("SystemCallFilter"):
-        if os.uname().machine != "x86_64":
-            return [*done, f"NO system-call filter: {SYSCALLS.name} records x86_64 numbers only"]
-        names = allowed_syscalls(service, data_file["groups"])
-        numbers = {data_file["x86_64"][n] for n in names if n in data_file["x86_64"]}
-        err = getattr(errno_names, service.get("SystemCallErrorNumber", ["EPERM"])[-1])
-        prog = seccomp_program(numbers, err)
-
-        class SockFilter(ctypes.Structure):
-            _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
-                        ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]  # fmt: skip
-
-        class SockFprog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-        filters = (SockFilter * len(prog))(*[SockFilter(*i) for i in prog])
-        fprog = SockFprog(len(prog), filters)
-        if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
-        done.append(f"seccomp: {len(numbers)} system calls allowed, the rest fail with errno {err}")
+    if filter_numbers is not None:
+        install_filter(libc, filter_numbers, err)
+        done.append(f"seccomp: {len(filter_numbers)} system calls allowed, the rest fail with "
+                    f"errno {err}")  # fmt: skip
+    if admin_for_filter:
+        set_capabilities(libc, keep_caps, set(drop_caps))
+    libc.prctl(PR_SET_DUMPABLE, 1 if dumpable else 0, 0, 0, 0)
     return done
+
+
+def filter_numbers(service: dict[str, list[str]], extra: set[str] = frozenset()) -> set[int]:
+    """The x86_64 numbers of the calls the unit's filter allows, and of ``extra``."""
+    data_file = json.loads(SYSCALLS.read_text())
+    names = allowed_syscalls(service, data_file["groups"]) | set(extra)
+    return {data_file["x86_64"][n] for n in names if n in data_file["x86_64"]}
+
+
+def filter_errno(service: dict[str, list[str]]) -> int:
+    import errno as errno_names
+
+    return int(getattr(errno_names, service.get("SystemCallErrorNumber", ["EPERM"])[-1]))
+
+
+def unit_capabilities(service: dict[str, list[str]]) -> set[int]:
+    """The capabilities the unit's service holds as its (non-root) User=: AmbientCapabilities=,
+    within CapabilityBoundingSet= where that is given. An empty assignment resets the list."""
+
+    def listed(key: str) -> set[int] | None:
+        values = service.get(key)
+        if values is None:
+            return None
+        after_reset = values[len(values) - 1 - values[::-1].index("") :] if "" in values else values
+        return capability_numbers(" ".join(after_reset))
+
+    ambient, bounding = listed("AmbientCapabilities") or set(), listed("CapabilityBoundingSet")
+    return ambient if bounding is None else ambient & bounding
+
+
+def apply_sandbox(service: dict[str, list[str]], uid: int) -> list[str]:
+    """Become ``uid`` (when root), drop every capability, set no-new-privileges and install the
+    unit's system-call filter. Returns what was applied."""
+    numbers = None
+    note = []
+    if service.get("SystemCallFilter"):
+        if os.uname().machine == "x86_64":
+            numbers = filter_numbers(service)  # read while the files are readable
+        else:
+            note = [f"NO system-call filter: {SYSCALLS.name} records x86_64 numbers only"]
+    keep = unit_capabilities(service)
+    nnp = service.get("NoNewPrivileges") == ["yes"] or bool(service.get("SystemCallFilter"))
+    return [*restrict(uid, keep, nnp, numbers, filter_errno(service)), *note]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,30 +381,38 @@ def gpu0_used() -> int:
     return int(mem[2])
 
 
-def checkpoint_check(cuda: ctypes.CDLL, pid: int) -> dict[str, object]:
-    """Lock, checkpoint, restore and unlock ``pid``, as the scheduler's deep idle does."""
+def checkpoint_check(cuda: ctypes.CDLL, pid: int, measure: bool = True) -> dict[str, object]:
+    """Lock, checkpoint, restore and unlock ``pid``, as the scheduler's deep idle does; with
+    ``measure``, NVML must see the program's memory go (the bisect's probes, several at once,
+    skip it). A call that fails is named with its CUresult; a lock that held is let go."""
     out: dict[str, object] = {}
     lock_args = (ctypes.c_uint64 * 8)(10_000)  # timeoutMs 10 s, the rest reserved (zero)
     zero = (ctypes.c_uint64 * 8)()
     state = ctypes.c_int(-1)
-    before = gpu0_used()
+    before = gpu0_used() if measure else 0
     for call, args in (("cuCheckpointProcessLock", lock_args),
                        ("cuCheckpointProcessCheckpoint", zero)):  # fmt: skip
         rc = getattr(cuda, call)(pid, ctypes.byref(args))
         if rc != 0:
-            return {"ok": False, "error": f"{call} returned {rc}"}
+            if call != "cuCheckpointProcessLock":
+                cuda.cuCheckpointProcessUnlock(pid, ctypes.byref(zero))
+            return {"ok": False, "error": f"{call} returned {rc}", "call": call, "result": rc}
     cuda.cuCheckpointProcessGetState(pid, ctypes.byref(state))
-    time.sleep(0.5)
-    asleep = gpu0_used()
     out["state_after_checkpoint"] = state.value  # 2: CU_PROCESS_STATE_CHECKPOINTED
-    out["gpu0_used_mib"] = {"before": before >> 20, "checkpointed": asleep >> 20}
+    if measure:
+        time.sleep(0.5)
+        asleep = gpu0_used()
+        out["gpu0_used_mib"] = {"before": before >> 20, "checkpointed": asleep >> 20}
     for call in ("cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"):
         rc = getattr(cuda, call)(pid, ctypes.byref(zero))
         if rc != 0:
-            return {**out, "ok": False, "error": f"{call} returned {rc}"}
-    out["gpu0_used_mib"]["restored"] = gpu0_used() >> 20  # type: ignore[index]
-    # Where NVML sees the program's memory (a real driver), the checkpoint must have freed it.
-    out["ok"] = state.value == 2 and (before < TARGET_BYTES or before - asleep >= TARGET_BYTES)
+            return {**out, "ok": False, "error": f"{call} returned {rc}", "call": call,
+                    "result": rc}  # fmt: skip
+    out["ok"] = state.value == 2
+    if measure:
+        out["gpu0_used_mib"]["restored"] = gpu0_used() >> 20  # type: ignore[index]
+        # Where NVML sees the program's memory (a real driver), the checkpoint must free it.
+        out["ok"] = out["ok"] and (before < TARGET_BYTES or before - asleep >= TARGET_BYTES)
     return out
 
 
@@ -340,10 +437,8 @@ def inside(args: argparse.Namespace) -> int:
     (under systemd-run it runs inside: stricter)."""
     report: dict[str, object] = {}
     service = unit_service(args.unit)
-    tgt = subprocess.Popen([sys.executable, "-I", __file__, "--target", f"--uid={args.uid}"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    tgt, pid, said = spawn_target("own", args.uid)
     assert tgt.stdin and tgt.stdout
-    ready = tgt.stdout.readline().strip()
     if args.apply:
         report["sandbox"] = apply_sandbox(service, args.uid)
     report["uid"] = os.geteuid()
@@ -358,10 +453,10 @@ def inside(args: argparse.Namespace) -> int:
     rc = cuda.cuInit(0)
     cuda.cuDriverGetVersion(ctypes.byref(version))
     report["cuInit"] = {"ok": rc == 0, "result": rc, "cuda_driver_version": version.value}
-    if ready != "ready":
-        report["checkpoint"] = {"ok": False, "error": f"the CUDA program did not start: {ready}"}
+    if not pid:
+        report["checkpoint"] = {"ok": False, "error": f"the CUDA program did not start: {said}"}
     elif rc == 0:
-        report["checkpoint"] = checkpoint_check(cuda, tgt.pid)
+        report["checkpoint"] = checkpoint_check(cuda, pid)
         tgt.stdin.write("check\n")
         tgt.stdin.flush()
         report["data_after_restore"] = tgt.stdout.readline().strip()
@@ -374,34 +469,90 @@ def inside(args: argparse.Namespace) -> int:
     return 0
 
 
+def probe(args: argparse.Namespace) -> int:
+    """One probe of ``--bisect`` (sandbox_bisect.py plans them): its target started, its part
+    of the sandbox applied to this process, the checkpoint calls made; one JSON line."""
+    spec = json.loads(args.probe)
+    service = unit_service(args.unit)
+    numbers = filter_numbers(service, set(spec["allow"])) if spec["seccomp"] else None
+    keep = None if spec["keep_caps"] is None else capability_numbers(spec["keep_caps"])
+    target_uid = args.other_uid if spec["target"].startswith("other") else args.uid
+    tgt, pid, said = spawn_target(spec["target"], target_uid, mib=64)
+    assert tgt.stdin and tgt.stdout
+    out: dict[str, object] = {"target_uid": target_uid}
+    if not pid:
+        print(json.dumps({**out, "ok": None, "error": f"the CUDA program did not start: {said}"}))
+        return 0
+    cuda = ctypes.CDLL(
+        "libcuda.so.1"
+    )  # loaded as root: a test's stand-in may be in a closed folder
+    out["sandbox"] = restrict(args.uid if spec["uid"] else None, keep, spec["no_new_privs"],
+                              numbers, filter_errno(service),
+                              frozenset(capability_numbers(spec["drop_caps"])),
+                              spec["checker_dumpable"])  # fmt: skip
+    rc = cuda.cuInit(0)
+    if rc != 0:
+        print(json.dumps({**out, "ok": False, "error": f"cuInit returned {rc}", "result": rc}))
+        return 0
+    out |= checkpoint_check(cuda, pid, measure=False)
+    if out["ok"] or out.get("call") == "cuCheckpointProcessLock":  # else it may still be locked
+        tgt.stdin.write("check\n")
+        tgt.stdin.flush()
+        out["data"] = tgt.stdout.readline().strip()
+        out["ok"] = out["ok"] and out["data"] == "intact"
+    print(json.dumps(out))
+    return 0
+
+
 TARGET_BYTES = 256 << 20
 PATTERN = 0x5EED1E55
 
 
+def spawn_target(kind: str, uid: int, mib: int = 256) -> tuple[subprocess.Popen[str], int, str]:
+    """The CUDA program to checkpoint, of ``uid``: it, its pid (0: it did not start) and what it
+    said. It changes uid itself (when started by root) and, but for ``legacy``, makes itself
+    dumpable again, as the exec that starts a kernel as its user would: a uid change without
+    exec leaves a process not dumpable, which only CAP_SYS_PTRACE may inspect (so the program
+    was made up to 2bfe97e). ``detached``: no longer this process's descendant."""
+    argv = [sys.executable, "-I", __file__, "--target", f"--mib={mib}", f"--uid={uid}"]
+    argv += {"legacy": ["--legacy"]}.get(kind, ["--detach"] if kind.endswith("detached") else [])
+    tgt = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert tgt.stdout
+    said = tgt.stdout.readline().strip()
+    ready = said.split()[1:] if said.startswith("ready ") else []
+    return tgt, int(ready[0]) if ready else 0, said or f"exit {tgt.poll()}"
+
+
 def target(args: argparse.Namespace) -> int:
-    """A small CUDA program: 256 MiB filled with a pattern; checks it after a line on stdin."""
-    if os.geteuid() == 0 and args.uid != 0:
-        become(args.uid)
+    """A small CUDA program: ``--mib`` (256) filled with a pattern; checks it after a line on
+    stdin. Says ``ready PID`` once its memory is filled."""
+    if args.detach and os.fork() != 0:
+        os._exit(0)  # the program goes on in the child, whose parent is gone
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = ctypes.CDLL("libcuda.so.1")  # before the uid change, as the checker loads it
     except OSError as exc:
         print(f"error cannot load the CUDA driver: {exc}", flush=True)
         return 1
+    if os.geteuid() == 0 and args.uid != 0:
+        become(args.uid)
+        if not args.legacy:
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    size = args.mib << 20
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     calls = [("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), 0)),
              ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), 0)), ("cuCtxSetCurrent", (ctx,)),
-             ("cuMemAlloc_v2", (ctypes.byref(ptr), TARGET_BYTES))]  # fmt: skip
+             ("cuMemAlloc_v2", (ctypes.byref(ptr), size))]  # fmt: skip
     for name, call_args in calls:
         rc = getattr(cuda, name)(*call_args)
         if rc != 0:
             print(f"error {name} returned {rc}", flush=True)
             return 1
-    cuda.cuMemsetD32_v2(ptr, PATTERN, TARGET_BYTES // 4)
+    cuda.cuMemsetD32_v2(ptr, PATTERN, size // 4)
     cuda.cuCtxSynchronize()
-    print("ready", flush=True)
+    print(f"ready {os.getpid()}", flush=True)
     sys.stdin.readline()
-    host = (ctypes.c_uint32 * (TARGET_BYTES // 4))()
-    rc = cuda.cuMemcpyDtoH_v2(host, ptr, TARGET_BYTES)
+    host = (ctypes.c_uint32 * (size // 4))()
+    rc = cuda.cuMemcpyDtoH_v2(host, ptr, size)
     intact = rc == 0 and all(v == PATTERN for v in host[::4096])
     print("intact" if intact else f"corrupt (copy returned {rc})", flush=True)
     return 0
@@ -428,12 +579,11 @@ def systemd_runs() -> bool:
 
 def run_inside(args: argparse.Namespace, use_systemd: bool) -> dict[str, object]:
     here = [sys.executable, "-I"]
+    # A checkout in a home may not be readable by --uid (the checks and their CUDA program run
+    # as it): the scripts go to a folder everyone may read, in /run for systemd-run (its
+    # PrivateTmp would hide /tmp).
+    tmp = copy_scripts(args.unit, "/run" if use_systemd else None)
     if use_systemd:
-        # A checkout in a home or /tmp may not be readable by --uid: the script goes to /run.
-        tmp = Path(tempfile.mkdtemp(prefix="gpushare-check-", dir="/run"))
-        os.chmod(tmp, 0o755)
-        for f in (Path(__file__), SYSCALLS, args.unit):
-            shutil.copy(f, tmp / f.name)
         props = [f"--property={k}={v}" for k, vs in unit_service(args.unit).items()
                  if k in SANDBOX_KEYS for v in vs]  # fmt: skip
         user = [f"--uid={args.uid}"] if args.uid else []
@@ -441,9 +591,8 @@ def run_inside(args: argparse.Namespace, use_systemd: bool) -> dict[str, object]
                 *here, str(tmp / Path(__file__).name), "--inside", f"--uid={args.uid}",
                 f"--unit-file={tmp / args.unit.name}"]  # fmt: skip
     else:
-        tmp = Path(tempfile.mkdtemp(prefix="gpushare-check-"))
-        argv = [*here, __file__, "--inside", "--apply", f"--uid={args.uid}",
-                f"--unit-file={args.unit}"]  # fmt: skip
+        argv = [*here, str(tmp / Path(__file__).name), "--inside", "--apply",
+                f"--uid={args.uid}", f"--unit-file={tmp / args.unit.name}"]  # fmt: skip
         if shutil.which("strace") and not args.no_strace:
             argv = ["strace", "-f", "-qq", "-c", "-o", str(tmp / "strace"), *argv]
     try:
@@ -455,6 +604,17 @@ def run_inside(args: argparse.Namespace, use_systemd: bool) -> dict[str, object]
     if out.returncode != 0 or not lines:
         return {"error": f"exit {out.returncode}: {out.stdout[-2000:]}{out.stderr[-2000:]}"}
     return {**json.loads(lines[-1]), **({"syscalls": calls} if calls else {})}
+
+
+def copy_scripts(unit: Path, where: str | None = None) -> Path:
+    """This script, the module beside it, the system-call groups and ``unit`` in a new folder
+    every user may read; the caller removes it."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpushare-check-", dir=where))
+    os.chmod(tmp, 0o755)
+    for f in (Path(__file__), HERE / "sandbox_bisect.py", SYSCALLS, unit):
+        shutil.copy(f, tmp / f.name)
+        os.chmod(tmp / f.name, 0o644)
+    return tmp
 
 
 #: What this script calls before it installs the filter (systemd does these before the exec).
@@ -492,14 +652,31 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="do not record the system calls with strace (where installed)",
     )
+    parser.add_argument(
+        "--bisect",
+        action="store_true",
+        help="as root: which part of the sandbox stops the checkpoint, and what lets it through "
+        "(one JSON result; sandbox_bisect.py)",
+    )
+    parser.add_argument("--other-uid", type=int, default=65533, help="--bisect's other user")
+    parser.add_argument("--jobs", type=int, default=8, help="--bisect's probes run at once")
+    parser.add_argument("--budget", type=float, default=38.0, help="--bisect's seconds")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--apply", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--legacy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mib", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inside:
         return inside(args)
     if args.target:
         return target(args)
+    if args.probe:
+        return probe(args)
+    if args.bisect:
+        return bisect(args)
     use_systemd = systemd_runs() and not args.no_systemd
     print(f"unit: {args.unit}")
     print(f"sandbox applied by: {'systemd-run' if use_systemd else 'this script (no systemd)'}")
@@ -546,6 +723,44 @@ def main(argv: list[str]) -> int:
     print("PASS: NVML, cuInit and a checkpoint work in the unit's sandbox" if not failures
           else f"{len(failures)} check(s) failed")  # fmt: skip
     return 1 if failures else 0
+
+
+def bisect(args: argparse.Namespace) -> int:
+    """``--bisect``: the probes sandbox_bisect.py plans, each a child of this script, run from
+    a copy everyone may read; one JSON result on stdout. Exit status 0 when the unit's sandbox
+    lets a process checkpoint its own user's program, 1 when not, 2 when it could not tell."""
+    import sandbox_bisect
+
+    if os.geteuid() != 0 or os.uname().machine != "x86_64":
+        print(
+            json.dumps(
+                {
+                    "error": "--bisect runs as root on x86_64 (it changes uid and "
+                    "capabilities, and the recorded system-call numbers are x86_64's)"
+                }
+            )
+        )
+        return 2
+    data = json.loads(SYSCALLS.read_text())
+    allowed = allowed_syscalls(unit_service(args.unit), data["groups"])
+    numbered = set(data["x86_64"])
+    ctx = sandbox_bisect.Context(sandbox_bisect.denied_groups(data["groups"], allowed, numbered))
+    tmp = copy_scripts(args.unit)
+    base = [sys.executable, "-I", str(tmp / Path(__file__).name), f"--uid={args.uid}",
+            f"--other-uid={args.other_uid}", f"--unit-file={tmp / args.unit.name}"]  # fmt: skip
+    try:
+        report = sandbox_bisect.run(ctx, base, jobs=args.jobs, budget=args.budget)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        report["ptrace_scope"] = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    report |= {"unit": str(args.unit), "uid": args.uid, "other_uid": args.other_uid}
+    print(json.dumps(report))
+    verdict: dict[str, object] = report["verdict"]  # type: ignore[assignment]
+    for key in ("findings", "unit_lines", "drop_in_lines"):
+        for line in verdict[key]:  # type: ignore[attr-defined]
+            print(f"{key}: {line}", file=sys.stderr)
+    return {True: 0, False: 1}.get(verdict["own_user_checkpoint_under_unit"], 2)  # type: ignore
 
 
 def regenerate_syscalls(path: Path = SYSCALLS) -> None:

@@ -227,3 +227,22 @@ def test_check_sandbox_hands_systemd_run_every_sandbox_key_of_the_unit() -> None
     """A hardening key added to the unit reaches check_sandbox.py's systemd-run too."""
     keys = set(service())
     assert keys - NOT_SANDBOX == set(sandbox.SANDBOX_KEYS), sorted(keys - NOT_SANDBOX)
+
+
+DROP_IN = (
+    ROOT / "deploy" / "systemd" / "gpushare-scheduler.service.d" / "checkpoint-every-kernel.conf"
+)
+
+
+def test_the_checkpoint_drop_in_grants_ptrace_and_nothing_else() -> None:
+    """The optional drop-in (the scheduler checkpoints every user's kernel itself) adds
+    CAP_SYS_PTRACE to the unit's empty sets, and only that: merged as systemd merges repeated
+    keys, the service holds exactly that capability; without it, none."""
+    drop_in = sandbox.unit_service(DROP_IN)
+    assert set(drop_in) == {"CapabilityBoundingSet", "AmbientCapabilities"}, drop_in
+    merged = {k: list(v) for k, v in service().items()}
+    for key, values in drop_in.items():
+        merged.setdefault(key, []).extend(values)
+    assert sandbox.unit_capabilities(merged) == {19}  # CAP_SYS_PTRACE
+    assert sandbox.unit_capabilities(service()) == set()
+    assert DROP_IN.name in (ROOT / "docs" / "operators" / "node-scheduler.md").read_text()
