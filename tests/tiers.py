@@ -114,11 +114,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
 #: so that the rest of the slow tier keeps running in CI. Each is owed; the closing note of that
 #: day and the issue notes name them.
 KNOWN_FAILING: dict[str, str] = {
-    "tests/bench/test_nbmix_replay_standin.py::"
-    "test_the_record_of_a_warm_replay_beside_its_simulation": (
-        "the warm start never settles: partly evicted kernels' resident memory stays without a "
-        "pre-copy (since the room and host-budget changes)"
-    ),
     "tests/native/test_sharing.py::test_turns_and_handoff_when_the_pool_is_too_small[vmm]": (
         "the eviction's copy does not go to registered staging any more (copy_to_host_pinned 0)"
     ),

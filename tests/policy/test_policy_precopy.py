@@ -8,6 +8,7 @@ from jupyter_gpushare.scheduler.core.costs import BLOCK_BYTES
 from jupyter_gpushare.scheduler.core.events import (
     Busy,
     Evict,
+    Evicted,
     Grant,
     Idle,
     Join,
@@ -101,6 +102,28 @@ def test_an_evicted_kernel_is_not_asked():
     assert a["precopied_bytes"] == int(19.5 * GB) - gone, a
     # What is on the GPU is all pre-copied: nothing to pre-copy even when it says it is idle.
     assert Precopy("a") not in p.handle(Idle(3, "a"))
+
+
+def test_a_partial_eviction_reported_before_its_answer_is_taken_off_the_copy_once():
+    """The shim reports its memory before it answers a move (client/lifecycle.c): that MEMORY
+    already says the pre-copied bytes left. The EVICTED after it must not take them off again:
+    it did, the rest of a partly evicted idle kernel read as not pre-copied for its whole idle
+    period (asked once per period), and the stand-in replay's warm start never settled."""
+    p = make_policy(pool=30 * GB)
+    run(p, "a", 20, now=0)
+    p.handle(Idle(1, "a"))
+    p.handle(Precopied(1.5, "a", precopied=int(19.5 * GB)))
+    p.handle(Released(1.6, "a"))  # idle, resident, all of it pre-copied
+    (evict,) = [d for d in run(p, "b", 20, now=2) if isinstance(d, Evict)]
+    gone = -(-10 * GB // BLOCK_BYTES) * BLOCK_BYTES
+    assert evict == Evict("a", reason="room for b", bytes=gone)
+    left = int(19.5 * GB) - gone  # pre-copied blocks leave first: what stays keeps its copy
+    p.handle(Memory(2.1, "a", used=20 * GB, managed=int(19.5 * GB), pinned=GB // 2,
+                    evicted=gone, precopied=left))  # fmt: skip
+    p.handle(Evicted(2.2, "a", bytes_moved=0, micros=1000, evicted_bytes=gone))
+    (dev,) = p.snapshot(2.2)
+    (a,) = [c for c in dev["clients"] if c["id"] == "a"]
+    assert a["evicted_bytes"] == gone and a["precopied_bytes"] == left, a
 
 
 def test_candidates_are_least_recently_used_first_and_skip_busy_ones():

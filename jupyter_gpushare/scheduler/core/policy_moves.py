@@ -68,9 +68,15 @@ def count_evicted(c: ClientState, nbytes: int = 0, total: int = -1, moved: int =
         total = max(total, c.away + moved)
     if total >= 0 and c.resident and total < c.movable:
         gone = max(0, total - c.away)
+        # Pre-copied blocks leave first, but the shim's MEMORY report before its answer
+        # (client/lifecycle.c) already said its pre-copied bytes without the blocks it counts
+        # as evicted (c.evicted): only what left since then comes off them. Taken off twice,
+        # a partly evicted idle kernel's pre-copy read 0 for the rest of its idle period, and
+        # it was not asked again (the stand-in replay's warm start never settled).
+        unseen = max(0, total - max(c.away, c.evicted))
         c.away += gone
         c.evicted = c.away
-        c.precopied = max(0, c.precopied - gone)  # pre-copied blocks leave first
+        c.precopied = max(0, c.precopied - unseen)
         c.restore = c.restore or c.away > 0
         if nbytes == 0 or gone < nbytes:
             # It moved less than asked: the rest cannot move now. Asking again at once
