@@ -39,7 +39,7 @@ def test_the_report_shows_the_rows_and_the_targets(record):
     assert "## 8. Memory that does not fit" in text
     assert "8 users: p95" in text and "no pool" in text
     (row, *_) = [s for s in rep.summary if s[0].startswith("nbmix, 8 users")]
-    assert row[1] == "p95 slowdown ≤ 3x" and row[3] in ("yes", "**no**")
+    assert row[1] == "p95 slowdown ≤ 2x" and row[3] in ("yes", "**no**")
     empty = types.SimpleNamespace(recs={}, summary=[])
     assert "No result yet" in nbmix_section(empty) and empty.summary == []
 
