@@ -182,8 +182,11 @@ def nbmix_section(rep: Any) -> str:
             "",
             f"Seeds per point: {seeds_text}.",
             "",
-            f"Users per GPU whose mean p95 slowdown is at most 2x: {cap_text}.",
-            "",
+            *(
+                [f"Users per GPU whose mean p95 slowdown is at most 2x: {cap_text}.", ""]
+                if cap
+                else []
+            ),
             *(tlines if train else []),
             "",
             f"*Run:* commit {meta.get('git_commit', '?')[:12]}{parts_text}, "
