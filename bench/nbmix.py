@@ -65,8 +65,9 @@ HINT_VARIANTS = {
     "after-hints-half": (5.0, 0.5, 0.0),
     "after-hints-false": (5.0, 1.0, 1.0),
 }
-#: The issue's targets: mean p95 slowdown at most this, per user count (nbmix).
-TARGETS = {8: 3.0, 16: 6.0}
+#: The targets: mean p95 slowdown at most this, per user count (nbmix; issue 35's, over 100
+#: seeds; issue 21's were 3x and 6x at 8 and 16 users).
+TARGETS = {8: 2.0, 16: 3.5, 32: 6.0}
 WARMUP = 300.0
 #: The policy's switches for issue 21's rules, all off: the rules before it.
 OLD_RULES = {"partial_eviction": False, "cost_aware": False, "short_first": False}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import types
 
 import pytest
@@ -39,7 +40,17 @@ def test_the_report_shows_the_rows_and_the_targets(record):
     assert "## 8. Memory that does not fit" in text
     assert "8 users: p95" in text and "no pool" in text
     (row, *_) = [s for s in rep.summary if s[0].startswith("nbmix, 8 users")]
-    assert row[1] == "p95 slowdown ≤ 3x" and row[3] in ("yes", "**no**")
+    assert row[1] == "p95 slowdown ≤ 2x" and row[3].split(";")[0] in ("yes", "**no**")
+    # mean ± the standard deviation over the seeds (not the 95% half-width), hints beside it
+    rows = {r["variant"]: r for r in record["rows"]}
+    for variant in ("after", "after-hints-5s"):
+        r = rows[variant]
+        shown = f"{r['slowdown_p95_mean']:.2f} ± {statistics.stdev(r['slowdown_p95']):.2f}x"
+        assert shown in text, (shown, text)
+        assert shown in row[2], (shown, row)
+    assert "with cell hints 5 s ahead" in row[2] and "one false hint per true one" in row[2]
+    assert row[3].split("; with hints: ")[1] in ("yes", "**no**"), row
+    assert "the same with cell hints 5 s before every cell" in text
     empty = types.SimpleNamespace(recs={}, summary=[])
     assert "No result yet" in nbmix_section(empty) and empty.summary == []
 

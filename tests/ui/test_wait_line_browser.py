@@ -25,13 +25,13 @@ import pytest
 from ui_helpers import (
     CHROMIUM_ARGS,
     GPU_PRELUDE,
-    KERNEL,
     TOKEN,
     Lab,
     MiB,
     cell_thread,
     clients_of,
     keep_screenshot,
+    notebook,
     run_cell,
     save_screenshot,
 )
@@ -66,32 +66,11 @@ print("a done")
 """
 
 
-def _notebook_b() -> str:
-    return json.dumps(
-        {
-            "cells": [
-                {
-                    "cell_type": "code",
-                    "execution_count": None,
-                    "id": f"cell-{n}",
-                    "metadata": {"jupyter": {"source_hidden": n == 0}},
-                    "outputs": [],
-                    "source": source,
-                }
-                for n, source in enumerate((PRELUDE_B, CELL_B))
-            ],
-            "metadata": {"kernelspec": {"name": KERNEL, "display_name": "gpushare (test)"}},
-            "nbformat": 4,
-            "nbformat_minor": 5,
-        }
-    )
-
-
 @pytest.fixture
 def lab_b(lab: Lab, tmp_path: Path) -> Lab:
     """The server, with b.ipynb's waiting cell, and settings that notify after a 1 s wait and
     look at the status every second (schema/sidebar.json)."""
-    (lab.root / "b.ipynb").write_text(_notebook_b())
+    (lab.root / "b.ipynb").write_text(notebook((PRELUDE_B, CELL_B), hidden={0}))
     settings = tmp_path / "lab-settings" / "jupyter-gpushare" / "sidebar.jupyterlab-settings"
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text(json.dumps({"turnAfterSeconds": 1, "pollSeconds": 1}))

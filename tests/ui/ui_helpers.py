@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +124,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def notebook() -> str:
+def notebook(sources: Sequence[str] = (), hidden: Container[int] = ()) -> str:
+    """A notebook on the test's kernelspec with a code cell per source (those at the ``hidden``
+    indexes with their source hidden), none run."""
     return json.dumps(
         {
-            "cells": [],
+            "cells": [
+                {
+                    "cell_type": "code",
+                    "execution_count": None,
+                    "id": f"cell-{n}",
+                    "metadata": {"jupyter": {"source_hidden": n in hidden}},
+                    "outputs": [],
+                    "source": source,
+                }
+                for n, source in enumerate(sources)
+            ],
             "metadata": {"kernelspec": {"name": KERNEL, "display_name": "gpushare (test)"}},
             "nbformat": 4,
             "nbformat_minor": 5,
