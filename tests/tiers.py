@@ -119,13 +119,6 @@ KNOWN_FAILING: dict[str, str] = {
         "the warm start never settles: partly evicted kernels' resident memory stays without a "
         "pre-copy (since the room and host-budget changes)"
     ),
-    "tests/native/test_sharing.py::test_turns_and_handoff_when_the_pool_is_too_small[vmm]": (
-        "the eviction's copy does not go to registered staging any more (copy_to_host_pinned 0)"
-    ),
-    "tests/native/test_staging_allowance.py::"
-    "test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back": (
-        "its stand-in scheduler's script ends early (EOFError) after the merges"
-    ),
 }
 
 
