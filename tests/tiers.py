@@ -109,19 +109,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-#: Slow tests seen failing at the end of the 2026-12-02 merges (issues 34-39), every run, whose
-#: cause is not yet found: expected to fail (not strictly: each one's fix removes its line here)
-#: so that the rest of the slow tier keeps running in CI. Each is owed; the closing note of that
-#: day and the issue notes name them.
-KNOWN_FAILING: dict[str, str] = {
-    "tests/native/test_sharing.py::test_turns_and_handoff_when_the_pool_is_too_small[vmm]": (
-        "the eviction's copy does not go to registered staging any more (copy_to_host_pinned 0)"
-    ),
-    "tests/native/test_staging_allowance.py::"
-    "test_staging_stays_within_the_allowance_and_a_lowered_one_is_given_back": (
-        "its stand-in scheduler's script ends early (EOFError) after the merges"
-    ),
-}
+#: Slow tests seen failing every run whose cause is not yet found: expected to fail (not strictly:
+#: each one's fix removes its line here) so that the rest of the slow tier keeps running in CI.
+#: Each is owed and named in the issue notes. Empty since the three of 2026-12-02 were mended.
+KNOWN_FAILING: dict[str, str] = {}
 
 
 def is_slow(nodeid: str) -> bool:

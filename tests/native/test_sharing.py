@@ -23,6 +23,9 @@ MiB = 1 << 20
 CONTEXT = 64 * MiB
 BIG = 640 * MiB  # two of these (plus contexts) do not fit a 1 GiB pool; one does
 SMALL = 128 * MiB
+# How long A's host staging of BIG may take to be registered on a loaded machine (up to 9.3 s
+# seen on 2 cores with a load average of 8).
+STAGING_READY_S = 15.0
 
 
 def common(**extra):
@@ -68,11 +71,24 @@ def test_turns_and_handoff_when_the_pool_is_too_small(harness, memory):
     # answered RELEASED before its eviction finished would report too short a move.
     slow = {"GPUSHARE_FAKE_PREFETCH_GBPS": "4", "GPUSHARE_FAKE_COPY_GBPS": "4"}
     mode = common(memory=memory)
-    a = harness.spawn("hold", 4.0, BIG, 20000, extra=slow, **{**mode, "client_id": "A"})
+    # Explicit memory: B comes once A's host staging is registered (made in the background,
+    # docs/architecture.md "Host staging"), so that A's evictions find it ready. An eviction
+    # before it copies through pageable memory, as designed (the cold eviction): on 2 loaded
+    # cores, 640 MiB of staging took 2-9 s, A's first eviction came ~1 s after its allocation,
+    # and a run in which A was evicted only then saw no copy into registered memory at all. A
+    # holds long enough to be still at work when B comes after that wait.
+    staging_wait = STAGING_READY_S if memory == "vmm" else 0.0
+    a = harness.spawn(
+        "hold", 4.0 + staging_wait, BIG, 20000, extra=slow, **{**mode, "client_id": "A"}
+    )
     a_first = a.wait_event("first_launch", 30)
+    if staging_wait:  # (the status's staging_pinned_bytes counts it from before it is made)
+        a.wait_stderr("(registered) ready", staging_wait)
     b = harness.spawn("hold", 2.0, BIG, 20000, extra=slow, **{**mode, "client_id": "B"})
     b_start = b.wait_event("hold_start", 30)
-    b_first = b.wait_event("first_copy", 30)
+    # Under load the stand-in's restore of BIG took 1.2-1.4 s, past the 1 s quantum, until the
+    # scheduler's estimate of the clients' moves had learnt it (issue noted, not this test's).
+    b_first = b.wait_event("first_copy", 60)
     ra, rb = a.finish(60).ok(), b.finish(60).ok()
 
     # B's first GPU call blocked until A's turn ended. The scheduler's log gives the causal
@@ -100,8 +116,11 @@ def test_turns_and_handoff_when_the_pool_is_too_small(harness, memory):
         assert sa["fault_to_device_bytes"] == 0, "memory came back by page faults, not by restore"
     else:
         # A's explicit memory was copied out into registered (pinned) host staging and back,
-        # its physical memory released in between, and nothing became managed memory.
+        # its physical memory released in between, and nothing became managed memory. No
+        # eviction of A went through pageable memory (what else A copied to the host is its
+        # own 4 MiB check and the checked copies' windows).
         assert sa["copy_to_host_pinned_bytes"] >= BIG, sa
+        assert sa["copy_to_host_bytes"] - sa["copy_to_host_pinned_bytes"] < BIG, sa
         assert sa["copy_to_device_pinned_bytes"] >= BIG, sa
         assert sa["prefetch_to_host_bytes"] == 0 and sa["live_managed_bytes"] == 0, sa
         assert sa["calls"]["cuMemCreate"] >= 2 and sa["calls"]["cuMemRelease"] >= 2, sa["calls"]

@@ -86,6 +86,19 @@ static int wait_for_a_pause(double *deferring_since)
  * in between does not read it as evicted memory, it counts as staging of resident memory. */
 static uint64_t unattached;
 
+/* Under gs_vmm_mu: `size` bytes of staging are no longer held outside a block (handed over,
+ * released, or never made). The report the release itself woke may have read them still
+ * counted (host memory already down, staging of resident memory not): without a report after
+ * this one, the scheduler kept a client's staging above its host memory until the next change. */
+static void unattached_done_locked(uint64_t size)
+{
+    if (!size)
+        return;
+    unattached -= size;
+    gs_mem_changed_locked();
+    gs_client_wake();
+}
+
 /* Staging held for resident blocks (under gs_vmm_mu): what the scheduler's allowance bounds. */
 static uint64_t resident_staging_locked(void)
 {
@@ -157,7 +170,7 @@ static void give_back_locked(struct block *b)
     gs_staging_put(&st);
     gs_capture_unlock();
     pthread_mutex_lock(&gs_vmm_mu);
-    unattached -= size;
+    unattached_done_locked(size);
 }
 
 static void *preparer(void *arg)
@@ -262,7 +275,7 @@ static void *preparer(void *arg)
 
         pthread_mutex_lock(&gs_vmm_mu);
         struct block *nb = block_by_id(id);
-        unattached -= for_resident;
+        unattached_done_locked(for_resident); /* also where it was not made or not handed over */
         if (nb)
             nb->preparing = 0;
         if (nb)
