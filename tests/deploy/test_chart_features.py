@@ -16,7 +16,11 @@ import pytest
 import yaml
 
 from jupyter_gpushare import _version
-from jupyter_gpushare.scheduler.features.checkpoint import CAP_SYS_PTRACE, may_checkpoint
+from jupyter_gpushare.scheduler.features.checkpoint import (
+    CAP_DAC_OVERRIDE,
+    CAP_SYS_PTRACE,
+    may_checkpoint,
+)
 from tests.deploy import helm_sdk
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,17 +73,22 @@ def test_deep_idle_gets_the_driver_library_and_the_capability_it_needs(
     renders: dict[str, Any],
 ) -> None:
     """The scheduler checkpoints kernels of uid 1000 as a root without capabilities: the driver
-    (checking as ptrace does) refuses unless CAP_SYS_PTRACE is there, and without the compute
-    capability the NVIDIA runtime injects no libcuda.so.1 ("deep idle is off: cannot load")."""
+    (checking as ptrace does, then opening what the kernel holds) refuses unless CAP_SYS_PTRACE
+    and CAP_DAC_OVERRIDE are both there (each alone gave 304 on an H200: docs/gpu-verification.md,
+    2026-12-02 (d)), and without the compute capability the NVIDIA runtime injects no
+    libcuda.so.1 ("deep idle is off: cannot load")."""
     on = scheduler(renders["defaults"])
     assert deep_idle_seconds(on) > 0
     assert set(env(on)["NVIDIA_DRIVER_CAPABILITIES"].split(",")) == {"compute", "utility"}
     caps = on["securityContext"]["capabilities"]
-    assert caps["drop"] == ["ALL"] and caps["add"] == ["SYS_PTRACE"]
+    assert caps["drop"] == ["ALL"] and caps["add"] == ["SYS_PTRACE", "DAC_OVERRIDE"]
     assert on["securityContext"]["runAsUser"] == 0
-    # The scheduler's own rule agrees: with exactly that capability it checkpoints uid 1000's
-    # kernels itself; with none (deep idle off) it does not try.
-    assert may_checkpoint(1000, own_euid=0, own_caps=1 << CAP_SYS_PTRACE)
+    # The scheduler's own rule agrees: with exactly those capabilities it checkpoints uid 1000's
+    # kernels itself; with one of them, or none (deep idle off), it does not try.
+    both = (1 << CAP_SYS_PTRACE) | (1 << CAP_DAC_OVERRIDE)
+    assert may_checkpoint(1000, own_euid=0, own_caps=both)
+    assert not may_checkpoint(1000, own_euid=0, own_caps=1 << CAP_SYS_PTRACE)
+    assert not may_checkpoint(1000, own_euid=0, own_caps=1 << CAP_DAC_OVERRIDE)
     assert not may_checkpoint(1000, own_euid=0, own_caps=0)
     off = scheduler(renders["deep idle off"])
     assert deep_idle_seconds(off) == 0

@@ -83,7 +83,8 @@ def k8s_deep_idle(rendered: dict[str, Any]) -> bool:
     env = {e["name"]: e.get("value") for e in c["env"]}
     caps = c["securityContext"]["capabilities"].get("add", [])
     seconds = float(arg(c, "--GPUShareScheduler.deep_idle_seconds") or 600)
-    return seconds > 0 and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"] and "SYS_PTRACE" in caps
+    checkpoint_others = {"SYS_PTRACE", "DAC_OVERRIDE"} <= set(caps)
+    return seconds > 0 and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"] and checkpoint_others
 
 
 def k8s_mps(rendered: dict[str, Any]) -> bool:

@@ -22,6 +22,12 @@ from types import ModuleType
 
 import pytest
 
+from jupyter_gpushare.scheduler.features.checkpoint import (
+    CAP_DAC_OVERRIDE,
+    CAP_SYS_PTRACE,
+    may_checkpoint,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "gpushare-scheduler.service"
 CHECK = ROOT / "deploy" / "systemd" / "check_sandbox.py"
@@ -234,15 +240,20 @@ DROP_IN = (
 )
 
 
-def test_the_checkpoint_drop_in_grants_ptrace_and_nothing_else() -> None:
+def test_the_checkpoint_drop_in_grants_what_checkpointing_others_needs_and_nothing_else() -> None:
     """The optional drop-in (the scheduler checkpoints every user's kernel itself) adds
-    CAP_SYS_PTRACE to the unit's empty sets, and only that: merged as systemd merges repeated
-    keys, the service holds exactly that capability; without it, none."""
+    CAP_SYS_PTRACE and CAP_DAC_OVERRIDE to the unit's empty sets (each alone was refused on an
+    H200: docs/gpu-verification.md, 2026-12-02 (d)), and only those: merged as systemd merges
+    repeated keys, the service holds exactly them, which the scheduler's own rule needs to
+    checkpoint another user's kernel itself; without the drop-in, none."""
     drop_in = sandbox.unit_service(DROP_IN)
     assert set(drop_in) == {"CapabilityBoundingSet", "AmbientCapabilities"}, drop_in
     merged = {k: list(v) for k, v in service().items()}
     for key, values in drop_in.items():
         merged.setdefault(key, []).extend(values)
-    assert sandbox.unit_capabilities(merged) == {19}  # CAP_SYS_PTRACE
+    held = sandbox.unit_capabilities(merged)
+    assert held == {CAP_SYS_PTRACE, CAP_DAC_OVERRIDE}, held
+    mask = sum(1 << c for c in held)
+    assert may_checkpoint(1000, own_euid=999, own_caps=mask)
     assert sandbox.unit_capabilities(service()) == set()
     assert DROP_IN.name in (ROOT / "docs" / "operators" / "node-scheduler.md").read_text()

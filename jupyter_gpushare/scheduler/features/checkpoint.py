@@ -8,10 +8,11 @@ device resource, its context included (the process then holds 0 bytes of the GPU
 64-byte argument struct (reserved fields zero; the lock's first field is a timeout in ms).
 
 Every call blocks (seconds for gigabytes): the scheduler runs them in a thread executor, never on
-its event loop (:mod:`.sleeping`). The driver checks permissions as ptrace does: the scheduler
-calls it itself only with CAP_SYS_PTRACE (root's) or as the kernel's own user
-(:func:`may_checkpoint`); otherwise a process of the kernel's user makes the calls for it
-(:mod:`.checkpoint_agent`).
+its event loop (:mod:`.sleeping`). The driver checks permissions as ptrace does, and then opens
+what the target holds: the scheduler calls it itself only as the kernel's own user or with both
+CAP_SYS_PTRACE and CAP_DAC_OVERRIDE (root's; on an H200, driver 580.159.04, either one alone was
+refused with 304, docs/gpu-verification.md 2026-12-02 (d)) (:func:`may_checkpoint`); otherwise a
+process of the kernel's user makes the calls for it (:mod:`.checkpoint_agent`).
 The library is ``c.GPUShareScheduler.checkpoint_library`` (``libcuda.so.1``; CI points it at the
 stand-in driver, which models the API, see native/tests/fake_checkpoint.c).
 """
@@ -85,8 +86,11 @@ class CheckpointError(Exception):
         self.code = code
 
 
-#: CAP_SYS_PTRACE's bit in /proc/self/status's CapEff.
+#: The bits in /proc/self/status's CapEff of the two capabilities that checkpointing another
+#: user's process needs (measured: check_sandbox.py --bisect, docs/gpu-verification.md).
+CAP_DAC_OVERRIDE = 1
 CAP_SYS_PTRACE = 19
+CHECKPOINT_OTHERS = (1 << CAP_SYS_PTRACE) | (1 << CAP_DAC_OVERRIDE)
 
 
 @functools.cache
@@ -106,17 +110,18 @@ def effective_capabilities() -> int:
 def may_checkpoint(
     target_uid: int, own_euid: int | None = None, own_caps: int | None = None
 ) -> bool:
-    """Whether the driver will let this process checkpoint one of ``target_uid``: it checks as
-    ptrace does (the same user, or CAP_SYS_PTRACE). Root counts through its capability: a
-    container's root with every capability dropped (the chart's, unless deep idle adds this one)
-    may not. ``own_caps`` defaults to this process's effective set, or, with ``own_euid`` given,
-    to that of an ordinary process of that uid (all for root, none otherwise)."""
+    """Whether the driver will let this process checkpoint one of ``target_uid``: the same user,
+    or CAP_SYS_PTRACE and CAP_DAC_OVERRIDE together (the module says where that was measured).
+    Root counts through its capabilities: a container's root with every capability dropped (the
+    chart's, unless deep idle adds these two) may not. ``own_caps`` defaults to this process's
+    effective set, or, with ``own_euid`` given, to that of an ordinary process of that uid (all
+    for root, none otherwise)."""
     euid = os.geteuid() if own_euid is None else own_euid
     if target_uid >= 0 and euid == target_uid:
         return True
     if own_caps is None:
         own_caps = effective_capabilities() if own_euid is None else (-1 if euid == 0 else 0)
-    return bool(own_caps >> CAP_SYS_PTRACE & 1)
+    return own_caps & CHECKPOINT_OTHERS == CHECKPOINT_OTHERS
 
 
 @dataclass
