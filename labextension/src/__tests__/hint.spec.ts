@@ -1,41 +1,6 @@
 import { CellHinter, HINT_DEBOUNCE_MS, HINT_MIN_INTERVAL_MS, IHintClock, wantsHint } from '../hint';
-import { buildViewModel, IClientStatus, IStatus } from '../model';
-
-const MiB = 1 << 20;
-const NOW = 1_700_000_000;
-
-function mine(id: string, extra: Partial<IClientStatus> = {}): IClientStatus {
-  return {
-    id,
-    user: 'alice',
-    label: `/home/alice/${id}.ipynb`,
-    state: 'idle',
-    used_bytes: 100 * MiB,
-    pinned_bytes: 16 * MiB,
-    evicted_bytes: 0,
-    quota_bytes: 0,
-    jupyter: { local: true, kernel_id: id, paths: [`${id}.ipynb`] },
-    ...extra
-  };
-}
-
-function vm(clients: IClientStatus[]) {
-  const status: IStatus = {
-    nvml: true,
-    devices: [
-      {
-        uuid: 'GPU-1',
-        pool_bytes: 1024 * MiB,
-        mode: 'turns',
-        holders: [],
-        queue: [],
-        clients
-      }
-    ],
-    viewer: { name: 'alice', admin: false }
-  };
-  return buildViewModel({ kind: 'status', status }, NOW);
-}
+import { buildViewModel } from '../model';
+import { mine, MiB, NOW, vm } from './fixtures';
 
 /** A clock whose timers run when the test advances it. */
 class FakeClock implements IHintClock {
