@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_policy_scenarios import DEV, GB, join, make_policy, part, request
+from test_policy_scenarios import DEV, GB, b_takes_20_of_idle_a, join, make_policy, part, request
 
 from jupyter_gpushare.scheduler.core.ahead import IDLE_AHEAD_WINDOW, ahead_choices
 from jupyter_gpushare.scheduler.core.events import (
@@ -18,7 +18,6 @@ from jupyter_gpushare.scheduler.core.events import (
     Request,
     RestoreAhead,
     Restored,
-    Revoke,
     Tick,
 )
 from jupyter_gpushare.scheduler.core.policy_state import ClientState, DeviceState
@@ -27,14 +26,7 @@ from jupyter_gpushare.scheduler.core.room import KeepFree
 
 def _a_partly_evicted(p, leave_b: bool = True):
     """a (60 GB) ran and went idle; b's 60 GB took 20 of a's; b's cell ended (and b left)."""
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    p.handle(Idle(1, "a"))
-    assert request(p, "b", 60, now=2) == [
-        Revoke("a", evict=True, reason="idle", evict_bytes=part(20))
-    ]
-    assert p.handle(Released(3, "a", evicted=True)) == [Grant("b")]
+    b_takes_20_of_idle_a(p)
     p.handle(Idle(4, "b"))
     if leave_b:
         return p.handle(Leave(5, "b"))

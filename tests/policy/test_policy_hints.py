@@ -4,7 +4,7 @@ back first, idle pre-copied kernels unmapped for its room; per user, rate-limite
 from __future__ import annotations
 
 import pytest
-from test_policy_scenarios import DEV, join, make_policy, part, request
+from test_policy_scenarios import DEV, b_takes_20_of_idle_a, join, make_policy, part, request
 
 from jupyter_gpushare.scheduler.core.events import (
     Busy,
@@ -27,14 +27,7 @@ HINTS = CellHints(on=True)
 def _a_away_b_copied(p, b_idle: bool = True, b_copied: bool = True):
     """a (60 GB) ran and went idle; b's 60 GB took 20 of a's; b's cell ended and (with
     ``b_copied``) its 60 GB have a host copy: the pool (100 GB) is full, a has 20 GB away."""
-    join(p, "a")
-    join(p, "b", user="bob")
-    request(p, "a", 60)
-    p.handle(Idle(1, "a"))
-    assert request(p, "b", 60, now=2) == [
-        Revoke("a", evict=True, reason="idle", evict_bytes=part(20))
-    ]
-    assert p.handle(Released(3, "a", evicted=True)) == [Grant("b")]
+    b_takes_20_of_idle_a(p)
     if b_idle:
         p.handle(Idle(4, "b"))
         p.handle(Released(4.5, "b"))  # it gave the device back: idle, resident

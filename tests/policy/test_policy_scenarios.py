@@ -64,6 +64,19 @@ def client(policy: Policy, cid: str, now: float = 0.0) -> dict:
     return next(c for c in device(policy, now)["clients"] if c["id"] == cid)
 
 
+def b_takes_20_of_idle_a(policy: Policy) -> None:
+    """a (60 GB) ran and went idle; b's 60 GB took 20 of a's (the pool is 100 GB): b holds the
+    device at t=3. The start that restore-ahead and cell-hint stories share."""
+    join(policy, "a")
+    join(policy, "b", user="bob")
+    request(policy, "a", 60)
+    policy.handle(Idle(1, "a"))
+    assert request(policy, "b", 60, now=2) == [
+        Revoke("a", evict=True, reason="idle", evict_bytes=part(20))
+    ]
+    assert policy.handle(Released(3, "a", evicted=True)) == [Grant("b")]
+
+
 # ------------------------------------------------------------------------------------------------
 
 
