@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
+from jupyter_gpushare.deviceplugin.plugin import DevicePluginServer
 from jupyter_gpushare.deviceplugin.podresources import api_pb2 as podresources
 from jupyter_gpushare.deviceplugin.podresources import api_pb2_grpc as podresources_grpc
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
@@ -79,3 +81,18 @@ async def next_list(stream: Any, timeout: float = 10.0) -> list[api.Device]:
     response = await asyncio.wait_for(stream.read(), timeout)
     assert response is not grpc.aio.EOF, "ListAndWatch ended"
     return list(response.devices)
+
+
+def plugin_for(kubelet: KubeletStandIn, harness: Any, **config: Any) -> DevicePluginServer:
+    """A device plugin registering with ``kubelet`` and asking ``harness``'s scheduler (the
+    tests' "containers" run on this host: one socket directory), refreshing every 0.1 s;
+    ``config`` adds or overrides GPUShareDevicePlugin's traits."""
+    settings: dict[str, Any] = {
+        "kubelet_dir": str(kubelet.directory),
+        "scheduler_socket": str(harness.socket_path),
+        "host_socket_dir": str(harness.sock_dir),
+        "container_socket_dir": str(harness.sock_dir),
+        "refresh_interval": 0.1,
+        **config,
+    }
+    return DevicePluginServer(GPUShareDevicePlugin(**settings))

@@ -27,22 +27,14 @@ from jupyter_gpushare.deviceplugin.plugin import (
 )
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
 from jupyter_gpushare.units import parse_size
-from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list
+from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list, plugin_for
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 
 
 def make_plugin(kubelet: KubeletStandIn, harness: Any, dev_root: Path) -> DevicePluginServer:
-    config = GPUShareDevicePlugin(
-        kubelet_dir=str(kubelet.directory),
-        scheduler_socket=str(harness.socket_path),
-        host_socket_dir=str(harness.sock_dir),
-        container_socket_dir=str(harness.sock_dir),  # the test's "container" is this host
-        dev_root=str(dev_root),
-        refresh_interval=0.1,
-    )
-    return DevicePluginServer(config)
+    return plugin_for(kubelet, harness, dev_root=str(dev_root))
 
 
 async def test_register_list_allocate_against_a_kubelet_stand_in(

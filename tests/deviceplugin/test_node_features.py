@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
 from jupyter_gpushare.deviceplugin.node_features import feature_text, write_features
-from jupyter_gpushare.deviceplugin.plugin import DevicePluginServer, GpuPool
-from tests.deviceplugin.kubelet_standin import KubeletStandIn
+from jupyter_gpushare.deviceplugin.plugin import GpuPool
+from tests.deviceplugin.kubelet_standin import KubeletStandIn, plugin_for
 
 GiB = 1 << 30
 
@@ -44,16 +43,7 @@ async def test_the_plugin_writes_the_features_of_the_schedulers_gpus(
     pools = sorted(d["pool_bytes"] // GiB for d in status["devices"])
     features = tmp_path / "features.d"
     features.mkdir()
-    config = GPUShareDevicePlugin(
-        kubelet_dir=str(kubelet.directory),
-        scheduler_socket=str(harness.socket_path),
-        host_socket_dir=str(harness.sock_dir),
-        container_socket_dir=str(harness.sock_dir),
-        device_nodes=False,
-        refresh_interval=0.1,
-        nfd_features_dir=str(features),
-    )
-    plugin = DevicePluginServer(config)
+    plugin = plugin_for(kubelet, harness, device_nodes=False, nfd_features_dir=str(features))
     await plugin.start()
     try:
         deadline = time.monotonic() + 30

@@ -20,10 +20,9 @@ from typing import Any
 import grpc
 import pytest
 
-from jupyter_gpushare.deviceplugin.config import GPUShareDevicePlugin
 from jupyter_gpushare.deviceplugin.plugin import DevicePluginServer, preferred_units
 from jupyter_gpushare.deviceplugin.v1beta1 import api_pb2 as api
-from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list
+from tests.deviceplugin.kubelet_standin import KubeletStandIn, next_list, plugin_for
 
 GiB = 1 << 30
 
@@ -111,18 +110,14 @@ class FakeNVML:
 
 
 def make_plugin(kubelet: KubeletStandIn, harness: Any, kube_api: Any) -> DevicePluginServer:
-    config = GPUShareDevicePlugin(
-        kubelet_dir=str(kubelet.directory),
-        scheduler_socket=str(harness.socket_path),
-        host_socket_dir=str(harness.sock_dir),
-        container_socket_dir=str(harness.sock_dir),
+    return plugin_for(
+        kubelet,
+        harness,
         device_nodes=False,
-        refresh_interval=0.1,
         node_name="gpu-node-1",
         kube_api=kube_api.url,
         service_account_dir=str(kube_api.account),
     )
-    return DevicePluginServer(config)
 
 
 async def _until(predicate: Any, what: str, timeout: float = 10.0) -> None:
