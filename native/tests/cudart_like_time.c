@@ -314,6 +314,13 @@ static int scenario_blocks(int k, size_t bytes, double idle) {
     char st[2048];
     status_fields(st, sizeof(st));
     emit("blocks_end", ",\"data_ok\":%s%s", ok ? "true" : "false", st);
+    /* PROBE_BLOCKS_KEEP_UNTIL: a file the test makes once it has seen what the shim does with
+     * the blocks back on the device (tests/native/test_staging_allowance.py); they stay until
+     * then, 60 s at most, instead of racing the shim's own work with the frees. */
+    const char *keep = getenv("PROBE_BLOCKS_KEEP_UNTIL");
+    for (double t0 = clock_s(CLOCK_MONOTONIC);
+         keep && *keep && access(keep, F_OK) != 0 && clock_s(CLOCK_MONOTONIC) - t0 < 60;)
+        sleep_s(0.02);
     for (int i = 0; i < k; i++) CHECK(p_cuMemFree(d[i]));
     free(h);
     free(g);
